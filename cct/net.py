@@ -1,0 +1,392 @@
+"""Net: a directed acyclic graph of layers built from a NetParameter, with the
+pycaffe interface (blobs, params, layers, forward, backward, ...).
+
+Construction is Caffe's Net::Init: upgrade -> filter by NetState -> insert
+splits -> instantiate layers in order, wiring blobs by name (in-place when a
+top names its bottom), sharing named params, then deciding which layers and
+bottoms need backward (Caffe's rules, force_backward and propagate_down).
+"""
+import logging
+from collections import OrderedDict
+
+import numpy as np
+
+from . import weights as weights_io
+from .blob import Blob
+from .errors import ConfigError, ShapeError, WeightsError
+from .layer import TEST, TRAIN, create_layer
+from .net_passes import filter_net, insert_splits
+from .prototxt import read_net
+from .proto import caffe_pb2
+from .upgrade import upgrade_net
+
+log = logging.getLogger("cct")
+
+
+class Net:
+    """A Caffe net. `Net(prototxt, phase, weights=None, level=0, stages=())`, or
+    pycaffe's legacy `Net(prototxt, weights, phase)`; the prototxt may also be a
+    caffe_pb2.NetParameter."""
+
+    def __init__(self, network, phase=None, weights=None, level=0, stages=(), **kwargs):
+        if isinstance(phase, (str, bytes)) or hasattr(phase, "__fspath__"):
+            phase, weights = weights, phase          # legacy form (prototxt, weights, phase)
+        if "weights" in kwargs:
+            weights = kwargs.pop("weights")
+        if kwargs:
+            raise TypeError(f"Net() got unexpected arguments {sorted(kwargs)}")
+        if phase not in (TRAIN, TEST):
+            raise ConfigError(f"Net(): phase must be cct.TRAIN or cct.TEST, got {phase!r}")
+        self.source = network if not isinstance(network, caffe_pb2.NetParameter) else "<NetParameter>"
+        param = upgrade_net(read_net(network), source=str(self.source))
+        state = caffe_pb2.NetState()
+        state.CopyFrom(param.state)
+        state.phase, state.level = phase, level
+        if stages:
+            state.ClearField("stage")
+            state.stage.extend(stages)
+        param.state.CopyFrom(state)
+        self.phase = phase
+        self.net_param = insert_splits(filter_net(param, state, str(self.source)), str(self.source))
+        self._build()
+        if weights:
+            self.copy_from(weights)
+
+    # --- construction ------------------------------------------------------------
+    def _build(self):
+        param = self.net_param
+        source = str(self.source)
+        self.name = param.name
+        self.layers, self._layer_names = [], []
+        self.blobs = OrderedDict()
+        self.bottom_vecs, self.top_vecs = [], []
+        self._bottom_names, self._top_names = [], []
+        self.bottom_need_backward, self.layer_need_backward = [], []
+        self.blob_loss_weights = OrderedDict()
+        self.inputs = []
+        self._init_param_tables()
+        blob_needs_backward = {}
+        available = OrderedDict()                     # blobs not yet read by a later layer
+        for layer_index, layer_param in enumerate(param.layer):
+            if not layer_param.name:
+                raise ConfigError(f"{source}: layer #{layer_index} ({layer_param.type}): name: missing")
+            if len(layer_param.propagate_down) not in (0, len(layer_param.bottom)):
+                raise ConfigError(f"{source}: layer '{layer_param.name}' ({layer_param.type}): propagate_down: "
+                                  f"give none or one per bottom ({len(layer_param.bottom)}), got {len(layer_param.propagate_down)}")
+            layer = create_layer(layer_param, self.phase, source)
+            bottoms, bottom_names, bottom_backward = [], [], []
+            for index, name in enumerate(layer_param.bottom):
+                if name not in self.blobs:
+                    raise ConfigError(f"{layer.where()}: bottom[{index}]: unknown blob '{name}'")
+                available.pop(name, None)
+                propagate = layer_param.propagate_down[index] if len(layer_param.propagate_down) else True
+                bottoms.append(self.blobs[name])
+                bottom_names.append(name)
+                bottom_backward.append(blob_needs_backward[name] and propagate)
+            top_names = list(layer_param.top)
+            top_names += [f"(automatic){layer.name}_{k}"
+                          for k in range(layer.num_auto_tops(len(top_names)))]
+            tops = []
+            for index, name in enumerate(top_names):
+                in_place = index < len(bottom_names) and bottom_names[index] == name
+                if name in self.blobs and not in_place:
+                    raise ConfigError(f"{layer.where()}: top[{index}]: blob '{name}' is produced by an "
+                                      "earlier layer; a top may only reuse the bottom at its own index (in-place)")
+                if not in_place:
+                    self.blobs[name] = Blob()
+                    blob_needs_backward[name] = False
+                tops.append(self.blobs[name])
+                available[name] = True
+                if layer_param.type == "Input":
+                    self.inputs.append(name)
+            layer.check_blob_counts(bottoms, tops)
+            layer.setup(bottoms, tops)
+            layer.reshape(bottoms, tops)
+            layer.loss_weights = self._loss_weights(layer, len(tops))
+            for name, weight in zip(top_names, layer.loss_weights):
+                self.blob_loss_weights[name] = weight
+            need_backward = any(bottom_backward)
+            need_backward |= self._append_params(layer_index, layer)
+            self.layers.append(layer)
+            self._layer_names.append(layer.name)
+            self.bottom_vecs.append(bottoms)
+            self.top_vecs.append(tops)
+            self._bottom_names.append(bottom_names)
+            self._top_names.append(top_names)
+            self.bottom_need_backward.append(bottom_backward)
+            self.layer_need_backward.append(need_backward)
+            if need_backward:
+                for name in top_names:
+                    blob_needs_backward[name] = True
+            log.debug("%s: tops %s", layer.where(), [self.blobs[n].shape for n in top_names])
+        for name in self.blobs:
+            self.blob_loss_weights.setdefault(name, 0.0)
+        self._prune_backward()
+        if param.force_backward:
+            self._force_backward()
+        self.outputs = list(available)
+        self.layer_dict = OrderedDict(zip(self._layer_names, self.layers))
+
+    def _loss_weights(self, layer, num_tops):
+        given = list(layer.layer_param.loss_weight)
+        if given and len(given) != num_tops:
+            raise layer.config_error("loss_weight", f"give none or one per top ({num_tops}), got {len(given)}")
+        if given:
+            return given
+        return [1.0 if (layer.is_loss and k == 0) else 0.0 for k in range(num_tops)]
+
+    def _init_param_tables(self):
+        self._params = []                   # every param blob, shared ones included
+        self._param_owners = []             # index into _params of the owner, or -1
+        self._param_layer_indices = []      # (layer index, param index)
+        self._param_names_index = {}
+        self.learnable_params = []          # unique (owner) blobs the solver updates
+        self.params_lr, self.params_weight_decay = [], []
+        self._learnable_has_lr, self._learnable_has_decay = [], []
+        self._learnable_index_of_param = []
+
+    def _append_params(self, layer_index, layer):
+        """Register the layer's param blobs; True if any of them learns (lr_mult != 0)."""
+        specs = self.net_param.layer[layer_index].param
+        if len(specs) > len(layer.blobs):
+            raise layer.config_error("param", f"{len(specs)} param specs given but the layer has "
+                                     f"{len(layer.blobs)} parameter blobs")
+        layer.param_propagate_down = [True] * len(layer.blobs)
+        any_learns = False
+        for param_index in range(len(layer.blobs)):
+            net_spec = specs[param_index] if param_index < len(specs) else caffe_pb2.ParamSpec()
+            learns = net_spec.lr_mult != 0
+            any_learns |= learns
+            layer.param_propagate_down[param_index] = learns
+            # The layer may have added specs of its own in setup (BatchNorm does).
+            own_specs = layer.layer_param.param
+            spec = own_specs[param_index] if param_index < len(own_specs) else caffe_pb2.ParamSpec()
+            self._append_param(layer, layer_index, param_index, spec)
+        return any_learns
+
+    def _append_param(self, layer, layer_index, param_index, spec):
+        net_index = len(self._params)
+        blob = layer.blobs[param_index]
+        self._param_layer_indices.append((layer_index, param_index))
+        name = spec.name
+        if not name or name not in self._param_names_index:
+            if name:
+                self._param_names_index[name] = net_index
+            self._param_owners.append(-1)
+            self._params.append(blob)
+            self._learnable_index_of_param.append(len(self.learnable_params))
+            self.learnable_params.append(blob)
+            self.params_lr.append(spec.lr_mult)
+            self.params_weight_decay.append(spec.decay_mult)
+            self._learnable_has_lr.append(spec.HasField("lr_mult"))
+            self._learnable_has_decay.append(spec.HasField("decay_mult"))
+            return
+        owner_index = self._param_names_index[name]
+        owner = self._params[owner_index]
+        permissive = spec.share_mode == caffe_pb2.ParamSpec.PERMISSIVE
+        if (owner.count != blob.count) if permissive else (owner.shape != blob.shape):
+            raise layer.config_error(f"param[{param_index}] '{name}'",
+                                     f"shared parameter has shape {blob.shape}, its owner {owner.shape}")
+        learnable = self._learnable_index_of_param[owner_index]
+        for has, values, field in ((self._learnable_has_lr, self.params_lr, "lr_mult"),
+                                   (self._learnable_has_decay, self.params_weight_decay, "decay_mult")):
+            if not spec.HasField(field):
+                continue
+            if has[learnable] and values[learnable] != getattr(spec, field):
+                raise layer.config_error(f"param[{param_index}].{field}",
+                                         f"shared parameter '{name}' has mismatched {field}")
+            has[learnable], values[learnable] = True, getattr(spec, field)
+        if owner.shape == blob.shape:
+            shared = owner
+        else:
+            shared = Blob(blob.shape)
+            shared.share_data(owner)
+            shared.share_diff(owner)
+        layer.blobs[param_index] = shared
+        self._param_owners.append(owner_index)
+        self._params.append(shared)
+        self._learnable_index_of_param.append(learnable)
+
+    def _prune_backward(self):
+        """Walk back from the losses: layers that feed no loss need no backward."""
+        under_loss, skip_backprop = set(), set()
+        for i in reversed(range(len(self.layers))):
+            layer = self.layers[i]
+            contributes = any(w != 0 or name in under_loss
+                              for name, w in zip(self._top_names[i], layer.loss_weights))
+            skip = all(name in skip_backprop for name in self._top_names[i])
+            if self.layer_need_backward[i] and skip:
+                self.layer_need_backward[i] = False
+                self.bottom_need_backward[i] = [False] * len(self.bottom_vecs[i])
+            if not contributes:
+                self.layer_need_backward[i] = False
+            for j, name in enumerate(self._bottom_names[i]):
+                if contributes:
+                    under_loss.add(name)
+                else:
+                    self.bottom_need_backward[i][j] = False
+                if not self.bottom_need_backward[i][j]:
+                    skip_backprop.add(name)
+
+    def _force_backward(self):
+        for i, layer in enumerate(self.layers):
+            self.layer_need_backward[i] = True
+            self.bottom_need_backward[i] = [need or layer.allow_force_backward(j)
+                                            for j, need in enumerate(self.bottom_need_backward[i])]
+            layer.param_propagate_down = [True] * len(layer.blobs)
+
+    # --- running -----------------------------------------------------------------
+    def _layer_index(self, name, default):
+        if name is None:
+            return default
+        try:
+            return self._layer_names.index(name)
+        except ValueError:
+            raise ConfigError(f"no layer named {name!r} in net '{self.name}'") from None
+
+    def _forward(self, start=0, end=None):
+        """Run layers start..end inclusive (by index); return the summed loss."""
+        end = len(self.layers) - 1 if end is None else end
+        loss = 0.0
+        for i in range(start, end + 1):
+            loss += self._forward_layer(i)
+        return loss
+
+    def _forward_layer(self, i):
+        layer, bottoms, tops = self.layers[i], self.bottom_vecs[i], self.top_vecs[i]
+        layer.reshape(bottoms, tops)
+        layer.forward(bottoms, tops)
+        loss = 0.0
+        for top, weight in zip(tops, layer.loss_weights):
+            if weight:
+                top.diff[...] = weight
+                loss += weight * float(top.data.sum(dtype=np.float64))
+        return loss
+
+    def _backward(self, start=None, end=0):
+        start = len(self.layers) - 1 if start is None else start
+        for i in range(start, end - 1, -1):
+            self._backward_layer(i)
+
+    def _backward_layer(self, i):
+        if self.layer_need_backward[i]:
+            self.layers[i].backward(self.top_vecs[i], self.bottom_need_backward[i], self.bottom_vecs[i])
+
+    def forward(self, blobs=None, start=None, end=None, **kwargs):
+        """Forward from layer `start` to `end` (names, inclusive). Keyword arrays set
+        input blobs. Returns {blob name: data} for the outputs (or `end`) + `blobs`."""
+        blobs = list(blobs or [])
+        start_index = self._layer_index(start, 0)
+        end_index = self._layer_index(end, len(self.layers) - 1)
+        outputs = set([end] + blobs) if end is not None else set(self.outputs + blobs)
+        if kwargs:
+            if set(kwargs) != set(self.inputs):
+                raise ConfigError(f"forward(): input arguments {sorted(kwargs)} do not match "
+                                  f"the net's inputs {self.inputs}")
+            for name, values in kwargs.items():
+                self._set_batch(name, values, "data")
+        self._forward(start_index, end_index)
+        return {name: self.blobs[name].data for name in outputs}
+
+    def backward(self, diffs=None, start=None, end=None, **kwargs):
+        """Backward from layer `start` down to `end`. Keyword arrays set output
+        diffs. Returns {blob name: diff} for the inputs (or `end`) + `diffs`."""
+        diffs = list(diffs or [])
+        start_index = self._layer_index(start, len(self.layers) - 1)
+        end_index = self._layer_index(end, 0)
+        outputs = (set([self._bottom_names[end_index][0]] + diffs) if end is not None
+                   else set(self.inputs + diffs))
+        unknown = set(kwargs) - set(self.outputs)
+        if unknown:
+            raise ConfigError(f"backward(): {sorted(unknown)} are not outputs of the net "
+                              f"(outputs: {self.outputs})")
+        for name, values in kwargs.items():
+            self._set_batch(name, values, "diff")
+        self._backward(start_index, end_index)
+        return {name: self.blobs[name].diff for name in outputs}
+
+    def _set_batch(self, name, values, field):
+        blob = self.blobs[name]
+        values = np.asarray(values)
+        if values.shape[:1] != blob.shape[:1]:
+            raise ShapeError(f"blob '{name}': {'input' if field == 'data' else 'diff'} is not batch "
+                             f"sized: got {values.shape}, the blob is {blob.shape}")
+        getattr(blob, field)[...] = values
+
+    def forward_backward(self):
+        loss = self._forward()
+        self._backward()
+        return loss
+
+    def reshape(self):
+        for layer, bottoms, tops in zip(self.layers, self.bottom_vecs, self.top_vecs):
+            layer.reshape(bottoms, tops)
+
+    def clear_param_diffs(self):
+        for blob in self.learnable_params:
+            blob.diff[...] = 0
+
+    # --- pycaffe's views ---------------------------------------------------------
+    @property
+    def params(self):
+        return OrderedDict((layer.name, layer.blobs) for layer in self.layers if layer.blobs)
+
+    @property
+    def top_names(self):
+        return OrderedDict(zip(self._layer_names, self._top_names))
+
+    @property
+    def bottom_names(self):
+        return OrderedDict(zip(self._layer_names, self._bottom_names))
+
+    @property
+    def layer_names(self):
+        return list(self._layer_names)
+
+    # --- weights -----------------------------------------------------------------
+    def copy_from(self, path):
+        """Load weights by layer name from a .caffemodel or Caffe HDF5 file."""
+        path = str(path)
+        try:
+            hdf5 = weights_io.is_hdf5(path)
+        except FileNotFoundError:
+            raise WeightsError(f"{path}: weight file not found") from None
+        if hdf5:
+            skipped = weights_io.copy_layers_from_hdf5(self, path)
+        else:
+            skipped = weights_io.copy_layers_from_proto(self, weights_io.read_caffemodel(path), path)
+        for name in skipped:
+            log.info("%s: ignoring source layer '%s' (not in net '%s')", path, name, self.name)
+
+    def copy_trained_layers_from(self, net_param, source="<NetParameter>"):
+        return weights_io.copy_layers_from_proto(self, upgrade_net(net_param, source), source)
+
+    def share_with(self, other):
+        """Use `other`'s parameter storage (Caffe's ShareTrainedLayersWith)."""
+        for layer in self.layers:
+            source_layer = other.layer_dict.get(layer.name)
+            if source_layer is None:
+                continue
+            if len(source_layer.blobs) != len(layer.blobs):
+                raise WeightsError(f"{layer.where()}: share_with: {len(source_layer.blobs)} blobs in the "
+                                   f"source layer, {len(layer.blobs)} here")
+            for blob, source_blob in zip(layer.blobs, source_layer.blobs):
+                if blob.shape != source_blob.shape:
+                    raise WeightsError(f"{layer.where()}: share_with: shape {source_blob.shape} in the "
+                                       f"source layer, {blob.shape} here")
+                blob.share_data(source_blob)
+
+    def save(self, path, write_diff=False):
+        weights_io.save_caffemodel(self, path, write_diff)
+
+    def save_hdf5(self, path, write_diff=False):
+        weights_io.save_hdf5(self, path, write_diff)
+
+    def load_hdf5(self, path):
+        weights_io.copy_layers_from_hdf5(self, path)
+
+    def to_proto(self, write_diff=False):
+        return weights_io.net_to_proto(self, write_diff)
+
+    def __repr__(self):
+        return f"<cct.Net '{self.name}' with {len(self.layers)} layers>"

@@ -1,0 +1,178 @@
+"""Weights on disk: Caffe's .caffemodel (binary NetParameter) and HDF5 formats,
+and the BlobProto <-> numpy conversions they rest on.
+
+Large models (VGG-16 is ~550 MB) load without per-element Python work: the
+protobuf runtime parses the packed floats in C and numpy copies them in bulk;
+writing builds the packed field bytes directly from the array's buffer.
+"""
+import os
+
+import numpy as np
+
+from .errors import WeightsError
+from .prototxt import atomic_write, read_binary
+from .proto import caffe_pb2
+
+_PACKED_DATA_TAG = (5 << 3) | 2          # BlobProto.data = 5, length-delimited (packed)
+_PACKED_DIFF_TAG = (6 << 3) | 2          # BlobProto.diff = 6
+
+
+def blob_proto_shape(blob_proto):
+    """The shape a BlobProto describes: `shape.dim`, else legacy num/channels/height/width."""
+    if blob_proto.HasField("shape"):
+        return tuple(blob_proto.shape.dim)
+    if any(blob_proto.HasField(f) for f in ("num", "channels", "height", "width")):
+        return (blob_proto.num, blob_proto.channels, blob_proto.height, blob_proto.width)
+    return (len(blob_proto.double_data) or len(blob_proto.data),)
+
+
+def blob_proto_to_array(blob_proto, diff=False):
+    """A float32 array of the BlobProto's data (or diff), shaped as it says."""
+    values = (blob_proto.double_diff or blob_proto.diff) if diff else (blob_proto.double_data or blob_proto.data)
+    array = np.array(values, dtype=np.float32)
+    shape = blob_proto_shape(blob_proto)
+    if array.size != int(np.prod(shape)):
+        raise WeightsError(f"BlobProto holds {array.size} values but its shape {shape} needs {int(np.prod(shape))}")
+    return array.reshape(shape)
+
+
+def array_to_blob_proto(array, diff=None):
+    """A BlobProto with `array` as data (and `diff`), its shape in `shape.dim`."""
+    array = np.asarray(array)
+    head = caffe_pb2.BlobProto()
+    head.shape.dim.extend(array.shape)
+    payload = head.SerializeToString() + _packed_floats(_PACKED_DATA_TAG, array)
+    if diff is not None:
+        payload += _packed_floats(_PACKED_DIFF_TAG, diff)
+    return caffe_pb2.BlobProto.FromString(payload)
+
+
+def _packed_floats(tag, array):
+    raw = np.ascontiguousarray(array, dtype="<f4").tobytes()
+    return _varint(tag) + _varint(len(raw)) + raw
+
+
+def _varint(value):
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def legacy_shape_matches(blob_shape, proto):
+    """Caffe's Blob::ShapeEquals: a legacy 4-d proto matches a blob of <= 4 axes
+    whose shape, padded with leading 1s, equals (num, channels, height, width)."""
+    if proto.HasField("shape"):
+        return tuple(blob_shape) == tuple(proto.shape.dim)
+    if len(blob_shape) > 4:
+        return False
+    padded = (1,) * (4 - len(blob_shape)) + tuple(blob_shape)
+    return padded == (proto.num, proto.channels, proto.height, proto.width)
+
+
+# --- .caffemodel ----------------------------------------------------------------
+def read_caffemodel(path):
+    """The NetParameter in a .caffemodel, upgraded to the current format."""
+    from .upgrade import upgrade_net
+    if not os.path.exists(path):
+        raise WeightsError(f"{path}: weight file not found")
+    return upgrade_net(read_binary(path, caffe_pb2.NetParameter()), source=str(path))
+
+
+def copy_layers_from_proto(net, net_param, source="<weights>"):
+    """Copy weights into `net` by layer name (Caffe's CopyTrainedLayersFrom).
+
+    Source layers the net lacks are skipped, as in Caffe (fine-tuning renames
+    the layers it wants to learn from scratch); every skipped name is returned.
+    A layer whose blob count or shapes differ is an error.
+    """
+    skipped = []
+    for source_layer in net_param.layer:
+        layer = net.layer_dict.get(source_layer.name)
+        if layer is None:
+            skipped.append(source_layer.name)
+            continue
+        where = f"{source}: layer '{source_layer.name}' ({layer.type})"
+        if len(layer.blobs) != len(source_layer.blobs):
+            raise WeightsError(f"{where}: the file has {len(source_layer.blobs)} blobs, "
+                               f"the net's layer has {len(layer.blobs)}")
+        for index, (blob, proto) in enumerate(zip(layer.blobs, source_layer.blobs)):
+            if not legacy_shape_matches(blob.shape, proto):
+                raise WeightsError(
+                    f"{where}: blobs[{index}]: shape mismatch, the file has {blob_proto_shape(proto)}, "
+                    f"the net wants {blob.shape}; to learn this layer from scratch, rename it")
+            blob.data[...] = blob_proto_to_array(proto).reshape(blob.shape)
+    return skipped
+
+
+def net_to_proto(net, write_diff=False):
+    """The net as a NetParameter with its weights (Caffe's Net::ToProto)."""
+    net_param = caffe_pb2.NetParameter()
+    net_param.CopyFrom(net.net_param)
+    net_param.ClearField("layer")
+    for layer in net.layers:
+        layer_proto = net_param.layer.add()
+        layer_proto.CopyFrom(layer.layer_param)
+        layer_proto.ClearField("blobs")
+        for blob in layer.blobs:
+            layer_proto.blobs.add().CopyFrom(
+                array_to_blob_proto(blob.data, blob.diff if write_diff else None))
+    return net_param
+
+
+def save_caffemodel(net, path, write_diff=False):
+    atomic_write(path, net_to_proto(net, write_diff).SerializeToString())
+
+
+# --- HDF5 (Caffe's Net::ToHDF5 / CopyTrainedLayersFromHDF5) ----------------------
+def save_hdf5(net, path, write_diff=False):
+    import h5py
+    temp_path = f"{path}.tmp-{os.getpid()}"
+    with h5py.File(temp_path, "w") as out:
+        groups = [("data", lambda blob: blob.data)]
+        if write_diff:
+            groups.append(("diff", lambda blob: blob.diff))
+        for group_name, values in groups:
+            group = out.create_group(group_name)
+            for layer in net.layers:
+                if not layer.blobs:
+                    continue
+                layer_group = group.create_group(layer.name)
+                for index, blob in enumerate(layer.blobs):
+                    layer_group.create_dataset(str(index), data=values(blob))
+    os.replace(temp_path, path)
+
+
+def copy_layers_from_hdf5(net, path):
+    import h5py
+    skipped = []
+    with h5py.File(path, "r") as weights:
+        if "data" not in weights:
+            raise WeightsError(f"{path}: not a Caffe HDF5 weight file (no 'data' group)")
+        data = weights["data"]
+        for layer_name in data:
+            layer = net.layer_dict.get(layer_name)
+            if layer is None:
+                skipped.append(layer_name)
+                continue
+            stored = data[layer_name]
+            if len(stored) != len(layer.blobs):
+                raise WeightsError(f"{path}: layer '{layer_name}' ({layer.type}): the file has "
+                                   f"{len(stored)} blobs, the net's layer has {len(layer.blobs)}")
+            for index, blob in enumerate(layer.blobs):
+                values = stored[str(index)][...]
+                if values.size != blob.count:
+                    raise WeightsError(f"{path}: layer '{layer_name}' ({layer.type}): blobs[{index}]: "
+                                       f"shape mismatch, the file has {values.shape}, the net wants {blob.shape}")
+                blob.data[...] = values.reshape(blob.shape)
+    return skipped
+
+
+def is_hdf5(path):
+    with open(path, "rb") as handle:
+        return handle.read(8) == b"\x89HDF\r\n\x1a\n"
