@@ -64,7 +64,7 @@ def upgrade_v1_layer(v1_layer, source="<net>"):
         target = layer.DESCRIPTOR.fields_by_name.get(field.name)
         if target is None:
             raise ConfigError(f"{where}: field {field.name} has no V2 equivalent")
-        if field.label == field.LABEL_REPEATED:
+        if field.is_repeated:
             getattr(layer, field.name).extend(value)
         elif field.message_type is not None:
             getattr(layer, field.name).CopyFrom(value)
