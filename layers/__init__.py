@@ -2,7 +2,7 @@
 registers them all under their Caffe type names (see cct.layer.register)."""
 import importlib
 
-_FAMILIES = ("data_input", "neuron", "activation", "conv", "pooling", "inner_product",
+_FAMILIES = ("data_input", "neuron", "conv", "pooling", "inner_product",
              "normalization", "loss", "metrics", "shape", "elementwise", "data", "python_layer")
 
 for _family in _FAMILIES:
@@ -12,3 +12,13 @@ for _family in _FAMILIES:
         # Families are being written in parallel; only a missing family module is tolerated.
         if error.name != f"{__name__}.{_family}":
             raise
+
+
+def __getattr__(name):
+    """pycaffe scripts do `from caffe import layers as L` and call `L.Convolution(...)`.
+    With `import cct as caffe` that name is this package, so a capitalized name that is
+    not a family module resolves to NetSpec's layer factory of that type."""
+    if name.startswith("_"):
+        raise AttributeError(name)
+    from cct.net_spec import layers as spec_layers
+    return getattr(spec_layers, name)

@@ -1,0 +1,438 @@
+"""Neuron layers: element-wise functions of one bottom into one top of the same
+shape (Caffe's NeuronLayer family), plus Dropout.
+
+Every one may run in place (top[0] is bottom[0]). A layer whose backward needs
+the input x keeps a copy of it when in place, since forward overwrites it
+(Caffe's PReLU does this; its other neurons would silently read y instead).
+"""
+import numpy as np
+
+from cct.blob import Blob
+from cct.fillers import fill
+from cct.layer import TRAIN, Layer, register
+from cct.proto import caffe_pb2
+from cct.rng import get_rng
+
+
+class Neuron(Layer):
+    """Base: one bottom, one top shaped like it."""
+    exact_bottoms = 1
+    exact_tops = 1
+    # True where backward reads the input x (not only y = f(x)).
+    needs_input = False
+
+    def reshape(self, bottom, top):
+        if top[0] is not bottom[0] and top[0].shape != bottom[0].shape:
+            top[0].reshape(bottom[0].shape)
+
+    def keep_input(self, bottom, top):
+        """The input x, copied aside when the layer runs in place and backward needs it."""
+        x = bottom[0].data
+        if top[0] is bottom[0] and self.needs_input:
+            saved = getattr(self, "_saved_input", None)
+            if saved is None or saved.shape != x.shape or saved.dtype != x.dtype:
+                saved = self._saved_input = np.empty_like(x)
+            np.copyto(saved, x)
+            return saved
+        return x
+
+    def input_of(self, bottom, top):
+        """The x forward saw: the copy when in place, else bottom.data."""
+        if top[0] is bottom[0] and self.needs_input:
+            return self._saved_input
+        return bottom[0].data
+
+
+class NoBackward:
+    """Mixin for layers Caffe gives no backward (NOT_IMPLEMENTED): refuse a
+    requested gradient clearly, and keep force_backward from requesting one."""
+
+    def backward(self, top, propagate_down, bottom):
+        if any(propagate_down):
+            raise NotImplementedError(f"{self.where()}: {self.type} has no backward; "
+                                      "its bottoms cannot receive a gradient")
+
+    def allow_force_backward(self, bottom_index):
+        return False
+
+
+@register("ReLU")
+class ReLU(Neuron):
+    """y = max(x, 0) + negative_slope * min(x, 0).
+    Fields: relu_param.negative_slope (0). Shapes: top = bottom."""
+
+    def setup(self, bottom, top):
+        self.slope = float(self.layer_param.relu_param.negative_slope)
+        # With slope >= 0, y > 0 exactly where x > 0, so y can stand in for x.
+        self.needs_input = self.slope < 0
+
+    def forward(self, bottom, top):
+        x = self.keep_input(bottom, top)
+        if self.slope == 0:
+            np.maximum(x, 0, out=top[0].data)
+        else:
+            top[0].data[...] = np.where(x > 0, x, x * x.dtype.type(self.slope))
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        x = self.input_of(bottom, top) if self.needs_input else bottom[0].data
+        positive = x > 0
+        if self.slope == 0:
+            np.multiply(top[0].diff, positive, out=bottom[0].diff)
+        else:
+            dtype = x.dtype.type
+            np.multiply(top[0].diff, np.where(positive, dtype(1), dtype(self.slope)), out=bottom[0].diff)
+
+
+@register("PReLU")
+class PReLU(Neuron):
+    """y = max(x, 0) + a_c * min(x, 0) with a learned slope a_c per channel (axis 1).
+    Fields: prelu_param.filler (constant 0.25), prelu_param.channel_shared (false:
+    one slope per channel, blob shape (C,); true: one slope, blob shape ()).
+    Bottom: (N, C, ...), at least 2 axes. Top: same shape."""
+    needs_input = True
+
+    def setup(self, bottom, top):
+        param = self.layer_param.prelu_param
+        if len(bottom[0].shape) < 2:
+            raise self.shape_error(f"bottom must have at least 2 axes, got shape {bottom[0].shape}")
+        self.channel_shared = bool(param.channel_shared)
+        channels = bottom[0].shape[1]
+        if not self.blobs:
+            blob = Blob(() if self.channel_shared else (channels,))
+            if param.HasField("filler"):
+                filler = param.filler
+            else:
+                filler = caffe_pb2.FillerParameter(type="constant", value=0.25)
+            fill(blob, filler, where=f"{self.where()}: prelu_param.filler")
+            self.blobs.append(blob)
+        want = 1 if self.channel_shared else channels
+        if self.blobs[0].count != want:
+            raise self.config_error("prelu_param.channel_shared",
+                                    f"slope blob has {self.blobs[0].count} values, expected {want}")
+        self.param_propagate_down = [True]          # the net overrides this from param specs
+
+    def reshape(self, bottom, top):
+        if len(bottom[0].shape) < 2:
+            raise self.shape_error(f"bottom must have at least 2 axes, got shape {bottom[0].shape}")
+        if not self.channel_shared and bottom[0].shape[1] != self.blobs[0].count:
+            raise self.shape_error(f"bottom has {bottom[0].shape[1]} channels but the layer "
+                                   f"was set up for {self.blobs[0].count}")
+        super().reshape(bottom, top)
+
+    def _slopes(self, x):
+        """Slopes broadcastable against x viewed as (N, C, rest)."""
+        slope = self.blobs[0].data.astype(x.dtype, copy=False)
+        return slope.reshape(1, -1, 1) if not self.channel_shared else slope.reshape(1, 1, 1)
+
+    def forward(self, bottom, top):
+        x = self.keep_input(bottom, top)
+        x3 = x.reshape(x.shape[0], x.shape[1], -1)
+        y3 = np.where(x3 > 0, x3, x3 * self._slopes(x3))
+        top[0].data[...] = y3.reshape(x.shape)
+
+    def backward(self, top, propagate_down, bottom):
+        x = self.input_of(bottom, top)
+        x3 = x.reshape(x.shape[0], x.shape[1], -1)
+        dy3 = top[0].diff.reshape(x3.shape)
+        if self.param_propagate_down and self.param_propagate_down[0]:
+            # d/da_c = sum over batch and space of dy * x where x <= 0.
+            grad = np.einsum("ncs,ncs->c", dy3, np.where(x3 <= 0, x3, 0))
+            if self.channel_shared:
+                grad = grad.sum()
+            self.blobs[0].diff[...] += grad.reshape(self.blobs[0].shape)
+        if propagate_down[0]:
+            scale = np.where(x3 > 0, x.dtype.type(1), self._slopes(x3))
+            bottom[0].diff[...] = (dy3 * scale).reshape(x.shape)
+
+
+@register("ELU")
+class ELU(Neuron):
+    """y = x if x > 0 else alpha * (exp(x) - 1).  Fields: elu_param.alpha (1)."""
+
+    def setup(self, bottom, top):
+        self.alpha = float(self.layer_param.elu_param.alpha)
+        # dy/dx for x <= 0 is alpha*exp(x) = y + alpha; y > 0 marks x > 0 when alpha >= 0.
+        self.needs_input = self.alpha < 0
+
+    def forward(self, bottom, top):
+        x = self.keep_input(bottom, top)
+        alpha = x.dtype.type(self.alpha)
+        top[0].data[...] = np.where(x > 0, x, alpha * np.expm1(np.minimum(x, 0)))
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        y = top[0].data
+        x = self.input_of(bottom, top) if self.needs_input else bottom[0].data
+        bottom[0].diff[...] = top[0].diff * np.where(x > 0, 1, y + y.dtype.type(self.alpha))
+
+
+@register("Sigmoid")
+class Sigmoid(Neuron):
+    """y = 1 / (1 + exp(-x)), computed as 0.5 * tanh(0.5 x) + 0.5 (no overflow)."""
+
+    def forward(self, bottom, top):
+        y = top[0].data
+        np.multiply(bottom[0].data, 0.5, out=y)
+        np.tanh(y, out=y)
+        y *= 0.5
+        y += 0.5
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            y = top[0].data
+            bottom[0].diff[...] = top[0].diff * y * (1 - y)
+
+
+@register("TanH")
+class TanH(Neuron):
+    """y = tanh(x)."""
+
+    def forward(self, bottom, top):
+        np.tanh(bottom[0].data, out=top[0].data)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            y = top[0].data
+            bottom[0].diff[...] = top[0].diff * (1 - y * y)
+
+
+@register("AbsVal")
+class AbsVal(Neuron):
+    """y = |x|. Not in place (as in Caffe: backward needs the sign of x)."""
+
+    def setup(self, bottom, top):
+        if top[0] is bottom[0]:
+            raise self.config_error("top", "AbsVal does not allow in-place computation")
+
+    def forward(self, bottom, top):
+        np.abs(bottom[0].data, out=top[0].data)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            np.multiply(top[0].diff, np.sign(bottom[0].data), out=bottom[0].diff)
+
+
+@register("BNLL")
+class BNLL(Neuron):
+    """Binomial normal log likelihood: y = log(1 + exp(x)), computed stably."""
+    needs_input = True
+    _EXP_LIMIT = 50.0           # Caffe's kBNLL_THRESHOLD: exp(x) is capped at exp(50)
+
+    def forward(self, bottom, top):
+        x = self.keep_input(bottom, top)
+        np.logaddexp(x.dtype.type(0), x, out=top[0].data)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            e = np.exp(np.minimum(self.input_of(bottom, top), self._EXP_LIMIT))
+            bottom[0].diff[...] = top[0].diff * e / (e + 1)
+
+
+@register("Power")
+class Power(Neuron):
+    """y = (shift + scale * x) ^ power.
+    Fields: power_param.power (1), .scale (1), .shift (0)."""
+    needs_input = True
+
+    def setup(self, bottom, top):
+        p = self.layer_param.power_param
+        self.power, self.scale, self.shift = float(p.power), float(p.scale), float(p.shift)
+        self.diff_scale = self.power * self.scale
+
+    def forward(self, bottom, top):
+        x = self.keep_input(bottom, top)
+        y = top[0].data
+        if self.diff_scale == 0:
+            # y does not depend on x: 1 for power 0, else shift^power.
+            y[...] = 1.0 if self.power == 0 else self.shift ** self.power
+            return
+        inner = x * x.dtype.type(self.scale) if self.scale != 1 else x
+        if self.shift != 0:
+            inner = inner + x.dtype.type(self.shift)
+        if self.power == 1:
+            y[...] = inner
+        else:
+            np.power(inner, x.dtype.type(self.power), out=y)
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        dx = bottom[0].diff
+        if self.diff_scale == 0:
+            dx[...] = 0
+            return
+        x = self.input_of(bottom, top)
+        dtype = x.dtype.type
+        if self.power == 1:
+            dx[...] = top[0].diff * dtype(self.diff_scale)
+            return
+        if self.power == 2:
+            # d/dx (shift + scale x)^2 = diff_scale * (shift + scale x)
+            grad = x * dtype(self.diff_scale * self.scale) + dtype(self.diff_scale * self.shift)
+        else:
+            # Caffe's form: power * scale * y / (shift + scale x); with shift 0, power * y / x.
+            y = top[0].data
+            with np.errstate(divide="ignore", invalid="ignore"):
+                if self.shift == 0:
+                    grad = y / x * dtype(self.power)
+                else:
+                    grad = y / (x * dtype(self.scale) + dtype(self.shift)) * dtype(self.diff_scale)
+        np.multiply(top[0].diff, grad, out=dx)
+
+
+@register("Exp")
+class Exp(Neuron):
+    """y = base ^ (shift + scale * x); base -1 (the default) means e.
+    Fields: exp_param.base (-1, else > 0), .scale (1), .shift (0)."""
+
+    def setup(self, bottom, top):
+        p = self.layer_param.exp_param
+        base = float(p.base)
+        if base != -1 and not base > 0:
+            raise self.config_error("exp_param.base", f"must be -1 (for e) or > 0, got {base}")
+        log_base = 1.0 if base == -1 else np.log(base)
+        self.inner_scale = log_base * float(p.scale)
+        shift = float(p.shift)
+        self.outer_scale = 1.0 if shift == 0 else (np.exp(shift) if base == -1 else base ** shift)
+
+    def forward(self, bottom, top):
+        x = bottom[0].data
+        y = top[0].data
+        np.multiply(x, x.dtype.type(self.inner_scale), out=y)
+        np.exp(y, out=y)
+        if self.outer_scale != 1:
+            y *= x.dtype.type(self.outer_scale)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            y = top[0].data
+            bottom[0].diff[...] = top[0].diff * y * y.dtype.type(self.inner_scale)
+
+
+@register("Log")
+class Log(Neuron):
+    """y = log_base(shift + scale * x); base -1 (the default) means e.
+    Fields: log_param.base (-1, else > 0), .scale (1), .shift (0)."""
+    needs_input = True
+
+    def setup(self, bottom, top):
+        p = self.layer_param.log_param
+        base = float(p.base)
+        if base != -1 and not base > 0:
+            raise self.config_error("log_param.base", f"must be -1 (for e) or > 0, got {base}")
+        self.base_scale = 1.0 if base == -1 else 1.0 / np.log(base)
+        self.scale, self.shift = float(p.scale), float(p.shift)
+
+    def _inner(self, x):
+        dtype = x.dtype.type
+        inner = x * dtype(self.scale) if self.scale != 1 else x
+        return inner + dtype(self.shift) if self.shift != 0 else inner
+
+    def forward(self, bottom, top):
+        x = self.keep_input(bottom, top)
+        y = top[0].data
+        np.log(self._inner(x), out=y)
+        if self.base_scale != 1:
+            y *= x.dtype.type(self.base_scale)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            x = self.input_of(bottom, top)
+            bottom[0].diff[...] = top[0].diff * x.dtype.type(self.scale * self.base_scale) / self._inner(x)
+
+
+@register("Threshold")
+class Threshold(NoBackward, Neuron):
+    """y = 1 if x > threshold else 0. Fields: threshold_param.threshold (0). No backward."""
+
+    def setup(self, bottom, top):
+        self.threshold = float(self.layer_param.threshold_param.threshold)
+
+    def forward(self, bottom, top):
+        np.greater(bottom[0].data, self.threshold, out=top[0].data, casting="unsafe")
+
+
+@register("Clip")
+class Clip(Neuron):
+    """y = max(min, min(x, max)). Fields: clip_param.min, clip_param.max (both required).
+    Gradient passes where min <= x <= max."""
+    needs_input = True
+
+    def setup(self, bottom, top):
+        p = self.layer_param.clip_param
+        for field in ("min", "max"):
+            if not p.HasField(field):
+                raise self.config_error(f"clip_param.{field}", "is required")
+        self.low, self.high = float(p.min), float(p.max)
+        if self.low > self.high:
+            raise self.config_error("clip_param", f"min ({self.low}) must not exceed max ({self.high})")
+
+    def forward(self, bottom, top):
+        x = self.keep_input(bottom, top)
+        dtype = x.dtype.type
+        np.clip(x, dtype(self.low), dtype(self.high), out=top[0].data)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            x = self.input_of(bottom, top)
+            inside = (x >= x.dtype.type(self.low)) & (x <= x.dtype.type(self.high))
+            np.multiply(top[0].diff, inside, out=bottom[0].diff)
+
+
+@register("Swish")
+class Swish(Neuron):
+    """y = x * sigmoid(beta * x). Fields: swish_param.beta (1)."""
+
+    def setup(self, bottom, top):
+        self.beta = float(self.layer_param.swish_param.beta)
+
+    def forward(self, bottom, top):
+        x = bottom[0].data
+        s = np.tanh(x * x.dtype.type(0.5 * self.beta))
+        s *= 0.5
+        s += 0.5
+        self._sigmoid = s                        # (x.shape) sigmoid(beta x), for backward
+        np.multiply(x, s, out=top[0].data)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            y, s = top[0].data, self._sigmoid
+            by = y * y.dtype.type(self.beta)
+            bottom[0].diff[...] = top[0].diff * (by + s * (1 - by))
+
+
+@register("Dropout")
+class Dropout(Neuron):
+    """TRAIN: y = x * m / (1 - ratio), m ~ Bernoulli(1 - ratio) drawn per element
+    from cct.rng; TEST: y = x. Fields: dropout_param.dropout_ratio (0.5, in [0, 1))."""
+
+    def setup(self, bottom, top):
+        ratio = float(self.layer_param.dropout_param.dropout_ratio)
+        if not 0 <= ratio < 1:
+            raise self.config_error("dropout_param.dropout_ratio", f"must be in [0, 1), got {ratio}")
+        self.ratio = ratio
+        self.scale = 1.0 / (1.0 - ratio)
+
+    def forward(self, bottom, top):
+        x = bottom[0].data
+        if self.phase != TRAIN:
+            if top[0] is not bottom[0]:
+                top[0].data[...] = x
+            return
+        keep = get_rng().random(x.shape, dtype=np.float32) < (1.0 - self.ratio)
+        # The mask carries the scale, so forward and backward are one multiply each.
+        self._mask = keep.astype(x.dtype)
+        self._mask *= x.dtype.type(self.scale)
+        np.multiply(x, self._mask, out=top[0].data)
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        if self.phase != TRAIN:
+            if top[0] is not bottom[0]:
+                bottom[0].diff[...] = top[0].diff
+            return
+        np.multiply(top[0].diff, self._mask, out=bottom[0].diff)
