@@ -1,6 +1,46 @@
 """Layers that route or reshape blobs without arithmetic on values beyond sums:
-Split."""
+Split, Concat, Slice, Flatten, Reshape, Crop, Tile, Silence, BatchReindex, Filter."""
+import numpy as np
+
+from cct.errors import ShapeError
 from cct.layer import Layer, register
+
+
+def canonical_axis(layer, blob, axis, field):
+    """Caffe's CanonicalAxisIndex with an error that names the layer and field."""
+    try:
+        return blob.canonical_axis(axis)
+    except ShapeError:
+        raise layer.config_error(field, f"axis {axis} is out of range for a {len(blob.shape)}-d "
+                                 f"bottom of shape {blob.shape}") from None
+
+
+def legacy_or_axis(layer, blob, param, legacy_name, section):
+    """The axis from `axis`, or from its deprecated non-negative alias (concat_dim,
+    slice_dim); Caffe refuses both at once."""
+    if param.HasField("axis") and param.HasField(legacy_name):
+        raise layer.config_error(f"{section}.{legacy_name}", f"give either axis or {legacy_name}, not both")
+    if param.HasField(legacy_name):
+        value = getattr(param, legacy_name)
+        if value >= len(blob.shape):
+            raise layer.config_error(f"{section}.{legacy_name}", f"{value} is out of range for a "
+                                     f"{len(blob.shape)}-d bottom of shape {blob.shape}")
+        return value
+    return canonical_axis(layer, blob, param.axis, f"{section}.axis")
+
+
+def gather_rows(source, indices, out):
+    """out[i] = source[indices[i]] along the first axis; indices already checked."""
+    if source.dtype == out.dtype:
+        np.take(source, indices, axis=0, out=out, mode="clip")   # clip: no buffered copy
+    else:
+        out[...] = source[indices]
+
+
+def axis_slices(axis, bounds):
+    """Index tuples selecting [start, end) along `axis` for each pair in `bounds`."""
+    lead = (slice(None),) * axis
+    return [lead + (slice(start, end),) for start, end in bounds]
 
 
 @register("Split")
@@ -25,3 +65,386 @@ class Split(Layer):
             for blob in top[1:]:
                 total += blob.diff
             bottom[0].diff[...] = total
+
+
+@register("Concat")
+class Concat(Layer):
+    """Joins its bottoms along one axis.
+
+    concat_param: axis (default 1, negative counts from the end) or the
+    deprecated concat_dim (not both). Bottoms agree in every other dimension;
+    top shape = bottom[0] shape with shape[axis] = sum of the bottoms' shape[axis].
+    Backward hands each bottom its slice of the top diff.
+    """
+    min_bottoms = 1
+    exact_tops = 1
+
+    def reshape(self, bottom, top):
+        self.axis = axis = legacy_or_axis(self, bottom[0], self.layer_param.concat_param,
+                                          "concat_dim", "concat_param")
+        first = bottom[0].shape
+        bounds, start = [], 0
+        for index, blob in enumerate(bottom):
+            shape = blob.shape
+            if len(shape) != len(first) or shape[:axis] + shape[axis + 1:] != first[:axis] + first[axis + 1:]:
+                raise self.shape_error(f"bottom[{index}] has shape {shape}, which does not match "
+                                       f"bottom[0] {first} outside the concat axis {axis}")
+            bounds.append((start, start + shape[axis]))
+            start += shape[axis]
+        self._slices = axis_slices(axis, bounds)
+        top[0].reshape(first[:axis] + (start,) + first[axis + 1:])
+
+    def forward(self, bottom, top):
+        if len(bottom) == 1:
+            top[0].data[...] = bottom[0].data
+        else:
+            np.concatenate([blob.data for blob in bottom], axis=self.axis, out=top[0].data)
+
+    def backward(self, top, propagate_down, bottom):
+        for blob, where, wanted in zip(bottom, self._slices, propagate_down):
+            if wanted:
+                blob.diff[...] = top[0].diff[where]
+
+
+@register("Slice")
+class Slice(Layer):
+    """Cuts its bottom along one axis into the tops.
+
+    slice_param: axis (default 1) or the deprecated slice_dim (not both);
+    slice_point: one increasing cut index per boundary (len(top) - 1 of them),
+    or none for equal pieces (the axis must divide by the number of tops).
+    top[i] shape = bottom shape with shape[axis] = the width of piece i.
+    """
+    exact_bottoms = 1
+    min_tops = 1
+
+    def reshape(self, bottom, top):
+        param = self.layer_param.slice_param
+        shape = bottom[0].shape
+        axis = legacy_or_axis(self, bottom[0], param, "slice_dim", "slice_param")
+        size = shape[axis]
+        points = list(param.slice_point)
+        if points:
+            if len(points) != len(top) - 1:
+                raise self.config_error("slice_param.slice_point", f"give one point per boundary "
+                                        f"({len(top) - 1} for {len(top)} tops), got {len(points)}")
+            if any(b <= a for a, b in zip([0] + points, points)) or points[-1] >= size:
+                raise self.config_error("slice_param.slice_point", f"{points} must increase strictly "
+                                        f"within (0, {size}), the size of axis {axis}")
+        else:
+            if size % len(top):
+                raise self.config_error("slice_param", f"{len(top)} tops do not evenly divide axis "
+                                        f"{axis} of size {size}; give slice_point")
+            step = size // len(top)
+            points = [step * k for k in range(1, len(top))]
+        bounds = list(zip([0] + points, points + [size]))
+        self._slices = axis_slices(axis, bounds)
+        for blob, (start, end) in zip(top, bounds):
+            blob.reshape(shape[:axis] + (end - start,) + shape[axis + 1:])
+
+    def forward(self, bottom, top):
+        for blob, where in zip(top, self._slices):
+            blob.data[...] = bottom[0].data[where]
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            diff = bottom[0].diff
+            for blob, where in zip(top, self._slices):
+                diff[where] = blob.diff
+
+
+class _SharedView(Layer):
+    """Base of layers whose top is the bottom's memory under another shape (Caffe's
+    ShareData/ShareDiff): no copy forward or backward. Not allowed in place."""
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        if top[0] is bottom[0]:
+            raise self.config_error("top", f"{self.type} cannot run in place; give the top its own name")
+
+    def top_shape(self, bottom):
+        raise NotImplementedError
+
+    def reshape(self, bottom, top):
+        top[0].reshape(self.top_shape(bottom[0]))
+        if top[0].count != bottom[0].count:
+            raise self.shape_error(f"top shape {top[0].shape} has {top[0].count} elements, the bottom "
+                                   f"{bottom[0].shape} has {bottom[0].count}")
+        top[0].share_data(bottom[0])
+        top[0].share_diff(bottom[0])
+
+    def forward(self, bottom, top):
+        pass
+
+    def backward(self, top, propagate_down, bottom):
+        pass                  # the top's diff is the bottom's diff
+
+
+@register("Flatten")
+class Flatten(_SharedView):
+    """Merges axes [axis, end_axis] into one.
+
+    flatten_param: axis (default 1), end_axis (default -1, inclusive).
+    top shape = shape[:axis] + (prod(shape[axis:end_axis+1]),) + shape[end_axis+1:].
+    """
+
+    def top_shape(self, bottom):
+        param = self.layer_param.flatten_param
+        start = canonical_axis(self, bottom, param.axis, "flatten_param.axis")
+        end = canonical_axis(self, bottom, param.end_axis, "flatten_param.end_axis")
+        shape = bottom.shape
+        return shape[:start] + (bottom.count_range(start, end + 1),) + shape[end + 1:]
+
+
+@register("Reshape")
+class Reshape(_SharedView):
+    """Gives the bottom's data a new shape without copying.
+
+    reshape_param: shape { dim } where 0 copies the bottom dimension at that
+    position and one -1 is inferred from the count; axis (default 0, negative:
+    -1 is the end) and num_axes (default -1: to the end) pick the bottom axes
+    [axis, axis + num_axes) that `shape` replaces.
+    """
+
+    def setup(self, bottom, top):
+        super().setup(bottom, top)
+        dims = list(self.layer_param.reshape_param.shape.dim)
+        self._copy_axes = [i for i, d in enumerate(dims) if d == 0]
+        inferred = [i for i, d in enumerate(dims) if d == -1]
+        if len(inferred) > 1:
+            raise self.config_error("reshape_param.shape", f"{dims} has {len(inferred)} dims of -1; "
+                                    "at most one may be inferred")
+        if any(d < -1 for d in dims):
+            raise self.config_error("reshape_param.shape", f"{dims}: dims must be > 0, 0 (copy) or -1 (infer)")
+        self._inferred = inferred[0] if inferred else None
+        self._dims = dims
+        self._constant = int(np.prod([d for d in dims if d > 0], dtype=np.int64))
+        if self.layer_param.reshape_param.num_axes < -1:
+            raise self.config_error("reshape_param.num_axes", "must be >= 0, or -1 for all axes, "
+                                    f"got {self.layer_param.reshape_param.num_axes}")
+
+    def top_shape(self, bottom):
+        param = self.layer_param.reshape_param
+        shape, count = bottom.shape, bottom.count
+        start = param.axis if param.axis >= 0 else len(shape) + param.axis + 1
+        if not 0 <= start <= len(shape):
+            raise self.config_error("reshape_param.axis", f"{param.axis} is out of range for a "
+                                    f"{len(shape)}-d bottom of shape {shape}")
+        end = len(shape) if param.num_axes == -1 else start + param.num_axes
+        if end > len(shape):
+            raise self.config_error("reshape_param.num_axes", f"axis + num_axes = {end} is past the "
+                                    f"last axis of the {len(shape)}-d bottom {shape}")
+        new = list(self._dims)
+        for i in self._copy_axes:
+            if start + i >= len(shape):
+                raise self.config_error("reshape_param.shape", f"dim {i} is 0 (copy) but the bottom "
+                                        f"{shape} has no axis {start + i} to copy")
+            new[i] = shape[start + i]
+        if self._inferred is not None:
+            known = self._constant * bottom.count_range(0, start) * bottom.count_range(end)
+            known *= int(np.prod([new[i] for i in self._copy_axes], dtype=np.int64))
+            if known == 0 or count % known:
+                raise self.shape_error(f"cannot infer the -1 dim of {self._dims}: bottom count {count} "
+                                       f"is not divisible by the product of the other dims ({known})")
+            new[self._inferred] = count // known
+        return shape[:start] + tuple(new) + shape[end:]
+
+
+@register("Crop")
+class Crop(Layer):
+    """Crops bottom[0] to bottom[1]'s shape from axis `axis` on.
+
+    crop_param: axis (default 2): first cropped axis; offset: none (0), one for
+    every cropped axis, or one per cropped axis. top shape = bottom[0] shape[:axis]
+    + bottom[1] shape[axis:]; top = bottom[0][..., o_a:o_a+n_a, ...].
+    bottom[1] only gives a shape and gets a zero gradient.
+    """
+    exact_bottoms = 2
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        param = self.layer_param.crop_param
+        axis = canonical_axis(self, bottom[0], param.axis, "crop_param.axis")
+        cropped = len(bottom[0].shape) - axis
+        if len(param.offset) > 1 and len(param.offset) != cropped:
+            raise self.config_error("crop_param.offset", f"give one offset or one per cropped axis "
+                                    f"({cropped} from axis {axis}), got {len(param.offset)}")
+
+    def reshape(self, bottom, top):
+        param = self.layer_param.crop_param
+        shape, reference = bottom[0].shape, bottom[1].shape
+        axis = canonical_axis(self, bottom[0], param.axis, "crop_param.axis")
+        if len(reference) != len(shape):
+            raise self.shape_error(f"bottom[1] {reference} must have as many axes as bottom[0] {shape}")
+        offsets = list(param.offset)
+        if len(offsets) <= 1:
+            offsets = [offsets[0] if offsets else 0] * (len(shape) - axis)
+        window, new_shape = [slice(None)] * axis, list(shape[:axis])
+        for i, offset in zip(range(axis, len(shape)), offsets):
+            if shape[i] - offset < reference[i]:
+                raise self.shape_error(f"crop of axis {i} is out of bounds: size {reference[i]} at "
+                                       f"offset {offset} does not fit in bottom[0]'s {shape[i]}")
+            window.append(slice(offset, offset + reference[i]))
+            new_shape.append(reference[i])
+        self._window = tuple(window)
+        top[0].reshape(new_shape)
+
+    def forward(self, bottom, top):
+        top[0].data[...] = bottom[0].data[self._window]
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            bottom[0].diff[...] = 0
+            bottom[0].diff[self._window] = top[0].diff
+        if propagate_down[1]:
+            bottom[1].diff[...] = 0
+
+
+@register("Tile")
+class Tile(Layer):
+    """Repeats the bottom `tiles` times along an axis, whole blocks at a time.
+
+    tile_param: axis (default 1), tiles (required, > 0).
+    top shape = bottom shape with shape[axis] *= tiles; viewed as
+    (outer, tiles, inner) with outer = prod(shape[:axis]), inner = prod(shape[axis:]),
+    every tile holds the bottom's (outer, inner) block.
+    """
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        param = self.layer_param.tile_param
+        if not param.HasField("tiles"):
+            raise self.config_error("tile_param.tiles", "missing: give the number of tiles")
+        if param.tiles <= 0:
+            raise self.config_error("tile_param.tiles", f"must be > 0, got {param.tiles}")
+
+    def reshape(self, bottom, top):
+        param = self.layer_param.tile_param
+        axis = canonical_axis(self, bottom[0], param.axis, "tile_param.axis")
+        shape = bottom[0].shape
+        self._blocks = (bottom[0].count_range(0, axis), param.tiles, bottom[0].count_range(axis))
+        top[0].reshape(shape[:axis] + (shape[axis] * param.tiles,) + shape[axis + 1:])
+
+    def forward(self, bottom, top):
+        outer, tiles, inner = self._blocks
+        top[0].data.reshape(outer, tiles, inner)[...] = bottom[0].data.reshape(outer, 1, inner)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            outer, tiles, inner = self._blocks
+            np.sum(top[0].diff.reshape(outer, tiles, inner), axis=1,
+                   out=bottom[0].diff.reshape(outer, inner))
+
+
+@register("Silence")
+class Silence(Layer):
+    """Consumes blobs nobody else reads, so they are not net outputs. No tops;
+    backward gives every bottom a zero diff."""
+    min_bottoms = 1
+    exact_tops = 0
+
+    def reshape(self, bottom, top):
+        pass
+
+    def forward(self, bottom, top):
+        pass
+
+    def backward(self, top, propagate_down, bottom):
+        for blob, wanted in zip(bottom, propagate_down):
+            if wanted:
+                blob.diff[...] = 0
+
+
+def _selector_error(layer, index):
+    return layer.config_error(f"bottom[{index}]", f"{layer.type} cannot backpropagate to its index "
+                              "input; set propagate_down: false for it")
+
+
+@register("BatchReindex")
+class BatchReindex(Layer):
+    """Gathers items of bottom[0] along the first axis: top[i] = bottom[0][index[i]].
+
+    bottom[1]: 1-d, integer indices (stored as floats) in [0, bottom[0].shape[0]).
+    top shape = (len(index),) + bottom[0] shape[1:]. Backward adds each top
+    item's diff into the item it came from; the indices get no gradient.
+    """
+    exact_bottoms = 2
+    exact_tops = 1
+
+    def allow_force_backward(self, bottom_index):
+        return bottom_index != 1
+
+    def reshape(self, bottom, top):
+        if len(bottom[1].shape) != 1:
+            raise self.shape_error(f"bottom[1] (indices) must be 1-d, got shape {bottom[1].shape}")
+        top[0].reshape(bottom[1].shape[:1] + bottom[0].shape[1:])
+
+    def _indices(self, bottom):
+        values = bottom[1].data
+        num = bottom[0].shape[0]
+        if values.size and (values.min() < 0 or values.max() >= num):
+            raise self.shape_error(f"indices must lie in [0, {num}) (bottom[0]'s batch size), "
+                                   f"got values in [{values.min()}, {values.max()}]")
+        return values.astype(np.intp)        # truncation, as Caffe's int cast
+
+    def forward(self, bottom, top):
+        gather_rows(bottom[0].data, self._indices(bottom), top[0].data)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[1]:
+            raise _selector_error(self, 1)
+        if propagate_down[0]:
+            diff = bottom[0].diff
+            diff[...] = 0
+            np.add.at(diff, self._indices(bottom), top[0].diff)
+
+
+@register("Filter")
+class Filter(Layer):
+    """Keeps the items whose selector is nonzero.
+
+    bottoms: the blobs to filter, then the selector (shape (N,) or (N, 1, ...)).
+    Every filtered bottom has first dimension N; top[i] = bottom[i][selector != 0],
+    so len(top) = len(bottom) - 1. Before the first forward (selector unknown)
+    the tops are sized for all N items, as in Caffe. Backward scatters the top
+    diffs back and zeroes the dropped items; the selector gets no gradient.
+    """
+    min_bottoms = 2
+    min_tops = 1
+
+    def allow_force_backward(self, bottom_index):
+        return bottom_index != len(self.layer_param.bottom) - 1
+
+    def setup(self, bottom, top):
+        if len(top) != len(bottom) - 1:
+            raise self.config_error("top", f"give one top per filtered bottom ({len(bottom) - 1}), got {len(top)}")
+        self._first_reshape = True
+
+    def reshape(self, bottom, top):
+        selector = bottom[-1]
+        if any(d != 1 for d in selector.shape[1:]):
+            raise self.shape_error(f"the selector (bottom[{len(bottom) - 1}]) must have shape (N,) or "
+                                   f"(N, 1, ...), got {selector.shape}")
+        for index, blob in enumerate(bottom[:-1]):
+            if blob.shape[:1] != selector.shape[:1]:
+                raise self.shape_error(f"bottom[{index}] {blob.shape} must have the selector's first "
+                                       f"dimension {selector.shape[0]}")
+        self._keep = np.flatnonzero(selector.data.reshape(-1))
+        kept = selector.shape[0] if self._first_reshape else self._keep.size
+        self._first_reshape = False
+        for blob, source in zip(top, bottom):
+            blob.reshape((kept,) + source.shape[1:])
+
+    def forward(self, bottom, top):
+        for blob, source in zip(top, bottom):
+            gather_rows(source.data, self._keep, blob.data)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[-1]:
+            raise _selector_error(self, len(bottom) - 1)
+        for blob, source, wanted in zip(top, bottom, propagate_down):
+            if wanted:
+                source.diff[...] = 0
+                source.diff[self._keep] = blob.diff

@@ -1,0 +1,351 @@
+"""Elementwise arithmetic between blobs, and along axes: Eltwise, Reduction,
+Scale, Bias, Embed."""
+import numpy as np
+
+from cct.blob import Blob
+from cct.fillers import fill
+from cct.layer import Layer, register
+from cct.proto import caffe_pb2
+
+from .shape import canonical_axis, gather_rows
+
+_ELTWISE = caffe_pb2.EltwiseParameter
+_REDUCTION = caffe_pb2.ReductionParameter
+
+
+def _param_wanted(layer, index):
+    """Whether param `index` needs its diff (true when nobody said otherwise)."""
+    flags = layer.param_propagate_down
+    return flags[index] if index < len(flags) else True
+
+
+@register("Eltwise")
+class Eltwise(Layer):
+    """Combines same-shaped bottoms element by element.
+
+    eltwise_param: operation PROD, SUM (default) or MAX; coeff: none or one
+    per bottom (SUM only); stable_prod_grad (default true): PROD's gradient as
+    the product of the other bottoms rather than top / bottom.
+    top = prod_i b_i  |  sum_i coeff_i * b_i  |  max_i b_i (ties: bottom 1 beats
+    bottom 0, later bottoms win only when strictly greater, as in Caffe).
+    """
+    min_bottoms = 2
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        param = self.layer_param.eltwise_param
+        self.op = param.operation
+        if param.coeff and self.op != _ELTWISE.SUM:
+            raise self.config_error("eltwise_param.coeff", "only the SUM operation takes coefficients")
+        if param.coeff and len(param.coeff) != len(bottom):
+            raise self.config_error("eltwise_param.coeff", f"give one coefficient per bottom "
+                                    f"({len(bottom)}), got {len(param.coeff)}")
+        self.coeffs = list(param.coeff) or [1.0] * len(bottom)
+        self.stable_prod_grad = param.stable_prod_grad
+
+    def reshape(self, bottom, top):
+        shape = bottom[0].shape
+        for index, blob in enumerate(bottom[1:], 1):
+            if blob.shape != shape:
+                raise self.shape_error(f"bottom[{index}] has shape {blob.shape}, bottom[0] {shape}; "
+                                       "Eltwise needs equal shapes")
+        top[0].reshape(shape)
+
+    def forward(self, bottom, top):
+        inputs = [blob.data for blob in bottom]
+        out = top[0].data
+        if any(blob is top[0] for blob in bottom[1:]):
+            out = np.empty_like(out)        # in place on a later bottom: keep it until read
+        if self.op == _ELTWISE.PROD:
+            np.multiply(inputs[0], inputs[1], out=out)
+            for values in inputs[2:]:
+                out *= values
+        elif self.op == _ELTWISE.SUM:
+            if self.coeffs[0] == 1:
+                out[...] = inputs[0]
+            else:
+                np.multiply(inputs[0], self.coeffs[0], out=out)
+            for values, coeff in zip(inputs[1:], self.coeffs[1:]):
+                out += values if coeff == 1 else coeff * values
+        else:
+            self._argmax = argmax = np.ones(out.shape, np.int32)
+            argmax[inputs[0] > inputs[1]] = 0
+            np.maximum(inputs[0], inputs[1], out=out)
+            for index, values in enumerate(inputs[2:], 2):
+                argmax[values > out] = index
+                np.maximum(out, values, out=out)
+        if out is not top[0].data:
+            top[0].data[...] = out
+
+    def backward(self, top, propagate_down, bottom):
+        top_diff = top[0].diff
+        # Backwards over the bottoms: when the top is bottom[0] (in place) its diff is
+        # overwritten last, after every other bottom has read it.
+        for index in reversed(range(len(bottom))):
+            if not propagate_down[index]:
+                continue
+            diff = bottom[index].diff
+            if self.op == _ELTWISE.PROD:
+                if self.stable_prod_grad:
+                    others = [blob.data for k, blob in enumerate(bottom) if k != index]
+                    product = others[0].copy()
+                    for values in others[1:]:
+                        product *= values
+                else:
+                    product = top[0].data / bottom[index].data
+                np.multiply(product, top_diff, out=diff)
+            elif self.op == _ELTWISE.SUM:
+                if self.coeffs[index] == 1:
+                    if diff is not top_diff:
+                        diff[...] = top_diff
+                else:
+                    np.multiply(top_diff, self.coeffs[index], out=diff)
+            else:
+                np.multiply(top_diff, self._argmax == index, out=diff)
+
+
+@register("Reduction")
+class Reduction(Layer):
+    """Reduces all axes from `axis` on to one number per leading index.
+
+    reduction_param: operation SUM (default), ASUM (sum |x|), SUMSQ (sum x^2),
+    MEAN; axis (default 0); coeff (default 1) scales the result.
+    top shape = bottom shape[:axis] (a scalar for axis 0).
+    """
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def reshape(self, bottom, top):
+        param = self.layer_param.reduction_param
+        axis = canonical_axis(self, bottom[0], param.axis, "reduction_param.axis")
+        self._num = bottom[0].count_range(0, axis)
+        self._dim = bottom[0].count_range(axis)
+        self._coeff = param.coeff / self._dim if param.operation == _REDUCTION.MEAN else param.coeff
+        top[0].reshape(bottom[0].shape[:axis])
+
+    def forward(self, bottom, top):
+        x = bottom[0].data.reshape(self._num, self._dim)
+        op = self.layer_param.reduction_param.operation
+        if op == _REDUCTION.ASUM:
+            result = np.abs(x).sum(axis=1)
+        elif op == _REDUCTION.SUMSQ:
+            result = np.einsum("ij,ij->i", x, x)
+        else:                                          # SUM and MEAN
+            result = x.sum(axis=1)
+        top[0].data[...] = (result * self._coeff).reshape(top[0].shape)
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        x = bottom[0].data.reshape(self._num, self._dim)
+        scale = top[0].diff.reshape(self._num, 1) * self._coeff
+        out = bottom[0].diff.reshape(self._num, self._dim)
+        op = self.layer_param.reduction_param.operation
+        if op == _REDUCTION.ASUM:
+            np.multiply(np.sign(x), scale, out=out)
+        elif op == _REDUCTION.SUMSQ:
+            np.multiply(x, 2 * scale, out=out)
+        else:
+            out[...] = scale
+
+
+def _learned_shape(layer, bottom, section):
+    """Shape of a learned Scale/Bias blob: bottom[0].shape[axis:axis+num_axes]."""
+    param = getattr(layer.layer_param, section)
+    axis = canonical_axis(layer, bottom, param.axis, f"{section}.axis")
+    if param.num_axes < -1:
+        raise layer.config_error(f"{section}.num_axes", "must be >= 0, or -1 for all axes from "
+                                 f"`axis` on, got {param.num_axes}")
+    if param.num_axes >= 0 and axis + param.num_axes > len(bottom.shape):
+        raise layer.config_error(f"{section}.num_axes", f"axis {axis} + num_axes {param.num_axes} "
+                                 f"goes past the {len(bottom.shape)}-d bottom {bottom.shape}")
+    end = len(bottom.shape) if param.num_axes == -1 else axis + param.num_axes
+    return bottom.shape[axis:end]
+
+
+def _broadcast_blocks(layer, bottom, operand, section):
+    """(outer, dim, inner): bottom viewed so `operand` (shape matching bottom's axes
+    from `axis` on) broadcasts along its middle. A 0-d operand applies everywhere."""
+    shape, operand_shape = bottom.shape, operand.shape
+    if not operand_shape:
+        return 1, 1, bottom.count
+    axis = canonical_axis(layer, bottom, getattr(layer.layer_param, section).axis, f"{section}.axis")
+    end = axis + len(operand_shape)
+    if shape[axis:end] != operand_shape:
+        raise layer.shape_error(f"the {section.split('_')[0]} of shape {operand_shape} does not match "
+                                f"bottom[0] {shape} from axis {axis}")
+    return bottom.count_range(0, axis), operand.count, bottom.count_range(end)
+
+
+@register("Scale")
+class Scale(Layer):
+    """Multiplies by a scale broadcast over the bottom, plus an optional bias.
+
+    The scale is bottom[1] or, with one bottom, a learned blob of shape
+    bottom[0].shape[axis:axis+num_axes]. scale_param: axis (default 1),
+    num_axes (default 1; -1: to the end; 0: a scalar), filler (default constant 1),
+    bias_term (default false) with bias_filler (default constant 0): a learned
+    bias of the scale's shape (blobs[-1]).
+    top = bottom[0] * scale (+ bias), broadcast; top shape = bottom[0] shape.
+    Runs in place.
+    """
+    min_bottoms = 1
+    max_bottoms = 2
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        param = self.layer_param.scale_param
+        if len(bottom) == 1 and not self.blobs:
+            scale = Blob(_learned_shape(self, bottom[0], "scale_param"))
+            filler = param.filler if param.HasField("filler") else caffe_pb2.FillerParameter(type="constant", value=1)
+            fill(scale, filler, where=f"{self.where()}: scale_param.filler")
+            self.blobs.append(scale)
+        if param.bias_term and len(self.blobs) == (len(bottom) == 1):   # not already made
+            shape = bottom[1].shape if len(bottom) > 1 else self.blobs[0].shape
+            bias = Blob(shape)
+            fill(bias, param.bias_filler, where=f"{self.where()}: scale_param.bias_filler")
+            self.blobs.append(bias)
+
+    def _scale(self, bottom):
+        return bottom[1] if len(bottom) > 1 else self.blobs[0]
+
+    def reshape(self, bottom, top):
+        self._blocks = _broadcast_blocks(self, bottom[0], self._scale(bottom), "scale_param")
+        if top[0] is not bottom[0]:
+            top[0].reshape(bottom[0].shape)
+
+    def forward(self, bottom, top):
+        outer, dim, inner = self._blocks
+        x = bottom[0].data.reshape(outer, dim, inner)
+        # In place, the input is overwritten but the scale's gradient needs it.
+        self._saved_input = x.copy() if top[0] is bottom[0] else None
+        out = top[0].data.reshape(outer, dim, inner)
+        np.multiply(x, self._scale(bottom).data.reshape(1, dim, 1), out=out)
+        if self.layer_param.scale_param.bias_term:
+            out += self.blobs[-1].data.reshape(1, dim, 1)
+
+    def backward(self, top, propagate_down, bottom):
+        outer, dim, inner = self._blocks
+        top_diff = top[0].diff.reshape(outer, dim, inner)
+        learned = len(bottom) == 1
+        if self.layer_param.scale_param.bias_term and _param_wanted(self, len(self.blobs) - 1):
+            self.blobs[-1].diff += top_diff.sum(axis=(0, 2)).reshape(self.blobs[-1].shape)
+        scale = self._scale(bottom)
+        if (learned and _param_wanted(self, 0)) or (not learned and propagate_down[1]):
+            x = self._saved_input if self._saved_input is not None else bottom[0].data.reshape(outer, dim, inner)
+            grad = np.einsum("odi,odi->d", top_diff, x).reshape(scale.shape)
+            if learned:
+                scale.diff += grad
+            else:
+                scale.diff[...] = grad
+        if propagate_down[0]:
+            np.multiply(top_diff, scale.data.reshape(1, dim, 1), out=bottom[0].diff.reshape(outer, dim, inner))
+
+
+@register("Bias")
+class Bias(Layer):
+    """Adds a bias broadcast over the bottom.
+
+    The bias is bottom[1] or, with one bottom, a learned blob of shape
+    bottom[0].shape[axis:axis+num_axes]. bias_param: axis (default 1),
+    num_axes (default 1; -1: to the end; 0: a scalar), filler (default constant 0).
+    top = bottom[0] + bias, broadcast; top shape = bottom[0] shape. Runs in place.
+    """
+    min_bottoms = 1
+    max_bottoms = 2
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        if len(bottom) == 1 and not self.blobs:
+            bias = Blob(_learned_shape(self, bottom[0], "bias_param"))
+            fill(bias, self.layer_param.bias_param.filler, where=f"{self.where()}: bias_param.filler")
+            self.blobs.append(bias)
+
+    def _bias(self, bottom):
+        return bottom[1] if len(bottom) > 1 else self.blobs[0]
+
+    def reshape(self, bottom, top):
+        self._blocks = _broadcast_blocks(self, bottom[0], self._bias(bottom), "bias_param")
+        if top[0] is not bottom[0]:
+            top[0].reshape(bottom[0].shape)
+
+    def forward(self, bottom, top):
+        outer, dim, inner = self._blocks
+        np.add(bottom[0].data.reshape(outer, dim, inner), self._bias(bottom).data.reshape(1, dim, 1),
+               out=top[0].data.reshape(outer, dim, inner))
+
+    def backward(self, top, propagate_down, bottom):
+        outer, dim, inner = self._blocks
+        top_diff = top[0].diff.reshape(outer, dim, inner)
+        learned = len(bottom) == 1
+        if (learned and _param_wanted(self, 0)) or (not learned and propagate_down[1]):
+            bias = self._bias(bottom)
+            grad = top_diff.sum(axis=(0, 2)).reshape(bias.shape)
+            if learned:
+                bias.diff += grad
+            else:
+                bias.diff[...] = grad
+        if propagate_down[0] and top[0] is not bottom[0]:
+            bottom[0].diff[...] = top[0].diff
+
+
+@register("Embed")
+class Embed(Layer):
+    """A lookup table: each input index selects a row of a learned matrix.
+
+    embed_param: num_output N (> 0), input_dim K (> 0, the vocabulary size),
+    bias_term (default true), weight_filler, bias_filler.
+    blobs: weight (K, N), bias (N,). bottom: integer indices in [0, K), stored
+    as floats. top shape = bottom shape + (N,); top[..., :] = weight[index] + bias.
+    The indices get no gradient.
+    """
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def allow_force_backward(self, bottom_index):
+        return False
+
+    def setup(self, bottom, top):
+        param = self.layer_param.embed_param
+        if param.num_output <= 0:
+            raise self.config_error("embed_param.num_output", f"must be > 0, got {param.num_output}")
+        if param.input_dim <= 0:
+            raise self.config_error("embed_param.input_dim", f"must be > 0, got {param.input_dim}")
+        if self.blobs:
+            return
+        weight = Blob((param.input_dim, param.num_output))
+        fill(weight, param.weight_filler, where=f"{self.where()}: embed_param.weight_filler")
+        self.blobs.append(weight)
+        if param.bias_term:
+            bias = Blob((param.num_output,))
+            fill(bias, param.bias_filler, where=f"{self.where()}: embed_param.bias_filler")
+            self.blobs.append(bias)
+
+    def reshape(self, bottom, top):
+        top[0].reshape(bottom[0].shape + (self.layer_param.embed_param.num_output,))
+
+    def _indices(self, bottom):
+        values = bottom[0].data.reshape(-1)
+        indices = values.astype(np.intp)
+        limit = self.layer_param.embed_param.input_dim
+        bad = (indices < 0) | (indices >= limit) | (indices != values)
+        if bad.any():
+            raise self.shape_error(f"input values must be integers in [0, {limit}) (embed_param.input_dim); "
+                                   f"got {values[bad][:5].tolist()}")
+        return indices
+
+    def forward(self, bottom, top):
+        out = top[0].data.reshape(-1, self.layer_param.embed_param.num_output)
+        gather_rows(self.blobs[0].data, self._indices(bottom), out)
+        if self.layer_param.embed_param.bias_term:
+            out += self.blobs[1].data
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            raise self.config_error("bottom[0]", "Embed cannot backpropagate to its index input; "
+                                    "set propagate_down: false for it")
+        top_diff = top[0].diff.reshape(-1, self.layer_param.embed_param.num_output)
+        if _param_wanted(self, 0):
+            np.add.at(self.blobs[0].diff, self._indices(bottom), top_diff)
+        if self.layer_param.embed_param.bias_term and _param_wanted(self, 1):
+            self.blobs[1].diff += top_diff.sum(axis=0)
