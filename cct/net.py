@@ -42,9 +42,7 @@ class Net:
         state = caffe_pb2.NetState()
         state.CopyFrom(param.state)
         state.phase, state.level = phase, level
-        if stages:
-            state.ClearField("stage")
-            state.stage.extend(stages)
+        state.stage.extend(stages)          # added to the prototxt's own stages
         param.state.CopyFrom(state)
         self.phase = phase
         self.net_param = insert_splits(filter_net(param, state, str(self.source)), str(self.source))
@@ -73,17 +71,23 @@ class Net:
             if len(layer_param.propagate_down) not in (0, len(layer_param.bottom)):
                 raise ConfigError(f"{source}: layer '{layer_param.name}' ({layer_param.type}): propagate_down: "
                                   f"give none or one per bottom ({len(layer_param.bottom)}), got {len(layer_param.propagate_down)}")
-            layer = create_layer(layer_param, self.phase, source)
+            # The layer gets its own copy: setup may add to it (BatchNorm adds
+            # ParamSpecs) while backward needs are decided on the net's, as in Caffe.
+            layer = create_layer(_copy(layer_param), self.phase, source)
             bottoms, bottom_names, bottom_backward = [], [], []
+            need_backward = False
             for index, name in enumerate(layer_param.bottom):
                 if name not in self.blobs:
                     raise ConfigError(f"{layer.where()}: bottom[{index}]: unknown blob '{name}'")
                 available.pop(name, None)
-                propagate = layer_param.propagate_down[index] if len(layer_param.propagate_down) else True
                 bottoms.append(self.blobs[name])
                 bottom_names.append(name)
-                bottom_backward.append(blob_needs_backward[name] and propagate)
+                need_backward |= blob_needs_backward[name]
+                # A given propagate_down decides alone, forcing a gradient or skipping it.
+                bottom_backward.append(layer_param.propagate_down[index] if len(layer_param.propagate_down)
+                                       else blob_needs_backward[name])
             top_names = list(layer_param.top)
+            num_named_tops = len(top_names)
             top_names += [f"(automatic){layer.name}_{k}"
                           for k in range(layer.num_auto_tops(len(top_names)))]
             tops = []
@@ -96,7 +100,8 @@ class Net:
                     self.blobs[name] = Blob()
                     blob_needs_backward[name] = False
                 tops.append(self.blobs[name])
-                available[name] = True
+                if index < num_named_tops:       # Caffe leaves automatic tops out of the outputs
+                    available[name] = True
                 if layer_param.type == "Input":
                     self.inputs.append(name)
             layer.check_blob_counts(bottoms, tops)
@@ -105,7 +110,6 @@ class Net:
             layer.loss_weights = self._loss_weights(layer, len(tops))
             for name, weight in zip(top_names, layer.loss_weights):
                 self.blob_loss_weights[name] = weight
-            need_backward = any(bottom_backward)
             need_backward |= self._append_params(layer_index, layer)
             self.layers.append(layer)
             self._layer_names.append(layer.name)
@@ -390,3 +394,9 @@ class Net:
 
     def __repr__(self):
         return f"<cct.Net '{self.name}' with {len(self.layers)} layers>"
+
+
+def _copy(message):
+    duplicate = type(message)()
+    duplicate.CopyFrom(message)
+    return duplicate

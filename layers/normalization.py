@@ -1,0 +1,244 @@
+"""Normalization layers: LRN, MVN and BatchNorm, with Caffe's exact formulas
+(where eps goes, which divisor a window uses, how running statistics decay).
+
+Window sums are a loop over the local_size offsets of a zero-padded array
+(a handful of whole-array adds), never over pixels.
+"""
+import numpy as np
+
+from cct.blob import Blob
+from cct.layer import TEST, Layer, register
+from cct.proto import caffe_pb2
+
+_ACROSS = caffe_pb2.LRNParameter.ACROSS_CHANNELS
+_WITHIN = caffe_pb2.LRNParameter.WITHIN_CHANNEL
+
+
+def window_sum(values, size, axis):
+    """Sum over a centred window of odd `size` along `axis`, zeros beyond the edges.
+
+    out[i] = sum_{j = i - (size-1)/2}^{i + (size-1)/2} values[j]; same shape as values.
+    """
+    half = (size - 1) // 2
+    length = values.shape[axis]
+    pad = [(0, 0)] * values.ndim
+    pad[axis] = (half, half)
+    padded = np.pad(values, pad)
+    moved = np.moveaxis(padded, axis, 0)
+    total = moved[0:length].copy()
+    for offset in range(1, size):
+        total += moved[offset:offset + length]
+    return np.moveaxis(total, 0, axis)
+
+
+@register("LRN")
+class LRN(Layer):
+    """Local response normalization of a 4-d blob (N, C, H, W); top is the same shape.
+
+    Fields: lrn_param.local_size (5, odd), alpha (1), beta (0.75), k (1),
+    norm_region (ACROSS_CHANNELS | WITHIN_CHANNEL).
+      ACROSS_CHANNELS: y = x * (k + alpha/n * sum_{c' in window(c)} x[c']^2)^-beta,
+                       the window n = local_size channels centred on c, zero-padded.
+      WITHIN_CHANNEL:  y = x * (1 + alpha * avg_{n x n window} x^2)^-beta, as Caffe
+                       builds it from Power/Pooling(AVE, pad (n-1)/2)/Power/Eltwise:
+                       k is not used, and the average divides by n^2 everywhere
+                       (padding zeros included) because with stride 1 and that pad
+                       no window reaches past the pooling's padded border.
+    """
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        p = self.layer_param.lrn_param
+        if p.local_size % 2 != 1:
+            raise self.config_error("lrn_param.local_size", f"must be odd, got {p.local_size}")
+        if p.norm_region not in (_ACROSS, _WITHIN):
+            raise self.config_error("lrn_param.norm_region", f"unknown region {p.norm_region}")
+        self.size = int(p.local_size)
+        self.alpha, self.beta, self.k = float(p.alpha), float(p.beta), float(p.k)
+        self.across = p.norm_region == _ACROSS
+
+    def reshape(self, bottom, top):
+        if len(bottom[0].shape) != 4:
+            raise self.shape_error(f"bottom must have 4 axes (num, channels, height, width), "
+                                   f"got {bottom[0].shape}")
+        if top[0] is not bottom[0]:
+            top[0].reshape(bottom[0].shape)
+
+    def forward(self, bottom, top):
+        x = bottom[0].data
+        if top[0] is bottom[0]:
+            x = self._saved_input = x.copy()   # backward needs x, forward overwrites it
+        cast = x.dtype.type
+        squares = x * x
+        if self.across:
+            # scale: k + alpha/n * windowed sum of squares over channels
+            self.scale = window_sum(squares, self.size, axis=1)
+            self.scale *= cast(self.alpha / self.size)
+            self.scale += cast(self.k)
+        else:
+            self.scale = self._box_average(squares)
+            self.scale *= cast(self.alpha)
+            self.scale += cast(1.0)
+        self.power = self.scale ** cast(-self.beta)      # (N, C, H, W)
+        np.multiply(x, self.power, out=top[0].data)
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        x = self._saved_input if top[0] is bottom[0] else bottom[0].data
+        cast = x.dtype.type
+        g = top[0].diff
+        # y = x * s^-beta with s = shift + c * window(x^2):
+        # dL/dx = g * s^-beta - 2 * beta * c * x * window^T(g * x * s^(-beta-1))
+        ratio = g * x * self.power / self.scale
+        if self.across:
+            spread = window_sum(ratio, self.size, axis=1) * cast(self.alpha / self.size)
+        else:
+            spread = self._box_average(ratio) * cast(self.alpha)
+        bottom[0].diff[...] = g * self.power - cast(2 * self.beta) * x * spread
+
+    def _box_average(self, values):
+        """Caffe's AVE pooling with kernel n, stride 1, pad (n-1)/2 over H and W;
+        its divisor is n^2 at every position. Symmetric, so it is its own transpose."""
+        total = window_sum(window_sum(values, self.size, axis=2), self.size, axis=3)
+        total *= values.dtype.type(1.0 / (self.size * self.size))
+        return total
+
+
+@register("MVN")
+class MVN(Layer):
+    """Mean-variance normalization per (image, channel), or per image with across_channels.
+
+    Fields: mvn_param.normalize_variance (true), across_channels (false), eps (1e-9).
+    y = x - mean; with normalize_variance y = (x - mean) / (std + eps), std the
+    biased standard deviation (eps is added to the std, outside the sqrt, as in Caffe).
+    Top: (num, channels, height, width) of the bottom (Caffe reshapes to 4-d).
+    """
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        p = self.layer_param.mvn_param
+        self.normalize_variance = bool(p.normalize_variance)
+        self.across_channels = bool(p.across_channels)
+        self.eps = float(p.eps)
+
+    def reshape(self, bottom, top):
+        b = bottom[0]
+        legacy = (b.num, b.channels, b.height, b.width)
+        if top[0] is not bottom[0] or b.shape != legacy:
+            top[0].reshape(legacy)
+
+    def _rows(self, array):
+        """(groups, values per group): per image, or per image and channel."""
+        shape = array.shape
+        groups = shape[0] if self.across_channels else shape[0] * (shape[1] if len(shape) > 1 else 1)
+        return array.reshape(groups, -1)
+
+    def forward(self, bottom, top):
+        x = self._rows(bottom[0].data)
+        centred = x - x.mean(axis=1, keepdims=True)
+        if self.normalize_variance:
+            variance = np.mean(centred * centred, axis=1, keepdims=True)
+            self.std = np.sqrt(variance) + x.dtype.type(self.eps)   # (groups, 1)
+            centred /= self.std
+        self._rows(top[0].data)[...] = centred
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        g = self._rows(top[0].diff)
+        if self.normalize_variance:
+            # Caffe's expression: (g - mean(g) - y * mean(g * y)) / (std + eps)
+            y = self._rows(top[0].data)
+            dx = (g - g.mean(axis=1, keepdims=True)
+                  - y * np.mean(g * y, axis=1, keepdims=True)) / self.std
+        else:
+            dx = g - g.mean(axis=1, keepdims=True)
+        self._rows(bottom[0].diff)[...] = dx
+
+
+@register("BatchNorm")
+class BatchNorm(Layer):
+    """Batch normalization over axis 1 (statistics over every other axis); no scale
+    or shift (follow it with a Scale layer). Top shape = bottom shape; may run in place.
+
+    Fields: batch_norm_param.use_global_stats (default: phase == TEST),
+    moving_average_fraction (0.999), eps (1e-5).
+    Blobs (never learned; their ParamSpecs get lr_mult 0): running mean sum (C),
+    running variance sum (C), scale factor (1).
+    Batch mode:  y = (x - mean) / sqrt(var + eps), var biased; and then
+      factor = factor * maf + 1, mean_sum = maf * mean_sum + mean,
+      var_sum = maf * var_sum + m/(m-1) * var   (m = count / C).
+    Global mode: mean = mean_sum / factor, var = var_sum / factor (0 when factor is 0).
+    """
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        p = self.layer_param.batch_norm_param
+        self.maf = float(p.moving_average_fraction)
+        self.use_global_stats = p.use_global_stats if p.HasField("use_global_stats") else self.phase == TEST
+        self.eps = float(p.eps)
+        self.channels = 1 if len(bottom[0].shape) == 1 else bottom[0].shape[1]
+        if not self.blobs:
+            self.blobs = [Blob((self.channels,)), Blob((self.channels,)), Blob((1,))]
+        # The statistics must not be touched by the solver: lr_mult 0, as Caffe enforces.
+        specs = self.layer_param.param
+        for index in range(len(self.blobs)):
+            if len(specs) == index:
+                specs.add().lr_mult = 0.0
+            elif specs[index].lr_mult != 0:
+                raise self.config_error(f"param[{index}].lr_mult", "batch normalization statistics "
+                                        f"cannot be learned; must be 0, got {specs[index].lr_mult:g}")
+
+    def reshape(self, bottom, top):
+        shape = bottom[0].shape
+        if len(shape) > 1 and shape[1] != self.channels:
+            raise self.shape_error(f"bottom has {shape[1]} channels (axis 1), the layer was set up "
+                                   f"with {self.channels}")
+        if top[0] is not bottom[0]:
+            top[0].reshape(shape)
+
+    def _grouped(self, array):
+        """View as (N, C, spatial)."""
+        return array.reshape(array.shape[0], self.channels, -1)
+
+    def forward(self, bottom, top):
+        x = self._grouped(bottom[0].data)
+        dtype = x.dtype
+        if self.use_global_stats:
+            factor = self.blobs[2].data[0]
+            factor = 0.0 if factor == 0 else 1.0 / factor
+            mean = (self.blobs[0].data * factor).astype(dtype)
+            variance = (self.blobs[1].data * factor).astype(dtype)
+            centred = x - mean[:, None]
+        else:
+            mean = x.mean(axis=(0, 2))
+            centred = x - mean[:, None]
+            variance = np.mean(centred * centred, axis=(0, 2))
+            self._update_running_stats(mean, variance, x.size // self.channels)
+        self.std = np.sqrt(variance + dtype.type(self.eps))[:, None]   # (C, 1)
+        self.x_norm = centred / self.std                                # kept: top may be overwritten
+        self._grouped(top[0].data)[...] = self.x_norm
+
+    def _update_running_stats(self, mean, variance, m):
+        maf = self.maf
+        self.blobs[2].data[...] = self.blobs[2].data * maf + 1
+        self.blobs[0].data[...] = mean + maf * self.blobs[0].data
+        correction = m / (m - 1) if m > 1 else 1.0
+        self.blobs[1].data[...] = correction * variance + maf * self.blobs[1].data
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        g = self._grouped(top[0].diff)
+        if self.use_global_stats:
+            dx = g / self.std
+        else:
+            # (g - mean(g) - y * mean(g * y)) / sqrt(var + eps), means over all but C
+            y = self.x_norm
+            dx = (g - g.mean(axis=(0, 2), keepdims=True)
+                  - y * np.mean(g * y, axis=(0, 2), keepdims=True)) / self.std
+        self._grouped(bottom[0].diff)[...] = dx
