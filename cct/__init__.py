@@ -5,6 +5,17 @@ from .errors import CctError, ConfigError, DataError, ShapeError, WeightsError
 from .layer import TEST, TRAIN, Layer, layer_type_list, register
 from .net import Net
 from .rng import set_random_seed
+from . import pycaffe  # noqa: F401  (attaches forward_all, set_input_arrays, callbacks to Net)
+from .pycaffe import Timer
+from . import io
+from .classifier import Classifier
+from .detector import Detector
+# pycaffe's `layers as L` is cct.layers itself: the subpackage of layer families
+# resolves capitalized names to NetSpec layer factories (see layers/__init__.py).
+from .net_spec import params, NetSpec, to_proto
+from .solver import (get_solver, SGDSolver, NesterovSolver, AdaGradSolver, RMSPropSolver,
+                     AdaDeltaSolver, AdamSolver)
+from . import layers  # noqa: E402  (registers every layer type)
 
 __version__ = "0.1.0"
 

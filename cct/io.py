@@ -1,0 +1,320 @@
+"""pycaffe's caffe.io: images in, blobs in the net's layout, and conversions
+between numpy arrays and Caffe's BlobProto / Datum messages.
+
+Images are float32 H x W x K arrays in [0, 1], RGB (pycaffe's convention); a
+Transformer turns them into the K x H x W (BGR, mean-subtracted, scaled) arrays
+a net takes, in pycaffe's order: resize -> transpose -> channel swap ->
+raw_scale -> subtract mean -> input_scale.
+
+resize_image reproduces pycaffe's skimage-based resize (pixel centers aligned,
+pixels outside the image count as the image minimum) for interpolation orders
+0 and 1 with scipy.ndimage alone; higher orders use scipy's splines, which are
+close to but not bit-equal with skimage's.
+"""
+import numpy as np
+from scipy.ndimage import zoom
+
+from .errors import DataError, ShapeError
+from .proto import caffe_pb2
+from .weights import blob_proto_shape
+
+# --- proto / datum / ndarray conversion --------------------------------------------
+
+
+def blobproto_to_array(blob, return_diff=False):
+    """The data (or diff) of a BlobProto as a float64 array, shaped by the legacy
+    num/channels/height/width when those are set, else by `shape.dim`."""
+    values = blob.diff if return_diff else blob.data
+    if return_diff and not len(values):
+        values = blob.double_diff
+    elif not return_diff and not len(values):
+        values = blob.double_data
+    array = np.array(values, dtype=np.float64)
+    shape = blob_proto_shape(blob)
+    if array.size != int(np.prod(shape)):
+        raise ShapeError(f"BlobProto holds {array.size} {'diff' if return_diff else 'data'} values "
+                         f"but its shape {shape} needs {int(np.prod(shape))}")
+    return array.reshape(shape)
+
+
+def array_to_blobproto(arr, diff=None):
+    """A BlobProto holding `arr` (shape in `shape.dim`), and `diff` if given."""
+    arr = np.asarray(arr)
+    blob = caffe_pb2.BlobProto()
+    blob.shape.dim.extend(arr.shape)
+    blob.data.extend(arr.astype(np.float32).flat)
+    if diff is not None:
+        diff = np.asarray(diff)
+        if diff.shape != arr.shape:
+            raise ShapeError(f"array_to_blobproto: diff shape {diff.shape} differs from data shape {arr.shape}")
+        blob.diff.extend(diff.astype(np.float32).flat)
+    return blob
+
+
+def arraylist_to_blobprotovector_str(arraylist):
+    """Serialized BlobProtoVector of the arrays."""
+    vec = caffe_pb2.BlobProtoVector()
+    vec.blobs.extend([array_to_blobproto(arr) for arr in arraylist])
+    return vec.SerializeToString()
+
+
+arraylist_to_blobprotovecor_str = arraylist_to_blobprotovector_str   # pycaffe's old spelling
+
+
+def blobprotovector_str_to_arraylist(data):
+    """The arrays in a serialized BlobProtoVector."""
+    vec = caffe_pb2.BlobProtoVector()
+    vec.ParseFromString(data)
+    return [blobproto_to_array(blob) for blob in vec.blobs]
+
+
+def array_to_datum(arr, label=None):
+    """A Datum of a C x H x W array: uint8 arrays as bytes in `data`, others as `float_data`."""
+    arr = np.asarray(arr)
+    if arr.ndim != 3:
+        raise ShapeError(f"array_to_datum: need a 3-d (channels, height, width) array, got shape {arr.shape}")
+    datum = caffe_pb2.Datum()
+    datum.channels, datum.height, datum.width = arr.shape
+    if arr.dtype == np.uint8:
+        datum.data = arr.tobytes()
+    else:
+        datum.float_data.extend(arr.astype(np.float32).flat)
+    if label is not None:
+        datum.label = int(label)
+    return datum
+
+
+def datum_to_array(datum):
+    """The C x H x W array of a Datum (uint8 for byte data, float64 for float_data).
+    The label is datum.label. An encoded (JPEG/PNG) datum is decoded as Caffe's
+    data layer would: BGR channels (or one gray channel), uint8."""
+    if datum.encoded:
+        return _decode_datum(datum)
+    shape = (datum.channels, datum.height, datum.width)
+    if len(datum.data):
+        if len(datum.data) != int(np.prod(shape)):
+            raise DataError(f"Datum has {len(datum.data)} bytes but channels x height x width = {shape}")
+        return np.frombuffer(datum.data, dtype=np.uint8).reshape(shape).copy()
+    return np.array(datum.float_data, dtype=np.float64).reshape(shape)
+
+
+def _decode_datum(datum):
+    import io as _io
+
+    from PIL import Image
+    try:
+        image = Image.open(_io.BytesIO(datum.data))
+        image.load()
+    except Exception as error:
+        raise DataError(f"encoded Datum: cannot decode image: {error}") from None
+    if image.mode in ("L", "I;16", "I", "F", "1"):
+        return np.asarray(image.convert("L"))[np.newaxis]
+    rgb = np.asarray(image.convert("RGB"))               # H x W x 3
+    return rgb[:, :, ::-1].transpose(2, 0, 1).copy()
+
+
+# --- pre-processing ---------------------------------------------------------------
+
+
+class Transformer:
+    """Turns H x W x K images into the K x H x W arrays of a net's input.
+
+    `inputs`: {input blob name: its shape (N, K, H, W)}, e.g.
+    `Transformer({'data': net.blobs['data'].data.shape})`.
+    """
+
+    def __init__(self, inputs):
+        self.inputs = {name: tuple(shape) for name, shape in inputs.items()}
+        self.transpose = {}
+        self.channel_swap = {}
+        self.raw_scale = {}
+        self.mean = {}
+        self.input_scale = {}
+
+    def _check_input(self, in_):
+        if in_ not in self.inputs:
+            raise KeyError(f"{in_!r} is not one of the net inputs: {sorted(self.inputs)}")
+
+    def preprocess(self, in_, data):
+        """H' x W' x K image -> K x H x W float32 input for blob `in_`: resize to the
+        blob's H x W, transpose, swap channels, raw_scale, subtract mean, input_scale."""
+        self._check_input(in_)
+        caffe_in = np.array(data, dtype=np.float32)          # a copy: the caller's image stays intact
+        transpose = self.transpose.get(in_)
+        channel_swap = self.channel_swap.get(in_)
+        raw_scale = self.raw_scale.get(in_)
+        mean = self.mean.get(in_)
+        input_scale = self.input_scale.get(in_)
+        in_dims = self.inputs[in_][2:]
+        if caffe_in.shape[:2] != in_dims:
+            caffe_in = resize_image(caffe_in, in_dims)
+        if transpose is not None:
+            caffe_in = caffe_in.transpose(transpose)
+        if channel_swap is not None:
+            caffe_in = caffe_in[list(channel_swap), :, :]
+        if raw_scale is not None:
+            caffe_in *= raw_scale
+        if mean is not None:
+            caffe_in -= mean
+        if input_scale is not None:
+            caffe_in *= input_scale
+        return caffe_in
+
+    def deprocess(self, in_, data):
+        """Undo preprocess (but not the resize): K x H x W -> H x W x K."""
+        self._check_input(in_)
+        decaf_in = np.array(data, dtype=np.float32).squeeze()
+        transpose = self.transpose.get(in_)
+        channel_swap = self.channel_swap.get(in_)
+        raw_scale = self.raw_scale.get(in_)
+        mean = self.mean.get(in_)
+        input_scale = self.input_scale.get(in_)
+        if input_scale is not None:
+            decaf_in /= input_scale
+        if mean is not None:
+            decaf_in += mean
+        if raw_scale is not None:
+            decaf_in /= raw_scale
+        if channel_swap is not None:
+            decaf_in = decaf_in[np.argsort(channel_swap), :, :]
+        if transpose is not None:
+            decaf_in = decaf_in.transpose(np.argsort(transpose))
+        return decaf_in
+
+    def set_transpose(self, in_, order):
+        """Axis order to go from the image's layout to the blob's, e.g. (2, 0, 1) for HWK -> KHW."""
+        self._check_input(in_)
+        if len(order) != len(self.inputs[in_]) - 1:
+            raise ValueError(f"set_transpose({in_!r}): order {tuple(order)} needs "
+                             f"{len(self.inputs[in_]) - 1} axes, one per input axis after the batch")
+        self.transpose[in_] = tuple(order)
+
+    def set_channel_swap(self, in_, order):
+        """Channel order after transpose, e.g. (2, 1, 0) for RGB -> BGR."""
+        self._check_input(in_)
+        if len(order) != self.inputs[in_][1]:
+            raise ValueError(f"set_channel_swap({in_!r}): order {tuple(order)} needs one entry per "
+                             f"input channel ({self.inputs[in_][1]})")
+        self.channel_swap[in_] = tuple(order)
+
+    def set_raw_scale(self, in_, scale):
+        """Scale applied before the mean subtraction (e.g. 255 for [0, 255] models)."""
+        self._check_input(in_)
+        self.raw_scale[in_] = scale
+
+    def set_mean(self, in_, mean):
+        """Mean to subtract: K values (one per channel) or a K x H x W (or H x W) array."""
+        self._check_input(in_)
+        mean = np.asarray(mean)
+        shape = mean.shape
+        if mean.ndim == 1:
+            if shape[0] != self.inputs[in_][1]:
+                raise ValueError(f"set_mean({in_!r}): {shape[0]} mean channels, the input has "
+                                 f"{self.inputs[in_][1]}")
+            mean = mean[:, np.newaxis, np.newaxis]
+        else:
+            if len(shape) == 2:
+                shape = (1,) + shape
+            if len(shape) != 3:
+                raise ValueError(f"set_mean({in_!r}): mean shape {mean.shape} is invalid: give K "
+                                 "values or a K x H x W array")
+            if shape != self.inputs[in_][1:]:
+                raise ValueError(f"set_mean({in_!r}): mean shape {mean.shape} is incompatible with the "
+                                 f"input shape {self.inputs[in_][1:]}")
+        self.mean[in_] = mean
+
+    def set_input_scale(self, in_, scale):
+        """Scale applied last, after the mean subtraction."""
+        self._check_input(in_)
+        self.input_scale[in_] = scale
+
+
+# --- image IO ------------------------------------------------------------------------
+
+# skimage's rgb2gray weights (ITU-R 709), which pycaffe's load_image(color=False) uses.
+_GRAY_WEIGHTS = np.array([0.2125, 0.7154, 0.0721], np.float32)
+
+
+def load_image(filename, color=True):
+    """An image file as float32 in [0, 1]: H x W x 3 RGB, or H x W x 1 gray when
+    color=False. Alpha is dropped; gray images are tiled to 3 channels for color."""
+    from PIL import Image
+    try:
+        image = Image.open(filename)
+        image.load()
+    except FileNotFoundError:
+        raise DataError(f"{filename}: image file not found") from None
+    except Exception as error:
+        raise DataError(f"{filename}: cannot read image: {error}") from None
+    img = _image_as_float(image)
+    if not color and img.ndim == 3:
+        img = img[:, :, :3] @ _GRAY_WEIGHTS
+    if img.ndim == 2:
+        img = img[:, :, np.newaxis]
+        if color:
+            img = np.tile(img, (1, 1, 3))
+    elif img.shape[2] == 4:
+        img = img[:, :, :3]
+    return img.astype(np.float32)
+
+
+def _image_as_float(image):
+    """skimage.img_as_float of what skimage.io.imread returns for a Pillow image."""
+    if image.mode in ("I;16", "I;16B", "I;16L"):
+        return np.asarray(image, dtype=np.float32) / 65535.0
+    if image.mode in ("I", "F"):
+        return np.asarray(image, dtype=np.float32)
+    if image.mode == "1":
+        return np.asarray(image.convert("L"), dtype=np.float32) / 255.0
+    if image.mode not in ("L", "RGB", "RGBA"):
+        image = image.convert("RGBA" if "A" in image.mode or "transparency" in image.info else "RGB")
+    return np.asarray(image, dtype=np.float32) / 255.0
+
+
+def resize_image(im, new_dims, interp_order=1):
+    """Resize an H x W x K image to new_dims = (height, width), as pycaffe does.
+
+    1 or 3 channels: values rescaled to [0, 1], resized with pixel centers aligned
+    (outside pixels count as 0 there, i.e. the image minimum), scaled back.
+    Other channel counts: scipy.ndimage.zoom with corners aligned. Returns float32.
+    """
+    im = np.asarray(im)
+    new_dims = tuple(int(d) for d in new_dims)
+    if im.shape[-1] in (1, 3):
+        im_min, im_max = float(im.min()), float(im.max())
+        if im_max <= im_min:                      # constant image: avoid dividing by 0
+            return np.full((new_dims[0], new_dims[1], im.shape[-1]), im_min, dtype=np.float32)
+        im_std = (im.astype(np.float64) - im_min) / (im_max - im_min)
+        factors = (new_dims[0] / im.shape[0], new_dims[1] / im.shape[1], 1.0)
+        resized_std = zoom(im_std, factors, order=interp_order, mode="grid-constant", cval=0.0,
+                           grid_mode=True, prefilter=interp_order > 1)
+        resized_std = np.clip(resized_std, 0.0, 1.0)       # skimage clips to the input range
+        resized_im = resized_std * (im_max - im_min) + im_min
+    else:
+        factors = tuple(np.array(new_dims, dtype=float) / np.array(im.shape[:2])) + (1.0,)
+        resized_im = zoom(im, factors, order=interp_order)
+    if resized_im.shape[:2] != new_dims:
+        raise ShapeError(f"resize_image: got {resized_im.shape[:2]} instead of {new_dims}")
+    return resized_im.astype(np.float32)
+
+
+def oversample(images, crop_dims):
+    """The 4 corner crops, the center crop and their mirrors of every image:
+    images: N images H x W x K; returns 10*N x h x w x K float32, image by image."""
+    images = [np.asarray(im) for im in images]
+    im_shape = np.array(images[0].shape)
+    crop_dims = np.array(crop_dims, dtype=int)
+    im_center = im_shape[:2] / 2.0
+    crops_ix = []
+    for i in (0, im_shape[0] - crop_dims[0]):
+        for j in (0, im_shape[1] - crop_dims[1]):
+            crops_ix.append((i, j, i + crop_dims[0], j + crop_dims[1]))
+    center = np.concatenate([im_center - crop_dims / 2.0, im_center + crop_dims / 2.0]).astype(int)
+    crops_ix.append(tuple(center))
+    crops = np.empty((10 * len(images), crop_dims[0], crop_dims[1], im_shape[-1]), dtype=np.float32)
+    for index, im in enumerate(images):
+        base = 10 * index
+        for k, (top, left, bottom, right) in enumerate(crops_ix):
+            crops[base + k] = im[top:bottom, left:right, :]
+        crops[base + 5:base + 10] = crops[base:base + 5, :, ::-1, :]   # mirrors
+    return crops

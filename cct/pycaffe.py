@@ -1,0 +1,192 @@
+"""The parts of pycaffe's Net that pycaffe writes in Python, attached to
+cct.net.Net the way pycaffe attaches them to the C++ class (so nets made
+anywhere, by a solver too, have them), plus pycaffe's Timer.
+
+    net.forward_all(data=images)            any number of images, in batches
+    net.forward_backward_all(data=..., prob=...)
+    net.set_input_arrays(data, labels)      for a MemoryData first layer
+    net.before_forward(fn) / after_forward / before_backward / after_backward
+                                            fn(layer_index) around every layer
+Importing this module is enough (cct/__init__.py does).
+"""
+import time
+from itertools import zip_longest
+
+import numpy as np
+
+from .errors import ConfigError, ShapeError
+from .net import Net
+
+
+def _batch(self, blobs):
+    """Split {blob name: array of N items} into the net's batch size; the last
+    partial batch is padded with zeros. Yields {blob name: batch array}."""
+    if not blobs:
+        return
+    num = len(next(iter(blobs.values())))
+    for name, values in blobs.items():
+        if len(values) != num:
+            raise ShapeError(f"_batch: '{name}' has {len(values)} items, "
+                             f"'{next(iter(blobs))}' has {num}; all must have the same length")
+    batch_size = next(iter(self.blobs.values())).shape[0]
+    remainder = num % batch_size
+    for start in range(0, num - remainder, batch_size):
+        yield {name: values[start:start + batch_size] for name, values in blobs.items()}
+    if remainder:
+        padded = {}
+        for name, values in blobs.items():
+            values = np.asarray(values)
+            padding = np.zeros((batch_size - remainder,) + values.shape[1:], values.dtype)
+            padded[name] = np.concatenate([values[-remainder:], padding])
+        yield padded
+
+
+def _forward_all(self, blobs=None, **kwargs):
+    """Forward any number of inputs in batches: kwargs {input name: N x ...};
+    returns {blob name: N x ...} for the outputs and `blobs`, padding dropped."""
+    all_outs = {out: [] for out in set(self.outputs + list(blobs or []))}
+    if not kwargs:
+        outs = self.forward(blobs=blobs)
+        return {out: np.array(value) for out, value in outs.items()}
+    for batch in self._batch(kwargs):
+        outs = self.forward(blobs=blobs, **batch)
+        for out, value in outs.items():
+            all_outs[out].append(np.atleast_1d(np.array(value)))    # a 0-d loss: one value per batch
+    all_outs = {out: np.concatenate(chunks) for out, chunks in all_outs.items()}
+    num = len(next(iter(kwargs.values())))
+    return {out: values[:num] for out, values in all_outs.items()}
+
+
+def _forward_backward_all(self, blobs=None, diffs=None, **kwargs):
+    """Forward and backward in batches. kwargs: input arrays (for forward) and
+    output diffs (for backward), N items each. Returns (blobs, diffs) dicts of
+    N-item arrays: the outputs + `blobs`, the inputs' diffs + `diffs`."""
+    all_outs = {out: [] for out in set(self.outputs + list(blobs or []))}
+    all_diffs = {diff: [] for diff in set(self.inputs + list(diffs or []))}
+    unknown = set(kwargs) - set(self.inputs) - set(self.outputs)
+    if unknown:
+        raise ConfigError(f"forward_backward_all(): {sorted(unknown)} are neither inputs "
+                          f"{self.inputs} nor outputs {self.outputs} of the net")
+    forward_batches = self._batch({name: kwargs[name] for name in self.inputs if name in kwargs})
+    backward_batches = self._batch({name: kwargs[name] for name in self.outputs if name in kwargs})
+    for forward_batch, backward_batch in zip_longest(forward_batches, backward_batches, fillvalue={}):
+        batch_blobs = self.forward(blobs=blobs, **forward_batch)
+        batch_diffs = self.backward(diffs=diffs, **backward_batch)
+        for out, value in batch_blobs.items():
+            all_outs[out].append(np.atleast_1d(np.array(value)))
+        for diff, value in batch_diffs.items():
+            all_diffs[diff].append(np.atleast_1d(np.array(value)))
+    all_outs = {out: np.concatenate(chunks) for out, chunks in all_outs.items()}
+    all_diffs = {diff: np.concatenate(chunks) for diff, chunks in all_diffs.items()}
+    if kwargs:
+        num = len(next(iter(kwargs.values())))
+        all_outs = {out: values[:num] for out, values in all_outs.items()}
+        all_diffs = {diff: values[:num] for diff, values in all_diffs.items()}
+    return all_outs, all_diffs
+
+
+def _set_input_arrays(self, data, labels):
+    """Hand arrays to the net's first layer, which must be MemoryData: data
+    N x C x H x W float32, labels N (or N x 1 x 1 x 1); N a multiple of its batch size."""
+    if not self.layers or self.layers[0].type != "MemoryData":
+        first = f"'{self.layers[0].name}' ({self.layers[0].type})" if self.layers else "none"
+        raise ConfigError(f"set_input_arrays may only be called if the first layer is a MemoryData "
+                          f"layer; net '{self.name}' starts with {first}")
+    labels = np.asarray(labels)
+    if labels.ndim == 1:
+        labels = np.ascontiguousarray(labels[:, np.newaxis, np.newaxis, np.newaxis])
+    return self.layers[0].set_input_arrays(data, labels)
+
+
+# --- per-layer callbacks (Caffe's Net::add_before_forward & co.) -----------------------
+# A net with callbacks gets its own _forward_layer/_backward_layer wrapping the
+# class's, so nets without callbacks run the plain loop with no extra cost.
+
+def _callbacks(self, kind):
+    lists = self.__dict__.setdefault("_layer_callbacks", {
+        "before_forward": [], "after_forward": [], "before_backward": [], "after_backward": []})
+    if "_forward_layer" not in self.__dict__:
+        self._forward_layer = _hooked_forward_layer.__get__(self)
+        self._backward_layer = _hooked_backward_layer.__get__(self)
+    return lists[kind]
+
+
+def _hooked_forward_layer(self, i):
+    callbacks = self._layer_callbacks
+    for callback in callbacks["before_forward"]:
+        callback(i)
+    loss = Net._forward_layer(self, i)
+    for callback in callbacks["after_forward"]:
+        callback(i)
+    return loss
+
+
+def _hooked_backward_layer(self, i):
+    callbacks = self._layer_callbacks
+    for callback in callbacks["before_backward"]:
+        callback(i)
+    Net._backward_layer(self, i)
+    for callback in callbacks["after_backward"]:
+        callback(i)
+
+
+def _register(kind):
+    def add(self, callback):
+        if not callable(callback):
+            raise TypeError(f"{kind}(): the callback must be callable (fn(layer_index)), got {callback!r}")
+        _callbacks(self, kind).append(callback)
+    add.__name__ = kind
+    add.__doc__ = (f"Call callback(layer_index) {kind.replace('_', ' ')} of every layer "
+                   "(every layer in range, whether or not it needs backward).")
+    return add
+
+
+Net._batch = _batch
+Net.forward_all = _forward_all
+Net.forward_backward_all = _forward_backward_all
+Net.set_input_arrays = _set_input_arrays
+Net.before_forward = _register("before_forward")
+Net.after_forward = _register("after_forward")
+Net.before_backward = _register("before_backward")
+Net.after_backward = _register("after_backward")
+
+
+class Timer:
+    """pycaffe's Timer: start(), stop(), and the elapsed time of the last
+    start..stop as `ms`, milliseconds() or seconds(). Reading a running timer stops it."""
+
+    def __init__(self):
+        self._start = None
+        self._elapsed = 0.0
+        self._running = False
+        self._has_run = False
+
+    def start(self):
+        if not self._running:
+            self._start = time.perf_counter()
+            self._running = True
+            self._has_run = True
+
+    def stop(self):
+        if self._running:
+            self._elapsed = time.perf_counter() - self._start
+            self._running = False
+
+    def seconds(self):
+        if self._running:
+            self.stop()
+        return self._elapsed
+
+    def milliseconds(self):
+        return self.seconds() * 1000.0
+
+    def microseconds(self):
+        return self.seconds() * 1e6
+
+    @property
+    def ms(self):
+        return self.milliseconds()
+
+    @property
+    def running(self):
+        return self._running

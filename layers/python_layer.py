@@ -1,0 +1,60 @@
+"""Python layers: type "Python", a layer written by the user in Python (Caffe's
+PythonLayer, pycaffe's caffe.Layer)."""
+import importlib
+
+from cct.blob import Blob
+from cct.layer import TRAIN, Layer, register
+
+
+class BlobVec(list):
+    """A layer's learnable blobs as pycaffe shows them to Python layers: a list
+    of Blobs with add_blob(*shape) appending a new float32 Blob of that shape."""
+
+    def add_blob(self, *shape):
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        self.append(Blob(shape))
+
+
+@register("Python")
+class PythonLayer(Layer):
+    """python_param { module: "m" layer: "C" param_str: "..." share_in_parallel }
+
+    Imports module `m` (from the Python path) and makes an instance of its class
+    `C`, which must subclass cct.Layer and override setup/reshape/forward/backward
+    (with pycaffe's signatures). Constructing a PythonLayer returns that instance,
+    built like pycaffe builds it (`C(layer_param)`), with `param_str` (a str),
+    `phase` (cct.TRAIN/TEST), `type` "Python" and `blobs` a BlobVec set. Bottom
+    and top counts are the user class's own (its exact_bottoms... attributes).
+    share_in_parallel is accepted and has no effect (cct trains in one process).
+    A Python layer is a loss only where the prototxt gives it a loss_weight.
+    """
+
+    def __new__(cls, layer_param, phase=TRAIN, source=None):
+        probe = Layer(layer_param, phase, source)          # for its error helpers
+        python_param = layer_param.python_param
+        if not python_param.module:
+            raise probe.config_error("python_param.module", "missing: name the Python module of the layer")
+        if not python_param.layer:
+            raise probe.config_error("python_param.layer", "missing: name the layer class in module "
+                                     f"'{python_param.module}'")
+        try:
+            module = importlib.import_module(python_param.module)
+        except ImportError as error:
+            raise probe.config_error("python_param.module", f"cannot import module '{python_param.module}' "
+                                     f"({error}); is its folder on PYTHONPATH?") from error
+        user_class = getattr(module, python_param.layer, None)
+        if user_class is None:
+            raise probe.config_error("python_param.layer", f"module '{python_param.module}' "
+                                     f"({getattr(module, '__file__', '?')}) has no class '{python_param.layer}'")
+        if not (isinstance(user_class, type) and issubclass(user_class, Layer)):
+            raise probe.config_error("python_param.layer", f"'{python_param.module}.{python_param.layer}' "
+                                     "must be a class derived from cct.Layer (pycaffe: caffe.Layer)")
+        layer = user_class(layer_param)
+        layer.phase = phase
+        layer.source = source
+        layer.type = "Python"
+        layer.param_str = python_param.param_str
+        if not isinstance(layer.blobs, BlobVec):
+            layer.blobs = BlobVec(layer.blobs)
+        return layer
