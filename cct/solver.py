@@ -1,0 +1,719 @@
+"""Solvers: Caffe's Solver / SGDSolver and its subclasses, with pycaffe's surface.
+
+The update is a template method (Caffe's sgd_solver.cpp):
+
+    step(iters), per iteration:
+        clear param diffs -> iter_size x forward_backward (loss averaged)
+        -> smoothed loss over `average_loss` iterations -> display
+        -> apply_update():
+             learning rate (cct.lr_policy) -> clip_gradients (global L2 norm)
+             -> per learnable param: normalize (1 / iter_size)
+                                     -> regularize (L2 or L1, weight_decay * decay_mult)
+                                     -> compute_update_value (the subclass's rule)
+             -> param.data -= param.diff
+        -> iter += 1 -> snapshot / stop on schedule or request
+
+Subclasses override only compute_update_value. Histories are float32 arrays
+laid out as Caffe's history_ (AdaDelta and Adam append a second set), so a
+.solverstate written here restores in Caffe and the other way around.
+"""
+import logging
+import os
+import time
+
+import numpy as np
+
+from .errors import ConfigError, WeightsError
+from .layer import TEST, TRAIN
+from .lr_policy import check_policy, learning_rate
+from .net import Net
+from .prototxt import atomic_write, read_binary, read_net, read_solver
+from .proto import caffe_pb2
+from .rng import set_random_seed
+from .upgrade import upgrade_solver
+from .weights import array_to_blob_proto, blob_proto_to_array
+
+log = logging.getLogger("cct.solver")
+
+SOLVER_TYPES = {}            # SolverParameter.type -> Solver subclass
+ACTIONS = ("none", "stop", "snapshot")
+
+
+def register_solver(type_name):
+    def add(cls):
+        cls.type = type_name
+        SOLVER_TYPES[type_name] = cls
+        return cls
+    return add
+
+
+def load_solver_param(path):
+    """A SolverParameter from a prototxt file, upgraded as Caffe's
+    ReadSolverParamsFromTextFileOrDie does (solver_type enum -> type; a missing
+    snapshot_prefix becomes the solver file's path without extension, a folder
+    prefix gets the solver file's stem appended)."""
+    path = os.fspath(path)
+    param = upgrade_solver(read_solver(path), source=path)
+    if not param.HasField("snapshot_prefix"):
+        param.snapshot_prefix = os.path.splitext(path)[0]
+    elif os.path.isdir(param.snapshot_prefix):
+        stem = os.path.splitext(os.path.basename(path))[0]
+        param.snapshot_prefix = os.path.join(param.snapshot_prefix, stem)
+    return param
+
+
+def get_solver(solver, source=None):
+    """A solver of the type the SolverParameter (or solver prototxt path) names."""
+    param, source = _solver_param(solver, source)
+    cls = SOLVER_TYPES.get(param.type)
+    if cls is None:
+        raise ConfigError(f"{source}: type: unknown solver type {param.type!r}; "
+                          f"known types: {', '.join(sorted(SOLVER_TYPES))}")
+    return cls(param, source=source)
+
+
+def _solver_param(solver, source):
+    if isinstance(solver, caffe_pb2.SolverParameter):
+        return upgrade_solver(solver, source or "<SolverParameter>"), source or "<SolverParameter>"
+    return load_solver_param(solver), source or os.fspath(solver)
+
+
+def _fmt(value):
+    """Numbers as Caffe's iostreams print them: 6 significant digits."""
+    return f"{value:.6g}"
+
+
+class Solver:
+    """Base solver: the training loop, testing, snapshots. `Solver(path or
+    SolverParameter)`; pycaffe's caffe.SGDSolver(path) etc. are the subclasses."""
+
+    type = None
+
+    def __init__(self, solver, source=None):
+        param, source = _solver_param(solver, source)
+        if param.type != self.type and param.HasField("type"):
+            log.warning("%s: type %r given, running it with the %s solver", source, param.type, self.type)
+        self.param = param
+        self.source = source
+        self.iter = 0
+        self.current_step = 0
+        self.callbacks = []
+        self.mean_scores = []
+        self.smoothed_loss = 0.0
+        self._losses = []
+        self._requested = "none"
+        self._early_exit = False
+        self._check_param()
+        if param.random_seed >= 0:
+            set_random_seed(param.random_seed)
+        self.net = self._init_train_net()
+        self.test_nets = self._init_test_nets()
+        for net in [self.net] + self.test_nets:
+            self._load_weights(net)
+        self._images_per_iter = self._batch_size(self.net) * param.iter_size
+        self.history = [np.zeros(p.shape, p.dtype) for p in self.net.learnable_params]
+        self._temp = [np.zeros(p.shape, p.dtype) for p in self.net.learnable_params]
+        self.pre_solve()
+        log.info("Solver scaffolding done.")
+
+    # --- set-up ------------------------------------------------------------------
+    def _check_param(self):
+        param, source = self.param, self.source
+        if param.average_loss < 1:
+            raise ConfigError(f"{source}: average_loss: must be >= 1, got {param.average_loss}")
+        if param.iter_size < 1:
+            raise ConfigError(f"{source}: iter_size: must be >= 1, got {param.iter_size}")
+        if param.regularization_type not in ("L1", "L2"):
+            raise ConfigError(f"{source}: regularization_type: unknown regularization type "
+                              f"{param.regularization_type!r}; known: L1, L2")
+        check_policy(param, source)
+        if param.snapshot < 0:
+            raise ConfigError(f"{source}: snapshot: must be >= 0, got {param.snapshot}")
+        if param.snapshot:
+            self._check_snapshot_writable()
+
+    def _check_snapshot_writable(self):
+        if not self.param.snapshot_prefix:
+            raise ConfigError(f"{self.source}: snapshot_prefix: snapshot is {self.param.snapshot} "
+                              "but no snapshot_prefix is given")
+        probe = self._snapshot_filename(".tempfile")
+        try:
+            with open(probe, "w"):
+                pass
+            os.remove(probe)
+        except OSError as error:
+            raise ConfigError(f"{self.source}: snapshot_prefix: cannot write to "
+                              f"'{self.param.snapshot_prefix}' ({error.strerror}); make sure the "
+                              "folder exists and is writable") from None
+
+    def _read_net_file(self, field, path):
+        """Caffe reads net files relative to the working folder, not the solver's."""
+        if not os.path.isfile(path):
+            hint = ""
+            beside = os.path.join(os.path.dirname(os.path.abspath(self.source)), path)
+            if not os.path.isabs(path) and os.path.isfile(beside):
+                hint = (f"; it exists beside the solver file ({beside}): run from that folder, "
+                        "as Caffe resolves it against the working folder")
+            raise ConfigError(f"{self.source}: {field}: net file '{path}' not found "
+                              f"(working folder {os.getcwd()}){hint}")
+        return read_net(path)
+
+    def _init_train_net(self):
+        param, source = self.param, self.source
+        fields = [f for f in ("net", "net_param", "train_net", "train_net_param") if param.HasField(f)]
+        if len(fields) != 1:
+            problem = "none" if not fields else ", ".join(fields)
+            raise ConfigError(f"{source}: give the train net in exactly one of net, net_param, "
+                              f"train_net, train_net_param; got {problem}")
+        field = fields[0]
+        if field in ("net", "train_net"):
+            network = getattr(param, field)                 # a path: the net's errors name the file
+            net_param = self._read_net_file(field, network)
+            log.info("Creating training net from %s file: %s", field, network)
+        else:
+            network = net_param = getattr(param, field)
+            log.info("Creating training net specified in %s", field)
+        state = caffe_pb2.NetState(phase=TRAIN)
+        state.MergeFrom(net_param.state)
+        state.MergeFrom(param.train_state)
+        return self._make_net(network, state)
+
+    def _init_test_nets(self):
+        param, source = self.param, self.source
+        generic = [f for f in ("net", "net_param") if param.HasField(f)]
+        if len(generic) > 1:
+            raise ConfigError(f"{source}: give net or net_param, not both")
+        num_given = len(param.test_net_param) + len(param.test_net)
+        if generic and len(param.test_iter) < num_given:
+            raise ConfigError(f"{source}: test_iter: give one per test net ({num_given}), "
+                              f"got {len(param.test_iter)}")
+        if not generic and len(param.test_iter) != num_given:
+            raise ConfigError(f"{source}: test_iter: give one per test net ({num_given}), "
+                              f"got {len(param.test_iter)}")
+        num_instances = len(param.test_iter)
+        if len(param.test_state) and len(param.test_state) != num_instances:
+            raise ConfigError(f"{source}: test_state: give none or one per test net "
+                              f"({num_instances}), got {len(param.test_state)}")
+        if num_instances and param.test_interval <= 0:
+            raise ConfigError(f"{source}: test_interval: must be > 0 when test nets are given "
+                              f"(test_iter), got {param.test_interval}")
+        for index, count in enumerate(param.test_iter):
+            if count < 0:
+                raise ConfigError(f"{source}: test_iter[{index}]: must be >= 0, got {count}")
+        sources = []                                   # (description, network, NetParameter)
+        for net_param in param.test_net_param:
+            sources.append(("test_net_param", net_param, net_param))
+        for path in param.test_net:
+            sources.append((f"test_net file: {path}", path, self._read_net_file("test_net", path)))
+        remaining = num_instances - len(sources)
+        if param.HasField("net_param"):
+            sources += [("net_param", param.net_param, param.net_param)] * remaining
+        elif param.HasField("net") and remaining:
+            net_param = self._read_net_file("net", param.net)
+            sources += [(f"net file: {param.net}", param.net, net_param)] * remaining
+        nets = []
+        for index, (description, network, net_param) in enumerate(sources):
+            state = caffe_pb2.NetState(phase=TEST)
+            state.MergeFrom(net_param.state)
+            if len(param.test_state):
+                state.MergeFrom(param.test_state[index])
+            log.info("Creating test net (#%d) specified by %s", index, description)
+            nets.append(self._make_net(network, state))
+        self.mean_scores = [[] for _ in nets]
+        return nets
+
+    @staticmethod
+    def _make_net(network, state):
+        if isinstance(network, caffe_pb2.NetParameter):
+            net_param = caffe_pb2.NetParameter()
+            net_param.CopyFrom(network)
+            net_param.state.CopyFrom(state)
+            network = net_param
+        return Net(network, state.phase, level=state.level, stages=tuple(state.stage))
+
+    def _load_weights(self, net):
+        for entry in self.param.weights:
+            for path in filter(None, (p.strip() for p in entry.split(","))):
+                log.info("Loading weights from %s", path)
+                net.copy_from(path)
+
+    @staticmethod
+    def _batch_size(net):
+        """Images per forward: the first axis of the first layer's first top."""
+        for tops in net.top_vecs:
+            if tops and tops[0].shape:
+                return tops[0].shape[0]
+        return 0
+
+    def pre_solve(self):
+        """Subclass hook: check the solver's own fields, add history entries."""
+
+    # --- pycaffe's surface -------------------------------------------------------
+    def add_callback(self, on_start, on_gradients_ready):
+        """Call on_start() before each iteration's forward and
+        on_gradients_ready() before its update (pycaffe's add_callback)."""
+        self.callbacks.append((on_start, on_gradients_ready))
+
+    def share_weights(self, net):
+        """Make `net` use this solver's train-net parameters."""
+        net.share_with(self.net)
+
+    def request_action(self, action):
+        """Ask the running loop to 'stop', 'snapshot' or do nothing ('none');
+        read once, at the end of the current iteration (or test batch)."""
+        action = str(action).lower()
+        if action not in ACTIONS:
+            raise ConfigError(f"request_action: unknown action {action!r}; known: {', '.join(ACTIONS)}")
+        self._requested = action
+
+    def _take_request(self):
+        action, self._requested = self._requested, "none"
+        return action
+
+    def solve(self, resume_file=None):
+        """Train to max_iter (Caffe's Solver::Solve), optionally resuming."""
+        param = self.param
+        log.info("Solving %s", self.net.name)
+        log.info("Learning Rate Policy: %s", param.lr_policy)
+        self._early_exit = False
+        if resume_file:
+            log.info("Restoring previous solver status from %s", resume_file)
+            self.restore(resume_file)
+        self.step(param.max_iter - self.iter)
+        if param.snapshot_after_train and (not param.snapshot or self.iter % param.snapshot != 0):
+            self.snapshot()
+        if self._early_exit:
+            log.info("Optimization stopped early.")
+            return
+        # One more forward to show the final loss, and a last test (Caffe does both).
+        if param.display and self.iter % param.display == 0:
+            self._update_smoothed_loss(self.net._forward(), self._start_iter)
+            log.info("Iteration %d, loss = %s", self.iter, _fmt(self.smoothed_loss))
+        if param.test_interval and self.iter % param.test_interval == 0:
+            self.test_all()
+        log.info("Optimization Done.")
+
+    def step(self, iters):
+        """Run `iters` iterations (Caffe's Solver::Step)."""
+        param, net = self.param, self.net
+        self._start_iter = start_iter = self.iter
+        stop_iter = self.iter + int(iters)
+        self._losses = []
+        self.smoothed_loss = 0.0
+        timer_start, iters_at_timer = time.perf_counter(), self.iter
+        while self.iter < stop_iter:
+            net.clear_param_diffs()
+            if (param.test_interval and self.iter % param.test_interval == 0
+                    and (self.iter > 0 or param.test_initialization)):
+                self.test_all()
+                if self._early_exit:
+                    break
+            for on_start, _ in self.callbacks:
+                on_start()
+            display = param.display and self.iter % param.display == 0
+            loss = 0.0
+            for _ in range(param.iter_size):
+                loss += net.forward_backward()
+            loss /= param.iter_size
+            self._update_smoothed_loss(loss, start_iter)
+            if display:
+                now = time.perf_counter()
+                self._log_display(now - timer_start, self.iter - iters_at_timer)
+                timer_start, iters_at_timer = now, self.iter
+                if param.debug_info:
+                    self._log_debug_info()
+            for _, on_gradients_ready in self.callbacks:
+                on_gradients_ready()
+            self.apply_update()
+            self.iter += 1         # counts the updates applied so far
+            request = self._take_request()
+            if (param.snapshot and self.iter % param.snapshot == 0) or request == "snapshot":
+                self.snapshot()
+            if request == "stop":
+                self._early_exit = True
+                break
+
+    def _update_smoothed_loss(self, loss, start_iter):
+        average = self.param.average_loss
+        if len(self._losses) < average:
+            self._losses.append(loss)
+            self.smoothed_loss += (loss - self.smoothed_loss) / len(self._losses)
+        else:
+            index = (self.iter - start_iter) % average
+            self.smoothed_loss += (loss - self._losses[index]) / average
+            self._losses[index] = loss
+
+    def _log_display(self, lapse, iterations):
+        param = self.param
+        per_s = iterations / lapse if lapse > 0 else 0.0
+        remaining = param.max_iter - self.iter
+        eta = ""
+        if per_s > 0 and remaining > 0:
+            eta = f", ETA {_duration(remaining / per_s)}"
+        log.info("Iteration %d (%s iter/s, %s images/s, %ss/%d iters%s), loss = %s",
+                 self.iter, _fmt(per_s), _fmt(per_s * self._images_per_iter), _fmt(lapse),
+                 param.display, eta, _fmt(self.smoothed_loss))
+        self._log_outputs(self.net, "Train", [self.net.blobs[n].data.ravel() for n in self.net.outputs])
+
+    @staticmethod
+    def _log_outputs(net, kind, values_per_output):
+        index = 0
+        for name, values in zip(net.outputs, values_per_output):
+            weight = net.blob_loss_weights.get(name, 0.0)
+            for value in np.asarray(values).ravel():
+                suffix = f" (* {_fmt(weight)} = {_fmt(weight * value)} loss)" if weight else ""
+                log.info("    %s net output #%d: %s = %s%s", kind, index, name, _fmt(value), suffix)
+                index += 1
+
+    def _log_debug_info(self):
+        """Mean absolute values of every top and param gradient (Caffe's debug_info)."""
+        net = self.net
+        for layer, tops, top_names in zip(net.layers, net.top_vecs, net.top_names.values()):
+            for blob, name in zip(tops, top_names):
+                log.info("    [Forward] Layer %s, top blob %s data: %s", layer.name, name,
+                         _fmt(float(np.abs(blob.data).mean()) if blob.count else 0.0))
+            for index, blob in enumerate(layer.blobs):
+                log.info("    [Backward] Layer %s, param blob %d diff: %s", layer.name, index,
+                         _fmt(float(np.abs(blob.diff).mean()) if blob.count else 0.0))
+
+    # --- testing -----------------------------------------------------------------
+    def test_all(self):
+        for index in range(len(self.test_nets)):
+            if self._early_exit:
+                break
+            self.test(index)
+
+    def test(self, test_net_id=0):
+        """Run test net `test_net_id` for its test_iter batches; log and return the
+        mean of every output element (Caffe's Solver::Test)."""
+        param = self.param
+        log.info("Iteration %d, Testing net (#%d)", self.iter, test_net_id)
+        net = self.test_nets[test_net_id]
+        net.share_with(self.net)
+        iterations = param.test_iter[test_net_id]
+        scores, loss = None, 0.0
+        for _ in range(iterations):
+            request = self._take_request()
+            if request == "snapshot":
+                self.snapshot()
+            elif request == "stop":
+                self._early_exit = True
+            if self._early_exit:
+                log.info("Test interrupted.")
+                return None
+            batch_loss = net._forward()
+            if param.test_compute_loss:
+                loss += batch_loss
+            values = np.concatenate([net.blobs[n].data.ravel() for n in net.outputs]
+                                    or [np.zeros(0)]).astype(np.float64)
+            scores = values if scores is None else scores + values
+        if param.test_compute_loss and iterations:
+            log.info("Test loss: %s", _fmt(loss / iterations))
+        means = scores / iterations if scores is not None else np.zeros(0)
+        split = np.cumsum([net.blobs[n].count for n in net.outputs])[:-1]
+        self._log_outputs(net, "Test", np.split(means, split) if len(net.outputs) else [])
+        self.mean_scores[test_net_id] = list(means)
+        return list(means)
+
+    # --- the update --------------------------------------------------------------
+    def get_learning_rate(self):
+        rate, self.current_step = learning_rate(self.param, self.iter, self.current_step, self.source)
+        return rate
+
+    def apply_update(self):
+        """One parameter update from the gradients in the net's param diffs."""
+        param, net = self.param, self.net
+        rate = self.get_learning_rate()
+        if param.display and self.iter % param.display == 0:
+            log.info("Iteration %d, lr = %s", self.iter, _fmt(rate))
+        self.clip_gradients()
+        for index in range(len(net.learnable_params)):
+            self.normalize(index)
+            self.regularize(index)
+            self.compute_update_value(index, rate)
+        for blob in net.learnable_params:
+            blob.data[...] -= blob.diff            # Caffe's Blob::Update
+
+    def clip_gradients(self):
+        clip = self.param.clip_gradients
+        if clip < 0:
+            return
+        params = self.net.learnable_params
+        norm = float(np.sqrt(sum(float(np.dot(p.diff.ravel(), p.diff.ravel())) for p in params)))
+        if norm > clip:
+            scale = clip / norm
+            log.info("Gradient clipping: scaling down gradients (L2 norm %s > %s) by scale factor %s",
+                     _fmt(norm), _fmt(clip), _fmt(scale))
+            for p in params:
+                p.diff[...] *= scale
+
+    def normalize(self, index):
+        """Average the gradient accumulated over iter_size passes."""
+        if self.param.iter_size != 1:
+            self.net.learnable_params[index].diff[...] *= 1.0 / self.param.iter_size
+
+    def regularize(self, index):
+        decay = self.param.weight_decay * self.net.params_weight_decay[index]
+        if not decay:
+            return
+        blob, temp = self.net.learnable_params[index], self._temp[index]
+        if self.param.regularization_type == "L2":
+            np.multiply(blob.data, decay, out=temp)
+        else:                                       # L1
+            np.sign(blob.data, out=temp)
+            temp *= decay
+        blob.diff[...] += temp
+
+    def compute_update_value(self, index, rate):
+        """Turn the param's regularized gradient (diff) into the step to subtract."""
+        raise NotImplementedError
+
+    # --- snapshots ---------------------------------------------------------------
+    def _snapshot_filename(self, extension):
+        return f"{self.param.snapshot_prefix}_iter_{self.iter}{extension}"
+
+    def snapshot(self):
+        """Write the weights and the solver state; returns the state's path."""
+        param = self.param
+        if not param.snapshot_prefix:
+            raise ConfigError(f"{self.source}: snapshot_prefix: needed to write a snapshot")
+        hdf5 = param.snapshot_format == caffe_pb2.SolverParameter.HDF5
+        if hdf5:
+            model = self._snapshot_filename(".caffemodel.h5")
+            log.info("Snapshotting to HDF5 file %s", model)
+            self.net.save_hdf5(model, write_diff=param.snapshot_diff)
+            state_path = self._snapshot_filename(".solverstate.h5")
+            log.info("Snapshotting solver state to HDF5 file %s", state_path)
+            self._write_state_hdf5(state_path, model)
+        else:
+            model = self._snapshot_filename(".caffemodel")
+            log.info("Snapshotting to binary proto file %s", model)
+            self.net.save(model, write_diff=param.snapshot_diff)
+            state_path = self._snapshot_filename(".solverstate")
+            log.info("Snapshotting solver state to binary proto file %s", state_path)
+            state = caffe_pb2.SolverState(iter=self.iter, learned_net=model, current_step=self.current_step)
+            for history in self.history:
+                state.history.add().CopyFrom(array_to_blob_proto(history))
+            atomic_write(state_path, state.SerializeToString())
+        return state_path
+
+    def _write_state_hdf5(self, path, model):
+        import h5py
+        temp_path = f"{path}.tmp-{os.getpid()}"
+        with h5py.File(temp_path, "w") as out:
+            out.create_dataset("iter", data=np.array([self.iter], np.int32))
+            out.create_dataset("learned_net", data=np.bytes_(model.encode()))
+            out.create_dataset("current_step", data=np.array([self.current_step], np.int32))
+            group = out.create_group("history")
+            for index, history in enumerate(self.history):
+                group.create_dataset(str(index), data=history)
+        os.replace(temp_path, path)
+
+    def restore(self, state_file):
+        """Continue from a .solverstate(.h5): iteration, step counter, history and
+        the weights file it names (Caffe's Solver::Restore)."""
+        state_file = os.fspath(state_file)
+        if not os.path.isfile(state_file):
+            raise ConfigError(f"{state_file}: solver state file not found")
+        if state_file.endswith(".h5"):
+            iteration, model, current_step, histories = self._read_state_hdf5(state_file)
+        else:
+            state = read_binary(state_file, caffe_pb2.SolverState())
+            iteration, current_step = state.iter, state.current_step
+            model = state.learned_net if state.HasField("learned_net") else None
+            try:
+                histories = [blob_proto_to_array(h) for h in state.history]
+            except WeightsError as error:
+                raise ConfigError(f"{state_file}: history: {error}") from None
+        if len(histories) != len(self.history):
+            raise ConfigError(f"{state_file}: has {len(histories)} history blobs, a {self.type} solver "
+                              f"on this net needs {len(self.history)} (a state from another solver "
+                              "type or net?)")
+        for index, (ours, theirs) in enumerate(zip(self.history, histories)):
+            if theirs.size != ours.size:
+                raise ConfigError(f"{state_file}: history[{index}] has shape {theirs.shape}, the "
+                                  f"parameter has shape {ours.shape}")
+        if model:
+            self.net.copy_from(self._locate_learned_net(model, state_file))
+        for ours, theirs in zip(self.history, histories):
+            ours[...] = theirs.reshape(ours.shape)
+        self.iter, self.current_step = int(iteration), int(current_step)
+
+    @staticmethod
+    def _locate_learned_net(model, state_file):
+        """As written (relative to the working folder, as Caffe reads it), else
+        beside the state file: a run moved to another folder still resumes."""
+        if os.path.exists(model):
+            return model
+        beside = os.path.join(os.path.dirname(state_file), os.path.basename(model))
+        if os.path.exists(beside):
+            return beside
+        raise ConfigError(f"{state_file}: learned_net: weight file '{model}' not found "
+                          f"(nor beside the state file)")
+
+    @staticmethod
+    def _read_state_hdf5(path):
+        import h5py
+        try:
+            with h5py.File(path, "r") as state:
+                iteration = int(np.asarray(state["iter"][()]).ravel()[0])
+                current_step = (int(np.asarray(state["current_step"][()]).ravel()[0])
+                                if "current_step" in state else 0)
+                model = None
+                if "learned_net" in state:
+                    model = state["learned_net"][()]
+                    model = model.decode() if isinstance(model, bytes) else str(model)
+                group = state["history"]
+                histories = [np.asarray(group[str(i)][...], np.float32) for i in range(len(group))]
+        except (OSError, KeyError) as error:
+            raise ConfigError(f"{path}: not a readable HDF5 solver state: {error}") from None
+        return iteration, model, current_step, histories
+
+
+def _duration(seconds):
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+# --- the update rules ----------------------------------------------------------------
+@register_solver("SGD")
+class SGDSolver(Solver):
+    """history = momentum * history + local_rate * grad; step = history."""
+
+    def compute_update_value(self, index, rate):
+        blob, history, temp = self.net.learnable_params[index], self.history[index], self._temp[index]
+        local_rate = rate * self.net.params_lr[index]
+        history *= self.param.momentum
+        np.multiply(blob.diff, local_rate, out=temp)
+        history += temp
+        blob.diff[...] = history
+
+
+@register_solver("Nesterov")
+class NesterovSolver(Solver):
+    """history' = momentum * history + local_rate * grad;
+    step = (1 + momentum) * history' - momentum * history."""
+
+    def compute_update_value(self, index, rate):
+        blob, history, previous = self.net.learnable_params[index], self.history[index], self._temp[index]
+        momentum = self.param.momentum
+        local_rate = rate * self.net.params_lr[index]
+        previous[...] = history
+        history *= momentum
+        history += local_rate * blob.diff
+        np.multiply(history, 1.0 + momentum, out=blob.diff)
+        previous *= momentum
+        blob.diff[...] -= previous
+
+
+def _require_no_momentum(solver):
+    if solver.param.momentum != 0:
+        raise ConfigError(f"{solver.source}: momentum: cannot be used with {solver.type}, "
+                          f"got {solver.param.momentum}")
+
+
+@register_solver("AdaGrad")
+class AdaGradSolver(Solver):
+    """history += grad^2; step = local_rate * grad / (sqrt(history) + delta)."""
+
+    def pre_solve(self):
+        _require_no_momentum(self)
+
+    def compute_update_value(self, index, rate):
+        blob, history, temp = self.net.learnable_params[index], self.history[index], self._temp[index]
+        local_rate = rate * self.net.params_lr[index]
+        diff = blob.diff
+        history += np.square(diff, out=temp)
+        np.sqrt(history, out=temp)
+        temp += self.param.delta
+        np.divide(diff, temp, out=diff)
+        diff *= local_rate
+
+
+@register_solver("RMSProp")
+class RMSPropSolver(Solver):
+    """history = rms_decay * history + (1 - rms_decay) * grad^2;
+    step = local_rate * grad / (sqrt(history) + delta)."""
+
+    def pre_solve(self):
+        _require_no_momentum(self)
+        decay = self.param.rms_decay
+        if not 0 <= decay < 1:
+            raise ConfigError(f"{self.source}: rms_decay: must be in [0, 1), got {decay}")
+
+    def compute_update_value(self, index, rate):
+        blob, history, temp = self.net.learnable_params[index], self.history[index], self._temp[index]
+        decay = self.param.rms_decay
+        local_rate = rate * self.net.params_lr[index]
+        diff = blob.diff
+        np.square(diff, out=temp)
+        temp *= 1.0 - decay
+        history *= decay
+        history += temp
+        np.sqrt(history, out=temp)
+        temp += self.param.delta
+        np.divide(diff, temp, out=diff)
+        diff *= local_rate
+
+
+@register_solver("AdaDelta")
+class AdaDeltaSolver(Solver):
+    """Two running averages (momentum as the decay): g2 of squared gradients and
+    u2 of squared steps (history[n + i]).
+        g2 = momentum * g2 + (1 - momentum) * grad^2
+        step = grad * sqrt((u2 + delta) / (g2 + delta))
+        u2 = momentum * u2 + (1 - momentum) * step^2
+    and then, unlike the paper (which has no learning rate), Caffe scales the
+    step by local_rate = lr(iter) * lr_mult AFTER u2 is updated: u2 tracks the
+    unscaled step, so the schedule changes the update but not the history.
+    Caffe's examples use base_lr: 1 with lr_policy: "fixed"."""
+
+    def pre_solve(self):
+        self.history += [np.zeros(p.shape, p.dtype) for p in self.net.learnable_params]
+
+    def compute_update_value(self, index, rate):
+        blob, temp = self.net.learnable_params[index], self._temp[index]
+        gradients_sq = self.history[index]
+        updates_sq = self.history[len(self.net.learnable_params) + index]
+        momentum, delta = self.param.momentum, self.param.delta
+        local_rate = rate * self.net.params_lr[index]
+        diff = blob.diff
+        gradients_sq *= momentum
+        gradients_sq += (1.0 - momentum) * np.square(diff, out=temp)
+        ratio = updates_sq + delta
+        np.add(gradients_sq, delta, out=temp)
+        ratio /= temp
+        np.sqrt(ratio, out=ratio)
+        diff *= ratio
+        updates_sq *= momentum
+        updates_sq += (1.0 - momentum) * np.square(diff, out=temp)
+        diff *= local_rate
+
+
+@register_solver("Adam")
+class AdamSolver(Solver):
+    """m = beta1 * m + (1 - beta1) * grad; v = beta2 * v + (1 - beta2) * grad^2
+    (beta1 = momentum, beta2 = momentum2, v in history[n + i]);
+    step = local_rate * sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + delta),
+    with t = iter + 1."""
+
+    def pre_solve(self):
+        self.history += [np.zeros(p.shape, p.dtype) for p in self.net.learnable_params]
+
+    def compute_update_value(self, index, rate):
+        blob, temp = self.net.learnable_params[index], self._temp[index]
+        first = self.history[index]
+        second = self.history[len(self.net.learnable_params) + index]
+        beta1, beta2 = self.param.momentum, self.param.momentum2
+        local_rate = rate * self.net.params_lr[index]
+        t = self.iter + 1
+        correction = np.sqrt(1.0 - beta2 ** t) / (1.0 - beta1 ** t)
+        diff = blob.diff
+        first *= beta1
+        first += (1.0 - beta1) * diff
+        second *= beta2
+        second += (1.0 - beta2) * np.square(diff, out=temp)
+        np.sqrt(second, out=temp)
+        temp += self.param.delta
+        np.divide(first, temp, out=diff)
+        diff *= local_rate * correction

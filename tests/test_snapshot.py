@@ -1,0 +1,268 @@
+"""Snapshots: file names and contents in both formats, restore continuing
+exactly (N steps + snapshot + restore + M steps == N + M steps, bitwise),
+refused states, and a `cct train` killed mid-run that resumes from its latest
+snapshot."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+import cct
+from cct import solver as solver_module
+from cct.errors import ConfigError
+from cct.proto import caffe_pb2
+
+def _load_helpers():
+    """tests/test_solver.py's nets and test-only layers (see its docstring)."""
+    import importlib.util
+    from pathlib import Path
+    path = str(Path(__file__).with_name("test_solver.py"))
+    for module in list(sys.modules.values()):
+        if getattr(module, "__file__", None) == path:
+            return module
+    spec = importlib.util.spec_from_file_location("cct_tests_test_solver", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+helpers = _load_helpers()
+SOLVER_CASES, make_solver, net_text = helpers.SOLVER_CASES, helpers.make_solver, helpers.net_text
+
+FORMATS = {"BINARYPROTO": (".caffemodel", ".solverstate"), "HDF5": (".caffemodel.h5", ".solverstate.h5")}
+
+
+def solver_text(kind, prefix, snapshot_format="BINARYPROTO", extra=""):
+    text, _ = SOLVER_CASES[kind]
+    lr = 1.0 if kind == "AdaDelta" else 0.05
+    return (f'{text} base_lr: {lr} lr_policy: "multistep" gamma: 0.5 stepvalue: 2 stepvalue: 4 '
+            f'weight_decay: 0.01 snapshot_prefix: "{prefix}" snapshot_format: {snapshot_format} {extra}')
+
+
+def state_of(solver):
+    return ([b.data.copy() for b in solver.net.learnable_params], [h.copy() for h in solver.history],
+            solver.iter, solver.current_step)
+
+
+@pytest.mark.parametrize("snapshot_format", sorted(FORMATS))
+@pytest.mark.parametrize("kind", sorted(SOLVER_CASES))
+def test_restore_continues_exactly(kind, snapshot_format, tmp_path):
+    text = solver_text(kind, tmp_path / "run", snapshot_format)
+    straight = make_solver(text)
+    straight.step(3)
+    state_path = straight.snapshot()
+    straight.step(4)
+
+    resumed = make_solver(text)
+    for blob in resumed.net.learnable_params:     # prove the weights come from the snapshot
+        blob.data[...] = 123.0
+    resumed.restore(state_path)
+    assert resumed.iter == 3 and resumed.current_step == 1
+    resumed.step(4)
+    ours, theirs = state_of(resumed), state_of(straight)
+    for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1]):
+        np.testing.assert_array_equal(a, b)
+    assert ours[2:] == theirs[2:] == (7, 2)
+
+
+def test_binaryproto_snapshot_files(tmp_path):
+    solver = make_solver(solver_text("Adam", tmp_path / "lin", extra="snapshot_diff: true"))
+    solver.step(3)
+    state_path = solver.snapshot()
+    assert state_path == f"{tmp_path}/lin_iter_3.solverstate"
+    assert sorted(os.listdir(tmp_path)) == ["lin_iter_3.caffemodel", "lin_iter_3.solverstate"]
+    state = caffe_pb2.SolverState.FromString(open(state_path, "rb").read())
+    assert state.iter == 3 and state.current_step == 1
+    assert state.learned_net == f"{tmp_path}/lin_iter_3.caffemodel"
+    assert len(state.history) == 4                 # Adam: m for W, b, then v for W, b (Caffe's order)
+    np.testing.assert_array_equal(np.array(state.history[2].data).reshape(2, 3), solver.history[2])
+    assert list(state.history[0].shape.dim) == [2, 3]
+    model = caffe_pb2.NetParameter.FromString(open(state.learned_net, "rb").read())
+    fc = [layer for layer in model.layer if layer.name == "fc"][0]
+    np.testing.assert_array_equal(np.array(fc.blobs[0].data).reshape(2, 3), solver.net.params["fc"][0].data)
+    assert len(fc.blobs[0].diff) == 6              # snapshot_diff writes the gradients too
+    net = cct.Net(text_format.Parse(net_text(), caffe_pb2.NetParameter()), cct.TEST,
+                  weights=state.learned_net)
+    np.testing.assert_array_equal(net.params["fc"][1].data, solver.net.params["fc"][1].data)
+
+
+def test_hdf5_snapshot_files_have_caffes_layout(tmp_path):
+    solver = make_solver(solver_text("AdaDelta", tmp_path / "lin", "HDF5"))
+    solver.step(3)
+    state_path = solver.snapshot()
+    assert sorted(os.listdir(tmp_path)) == ["lin_iter_3.caffemodel.h5", "lin_iter_3.solverstate.h5"]
+    with h5py.File(state_path, "r") as state:
+        assert int(state["iter"][0]) == 3 and int(state["current_step"][0]) == 1
+        assert state["learned_net"][()].decode() == f"{tmp_path}/lin_iter_3.caffemodel.h5"
+        assert sorted(state["history"]) == ["0", "1", "2", "3"]
+        np.testing.assert_array_equal(state["history/3"][...], solver.history[3])
+    with h5py.File(f"{tmp_path}/lin_iter_3.caffemodel.h5", "r") as model:
+        np.testing.assert_array_equal(model["data/fc/0"][...], solver.net.params["fc"][0].data)
+
+
+def test_periodic_snapshots_and_snapshot_after_train(tmp_path):
+    solver = make_solver(f'base_lr: 0.1 lr_policy: "fixed" max_iter: 7 snapshot: 3 '
+                         f'snapshot_prefix: "{tmp_path}/p"')
+    solver.solve()
+    names = sorted(os.listdir(tmp_path))
+    assert names == [f"p_iter_{i}.{ext}" for i in (3, 6, 7) for ext in ("caffemodel", "solverstate")]
+    # No snapshot_after_train duplicate when max_iter is a multiple of snapshot.
+    again = make_solver(f'base_lr: 0.1 lr_policy: "fixed" max_iter: 6 snapshot: 3 '
+                        f'snapshot_prefix: "{tmp_path}/q"')
+    again.solve()
+    assert len([n for n in os.listdir(tmp_path) if n.startswith("q_")]) == 4
+
+
+def test_solve_resumes_from_a_state_file(tmp_path):
+    text = f'base_lr: 0.1 lr_policy: "fixed" momentum: 0.9 max_iter: 5 snapshot_prefix: "{tmp_path}/r"'
+    first = make_solver(text)
+    first.step(2)
+    state_path = first.snapshot()
+    first.step(3)
+    resumed = make_solver(text)
+    resumed.solve(state_path)
+    assert resumed.iter == 5
+    np.testing.assert_array_equal(resumed.net.params["fc"][0].data, first.net.params["fc"][0].data)
+
+
+def test_a_moved_run_finds_its_weights_beside_the_state(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    solver = make_solver('base_lr: 0.1 lr_policy: "fixed" snapshot_prefix: "snaps/m"')
+    os.makedirs("snaps")
+    solver.step(1)
+    state_path = solver.snapshot()                  # learned_net: "snaps/m_iter_1.caffemodel"
+    os.rename("snaps", "moved")
+    restored = make_solver('base_lr: 0.1 lr_policy: "fixed"')
+    restored.restore(state_path.replace("snaps", "moved"))
+    np.testing.assert_array_equal(restored.net.params["fc"][0].data, solver.net.params["fc"][0].data)
+
+
+def test_refused_states(tmp_path):
+    sgd = make_solver(solver_text("SGD", tmp_path / "sgd"))
+    sgd.step(1)
+    state_path = sgd.snapshot()
+    adam = make_solver(solver_text("Adam", tmp_path / "adam"))
+    with pytest.raises(ConfigError, match="has 2 history blobs, a Adam solver on this net needs 4"):
+        adam.restore(state_path)
+    corrupt = tmp_path / "corrupt.solverstate"
+    corrupt.write_bytes(b"\xff\xff\xff\xff not a proto")
+    with pytest.raises(ConfigError, match="corrupt.solverstate: not a valid binary SolverState"):
+        sgd.restore(corrupt)
+    with pytest.raises(ConfigError, match="missing.solverstate: solver state file not found"):
+        sgd.restore(tmp_path / "missing.solverstate")
+    os.remove(tmp_path / "sgd_iter_1.caffemodel")
+    with pytest.raises(ConfigError, match="learned_net: weight file .*sgd_iter_1.caffemodel' not found"):
+        sgd.restore(state_path)
+    broken_h5 = tmp_path / "broken.solverstate.h5"
+    broken_h5.write_bytes(b"not hdf5")
+    with pytest.raises(ConfigError, match="not a readable HDF5 solver state"):
+        sgd.restore(broken_h5)
+
+
+def test_snapshot_leaves_no_temporary_files(tmp_path):
+    for snapshot_format in FORMATS:
+        solver = make_solver(solver_text("SGD", tmp_path / snapshot_format, snapshot_format))
+        solver.step(1)
+        solver.snapshot()
+    assert not [name for name in os.listdir(tmp_path) if "tmp" in name]
+
+
+# --- `cct train` as a process ------------------------------------------------------------------
+TRAIN_NET = """
+name: "tiny"
+layer { name: "data" type: "DummyData" top: "x" top: "t"
+  dummy_data_param { shape { dim: 16 dim: 8 } shape { dim: 16 dim: 4 }
+                     data_filler { type: "gaussian" std: 1 } data_filler { type: "constant" value: 0.5 } } }
+layer { name: "fc1" type: "InnerProduct" bottom: "x" top: "h"
+  inner_product_param { num_output: 16 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "relu" type: "ReLU" bottom: "h" top: "h" }
+layer { name: "fc2" type: "InnerProduct" bottom: "h" top: "y"
+  inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "EuclideanLoss" bottom: "y" bottom: "t" top: "loss" }
+"""
+NEEDED = {"DummyData", "InnerProduct", "ReLU", "EuclideanLoss"}
+
+
+def write_run(folder, max_iter, snapshot=5, extra=""):
+    missing = NEEDED - set(cct.layer_type_list())
+    if missing:
+        pytest.skip(f"layer types not registered yet: {sorted(missing)}")
+    (folder / "net.prototxt").write_text(TRAIN_NET)
+    solver = folder / f"solver_{max_iter}.prototxt"
+    solver.write_text(f'net: "{folder}/net.prototxt" base_lr: 0.01 lr_policy: "fixed" momentum: 0.9 '
+                      f'max_iter: {max_iter} snapshot: {snapshot} snapshot_prefix: "{folder}/snap" '
+                      f'display: 50 random_seed: 3 {extra}')
+    return solver
+
+
+def start_train(log_path, *flags):
+    """`cct train` in its own process, its log going to `log_path` (a pipe could fill up)."""
+    with open(log_path, "w") as log_file:
+        return subprocess.Popen([sys.executable, "-m", "cct.cli", "train", *map(str, flags)],
+                                stdout=subprocess.DEVNULL, stderr=log_file, text=True)
+
+
+def wait_for(predicate, process, log_path, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if process.poll() is not None:
+            raise AssertionError(f"cct train ended early ({process.returncode}):\n{log_path.read_text()}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"timed out waiting for cct train:\n{log_path.read_text()}")
+        time.sleep(0.05)
+
+
+def snapshot_iters(folder):
+    return sorted(int(m.group(1)) for name in os.listdir(folder)
+                  if (m := re.fullmatch(r"snap_iter_(\d+)\.solverstate", name)))
+
+
+def test_killed_training_resumes_from_its_latest_snapshot(tmp_path):
+    solver_path = write_run(tmp_path, max_iter=10 ** 7)
+    log_path = tmp_path / "train.log"
+    process = start_train(log_path, f"--solver={solver_path}")
+    wait_for(lambda: len(snapshot_iters(tmp_path)) >= 3, process, log_path)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    latest = snapshot_iters(tmp_path)[-1]
+    state_path = tmp_path / f"snap_iter_{latest}.solverstate"
+
+    solver = solver_module.get_solver(str(solver_path))
+    solver.restore(state_path)                      # the newest complete snapshot loads
+    assert solver.iter == latest
+
+    resume_solver = write_run(tmp_path, max_iter=latest + 3)
+    finished = subprocess.run([sys.executable, "-m", "cct.cli", "train", "-solver", str(resume_solver),
+                               "-snapshot", str(state_path)], capture_output=True, text=True, timeout=120)
+    assert finished.returncode == 0, finished.stderr
+    assert "Restoring previous solver status from" in finished.stderr
+    assert "Optimization Done." in finished.stderr
+    assert latest + 3 in snapshot_iters(tmp_path)
+    resumed = solver_module.get_solver(str(resume_solver))
+    resumed.restore(tmp_path / f"snap_iter_{latest + 3}.solverstate")
+    assert resumed.iter == latest + 3
+
+
+def test_sighup_snapshots_and_sigint_stops(tmp_path):
+    solver_path = write_run(tmp_path, max_iter=10 ** 7, snapshot=0)
+    log_path = tmp_path / "train.log"
+    process = start_train(log_path, "--solver", solver_path)
+    # The handlers are in place before solving starts, which the log announces.
+    wait_for(lambda: "Learning Rate Policy" in log_path.read_text(), process, log_path)
+    process.send_signal(signal.SIGHUP)
+    wait_for(lambda: snapshot_iters(tmp_path), process, log_path)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=60) == 0, log_path.read_text()
+    log = log_path.read_text()
+    assert "SIGHUP received: snapshot" in log and "SIGINT received: stop" in log
+    assert "Optimization stopped early." in log
+    assert len(snapshot_iters(tmp_path)) == 2       # SIGHUP's, then the stop's (snapshot_after_train)
