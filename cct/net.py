@@ -14,6 +14,7 @@ import numpy as np
 from . import weights as weights_io
 from .blob import Blob
 from .errors import ConfigError, ShapeError, WeightsError
+from .executor import Executor
 from .layer import TEST, TRAIN, create_layer
 from .net_passes import filter_net, insert_splits
 from .prototxt import read_net
@@ -62,6 +63,7 @@ class Net:
         self.bottom_need_backward, self.layer_need_backward = [], []
         self.blob_loss_weights = OrderedDict()
         self.inputs = []
+        self._executor = None
         self._init_param_tables()
         blob_needs_backward = {}
         available = OrderedDict()                     # blobs not yet read by a later layer
@@ -256,12 +258,17 @@ class Net:
             loss += self._forward_layer(i)
         return loss
 
+    @property
+    def executor(self):
+        """Runs each layer, batch-partitioned as its plan says (cct.executor)."""
+        if self._executor is None:
+            self._executor = Executor(self)
+        return self._executor
+
     def _forward_layer(self, i):
-        layer, bottoms, tops = self.layers[i], self.bottom_vecs[i], self.top_vecs[i]
-        layer.reshape(bottoms, tops)
-        layer.forward(bottoms, tops)
+        self.executor.forward(i)
         loss = 0.0
-        for top, weight in zip(tops, layer.loss_weights):
+        for top, weight in zip(self.top_vecs[i], self.layers[i].loss_weights):
             if weight:
                 top.diff[...] = weight
                 loss += weight * float(top.data.sum(dtype=np.float64))
@@ -274,7 +281,7 @@ class Net:
 
     def _backward_layer(self, i):
         if self.layer_need_backward[i]:
-            self.layers[i].backward(self.top_vecs[i], self.bottom_need_backward[i], self.bottom_vecs[i])
+            self.executor.backward(i)
 
     def forward(self, blobs=None, start=None, end=None, **kwargs):
         """Forward from layer `start` to `end` (names, inclusive). Keyword arrays set
