@@ -1,0 +1,263 @@
+"""Convolution family: Convolution, Deconvolution, Im2col.
+
+The arithmetic lives in cct.lowering: the whole batch is lowered into one
+matrix and multiplied in one GEMM per group. Each layer has a
+`lowering_type` (1, 2 or 3, see cct.lowering): 1 unless the environment
+variable CCT_LOWERING says otherwise when the layer is set up; a scheduler may
+set the attribute afterwards.
+"""
+import os
+
+import numpy as np
+
+from cct import fillers
+from cct.blob import Blob
+from cct.layer import Layer, register
+from cct.lowering import ConvGeometry, lowering, type1
+
+DEFAULT_LOWERING = 1
+LOWERING_ENV = "CCT_LOWERING"
+
+
+def lowering_from_env(layer):
+    value = os.environ.get(LOWERING_ENV, "").strip()
+    if not value:
+        return DEFAULT_LOWERING
+    if value not in ("1", "2", "3"):
+        raise layer.config_error(LOWERING_ENV, f"environment variable must be 1, 2 or 3, got {value!r}")
+    return int(value)
+
+
+def read_spatial_params(layer, p, bottom):
+    """Kernel, stride, pad and dilation as (h, w) pairs from a ConvolutionParameter,
+    with Caffe's checks (BaseConvolutionLayer::LayerSetUp). Only 2 spatial axes."""
+    field = "convolution_param"
+    if p.force_nd_im2col:
+        raise layer.config_error(f"{field}.force_nd_im2col", "N-d im2col is not supported; leave it false")
+    try:
+        channel_axis = bottom.canonical_axis(p.axis)
+    except ValueError as error:
+        raise layer.config_error(f"{field}.axis", str(error)) from None
+    spatial_axes = len(bottom.shape) - channel_axis - 1
+    if channel_axis != 1 or spatial_axes != 2:
+        raise layer.config_error(f"{field}.axis", f"only channel axis 1 with 2 spatial axes (N, C, H, W) is "
+                                 f"supported; got axis {p.axis} on a bottom of shape {bottom.shape}")
+
+    def pair(name, default, positive):
+        h_name, w_name = f"{name}_h", f"{name}_w"
+        repeated = list(getattr(p, name)) if name != "kernel" else list(p.kernel_size)
+        repeated_name = "kernel_size" if name == "kernel" else name
+        if h_name in _HW_FIELDS and (p.HasField(h_name) or p.HasField(w_name)):
+            if repeated:
+                raise layer.config_error(f"{field}.{h_name}", f"give either {repeated_name} or "
+                                         f"{h_name}/{w_name}, not both")
+            values = (getattr(p, h_name), getattr(p, w_name))
+        else:
+            if len(repeated) not in ((1, 2) if default is None else (0, 1, 2)):
+                raise layer.config_error(f"{field}.{repeated_name}", f"give it once or once per spatial "
+                                         f"axis (2), got {len(repeated)} values")
+            if not repeated:
+                repeated = [default]
+            values = (repeated[0], repeated[-1])
+        if positive and min(values) <= 0:
+            raise layer.config_error(f"{field}.{repeated_name}", f"must be > 0, got {values[0]} x {values[1]}")
+        return tuple(int(v) for v in values)
+
+    return pair("kernel", None, True), pair("stride", 1, True), pair("pad", 0, False), pair("dilation", 1, True)
+
+
+_HW_FIELDS = {"kernel_h", "stride_h", "pad_h"}     # dilation has no _h/_w form in caffe.proto
+
+
+class _ConvolutionBase(Layer):
+    """Shared by Convolution and Deconvolution (Caffe's BaseConvolutionLayer)."""
+    min_bottoms = 1
+    min_tops = 1
+    reverse = False               # Deconvolution: forward is the convolution's backward
+
+    def setup(self, bottom, top):
+        if len(bottom) != len(top):
+            raise self.config_error("top", f"needs one top per bottom, got {len(bottom)} bottoms "
+                                    f"and {len(top)} tops")
+        p = self.layer_param.convolution_param
+        self.kernel, self.stride, self.pad, self.dilation = read_spatial_params(self, p, bottom[0])
+        self.channels = bottom[0].shape[1]
+        self.num_output = p.num_output
+        self.group = p.group
+        if self.num_output <= 0:
+            raise self.config_error("convolution_param.num_output", f"must be > 0, got {self.num_output}")
+        if self.group <= 0:
+            raise self.config_error("convolution_param.group", f"must be > 0, got {self.group}")
+        if self.channels % self.group:
+            raise self.config_error("convolution_param.group", f"must divide the input channels "
+                                    f"({self.channels}), got {self.group}")
+        if self.num_output % self.group:
+            raise self.config_error("convolution_param.group", f"must divide num_output "
+                                    f"({self.num_output}), got {self.group}")
+        self.bias_term = p.bias_term
+        self.lowering_type = lowering_from_env(self)
+        # The convolution's own (input, output) channels; swapped for Deconvolution.
+        conv_in, conv_out = ((self.num_output, self.channels) if self.reverse
+                             else (self.channels, self.num_output))
+        weight = Blob((conv_out, conv_in // self.group) + self.kernel)
+        fillers.fill(weight, p.weight_filler, where=f"{self.where()}: convolution_param.weight_filler")
+        self.blobs = [weight]
+        if self.bias_term:
+            bias = Blob((self.num_output,))
+            fillers.fill(bias, p.bias_filler, where=f"{self.where()}: convolution_param.bias_filler")
+            self.blobs.append(bias)
+        self.param_propagate_down = [True] * len(self.blobs)
+
+    def reshape(self, bottom, top):
+        shape = bottom[0].shape
+        if len(shape) != 4:
+            raise self.shape_error(f"bottom must be 4-d (N, C, H, W), got {shape}")
+        if shape[1] != self.channels:
+            raise self.shape_error(f"bottom has {shape[1]} channels, the layer was set up for {self.channels}")
+        for index, blob in enumerate(bottom[1:], 1):
+            if blob.shape != shape:
+                raise self.shape_error(f"every bottom must have bottom[0]'s shape {shape}, "
+                                       f"bottom[{index}] is {blob.shape}")
+        self.geom = self._geometry(shape)
+        for blob in top:
+            blob.reshape(self._top_shape(shape[0]))
+
+    def _geometry_for(self, channels, num_output, in_h, in_w):
+        try:
+            return ConvGeometry(channels, num_output, in_h, in_w, *self.kernel, *self.stride, *self.pad,
+                                *self.dilation, self.group)
+        except ValueError as error:
+            raise self.shape_error(f"input {in_h} x {in_w} does not fit the kernel: {error}") from None
+
+    def _lowering(self):
+        try:
+            return lowering(self.lowering_type)
+        except ValueError as error:
+            raise self.config_error("lowering_type", str(error)) from None
+
+    def _add_bias(self, y):
+        if self.bias_term:
+            y += self.blobs[1].data.reshape(1, -1, 1, 1)
+
+    def _bias_gradient(self, top):
+        if self.bias_term and self.param_propagate_down[1]:
+            for blob in top:
+                self.blobs[1].diff[...] += blob.diff.sum(axis=(0, 2, 3))
+
+
+@register("Convolution")
+class Convolution(_ConvolutionBase):
+    """2-d convolution by lowering (cct.lowering), shared weights over several bottoms.
+
+    convolution_param: num_output, bias_term, kernel_size | kernel_h+kernel_w,
+    stride | stride_h+stride_w, pad | pad_h+pad_w, dilation (once or per axis),
+    group, weight_filler, bias_filler, axis (must be 1), force_nd_im2col (must
+    be false). Params: weight (O, C/group, KH, KW), bias (O,).
+    bottom[i] (N, C, H, W) -> top[i] (N, O, OH, OW),
+    OH = (H + 2*pad_h - (dilation_h*(KH-1)+1)) // stride_h + 1 (OW alike).
+    """
+
+    def _geometry(self, shape):
+        return self._geometry_for(self.channels, self.num_output, shape[2], shape[3])
+
+    def _top_shape(self, batch):
+        return self.geom.output_shape(batch)
+
+    def forward(self, bottom, top):
+        impl = self._lowering()
+        weight = self.blobs[0].data
+        for b, t in zip(bottom, top):
+            impl.forward(b.data, weight, self.geom, out=t.data)
+            self._add_bias(t.data)
+
+    def backward(self, top, propagate_down, bottom):
+        impl = self._lowering()
+        need_weights = self.param_propagate_down[0]
+        self._bias_gradient(top)
+        for t, down, b in zip(top, propagate_down, bottom):
+            if not (down or need_weights):
+                continue
+            dx, dw = impl.backward(b.data, t.diff, self.blobs[0].data, self.geom, data=down, weights=need_weights)
+            if need_weights:
+                self.blobs[0].diff[...] += dw
+            if down:
+                b.diff[...] = dx
+
+
+@register("Deconvolution")
+class Deconvolution(_ConvolutionBase):
+    """Transposed convolution (Caffe's): forward is the convolution's data gradient.
+
+    convolution_param: as Convolution. Params: weight (C, O/group, KH, KW) where
+    C is the bottom's channels, bias (O,).
+    bottom[i] (N, C, H, W) -> top[i] (N, O, OH, OW),
+    OH = stride_h*(H-1) + dilation_h*(KH-1)+1 - 2*pad_h (OW alike).
+    """
+    reverse = True
+
+    def _geometry(self, shape):
+        # The geometry of the convolution this layer transposes: it maps top to bottom.
+        out_h = self.stride[0] * (shape[2] - 1) + self.dilation[0] * (self.kernel[0] - 1) + 1 - 2 * self.pad[0]
+        out_w = self.stride[1] * (shape[3] - 1) + self.dilation[1] * (self.kernel[1] - 1) + 1 - 2 * self.pad[1]
+        if out_h < 1 or out_w < 1:
+            raise self.shape_error(f"output would be {out_h} x {out_w} for input {shape[2]} x {shape[3]}")
+        return self._geometry_for(self.num_output, self.channels, out_h, out_w)
+
+    def _top_shape(self, batch):
+        return self.geom.input_shape(batch)
+
+    def forward(self, bottom, top):
+        impl = self._lowering()
+        weight = self.blobs[0].data
+        for b, t in zip(bottom, top):
+            impl.backward_data(b.data, weight, self.geom, out=t.data)
+            self._add_bias(t.data)
+
+    def backward(self, top, propagate_down, bottom):
+        impl = self._lowering()
+        need_weights = self.param_propagate_down[0]
+        self._bias_gradient(top)
+        for t, down, b in zip(top, propagate_down, bottom):
+            if need_weights:
+                self.blobs[0].diff[...] += impl.backward_weights(t.diff, b.data, self.geom)
+            if down:
+                impl.forward(t.diff, self.blobs[0].data, self.geom, out=b.diff)
+
+
+@register("Im2col")
+class Im2col(Layer):
+    """Caffe's im2col of each image, as a layer.
+
+    convolution_param: kernel_size | kernel_h+kernel_w, stride | stride_h+stride_w,
+    pad | pad_h+pad_w, dilation, axis (must be 1), force_nd_im2col (must be false).
+    bottom (N, C, H, W) -> top (N, C*KH*KW, OH, OW) with OH, OW as Convolution;
+    channel index c*KH*KW + i*KW + j holds input pixel (oh*sh - ph + i*dh, ow*sw - pw + j*dw).
+    """
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        p = self.layer_param.convolution_param
+        self.kernel, self.stride, self.pad, self.dilation = read_spatial_params(self, p, bottom[0])
+
+    def reshape(self, bottom, top):
+        shape = bottom[0].shape
+        if len(shape) != 4:
+            raise self.shape_error(f"bottom must be 4-d (N, C, H, W), got {shape}")
+        try:
+            self.geom = ConvGeometry(shape[1], 1, shape[2], shape[3], *self.kernel, *self.stride,
+                                     *self.pad, *self.dilation)
+        except ValueError as error:
+            raise self.shape_error(f"input {shape[2]} x {shape[3]} does not fit the kernel: {error}") from None
+        g = self.geom
+        top[0].reshape(shape[0], shape[1] * g.kernel_h * g.kernel_w, g.out_h, g.out_w)
+
+    def forward(self, bottom, top):
+        g, n = self.geom, bottom[0].shape[0]
+        cols = type1.lower(bottom[0].data, g)                          # (C*KH*KW, N*OH*OW)
+        top[0].data[...] = cols.reshape(-1, n, g.out_h, g.out_w).transpose(1, 0, 2, 3)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            cols = top[0].diff.transpose(1, 0, 2, 3)                   # (C*KH*KW, N, OH, OW)
+            type1.col2im(np.ascontiguousarray(cols), self.geom, bottom[0].shape[0], out=bottom[0].diff)

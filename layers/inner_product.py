@@ -1,0 +1,80 @@
+"""InnerProduct (fully connected): one GEMM over the whole batch."""
+import numpy as np
+
+from cct import fillers
+from cct.blob import Blob
+from cct.layer import Layer, register
+
+
+@register("InnerProduct")
+class InnerProduct(Layer):
+    """y = x W^T + b, with x the bottom folded to (M, K) at `axis`.
+
+    inner_product_param: num_output (N), bias_term, weight_filler, bias_filler,
+    axis (default 1: M = product of dims before it, K = product from it on),
+    transpose (weight stored (K, N) instead of (N, K)).
+    Params: weight (N, K) or (K, N) if transpose, bias (N,).
+    bottom (d0, ..., d_axis-1, d_axis, ...) -> top (d0, ..., d_axis-1, N).
+    """
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        p = self.layer_param.inner_product_param
+        self.num_output = p.num_output
+        if self.num_output <= 0:
+            raise self.config_error("inner_product_param.num_output", f"must be > 0, got {self.num_output}")
+        self.bias_term = p.bias_term
+        self.transpose = p.transpose
+        self.axis = self._axis(bottom[0])
+        self.k = bottom[0].count_range(self.axis)
+        weight = Blob((self.k, self.num_output) if self.transpose else (self.num_output, self.k))
+        fillers.fill(weight, p.weight_filler, where=f"{self.where()}: inner_product_param.weight_filler")
+        self.blobs = [weight]
+        if self.bias_term:
+            bias = Blob((self.num_output,))
+            fillers.fill(bias, p.bias_filler, where=f"{self.where()}: inner_product_param.bias_filler")
+            self.blobs.append(bias)
+        self.param_propagate_down = [True] * len(self.blobs)
+
+    def _axis(self, bottom):
+        try:
+            return bottom.canonical_axis(self.layer_param.inner_product_param.axis)
+        except ValueError as error:
+            raise self.config_error("inner_product_param.axis", str(error)) from None
+
+    def reshape(self, bottom, top):
+        axis = self._axis(bottom[0])
+        k = bottom[0].count_range(axis)
+        if k != self.k:
+            raise self.shape_error(f"bottom {bottom[0].shape} folds to {k} inputs at axis {axis}; "
+                                   f"the weights take {self.k}")
+        self.axis = axis
+        self.m = bottom[0].count_range(0, axis)
+        top[0].reshape(bottom[0].shape[:axis] + (self.num_output,))
+
+    def _weight_nk(self, dtype):
+        """The weight as an (N, K) matrix view in `dtype`."""
+        w = self.blobs[0].data
+        w = w if w.dtype == dtype else w.astype(dtype)
+        return w.T if self.transpose else w
+
+    def forward(self, bottom, top):
+        x = bottom[0].data.reshape(self.m, self.k)
+        y = top[0].data.reshape(self.m, self.num_output)
+        np.matmul(x, self._weight_nk(x.dtype).T, out=y)
+        if self.bias_term:
+            y += self.blobs[1].data
+
+    def backward(self, top, propagate_down, bottom):
+        dy = top[0].diff.reshape(self.m, self.num_output)
+        x = bottom[0].data.reshape(self.m, self.k)
+        if self.param_propagate_down[0]:
+            if self.transpose:
+                self.blobs[0].diff[...] += x.T @ dy                       # (K, N)
+            else:
+                self.blobs[0].diff[...] += dy.T @ x                       # (N, K)
+        if self.bias_term and self.param_propagate_down[1]:
+            self.blobs[1].diff[...] += dy.sum(axis=0)
+        if propagate_down[0]:
+            np.matmul(dy, self._weight_nk(dy.dtype), out=bottom[0].diff.reshape(self.m, self.k))

@@ -1,0 +1,366 @@
+"""Pooling family: Pooling (MAX, AVE, STOCHASTIC) and SPP.
+
+Windows are visited as KH*KW strided slices of a padded copy of the input
+(one numpy operation per kernel offset over the whole batch), never per pixel.
+"""
+import numpy as np
+
+from cct.blob import Blob
+from cct.layer import TRAIN, Layer, register
+from cct.proto import caffe_pb2
+from cct.rng import get_rng
+
+MAX, AVE, STOCHASTIC = (caffe_pb2.PoolingParameter.MAX, caffe_pb2.PoolingParameter.AVE,
+                        caffe_pb2.PoolingParameter.STOCHASTIC)
+_POOL_NAMES = {MAX: "MAX", AVE: "AVE", STOCHASTIC: "STOCHASTIC"}
+_FLT_MAX = float(np.finfo(np.float32).max)    # Caffe starts every max at -FLT_MAX
+
+
+def pooled_size(size, kernel, stride, pad, ceil):
+    """Caffe's pooled output size along one axis (CEIL or FLOOR rounding, then the
+    last window must start inside the image when there is padding)."""
+    span = size + 2 * pad - kernel
+    pooled = (-(-span // stride) if ceil else span // stride) + 1
+    if pad and (pooled - 1) * stride >= size + pad:
+        pooled -= 1
+    return pooled
+
+
+@register("Pooling")
+class Pooling(Layer):
+    """Max, average or stochastic pooling over KH x KW windows, per channel.
+
+    pooling_param: pool (MAX | AVE | STOCHASTIC), kernel_size | kernel_h+kernel_w,
+    stride | stride_h+stride_w (default 1), pad | pad_h+pad_w (MAX and AVE only,
+    pad < kernel), global_pooling (kernel = the whole image), round_mode (CEIL | FLOOR).
+    bottom (N, C, H, W) -> top[0] (N, C, PH, PW),
+    PH = ceil((H + 2*pad_h - KH) / stride_h) + 1, less 1 if padded and the last
+    window would start at or past H + pad_h (PW alike).
+    MAX may have top[1]: the mask, the flat index h*W + w of each window's first maximum.
+    AVE divides by the window clipped to the padded image (H + pad_h), padding counted.
+    STOCHASTIC (Caffe's GPU semantics, inputs assumed >= 0): TRAIN samples one
+    element per window with probability value / window sum; TEST outputs
+    sum(v^2) / sum(v).
+    """
+    exact_bottoms = 1
+    min_tops = 1
+    max_tops = 2
+
+    def setup(self, bottom, top):
+        p = self.layer_param.pooling_param
+        self.pool = p.pool
+        if self.pool not in _POOL_NAMES:
+            raise self.config_error("pooling_param.pool", f"unknown method {self.pool}")
+        if len(top) > 1 and self.pool != MAX:
+            raise self.config_error("top", f"only MAX pooling has a second (mask) top; "
+                                    f"{_POOL_NAMES[self.pool]} takes 1")
+        self.global_pooling = p.global_pooling
+        has_size, has_h, has_w = p.HasField("kernel_size"), p.HasField("kernel_h"), p.HasField("kernel_w")
+        if self.global_pooling:
+            if has_size or has_h or has_w:
+                raise self.config_error("pooling_param.kernel_size", "no kernel size with global_pooling: true")
+        else:
+            if has_size == (has_h and has_w):
+                raise self.config_error("pooling_param.kernel_size", "give kernel_size or kernel_h and kernel_w, "
+                                        "not both")
+            if not has_size and not (has_h and has_w):
+                raise self.config_error("pooling_param.kernel_h", "non-square kernels need both kernel_h and kernel_w")
+        self.pad = self._hw(p, "pad")
+        self.stride = self._hw(p, "stride")
+        if not self.global_pooling:
+            self.kernel = (p.kernel_size, p.kernel_size) if has_size else (p.kernel_h, p.kernel_w)
+            if min(self.kernel) <= 0:
+                raise self.config_error("pooling_param.kernel_size", f"must be > 0, got {self.kernel[0]} x {self.kernel[1]}")
+        if min(self.stride) <= 0:
+            raise self.config_error("pooling_param.stride", f"must be > 0, got {self.stride[0]} x {self.stride[1]}")
+        if self.global_pooling and (self.pad != (0, 0) or self.stride != (1, 1)):
+            raise self.config_error("pooling_param.global_pooling", "takes only pad 0 and stride 1")
+        if self.pad != (0, 0):
+            if self.pool not in (MAX, AVE):
+                raise self.config_error("pooling_param.pad", "padding is implemented only for MAX and AVE pooling")
+            if not self.global_pooling and (self.pad[0] >= self.kernel[0] or self.pad[1] >= self.kernel[1]):
+                raise self.config_error("pooling_param.pad", f"must be < kernel ({self.kernel[0]} x "
+                                        f"{self.kernel[1]}), got {self.pad[0]} x {self.pad[1]}")
+        self.ceil = p.round_mode == caffe_pb2.PoolingParameter.CEIL
+
+    def _hw(self, p, name):
+        h_name, w_name = f"{name}_h", f"{name}_w"
+        has_h, has_w = p.HasField(h_name), p.HasField(w_name)
+        if has_h or has_w:
+            if p.HasField(name) or not (has_h and has_w):
+                raise self.config_error(f"pooling_param.{name}", f"give {name}, or both {h_name} and {w_name}")
+            return (getattr(p, h_name), getattr(p, w_name))
+        return (getattr(p, name), getattr(p, name))
+
+    def reshape(self, bottom, top):
+        shape = bottom[0].shape
+        if len(shape) != 4:
+            raise self.shape_error(f"bottom must be 4-d (N, C, H, W), got {shape}")
+        n, c, h, w = shape
+        if self.global_pooling:
+            self.kernel = (h, w)
+        self.in_hw = (h, w)
+        self.out_hw = tuple(pooled_size(size, k, s, p, self.ceil) for size, k, s, p
+                            in zip((h, w), self.kernel, self.stride, self.pad))
+        if min(self.out_hw) < 1:
+            raise self.shape_error(f"input {h} x {w} gives an empty output {self.out_hw}")
+        for blob in top:
+            blob.reshape(n, c, *self.out_hw)
+        # The whole image is one window: reductions over (H, W) instead of slices.
+        self.whole_image = self.out_hw == (1, 1) and self.pad == (0, 0) and self.kernel[0] >= h and self.kernel[1] >= w
+        self._setup_windows()
+
+    def _setup_windows(self):
+        """Per output cell: where its window starts and its AVE divisor (Caffe's formulas)."""
+        (h, w), (ph, pw), (kh, kw), (sh, sw), (pad_h, pad_w) = (self.in_hw, self.out_hw, self.kernel,
+                                                                  self.stride, self.pad)
+        starts_h = np.arange(ph) * sh - pad_h
+        starts_w = np.arange(pw) * sw - pad_w
+        size_h = np.minimum(starts_h + kh, h + pad_h) - starts_h
+        size_w = np.minimum(starts_w + kw, w + pad_w) - starts_w
+        self.pool_size = np.outer(size_h, size_w)                       # (PH, PW)
+        # Flat image index of each window's top-left cell (may lie in the padding).
+        self.window_origin = starts_h[:, None] * w + starts_w[None, :]  # (PH, PW)
+        # The padded buffer holds every window cell, including ceil-mode overhang.
+        self.padded_hw = ((ph - 1) * sh + kh, (pw - 1) * sw + kw)
+
+    def _padded(self, x, fill):
+        n, c = x.shape[:2]
+        (h, w), (pad_h, pad_w) = self.in_hw, self.pad
+        hp, wp = max(self.padded_hw[0], h + pad_h), max(self.padded_hw[1], w + pad_w)
+        if (hp, wp) == (h, w):
+            return x
+        xp = np.full((n, c, hp, wp), fill, x.dtype)
+        xp[:, :, pad_h:pad_h + h, pad_w:pad_w + w] = x
+        return xp
+
+    def _offsets(self):
+        (ph, pw), (sh, sw) = self.out_hw, self.stride
+        for i in range(self.kernel[0]):
+            for j in range(self.kernel[1]):
+                yield i, j, (slice(None), slice(None), slice(i, i + sh * (ph - 1) + 1, sh),
+                             slice(j, j + sw * (pw - 1) + 1, sw))
+
+    # --- forward -------------------------------------------------------------------
+    def forward(self, bottom, top):
+        x = bottom[0].data
+        if self.pool == MAX:
+            value, self.winner, self.empty = self._max(x)
+            top[0].data[...] = value
+            if len(top) > 1:
+                top[1].data[...] = self._mask(self.winner, self.empty)
+        elif self.pool == AVE:
+            top[0].data[...] = self._average(x)
+        elif self.phase == TRAIN:
+            top[0].data[...] = self._stochastic_sample(x)
+        else:
+            top[0].data[...] = self._stochastic_weighted(x)
+
+    def _max(self, x):
+        """(value, winner, empty): the window maxima, where each is (the flat index
+        h*W + w for a whole-image window, else the kernel offset i*KW + j of the
+        first maximum in scan order), and the windows with nothing above -FLT_MAX."""
+        n, c, h, w = x.shape
+        if self.whole_image:
+            flat = x.reshape(n, c, h * w)
+            winner = flat.argmax(axis=2)[..., None]                     # the first maximum, as Caffe scans
+            value = np.take_along_axis(flat, winner, axis=2)
+            value, winner = value.reshape(n, c, 1, 1), winner.reshape(n, c, 1, 1)
+        else:
+            # Padding holds -inf, below Caffe's -FLT_MAX start, so it never wins.
+            xp = self._padded(x, -np.inf)
+            offsets = self._offsets()
+            value = xp[next(offsets)[2]].copy()
+            winner = np.zeros(value.shape, np.int16)
+            better = np.empty(value.shape, bool)
+            step = np.empty(value.shape, np.int16)
+            for k, (_, _, window) in enumerate(offsets, 1):
+                cell = xp[window]
+                np.greater(cell, value, out=better)                     # strict: an equal later cell loses
+                np.fmax(value, cell, out=value)
+                # winner = k where better (arithmetic: several times faster than a masked copy)
+                np.subtract(k, winner, out=step)
+                step *= better
+                winner += step
+        # Such a window keeps Caffe's initial -FLT_MAX and mask -1 (and gets no gradient).
+        empty = ~(value > -_FLT_MAX)
+        if empty.any():
+            value[empty] = -_FLT_MAX
+        else:
+            empty = None
+        return value, winner, empty
+
+    def _mask(self, winner, empty):
+        """The flat input index h*W + w of each maximum, -1 for an empty window."""
+        if self.whole_image:
+            index = winner.astype(np.int64)
+        else:
+            w, kw = self.in_hw[1], self.kernel[1]
+            k = np.arange(self.kernel[0] * kw)
+            index = self.window_origin + np.take((k // kw) * w + k % kw, winner)
+        if empty is not None:
+            index[empty] = -1
+        return index
+
+    def _average(self, x):
+        if self.whole_image:
+            total = x.sum(axis=(2, 3), keepdims=True)
+        else:
+            xp = self._padded(x, 0)
+            total = None
+            for _, _, window in self._offsets():
+                total = xp[window].copy() if total is None else np.add(total, xp[window], out=total)
+        return total / self.pool_size.astype(x.dtype)
+
+    def _windows(self, x):
+        """x (N, C, H, W) -> (N, C, PH, PW, KH*KW), the unpadded windows (stochastic pooling)."""
+        xp = self._padded(x, 0)
+        return np.stack([xp[window] for _, _, window in self._offsets()], axis=-1)
+
+    def _stochastic_sample(self, x):
+        windows = self._windows(x)
+        cumulative = np.cumsum(windows, axis=-1)
+        threshold = get_rng().random(cumulative.shape[:-1]).astype(x.dtype) * cumulative[..., -1]
+        chosen = np.argmax(cumulative >= threshold[..., None], axis=-1)    # first cell past the threshold
+        self.sample_offset = chosen
+        return np.take_along_axis(windows, chosen[..., None], axis=-1)[..., 0]
+
+    def _stochastic_weighted(self, x):
+        windows = self._windows(x)
+        tiny = np.finfo(np.float32).tiny                                    # Caffe starts the sum at FLT_MIN
+        return (windows * windows).sum(axis=-1) / (windows.sum(axis=-1) + tiny)
+
+    # --- backward ------------------------------------------------------------------
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        dy = top[0].diff
+        if self.pool == MAX and len(top) > 1:
+            # Caffe routes by the mask top when there is one.
+            bottom[0].diff[...] = self._route(dy, top[1].data.astype(np.int64), bottom[0].shape)
+        elif self.pool == MAX:
+            bottom[0].diff[...] = self._max_backward(dy, bottom[0].shape)
+        elif self.pool == AVE:
+            bottom[0].diff[...] = self._spread(dy / self.pool_size.astype(dy.dtype), bottom[0].shape)
+        else:
+            bottom[0].diff[...] = self._spread_to_sample(dy, bottom[0].shape)
+
+    @staticmethod
+    def _route(dy, mask, shape):
+        """Sum each output's gradient into the input cell its mask names (-1: nowhere)."""
+        n, c, h, w = shape
+        planes = np.arange(n * c).reshape(n, c, 1, 1) * (h * w)
+        valid = mask >= 0
+        target = (planes + mask)[valid]
+        summed = np.bincount(target, weights=dy[valid], minlength=n * c * h * w)
+        return summed.reshape(shape)
+
+    def _max_backward(self, dy, shape):
+        if self.empty is not None:
+            dy = np.where(self.empty, 0, dy)
+        n, c, h, w = shape
+        if self.whole_image:
+            dx = np.zeros((n, c, h * w), dy.dtype)
+            np.put_along_axis(dx, self.winner.reshape(n, c, 1), dy.reshape(n, c, 1), axis=2)
+            return dx.reshape(shape)
+        pad_h, pad_w = self.pad
+        dxp = np.zeros((n, c, max(self.padded_hw[0], h + pad_h), max(self.padded_hw[1], w + pad_w)), dy.dtype)
+        for k, (_, _, window) in enumerate(self._offsets()):
+            dxp[window] += dy * (self.winner == k)
+        return dxp[:, :, pad_h:pad_h + h, pad_w:pad_w + w]
+
+    def _spread(self, dy_scaled, shape):
+        """Adjoint of the window sum: every output's value added over its window."""
+        if self.whole_image:
+            return np.broadcast_to(dy_scaled, shape)
+        n, c, h, w = shape
+        pad_h, pad_w = self.pad
+        dxp = np.zeros((n, c, max(self.padded_hw[0], h + pad_h), max(self.padded_hw[1], w + pad_w)), dy_scaled.dtype)
+        for _, _, window in self._offsets():
+            dxp[window] += dy_scaled
+        return dxp[:, :, pad_h:pad_h + h, pad_w:pad_w + w]
+
+    def _spread_to_sample(self, dy, shape):
+        n, c, h, w = shape
+        dxp = np.zeros((n, c, max(self.padded_hw[0], h), max(self.padded_hw[1], w)), dy.dtype)
+        for k, (_, _, window) in enumerate(self._offsets()):
+            dxp[window] += np.where(self.sample_offset == k, dy, 0)
+        return dxp[:, :, :h, :w]
+
+
+@register("SPP")
+class SPP(Layer):
+    """Spatial pyramid pooling (Caffe's SPPLayer): level l pools the image into
+    2^l x 2^l bins, KH = ceil(H / 2^l), stride KH, pad_h = (KH*2^l - H + 1) // 2
+    (W alike); each level is flattened and the levels concatenated.
+
+    spp_param: pyramid_height, pool (MAX | AVE | STOCHASTIC).
+    bottom (N, C, H, W) -> top (N, C * sum_l 4^l) for pyramid_height > 1, and
+    the single level's (N, C, 1, 1) pooling output for pyramid_height 1.
+    """
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        self.pyramid_height = self.layer_param.spp_param.pyramid_height
+        if self.pyramid_height < 1:
+            raise self.config_error("spp_param.pyramid_height", f"must be >= 1, got {self.pyramid_height}")
+        self.levels_for = None
+
+    def _level_param(self, level, h, w):
+        bins = 2 ** level
+        kernel_h, kernel_w = -(-h // bins), -(-w // bins)
+        param = caffe_pb2.LayerParameter(name=f"{self.name}/pool{level}", type="Pooling")
+        pp = param.pooling_param
+        pp.pool = self.layer_param.spp_param.pool      # SPP's enum has Pooling's values
+        pp.kernel_h, pp.kernel_w = kernel_h, kernel_w
+        pp.stride_h, pp.stride_w = kernel_h, kernel_w
+        pp.pad_h, pp.pad_w = (kernel_h * bins - h + 1) // 2, (kernel_w * bins - w + 1) // 2
+        return param
+
+    def reshape(self, bottom, top):
+        shape = bottom[0].shape
+        if len(shape) != 4:
+            raise self.shape_error(f"bottom must be 4-d (N, C, H, W), got {shape}")
+        if shape[2] <= 0 or shape[3] <= 0:
+            raise self.shape_error(f"input height and width must be > 0, got {shape}")
+        key = (shape[2:], bottom[0].dtype)
+        if self.levels_for != key:
+            # Caffe rebuilds the pooling layers whenever the image size changes.
+            # (They keep this layer's phase; Caffe's would always be TRAIN.)
+            self.levels = []
+            for level in range(self.pyramid_height):
+                pooling = Pooling(self._level_param(level, *shape[2:]), self.phase, self.source)
+                outputs = [Blob(dtype=bottom[0].dtype)]
+                pooling.setup(bottom, outputs)
+                self.levels.append((pooling, outputs))
+            self.levels_for = key
+        for pooling, outputs in self.levels:
+            pooling.reshape(bottom, outputs)
+        if self.pyramid_height == 1:
+            top[0].reshape(self.levels[0][1][0].shape)
+        else:
+            top[0].reshape(shape[0], sum(outputs[0].count_range(1) for _, outputs in self.levels))
+
+    def forward(self, bottom, top):
+        n = bottom[0].shape[0]
+        start = 0
+        for pooling, outputs in self.levels:
+            pooling.forward(bottom, outputs)
+            width = outputs[0].count_range(1)
+            top[0].data.reshape(n, -1)[:, start:start + width] = outputs[0].data.reshape(n, width)
+            start += width
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        n = bottom[0].shape[0]
+        total = None
+        start = 0
+        for pooling, outputs in self.levels:
+            width = outputs[0].count_range(1)
+            outputs[0].diff.reshape(n, width)[...] = top[0].diff.reshape(n, -1)[:, start:start + width]
+            start += width
+            pooling.backward(outputs, [True], bottom)
+            total = bottom[0].diff.copy() if total is None else total + bottom[0].diff
+        bottom[0].diff[...] = total

@@ -1,0 +1,156 @@
+"""The shape of a 2-d convolution, shared by the lowerings, the layers and the
+tests. Array conventions used throughout cct.lowering:
+
+    x  (N, C, H, W)            input batch
+    w  (O, C/group, KH, KW)    kernel
+    y  (N, O, OH, OW)          output batch
+
+with OH = (H + 2*pad_h - (dilation_h*(KH-1)+1)) // stride_h + 1 (OW alike).
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    channels: int            # C, input channels
+    num_output: int          # O, output channels
+    in_h: int
+    in_w: int
+    kernel_h: int
+    kernel_w: int
+    stride_h: int = 1
+    stride_w: int = 1
+    pad_h: int = 0
+    pad_w: int = 0
+    dilation_h: int = 1
+    dilation_w: int = 1
+    group: int = 1
+
+    def __post_init__(self):
+        if self.channels % self.group or self.num_output % self.group:
+            raise ValueError(f"channels {self.channels} and num_output {self.num_output} "
+                             f"must both be multiples of group {self.group}")
+        if min(self.kernel_h, self.kernel_w, self.stride_h, self.stride_w,
+               self.dilation_h, self.dilation_w, self.group) < 1:
+            raise ValueError(f"kernel, stride, dilation and group must be >= 1: {self}")
+        if self.out_h < 1 or self.out_w < 1:
+            raise ValueError(f"output would be {self.out_h} x {self.out_w}: {self}")
+
+    # Extent of one dilated kernel window.
+    @property
+    def extent_h(self):
+        return self.dilation_h * (self.kernel_h - 1) + 1
+
+    @property
+    def extent_w(self):
+        return self.dilation_w * (self.kernel_w - 1) + 1
+
+    @property
+    def out_h(self):
+        return (self.in_h + 2 * self.pad_h - self.extent_h) // self.stride_h + 1
+
+    @property
+    def out_w(self):
+        return (self.in_w + 2 * self.pad_w - self.extent_w) // self.stride_w + 1
+
+    @property
+    def padded_h(self):
+        return self.in_h + 2 * self.pad_h
+
+    @property
+    def padded_w(self):
+        return self.in_w + 2 * self.pad_w
+
+    @property
+    def channels_per_group(self):
+        return self.channels // self.group
+
+    @property
+    def outputs_per_group(self):
+        return self.num_output // self.group
+
+    @property
+    def weight_shape(self):
+        return (self.num_output, self.channels_per_group, self.kernel_h, self.kernel_w)
+
+    def input_shape(self, batch):
+        return (batch, self.channels, self.in_h, self.in_w)
+
+    def output_shape(self, batch):
+        return (batch, self.num_output, self.out_h, self.out_w)
+
+    def rows(self, i):
+        """Slice of padded rows read by kernel row i for every output row."""
+        start = i * self.dilation_h
+        return slice(start, start + self.stride_h * (self.out_h - 1) + 1, self.stride_h)
+
+    def cols(self, j):
+        """Slice of padded columns read by kernel column j for every output column."""
+        start = j * self.dilation_w
+        return slice(start, start + self.stride_w * (self.out_w - 1) + 1, self.stride_w)
+
+
+def pad_channels_first(x, geom, out=None):
+    """x (N, C, H, W) -> padded, channels-first (C, N, H + 2*pad_h, W + 2*pad_w).
+
+    Every lowering starts here: with channels outermost, the per-group matrices
+    are plain reshapes and the copies in the lowerings walk memory in order."""
+    n = x.shape[0]
+    shape = (geom.channels, n, geom.padded_h, geom.padded_w)
+    if out is None:
+        out = np.zeros(shape, x.dtype)
+    elif geom.pad_h or geom.pad_w:
+        out[...] = 0
+    out[:, :, geom.pad_h:geom.pad_h + geom.in_h, geom.pad_w:geom.pad_w + geom.in_w] = x.transpose(1, 0, 2, 3)
+    return out
+
+
+def unpad_channels_first(xp, geom, out=None):
+    """Inverse of pad_channels_first: (C, N, Hp, Wp) -> (N, C, H, W), crops the padding."""
+    inner = xp[:, :, geom.pad_h:geom.pad_h + geom.in_h, geom.pad_w:geom.pad_w + geom.in_w]
+    if out is None:
+        return np.ascontiguousarray(inner.transpose(1, 0, 2, 3))
+    out[...] = inner.transpose(1, 0, 2, 3)
+    return out
+
+
+def output_channels_first(dy):
+    """dy (N, O, OH, OW) -> contiguous (O, N, OH, OW): the GEMM-side layout of outputs."""
+    return np.ascontiguousarray(dy.transpose(1, 0, 2, 3))
+
+
+def store_output(y_cf, out):
+    """(O, N, OH, OW) channels-first result -> (N, O, OH, OW), into `out` if given."""
+    if out is None:
+        return np.ascontiguousarray(y_cf.transpose(1, 0, 2, 3))
+    out[...] = y_cf.transpose(1, 0, 2, 3)
+    return out
+
+
+def window_view(xp, geom, lower_h=True, lower_w=True):
+    """Read-only strided view of padded channels-first xp (C, N, Hp, Wp) as the
+    lowered tensor, no copy: (C, KH, KW, N, OH, OW) when lowering both axes,
+    (C, KW, N, Hp, OW) when lowering the width only."""
+    sc, sn, sh, sw = xp.strides
+    if lower_h and lower_w:
+        shape = (geom.channels, geom.kernel_h, geom.kernel_w, xp.shape[1], geom.out_h, geom.out_w)
+        strides = (sc, sh * geom.dilation_h, sw * geom.dilation_w, sn, sh * geom.stride_h, sw * geom.stride_w)
+    else:
+        shape = (geom.channels, geom.kernel_w, xp.shape[1], xp.shape[2], geom.out_w)
+        strides = (sc, sw * geom.dilation_w, sn, sh, sw * geom.stride_w)
+    return np.lib.stride_tricks.as_strided(xp, shape, strides, writeable=False)
+
+
+def matmul_nt(a, b):
+    """a @ b^T for stacks (g, m, K) and (g, n, K) with a long K. OpenBLAS is
+    several times faster with the taller operand on the left, so when b is
+    taller, compute (b @ a^T)^T instead."""
+    if a.shape[-2] >= b.shape[-2]:
+        return np.matmul(a, b.swapaxes(-1, -2))
+    return np.matmul(b, a.swapaxes(-1, -2)).swapaxes(-1, -2)
+
+
+def weights_as(w, dtype):
+    return w if w.dtype == dtype else w.astype(dtype)

@@ -1,0 +1,249 @@
+"""Pooling and SPP (layers/pooling.py): forward against naive window loops
+(ceil rounding, clipping, padding counted in AVE), the MAX argmax/mask,
+stochastic pooling, gradients, Caffe's parameter checks."""
+import math
+
+import numpy as np
+import pytest
+
+import cct
+from cct.errors import ConfigError, ShapeError
+from cct.gradient_check import check_layer_gradient, make_layer, setup_layer
+
+RNG = np.random.default_rng(7)
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
+def distinct(shape, scale=0.1):
+    """Values far apart (no ties, no argmax flips under the checker's step)."""
+    return RNG.permutation(int(np.prod(shape))).reshape(shape) * scale - 1.0
+
+
+def run(prototxt, x, num_tops=1, phase=cct.TRAIN):
+    layer = make_layer(prototxt, phase)
+    bottoms, tops = setup_layer(layer, [x], num_tops=num_tops)
+    layer.forward(bottoms, tops)
+    return layer, bottoms, tops
+
+
+def naive_pool(x, method, kernel, stride, pad, ceil=True):
+    """Caffe's loops, written out: one output cell at a time."""
+    n, c, h, w = x.shape
+    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, pad
+
+    def size(length, k, s, p):
+        rounding = math.ceil if ceil else math.floor
+        out = int(rounding((length + 2 * p - k) / s)) + 1
+        if p and (out - 1) * s >= length + p:
+            out -= 1
+        return out
+
+    oh, ow = size(h, kh, sh, ph), size(w, kw, sw, pw)
+    y = np.zeros((n, c, oh, ow))
+    mask = np.full((n, c, oh, ow), -1)
+    for a in range(n):
+        for b in range(c):
+            for i in range(oh):
+                for j in range(ow):
+                    hs, ws = i * sh - ph, j * sw - pw
+                    if method == "MAX":
+                        he, we = min(hs + kh, h), min(ws + kw, w)
+                        hs, ws = max(hs, 0), max(ws, 0)
+                        best, where = -FLT_MAX, -1
+                        for r in range(hs, he):
+                            for s in range(ws, we):
+                                if x[a, b, r, s] > best:
+                                    best, where = x[a, b, r, s], r * w + s
+                        y[a, b, i, j], mask[a, b, i, j] = best, where
+                    else:
+                        he, we = min(hs + kh, h + ph), min(ws + kw, w + pw)
+                        count = (he - hs) * (we - ws)
+                        hs, ws, he, we = max(hs, 0), max(ws, 0), min(he, h), min(we, w)
+                        y[a, b, i, j] = x[a, b, hs:he, ws:we].sum() / count
+    return y, mask
+
+
+# --- forward against the naive loops -------------------------------------------------------
+CASES = [   # (prototxt fields, kernel, stride, pad, input shape)
+    ("kernel_size: 3 stride: 2", (3, 3), (2, 2), (0, 0), (2, 3, 7, 8)),          # ceil overhang
+    ("kernel_size: 3 stride: 2 pad: 1", (3, 3), (2, 2), (1, 1), (2, 2, 6, 7)),   # padding, last window dropped
+    ("kernel_size: 2 stride: 2", (2, 2), (2, 2), (0, 0), (1, 2, 5, 5)),
+    ("kernel_h: 3 kernel_w: 2 stride_h: 1 stride_w: 3 pad_h: 2 pad_w: 1", (3, 2), (1, 3), (2, 1), (2, 2, 5, 7)),
+    ("kernel_size: 4 stride: 3 pad: 2", (4, 4), (3, 3), (2, 2), (1, 3, 8, 6)),
+    ("kernel_size: 1 stride: 4", (1, 1), (4, 4), (0, 0), (1, 2, 6, 9)),
+]
+
+
+@pytest.mark.parametrize("method", ["MAX", "AVE"])
+@pytest.mark.parametrize("fields,kernel,stride,pad,shape", CASES)
+def test_forward_matches_naive(method, fields, kernel, stride, pad, shape):
+    x = RNG.standard_normal(shape)
+    _, _, tops = run(f'type: "Pooling" pooling_param {{ pool: {method} {fields} }}', x)
+    expected, _ = naive_pool(x, method, kernel, stride, pad)
+    np.testing.assert_allclose(tops[0].data, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["MAX", "AVE"])
+def test_floor_round_mode(method):
+    x = RNG.standard_normal((2, 2, 7, 8))
+    _, _, tops = run(f'type: "Pooling" pooling_param {{ pool: {method} kernel_size: 3 stride: 2 '
+                     f'round_mode: FLOOR }}', x)
+    expected, _ = naive_pool(x, method, (3, 3), (2, 2), (0, 0), ceil=False)
+    assert tops[0].shape == (2, 2, 3, 3)
+    np.testing.assert_allclose(tops[0].data, expected, rtol=1e-12)
+
+
+def test_max_mask_and_first_maximum_on_ties():
+    x = np.zeros((1, 1, 4, 4))
+    x[0, 0, 1, 1] = x[0, 0, 1, 2] = x[0, 0, 2, 1] = 5.0       # three tied maxima
+    x[0, 0, 3, 3] = -2.0
+    _, _, tops = run('type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 1 }', x, num_tops=2)
+    expected, mask = naive_pool(x, "MAX", (3, 3), (1, 1), (0, 0))
+    np.testing.assert_array_equal(tops[0].data, expected)
+    np.testing.assert_array_equal(tops[1].data, mask)
+    assert tops[1].data[0, 0, 0, 0] == 1 * 4 + 1                  # first in scan order
+
+
+def test_max_backward_routes_to_argmax_and_sums_overlaps():
+    x = RNG.standard_normal((2, 3, 6, 5))
+    layer, bottoms, tops = run('type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 1 pad: 1 }', x)
+    tops[0].diff[...] = RNG.standard_normal(tops[0].shape)
+    layer.backward(tops, [True], bottoms)
+    _, mask = naive_pool(x, "MAX", (3, 3), (1, 1), (1, 1))
+    expected = np.zeros(x.shape)
+    for index in np.ndindex(*mask.shape):
+        h, w = divmod(mask[index], x.shape[3])
+        expected[index[0], index[1], h, w] += tops[0].diff[index]
+    np.testing.assert_allclose(bottoms[0].diff, expected, atol=1e-12)
+
+
+def test_empty_max_window_keeps_caffe_initial_value():
+    # kernel 1, stride 4 on 5 columns: ceil rounding adds a window past the image.
+    x = RNG.standard_normal((1, 1, 1, 5))
+    _, _, tops = run('type: "Pooling" pooling_param { pool: MAX kernel_h: 1 kernel_w: 1 stride_h: 1 stride_w: 6 }',
+                     x, num_tops=2)
+    expected, mask = naive_pool(x, "MAX", (1, 1), (1, 6), (0, 0))
+    np.testing.assert_array_equal(tops[0].data, expected)
+    np.testing.assert_array_equal(tops[1].data, mask)
+
+
+@pytest.mark.parametrize("method", ["MAX", "AVE"])
+def test_global_pooling(method):
+    x = RNG.standard_normal((2, 3, 5, 4))
+    _, _, tops = run(f'type: "Pooling" pooling_param {{ pool: {method} global_pooling: true }}', x)
+    expected = x.max(axis=(2, 3)) if method == "MAX" else x.mean(axis=(2, 3))
+    np.testing.assert_allclose(tops[0].data.reshape(2, 3), expected, rtol=1e-12)
+
+
+# --- stochastic ---------------------------------------------------------------------------
+def test_stochastic_test_phase_is_weighted_average():
+    x = RNG.uniform(0, 1, (2, 2, 5, 5))
+    _, _, tops = run('type: "Pooling" pooling_param { pool: STOCHASTIC kernel_size: 3 stride: 2 }', x,
+                     phase=cct.TEST)
+    expected = np.zeros((2, 2, 2, 2))
+    for i in range(2):
+        for j in range(2):
+            window = x[:, :, 2 * i:2 * i + 3, 2 * j:2 * j + 3]
+            expected[:, :, i, j] = (window ** 2).sum(axis=(2, 3)) / window.sum(axis=(2, 3))
+    np.testing.assert_allclose(tops[0].data, expected, rtol=1e-6)
+
+
+def test_stochastic_train_samples_by_probability():
+    window = np.array([[1.0, 0.0], [3.0, 4.0]])
+    x = np.broadcast_to(window, (4000, 1, 2, 2)).copy()
+    cct.set_random_seed(3)
+    layer, bottoms, tops = run('type: "Pooling" pooling_param { pool: STOCHASTIC kernel_size: 2 }', x)
+    values, counts = np.unique(tops[0].data, return_counts=True)
+    assert set(values) <= {1.0, 3.0, 4.0}
+    np.testing.assert_allclose(counts / 4000, [0.125, 0.375, 0.5], atol=0.03)
+    # The gradient goes to the sampled cell only.
+    tops[0].diff[...] = 1.0
+    layer.backward(tops, [True], bottoms)
+    np.testing.assert_array_equal(bottoms[0].diff.sum(axis=(2, 3)), 1.0)
+    np.testing.assert_array_equal((bottoms[0].diff * x).sum(axis=(2, 3)), tops[0].data.reshape(-1, 1))
+
+
+# --- gradients ----------------------------------------------------------------------------
+@pytest.mark.parametrize("fields", [
+    "pool: MAX kernel_size: 3 stride: 2",
+    "pool: MAX kernel_size: 3 stride: 2 pad: 1",
+    "pool: MAX kernel_h: 2 kernel_w: 3 stride_h: 1 stride_w: 2 pad_h: 1 pad_w: 0",
+    "pool: AVE kernel_size: 3 stride: 2 pad: 1",
+    "pool: AVE kernel_size: 2 stride: 1",
+    "pool: AVE global_pooling: true",
+    "pool: MAX global_pooling: true",
+    "pool: STOCHASTIC kernel_size: 2 stride: 2",
+])
+def test_gradient(fields):
+    x = distinct((2, 2, 5, 6)) + 3.0                       # positive, for STOCHASTIC
+    check_layer_gradient(make_layer(f'type: "Pooling" pooling_param {{ {fields} }}'), [x])
+
+
+def test_gradient_with_mask_top():
+    check_layer_gradient(make_layer('type: "Pooling" pooling_param { pool: MAX kernel_size: 2 stride: 2 }'),
+                         [distinct((2, 2, 4, 5))], num_tops=2)
+
+
+# --- SPP -----------------------------------------------------------------------------------
+def naive_spp(x, height, method):
+    n, c, h, w = x.shape
+    levels = []
+    for level in range(height):
+        bins = 2 ** level
+        kh, kw = math.ceil(h / bins), math.ceil(w / bins)
+        pad = ((kh * bins - h + 1) // 2, (kw * bins - w + 1) // 2)
+        pooled, _ = naive_pool(x, method, (kh, kw), (kh, kw), pad)
+        levels.append(pooled.reshape(n, -1))
+    return np.concatenate(levels, axis=1)
+
+
+@pytest.mark.parametrize("method", ["MAX", "AVE"])
+def test_spp_forward_and_gradient(method):
+    x = distinct((2, 3, 8, 9))
+    _, _, tops = run(f'type: "SPP" spp_param {{ pyramid_height: 3 pool: {method} }}', x)
+    assert tops[0].shape == (2, 3 * (1 + 4 + 16))
+    np.testing.assert_allclose(tops[0].data, naive_spp(x, 3, method), rtol=1e-12)
+    check_layer_gradient(make_layer(f'type: "SPP" spp_param {{ pyramid_height: 2 pool: {method} }}'),
+                         [distinct((2, 2, 5, 6))])
+
+
+def test_spp_height_one_is_a_single_pooling():
+    x = RNG.standard_normal((2, 3, 5, 4))
+    layer, bottoms, tops = run('type: "SPP" spp_param { pyramid_height: 1 }', x)
+    assert tops[0].shape == (2, 3, 1, 1)
+    np.testing.assert_allclose(tops[0].data[..., 0, 0], x.max(axis=(2, 3)))
+    # A new image size rebuilds the levels.
+    bottoms[0].reshape(2, 3, 6, 7)
+    bottoms[0].data[...] = RNG.standard_normal((2, 3, 6, 7))
+    layer.reshape(bottoms, tops)
+    layer.forward(bottoms, tops)
+    np.testing.assert_allclose(tops[0].data[..., 0, 0], bottoms[0].data.max(axis=(2, 3)))
+
+
+# --- errors --------------------------------------------------------------------------------
+@pytest.mark.parametrize("fields,message", [
+    ("pool: MAX", "kernel"),
+    ("pool: MAX kernel_size: 2 kernel_h: 2 kernel_w: 2", "not both"),
+    ("pool: MAX kernel_h: 2", "kernel_h"),
+    ("pool: MAX kernel_size: 0", "kernel_size"),
+    ("pool: MAX kernel_size: 2 stride: 0", "stride"),
+    ("pool: MAX kernel_size: 2 pad: 1 pad_h: 1 pad_w: 1", "pad"),
+    ("pool: MAX kernel_size: 2 stride_h: 2", "stride"),
+    ("pool: MAX kernel_size: 2 pad: 2", "pad"),
+    ("pool: STOCHASTIC kernel_size: 3 pad: 1", "MAX and AVE"),
+    ("pool: AVE global_pooling: true kernel_size: 2", "global_pooling"),
+    ("pool: AVE global_pooling: true stride: 2", "global_pooling"),
+])
+def test_config_errors(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        setup_layer(make_layer(f'type: "Pooling" pooling_param {{ {fields} }}'), [np.zeros((1, 1, 5, 5))])
+
+
+def test_mask_top_only_for_max_and_4d_bottom():
+    with pytest.raises(ConfigError, match="mask"):
+        setup_layer(make_layer('type: "Pooling" pooling_param { pool: AVE kernel_size: 2 }'),
+                    [np.zeros((1, 1, 4, 4))], num_tops=2)
+    with pytest.raises(ShapeError, match="4-d"):
+        setup_layer(make_layer('type: "Pooling" pooling_param { pool: AVE kernel_size: 2 }'), [np.zeros((1, 4, 4))])
+    with pytest.raises(ConfigError, match="pyramid_height"):
+        setup_layer(make_layer('type: "SPP" spp_param { pool: MAX }'), [np.zeros((1, 1, 4, 4))])

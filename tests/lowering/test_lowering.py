@@ -1,0 +1,166 @@
+"""cct.lowering: the three lowerings against the direct reference convolution
+(forward, data gradient, weight gradient) over a grid of geometries, and the
+reference itself against scalar loops and its own adjoints."""
+import itertools
+
+import numpy as np
+import pytest
+
+from cct.lowering import (LOWERINGS, ConvGeometry, conv_backward, conv_backward_data, conv_backward_weights,
+                          conv_forward, lowering, reference, type1)
+
+RNG = np.random.default_rng(11)
+TYPES = sorted(LOWERINGS)
+
+
+def arrays(geom, batch=2, dtype=np.float64):
+    x = RNG.standard_normal(geom.input_shape(batch)).astype(dtype)
+    w = RNG.standard_normal(geom.weight_shape).astype(dtype)
+    dy = RNG.standard_normal(geom.output_shape(batch)).astype(dtype)
+    return x, w, dy
+
+
+def naive_conv(x, w, geom):
+    """Seven nested loops, straight from the definition."""
+    n_, c_, h_, w_ = x.shape
+    y = np.zeros(geom.output_shape(n_))
+    cg, og = geom.channels_per_group, geom.outputs_per_group
+    for n in range(n_):
+        for o in range(geom.num_output):
+            g = o // og
+            for oh in range(geom.out_h):
+                for ow in range(geom.out_w):
+                    total = 0.0
+                    for c in range(cg):
+                        for i in range(geom.kernel_h):
+                            for j in range(geom.kernel_w):
+                                h = oh * geom.stride_h - geom.pad_h + i * geom.dilation_h
+                                v = ow * geom.stride_w - geom.pad_w + j * geom.dilation_w
+                                if 0 <= h < h_ and 0 <= v < w_:
+                                    total += x[n, g * cg + c, h, v] * w[o, c, i, j]
+                    y[n, o, oh, ow] = total
+    return y
+
+
+# --- the reference --------------------------------------------------------------------
+SMALL = [ConvGeometry(2, 4, 5, 6, 3, 2, stride_h=2, pad_w=1, dilation_w=2, group=2),
+         ConvGeometry(3, 2, 4, 4, 2, 2, pad_h=1, pad_w=1),
+         ConvGeometry(4, 2, 7, 5, 3, 1, stride_h=3, stride_w=2, pad_h=2, dilation_h=2, group=2)]
+
+
+@pytest.mark.parametrize("geom", SMALL)
+def test_reference_forward_matches_loops(geom):
+    x, w, _ = arrays(geom)
+    np.testing.assert_allclose(reference.forward(x, w, geom), naive_conv(x, w, geom), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("geom", SMALL)
+def test_reference_gradients_are_adjoints(geom):
+    # <conv(x, w), dy> == <x, backward_data(dy, w)> == <w, backward_weights(x, dy)>
+    x, w, dy = arrays(geom)
+    value = np.vdot(reference.forward(x, w, geom), dy)
+    assert np.isclose(np.vdot(x, reference.backward_data(dy, w, geom)), value, rtol=1e-12)
+    assert np.isclose(np.vdot(w, reference.backward_weights(x, dy, geom)), value, rtol=1e-12)
+
+
+# --- every lowering against the reference over the grid --------------------------------
+CHANNELS = [(2, 16), (4, 8), (4, 4), (8, 4), (16, 2)]      # d/o from 1/8 to 8
+KERNELS = [(1, 1), (3, 3), (2, 3), (3, 1)]
+
+
+def grid():
+    for group, pad, stride, dilation, kernel, (c, o) in itertools.product(
+            (1, 2), (0, 1, 2), (1, 2, 3), (1, 2), KERNELS, CHANNELS):
+        try:
+            yield ConvGeometry(c, o, 7, 6, *kernel, stride, stride, pad, pad, dilation, dilation, group)
+        except ValueError:                                    # kernel larger than the padded input
+            continue
+
+
+GRID = list(grid())
+
+
+@pytest.mark.parametrize("geom", GRID, ids=lambda g: f"c{g.channels}o{g.num_output}k{g.kernel_h}x{g.kernel_w}"
+                         f"s{g.stride_h}p{g.pad_h}d{g.dilation_h}g{g.group}")
+def test_lowerings_match_reference(geom):
+    x, w, dy = arrays(geom)
+    expected = (reference.forward(x, w, geom), reference.backward_data(dy, w, geom),
+                reference.backward_weights(x, dy, geom))
+    for kind in TYPES:
+        got = (conv_forward(x, w, geom, kind), conv_backward_data(dy, w, geom, kind),
+               conv_backward_weights(x, dy, geom, kind))
+        for name, ours, want in zip(("forward", "backward_data", "backward_weights"), got, expected):
+            np.testing.assert_allclose(ours, want, rtol=1e-10, atol=1e-10, err_msg=f"type {kind} {name}")
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_rectangular_mixed_parameters(kind):
+    geom = ConvGeometry(6, 4, 9, 8, 3, 2, stride_h=2, stride_w=1, pad_h=1, pad_w=2,
+                        dilation_h=1, dilation_w=3, group=2)
+    x, w, dy = arrays(geom, batch=3)
+    np.testing.assert_allclose(conv_forward(x, w, geom, kind), reference.forward(x, w, geom), atol=1e-10)
+    dx, dw = conv_backward(x, dy, w, geom, kind)
+    np.testing.assert_allclose(dx, reference.backward_data(dy, w, geom), atol=1e-10)
+    np.testing.assert_allclose(dw, reference.backward_weights(x, dy, geom), atol=1e-10)
+    only_dx, none_dw = conv_backward(x, dy, w, geom, kind, weights=False)
+    assert none_dw is None and np.allclose(only_dx, dx)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_float32_stays_float32(kind):
+    geom = ConvGeometry(4, 6, 8, 8, 3, 3, pad_h=1, pad_w=1, group=2)
+    x, w, dy = arrays(geom, dtype=np.float32)
+    assert conv_forward(x, w, geom, kind).dtype == np.float32
+    assert conv_backward_data(dy, w, geom, kind).dtype == np.float32
+    assert conv_backward_weights(x, dy, geom, kind).dtype == np.float32
+    np.testing.assert_allclose(conv_forward(x, w, geom, kind), reference.forward(x, w, geom), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_batch_partitions_compose(kind):
+    # A scheduler may run each function on a slice of the batch: results must agree.
+    geom = ConvGeometry(3, 4, 6, 6, 3, 3, pad_h=1, pad_w=1)
+    x, w, dy = arrays(geom, batch=5)
+    whole = conv_forward(x, w, geom, kind)
+    parts = np.concatenate([conv_forward(x[:2], w, geom, kind), conv_forward(x[2:], w, geom, kind)])
+    np.testing.assert_allclose(parts, whole, atol=1e-12)
+    dw = conv_backward_weights(x[:2], dy[:2], geom, kind) + conv_backward_weights(x[2:], dy[2:], geom, kind)
+    np.testing.assert_allclose(dw, conv_backward_weights(x, dy, geom, kind), atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_out_buffers_are_filled(kind):
+    geom = ConvGeometry(2, 3, 5, 5, 3, 3, pad_h=1, pad_w=1)
+    x, w, dy = arrays(geom)
+    y, dx, dw = np.empty(geom.output_shape(2)), np.empty(x.shape), np.empty(w.shape)
+    assert conv_forward(x, w, geom, kind, out=y) is y
+    assert conv_backward_data(dy, w, geom, kind, out=dx) is dx
+    assert conv_backward_weights(x, dy, geom, kind, out=dw) is dw
+    np.testing.assert_allclose(y, reference.forward(x, w, geom), atol=1e-12)
+    np.testing.assert_allclose(dx, reference.backward_data(dy, w, geom), atol=1e-12)
+    np.testing.assert_allclose(dw, reference.backward_weights(x, dy, geom), atol=1e-12)
+
+
+def test_type1_lowered_matrix_layout():
+    # Row (c, i, j), column (n, oh, ow): the (C*KH*KW) x (N*OH*OW) patch matrix.
+    geom = ConvGeometry(2, 1, 4, 5, 2, 3, stride_w=2, pad_h=1)
+    x, _, _ = arrays(geom, batch=2)
+    cols = type1.lower(x, geom)
+    assert cols.shape == (2 * 2 * 3, 2 * geom.out_h * geom.out_w)
+    xp = np.pad(x, ((0, 0), (0, 0), (1, 1), (0, 0)))
+    for c, i, j, n, oh, ow in itertools.product(range(2), range(2), range(3), range(2),
+                                                range(geom.out_h), range(geom.out_w)):
+        row = (c * 2 + i) * 3 + j
+        col = (n * geom.out_h + oh) * geom.out_w + ow
+        assert cols[row, col] == xp[n, c, oh + i, ow * 2 + j]
+
+
+def test_geometry_output_size_and_errors():
+    geom = ConvGeometry(3, 4, 27, 27, 5, 5, stride_h=2, stride_w=2, pad_h=2, pad_w=2, dilation_h=2, dilation_w=2)
+    assert (geom.out_h, geom.out_w) == ((27 + 4 - 9) // 2 + 1,) * 2
+    with pytest.raises(ValueError, match="group"):
+        ConvGeometry(3, 4, 5, 5, 3, 3, group=2)
+    with pytest.raises(ValueError, match="output"):
+        ConvGeometry(3, 4, 2, 2, 3, 3)
+    with pytest.raises(ValueError, match="lowering type"):
+        lowering(4)
