@@ -1,0 +1,233 @@
+"""Dataset tools (cct/tools.py) and the database layer (cct/db.py): round trips
+through a Data layer, means against numpy, flags and the errors for bad input."""
+
+import lmdb
+import numpy as np
+import pytest
+from PIL import Image
+
+import cct
+from cct import db as cct_db
+from cct.blob import Blob
+from cct.data_transformer import load_mean_file
+from cct.errors import ConfigError, DataError
+from cct.gradient_check import make_layer
+from cct.proto import caffe_pb2
+from cct.tools import compute_image_mean, convert_arrays_to_lmdb, convert_imageset, image_mean
+
+RNG = np.random.default_rng(9)
+
+
+def rgb_to_bgr_chw(rgb):
+    return np.ascontiguousarray(rgb[:, :, ::-1].transpose(2, 0, 1))
+
+
+@pytest.fixture
+def image_set(tmp_path):
+    """Four RGB PNGs (one a BMP) under root/ and a list file; returns (root, list, BGR CHW images)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    pixels, lines = [], []
+    for index in range(4):
+        rgb = RNG.integers(0, 256, (6, 5, 3)).astype(np.uint8)
+        name = f"img{index}.bmp" if index == 3 else f"img{index}.png"
+        Image.fromarray(rgb, "RGB").save(root / name)
+        pixels.append(rgb_to_bgr_chw(rgb))
+        lines.append(f"{name} {index + 1}")
+    listing = tmp_path / "list.txt"
+    listing.write_text("\n".join(lines) + "\n")
+    return str(root) + "/", str(listing), np.stack(pixels)
+
+
+def read_db(path):
+    """(keys, datums) straight from LMDB, independent of cct.db."""
+    env = lmdb.open(str(path), readonly=True, lock=False)
+    with env.begin() as txn:
+        items = [(k.decode(), caffe_pb2.Datum.FromString(v)) for k, v in txn.cursor()]
+    env.close()
+    return [k for k, _ in items], [d for _, d in items]
+
+
+def read_with_data_layer(path, batch, transform=""):
+    layer = make_layer(f'name: "d" type: "Data" transform_param {{ {transform} }} '
+                       f'data_param {{ source: "{path}" batch_size: {batch} backend: LMDB }}', cct.TEST)
+    tops = [Blob(), Blob()]
+    layer.setup([], tops)
+    layer.reshape([], tops)
+    layer.forward([], tops)
+    layer.close()
+    return tops[0].data.copy(), tops[1].data.copy()
+
+
+# --- convert_imageset ------------------------------------------------------------------------
+def test_convert_imageset_raw_round_trip(image_set, tmp_path):
+    root, listing, pixels = image_set
+    out = tmp_path / "db"
+    assert convert_imageset([root, listing, str(out)]) == 0
+    keys, datums = read_db(out)
+    assert keys == ["00000000_img0.png", "00000001_img1.png", "00000002_img2.png", "00000003_img3.bmp"]
+    assert all(not d.encoded and (d.channels, d.height, d.width) == (3, 6, 5) for d in datums)
+    data, labels = read_with_data_layer(out, 4)
+    np.testing.assert_array_equal(data, pixels)
+    np.testing.assert_array_equal(labels, [1, 2, 3, 4])
+
+
+def test_convert_imageset_gray_resize(image_set, tmp_path):
+    root, listing, pixels = image_set
+    out = tmp_path / "db"
+    assert convert_imageset(["-gray", "--resize_width=4", "--resize_height", "3", root, listing, str(out)]) == 0
+    data, _ = read_with_data_layer(out, 4)
+    assert data.shape == (4, 1, 3, 4)
+    rgb = Image.fromarray(np.ascontiguousarray(pixels[0][::-1].transpose(1, 2, 0)), "RGB")
+    np.testing.assert_array_equal(data[0, 0], np.asarray(rgb.convert("L").resize((4, 3), Image.BILINEAR)))
+
+
+def test_convert_imageset_encoded_keeps_file_bytes(image_set, tmp_path):
+    root, listing, pixels = image_set
+    out = tmp_path / "db"
+    assert convert_imageset(["--encoded", root, listing, str(out)]) == 0
+    _, datums = read_db(out)
+    assert all(d.encoded for d in datums)
+    assert datums[0].data == open(root + "img0.png", "rb").read()       # same format: the file itself
+    data, labels = read_with_data_layer(out, 4)
+    np.testing.assert_array_equal(data, pixels)
+    np.testing.assert_array_equal(labels, [1, 2, 3, 4])
+
+
+def test_convert_imageset_encode_type_reencodes(image_set, tmp_path):
+    root, listing, pixels = image_set
+    out = tmp_path / "db"
+    assert convert_imageset(["--encode_type=png", root, listing, str(out)]) == 0   # implies --encoded
+    _, datums = read_db(out)
+    assert datums[3].encoded and datums[3].data[:8] == b"\x89PNG\r\n\x1a\n"      # the BMP became PNG
+    data, _ = read_with_data_layer(out, 4)
+    np.testing.assert_array_equal(data, pixels)
+
+
+def test_convert_imageset_shuffle_keeps_every_image(image_set, tmp_path):
+    root, listing, pixels = image_set
+    cct.set_random_seed(4)
+    out = tmp_path / "db"
+    assert convert_imageset(["--shuffle=true", root, listing, str(out)]) == 0
+    keys, datums = read_db(out)
+    assert sorted(k.split("_", 1)[1] for k in keys) == ["img0.png", "img1.png", "img2.png", "img3.bmp"]
+    for key, datum in zip(keys, datums):         # every label still goes with its image
+        index = int(key.split("img")[1][0])
+        assert datum.label == index + 1
+        np.testing.assert_array_equal(np.frombuffer(datum.data, np.uint8).reshape(3, 6, 5), pixels[index])
+
+
+def test_convert_imageset_check_size_and_skips(image_set, tmp_path):
+    root, listing, _ = image_set
+    Image.fromarray(np.zeros((7, 7, 3), np.uint8)).save(root + "big.png")
+    with open(listing, "a") as handle:
+        handle.write("missing.png 9\nbig.png 5\n")
+    with pytest.raises(DataError, match="big.png: incorrect data field size"):
+        convert_imageset(["--check_size", root, listing, str(tmp_path / "a")])
+    # Without --check_size an unreadable image is skipped, as Caffe does.
+    assert convert_imageset([root, listing, str(tmp_path / "b")]) == 0
+    keys, _ = read_db(tmp_path / "b")
+    assert len(keys) == 5 and keys[-1] == "00000005_big.png"
+
+
+def test_convert_imageset_errors(image_set, tmp_path):
+    root, listing, _ = image_set
+    with pytest.raises(DataError, match="image list .*nolist.txt.* not found"):
+        convert_imageset([root, str(tmp_path / "nolist.txt"), str(tmp_path / "x")])
+    with pytest.raises(ConfigError, match="convert_imageset: .*arguments are required"):
+        convert_imageset([root])
+    with pytest.raises(ConfigError, match="invalid choice"):
+        convert_imageset(["--backend=rocksdb", root, listing, str(tmp_path / "y")])
+    with pytest.raises(ConfigError, match="convert_imageset: --gray: expected true or false"):
+        convert_imageset(["--gray=maybe", root, listing, str(tmp_path / "y")])
+    convert_imageset([root, listing, str(tmp_path / "z")])
+    with pytest.raises(DataError, match="already exists"):
+        convert_imageset([root, listing, str(tmp_path / "z")])
+    with pytest.raises(DataError, match="none of the 4 images"):
+        convert_imageset([str(tmp_path) + "/wrong/", listing, str(tmp_path / "w")])
+    assert convert_imageset(["--help"]) == 0
+
+
+def test_leveldb_backend_needs_plyvel(image_set, tmp_path):
+    try:
+        import plyvel  # noqa: F401
+        pytest.skip("plyvel is installed")
+    except ImportError:
+        pass
+    root, listing, _ = image_set
+    with pytest.raises(DataError, match="LevelDB needs plyvel"):
+        convert_imageset(["--backend", "leveldb", root, listing, str(tmp_path / "l")])
+
+
+# --- compute_image_mean ------------------------------------------------------------------------
+def test_compute_image_mean_equals_numpy(image_set, tmp_path):
+    root, listing, pixels = image_set
+    for flags, name in (([], "raw"), (["--encoded"], "enc")):
+        out = tmp_path / name
+        convert_imageset(flags + [root, listing, str(out)])
+        mean_file = tmp_path / f"{name}.binaryproto"
+        assert compute_image_mean([str(out), str(mean_file)]) == 0
+        proto = caffe_pb2.BlobProto.FromString(mean_file.read_bytes())
+        assert (proto.num, proto.channels, proto.height, proto.width) == (1, 3, 6, 5)
+        expected = pixels.astype(np.float64).mean(axis=0)
+        np.testing.assert_allclose(np.array(proto.data).reshape(3, 6, 5), expected, rtol=1e-6)
+        np.testing.assert_allclose(load_mean_file(mean_file), expected, rtol=1e-6)
+    assert compute_image_mean([str(tmp_path / "raw")]) == 0          # no output file: log only
+
+
+def test_mean_file_feeds_the_transformer(image_set, tmp_path):
+    root, listing, pixels = image_set
+    convert_imageset([root, listing, str(tmp_path / "db")])
+    compute_image_mean([str(tmp_path / "db"), str(tmp_path / "mean.binaryproto")])
+    data, _ = read_with_data_layer(tmp_path / "db", 4, f'mean_file: "{tmp_path / "mean.binaryproto"}"')
+    mean = pixels.astype(np.float64).mean(axis=0)
+    np.testing.assert_allclose(data, pixels - mean, atol=1e-4)
+    np.testing.assert_allclose(data.mean(axis=0), 0, atol=1e-4)
+
+
+def test_compute_image_mean_errors(tmp_path):
+    with pytest.raises(DataError, match="nodb: database not found"):
+        compute_image_mean([str(tmp_path / "nodb")])
+    convert_arrays_to_lmdb(np.zeros((1, 1, 2, 2), np.uint8), [0], tmp_path / "one")
+    with lmdb.open(str(tmp_path / "one")) as env, env.begin(write=True) as txn:
+        txn.put(b"00000001", caffe_pb2.Datum(channels=1, height=3, width=3, data=bytes(9)).SerializeToString())
+    with pytest.raises(DataError, match="record '00000001': incorrect data field size"):
+        image_mean(tmp_path / "one")
+
+
+# --- convert_arrays_to_lmdb and cct.db -------------------------------------------------------------
+def test_convert_arrays_to_lmdb_round_trip(tmp_path):
+    pixels = RNG.integers(0, 256, (7, 2, 3, 4)).astype(np.uint8)
+    labels = RNG.integers(0, 10, 7)
+    assert convert_arrays_to_lmdb(pixels, labels, tmp_path / "arr") == 7
+    keys, _ = read_db(tmp_path / "arr")
+    assert keys == [f"{i:08d}" for i in range(7)]
+    data, got = read_with_data_layer(tmp_path / "arr", 7)
+    np.testing.assert_array_equal(data, pixels)
+    np.testing.assert_array_equal(got, labels)
+    with pytest.raises(DataError, match="one label per image"):
+        convert_arrays_to_lmdb(pixels, labels[:3], tmp_path / "bad")
+    with pytest.raises(DataError, match="must be uint8"):
+        convert_arrays_to_lmdb(pixels.astype(np.float32), labels, tmp_path / "bad2")
+
+
+def test_db_cursor_wraps_and_lmdb_grows(tmp_path):
+    path = tmp_path / "big"
+    payload = bytes(10_000)
+    with cct_db.LMDB(str(path), "w", commit_every=100, map_size=256 << 10) as db:   # ~3 MB: the map must grow
+        for index in range(300):
+            db.put(cct_db.record_key(index, "x.png"), payload)
+    with cct_db.open_db(path, "lmdb") as db:
+        assert len(db) == 300
+        cursor = db.cursor()
+        first = cursor.next()[0]
+        assert first == b"00000000_x.png"
+        cursor.skip(299)
+        assert cursor.next()[0] == first and cursor.wrapped == 1
+    assert cct_db.record_key(12) == "00000012"
+
+
+def test_db_backend_names(tmp_path):
+    assert cct_db.backend_name(1) == "lmdb" and cct_db.backend_name("LEVELDB") == "leveldb"
+    with pytest.raises(DataError, match="unknown database backend 'rocks'"):
+        cct_db.open_db(tmp_path, "rocks")
