@@ -1,0 +1,84 @@
+"""Weight files: large .caffemodels past protobuf's 64 MB default limit, V1
+models with legacy 4-d blob shapes (the model zoo's CaffeNet), and the
+BlobProto <-> numpy conversions."""
+import numpy as np
+import pytest
+
+import cct
+from cct import weights
+from cct.proto import caffe_pb2
+
+BIG_NET = '''name: "big"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 4200 } } }
+layer { name: "fc" type: "InnerProduct" bottom: "data" top: "fc" inner_product_param { num_output: 4096 } }
+'''
+
+
+def test_caffemodel_over_64_megabytes_loads(tmp_path):
+    net = cct.Net(BIG_NET, cct.TEST)
+    fc = net.params["fc"][0]
+    fc.data[...] = np.random.default_rng(0).standard_normal(fc.shape, dtype=np.float32)
+    path = tmp_path / "big.caffemodel"
+    net.save(str(path))
+    assert path.stat().st_size > 64 * 2**20
+    loaded = cct.Net(BIG_NET, cct.TEST, weights=str(path))
+    np.testing.assert_array_equal(loaded.params["fc"][0].data, fc.data)
+
+
+def test_v1_caffemodel_with_legacy_shapes_loads(tmp_path):
+    """V1 models store `layers` with enum types and num/channels/height/width blobs."""
+    rng = np.random.default_rng(1)
+    weight = rng.standard_normal((3, 5), dtype=np.float32)
+    bias = rng.standard_normal(3, dtype=np.float32)
+    model = caffe_pb2.NetParameter(name="v1")
+    layer = model.layers.add(name="fc", type=caffe_pb2.V1LayerParameter.INNER_PRODUCT)
+    for values, legacy in ((weight, (1, 1, 3, 5)), (bias, (1, 1, 1, 3))):
+        blob = layer.blobs.add(num=legacy[0], channels=legacy[1], height=legacy[2], width=legacy[3])
+        blob.data.extend(values.ravel().tolist())
+    path = tmp_path / "v1.caffemodel"
+    path.write_bytes(model.SerializeToString())
+    net = cct.Net('''layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 5 } } }
+                     layer { name: "fc" type: "InnerProduct" bottom: "data" top: "fc"
+                             inner_product_param { num_output: 3 } }''', cct.TEST, weights=str(path))
+    np.testing.assert_array_equal(net.params["fc"][0].data, weight)
+    np.testing.assert_array_equal(net.params["fc"][1].data, bias)
+
+
+def test_blob_proto_round_trip_keeps_values_and_shape():
+    array = np.arange(24, dtype=np.float32).reshape(2, 3, 4) / 7
+    proto = weights.array_to_blob_proto(array, diff=-array)
+    assert tuple(proto.shape.dim) == (2, 3, 4)
+    np.testing.assert_array_equal(weights.blob_proto_to_array(proto), array)
+    np.testing.assert_array_equal(weights.blob_proto_to_array(proto, diff=True), -array)
+
+
+def test_double_data_is_read():
+    proto = caffe_pb2.BlobProto()
+    proto.shape.dim.extend([2])
+    proto.double_data.extend([0.5, -1.5])
+    np.testing.assert_array_equal(weights.blob_proto_to_array(proto), [0.5, -1.5])
+
+
+@pytest.mark.parametrize("legacy, blob_shape, matches", [
+    ((1, 1, 3, 5), (3, 5), True), ((2, 3, 4, 5), (2, 3, 4, 5), True),
+    ((1, 1, 3, 5), (5, 3), False), ((1, 1, 1, 3), (1, 2, 3, 4, 5), False)])
+def test_legacy_shape_rule(legacy, blob_shape, matches):
+    proto = caffe_pb2.BlobProto(num=legacy[0], channels=legacy[1], height=legacy[2], width=legacy[3])
+    assert weights.legacy_shape_matches(blob_shape, proto) is matches
+
+
+def test_mismatched_blob_count_names_the_layer(tmp_path):
+    model = caffe_pb2.NetParameter()
+    layer = model.layer.add(name="fc", type="InnerProduct")
+    layer.blobs.add().CopyFrom(weights.array_to_blob_proto(np.zeros((3, 5), np.float32)))
+    path = tmp_path / "one_blob.caffemodel"
+    path.write_bytes(model.SerializeToString())
+    with pytest.raises(cct.WeightsError, match=r"one_blob.caffemodel: layer 'fc' \(InnerProduct\).*1 blobs"):
+        cct.Net('''layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 5 } } }
+                   layer { name: "fc" type: "InnerProduct" bottom: "data" top: "fc"
+                           inner_product_param { num_output: 3 } }''', cct.TEST, weights=str(path))
+
+
+def test_missing_weight_file_is_named(tmp_path):
+    with pytest.raises(cct.WeightsError, match="nowhere.caffemodel: weight file not found"):
+        cct.Net(BIG_NET, cct.TEST, weights=str(tmp_path / "nowhere.caffemodel"))
