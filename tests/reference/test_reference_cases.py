@@ -52,8 +52,11 @@ def run_case(name):
     return net
 
 
+@pytest.mark.parametrize("partitions", [1, 2])
 @pytest.mark.parametrize("name", CASE_NAMES)
-def test_forward_backward_match_caffe(name):
+def test_forward_backward_match_caffe(name, partitions, monkeypatch):
+    """partitions 2: every layer that allows it runs as 2 batch partitions in parallel."""
+    monkeypatch.setenv("CCT_PARTITIONS", str(partitions))
     net = run_case(name)
     folder = CASES / name
     forward = np.load(folder / "forward.npz")
