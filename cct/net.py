@@ -23,6 +23,8 @@ from .upgrade import upgrade_net
 
 log = logging.getLogger("cct")
 
+AUTOMATIC_TOP = "(automatic)"   # Caffe's name for the tops a loss layer adds itself
+
 
 class Net:
     """A Caffe net. `Net(prototxt, phase, weights=None, level=0, stages=())`, or
@@ -75,7 +77,10 @@ class Net:
                                   f"give none or one per bottom ({len(layer_param.bottom)}), got {len(layer_param.propagate_down)}")
             # The layer gets its own copy: setup may add to it (BatchNorm adds
             # ParamSpecs) while backward needs are decided on the net's, as in Caffe.
-            layer = create_layer(_copy(layer_param), self.phase, source)
+            own_param = _copy(layer_param)
+            if not own_param.HasField("phase"):   # a layer's own `phase:` wins over the net's
+                own_param.phase = self.phase
+            layer = create_layer(own_param, own_param.phase, source)
             bottoms, bottom_names, bottom_backward = [], [], []
             need_backward = False
             for index, name in enumerate(layer_param.bottom):
@@ -90,19 +95,19 @@ class Net:
                                        else blob_needs_backward[name])
             top_names = list(layer_param.top)
             num_named_tops = len(top_names)
-            top_names += [f"(automatic){layer.name}_{k}"
-                          for k in range(layer.num_auto_tops(len(top_names)))]
+            top_names += [AUTOMATIC_TOP] * layer.num_auto_tops(len(top_names))
             tops = []
             for index, name in enumerate(top_names):
                 in_place = index < len(bottom_names) and bottom_names[index] == name
-                if name in self.blobs and not in_place:
+                automatic = index >= num_named_tops
+                if name in self.blobs and not in_place and not automatic:
                     raise ConfigError(f"{layer.where()}: top[{index}]: blob '{name}' is produced by an "
                                       "earlier layer; a top may only reuse the bottom at its own index (in-place)")
                 if not in_place:
                     self.blobs[name] = Blob()
                     blob_needs_backward[name] = False
                 tops.append(self.blobs[name])
-                if index < num_named_tops:       # Caffe leaves automatic tops out of the outputs
+                if not automatic:                 # Caffe leaves automatic tops out of the outputs
                     available[name] = True
                 if layer_param.type == "Input":
                     self.inputs.append(name)
@@ -130,7 +135,7 @@ class Net:
         self._prune_backward()
         if param.force_backward:
             self._force_backward()
-        self.outputs = list(available)
+        self.outputs = sorted(available)          # Caffe keeps them in a std::set
         self.layer_dict = OrderedDict(zip(self._layer_names, self.layers))
 
     def _loss_weights(self, layer, num_tops):
@@ -305,8 +310,8 @@ class Net:
         diffs = list(diffs or [])
         start_index = self._layer_index(start, len(self.layers) - 1)
         end_index = self._layer_index(end, 0)
-        outputs = (set([self._bottom_names[end_index][0]] + diffs) if end is not None
-                   else set(self.inputs + diffs))
+        # pycaffe returns the `end` layer's name as a blob name (its top, by convention).
+        outputs = set([end] + diffs) if end is not None else set(self.inputs + diffs)
         unknown = set(kwargs) - set(self.outputs)
         if unknown:
             raise ConfigError(f"backward(): {sorted(unknown)} are not outputs of the net "

@@ -111,10 +111,9 @@ def copy_layers_from_proto(net, net_param, source="<weights>"):
 
 
 def net_to_proto(net, write_diff=False):
-    """The net as a NetParameter with its weights (Caffe's Net::ToProto)."""
-    net_param = caffe_pb2.NetParameter()
-    net_param.CopyFrom(net.net_param)
-    net_param.ClearField("layer")
+    """The net as a NetParameter with its weights (Caffe's Net::ToProto): the
+    name and each layer's parameters as the layer holds them (phase included)."""
+    net_param = caffe_pb2.NetParameter(name=net.name)
     for layer in net.layers:
         layer_proto = net_param.layer.add()
         layer_proto.CopyFrom(layer.layer_param)
@@ -130,27 +129,38 @@ def save_caffemodel(net, path, write_diff=False):
 
 
 # --- HDF5 (Caffe's Net::ToHDF5 / CopyTrainedLayersFromHDF5) ----------------------
+def _owns_param(net):
+    """For each (layer, param index): whether that blob owns its storage (not shared)."""
+    owners = {}
+    for (layer_index, param_index), owner in zip(net._param_layer_indices, net._param_owners):
+        owners[layer_index, param_index] = owner < 0
+    return owners
+
+
 def save_hdf5(net, path, write_diff=False):
+    """`data/<layer>/<i>` for parameters the layer owns (shared ones are stored once,
+    by their owner), `diff/<layer>/<i>` for all; a group for every layer."""
     import h5py
+    owns = _owns_param(net)
     temp_path = f"{path}.tmp-{os.getpid()}"
     with h5py.File(temp_path, "w") as out:
-        groups = [("data", lambda blob: blob.data)]
-        if write_diff:
-            groups.append(("diff", lambda blob: blob.diff))
-        for group_name, values in groups:
-            group = out.create_group(group_name)
-            for layer in net.layers:
-                if not layer.blobs:
-                    continue
-                layer_group = group.create_group(layer.name)
-                for index, blob in enumerate(layer.blobs):
-                    layer_group.create_dataset(str(index), data=values(blob))
+        data = out.create_group("data")
+        diff = out.create_group("diff") if write_diff else None
+        for layer_index, layer in enumerate(net.layers):
+            data_group = data.create_group(layer.name)
+            diff_group = diff.create_group(layer.name) if write_diff else None
+            for index, blob in enumerate(layer.blobs):
+                if owns[layer_index, index]:
+                    data_group.create_dataset(str(index), data=blob.data)
+                if write_diff:
+                    diff_group.create_dataset(str(index), data=blob.diff)
     os.replace(temp_path, path)
 
 
 def copy_layers_from_hdf5(net, path):
     import h5py
     skipped = []
+    owns = _owns_param(net)
     with h5py.File(path, "r") as weights:
         if "data" not in weights:
             raise WeightsError(f"{path}: not a Caffe HDF5 weight file (no 'data' group)")
@@ -160,15 +170,21 @@ def copy_layers_from_hdf5(net, path):
             if layer is None:
                 skipped.append(layer_name)
                 continue
+            layer_index = net._layer_names.index(layer_name)
+            where = f"{path}: layer '{layer_name}' ({layer.type})"
             stored = data[layer_name]
-            if len(stored) != len(layer.blobs):
-                raise WeightsError(f"{path}: layer '{layer_name}' ({layer.type}): the file has "
-                                   f"{len(stored)} blobs, the net's layer has {len(layer.blobs)}")
+            if len(stored) > len(layer.blobs):
+                raise WeightsError(f"{where}: the file has {len(stored)} blobs, "
+                                   f"the net's layer has {len(layer.blobs)}")
             for index, blob in enumerate(layer.blobs):
+                if str(index) not in stored:
+                    if owns[layer_index, index]:      # a shared param is loaded by its owner
+                        raise WeightsError(f"{where}: blobs[{index}]: missing from the file")
+                    continue
                 values = stored[str(index)][...]
                 if values.size != blob.count:
-                    raise WeightsError(f"{path}: layer '{layer_name}' ({layer.type}): blobs[{index}]: "
-                                       f"shape mismatch, the file has {values.shape}, the net wants {blob.shape}")
+                    raise WeightsError(f"{where}: blobs[{index}]: shape mismatch, the file has "
+                                       f"{values.shape}, the net wants {blob.shape}")
                 blob.data[...] = values.reshape(blob.shape)
     return skipped
 
