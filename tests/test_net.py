@@ -465,3 +465,55 @@ def test_v0_prototxt_builds_an_upgraded_net():
     assert net.layer_names == ["input", "norm"]
     assert [layer.type for layer in net.layers] == ["Input", "LRN"]
     assert net.layers[1].size == 3 and net.blobs["norm"].shape == (2, 3, 4, 4)
+
+
+# --- behaviours checked against BVLC Caffe's net.cpp / pycaffe.py -------------------
+FAN_OUT = '''name: "fan"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 } } }
+layer { name: "zz" type: "Sigmoid" bottom: "data" top: "zz" }
+layer { name: "aa" type: "TanH" bottom: "data" top: "aa" }
+'''
+
+SHARED = '''name: "shared"
+layer { name: "in" type: "Input" top: "in" input_param { shape { dim: 2 dim: 3 } } }
+layer { name: "ip1" type: "InnerProduct" bottom: "in" top: "ip1" param { name: "w" } param { name: "b" }
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 1 } } }
+layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2" param { name: "w" } param { name: "b" }
+        inner_product_param { num_output: 3 } }
+'''
+
+
+def test_outputs_are_sorted_like_caffes_set():
+    assert cct.Net(FAN_OUT, cct.TEST).outputs == ["aa", "zz"]
+
+
+def test_a_layers_own_phase_wins():
+    net = cct.Net('''layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 4 dim: 50 } } }
+                     layer { name: "drop" type: "Dropout" bottom: "data" top: "out" phase: TEST }''', cct.TRAIN)
+    net.blobs["data"].data[...] = 1
+    np.testing.assert_array_equal(net.forward()["out"], 1)
+
+
+def test_to_proto_holds_name_and_layers_with_their_phase():
+    proto = cct.Net(FAN_OUT, cct.TEST).to_proto()
+    assert [f.name for f, _ in proto.ListFields()] == ["name", "layer"]
+    assert all(layer.phase == cct.TEST for layer in proto.layer)
+
+
+def test_backward_end_returns_the_end_layers_name():
+    net = cct.Net(SHARED, cct.TRAIN)
+    net.forward()
+    assert set(net.backward(end="ip2")) == {"ip2"}
+
+
+def test_hdf5_stores_shared_params_once_and_loads_them(tmp_path):
+    import h5py
+    net = cct.Net(SHARED, cct.TRAIN)
+    path = str(tmp_path / "shared.h5")
+    net.save_hdf5(path)
+    with h5py.File(path, "r") as stored:
+        assert {name: sorted(stored["data"][name]) for name in stored["data"]} == \
+            {"in": [], "ip1": ["0", "1"], "ip2": []}
+    other = cct.Net(SHARED, cct.TRAIN)
+    other.copy_from(path)
+    np.testing.assert_array_equal(other.params["ip2"][0].data, net.params["ip1"][0].data)
