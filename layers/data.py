@@ -353,6 +353,9 @@ class HDF5Data(Layer):
 
     def setup(self, bottom, top):
         param = self.layer_param.hdf5_data_param
+        if self.layer_param.HasField("transform_param"):
+            raise self.config_error("transform_param", "HDF5Data does not transform data; "
+                                    "store the data already transformed")
         _check_batch_size(self, "hdf5_data_param.batch_size", param.batch_size)
         if not param.source:
             raise self.config_error("hdf5_data_param.source", "missing: give the file listing .h5 files")
@@ -473,7 +476,8 @@ class HDF5Output(Layer):
         import h5py
         with h5py.File(self.file_name, "a") as handle:
             for name, blob in zip(self.dataset_names, bottom):
-                values = blob.data
+                # Caffe writes legacy 4-d (num, channels, height, width) datasets.
+                values = blob.data.reshape(blob.num, blob.channels, blob.height, blob.width)
                 if name not in handle:
                     handle.create_dataset(name, data=values, maxshape=(None,) + values.shape[1:], chunks=True)
                     continue
@@ -599,7 +603,7 @@ class WindowData(PrefetchingDataLayer):
                                         f"channel ({channels}), got {values.size}")
             mean = np.broadcast_to(values.reshape(-1, 1, 1), (channels, crop, crop))
             offset = 0
-        scale = param.scale if param.HasField("scale") else transform.scale
+        scale = param.scale          # Caffe's WindowData reads only its own scale
         cache = None
         if param.cache_images:
             cache = []

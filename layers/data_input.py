@@ -162,15 +162,18 @@ class MemoryData(Layer):
 
     def reshape(self, bottom, top):
         top[0].reshape((self.batch_size,) + self.item_shape)
-        top[1].reshape((self.batch_size,))
+        if top[1].count != self.batch_size:
+            top[1].reshape((self.batch_size,))
+
 
     def forward(self, bottom, top):
         if self._data is None:
             raise ConfigError(f"{self.where()}: no data: call set_input_arrays(data, labels) "
                               "or reset(data, labels, n) before forward")
         start, end = self._pos, self._pos + self.batch_size
+        top[1].reshape((self.batch_size, 1, 1, 1))      # (N,) at setup, (N,1,1,1) from forward on: Caffe's
         top[0].data[...] = self._data[start:end]
-        top[1].data[...] = self._labels[start:end]
+        top[1].data[...] = self._labels[start:end].reshape(top[1].shape)
         self._pos = end % self._num
 
 

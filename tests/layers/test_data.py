@@ -532,7 +532,9 @@ def test_hdf5_output_writes_data_and_label(tmp_path):
         layer.forward(bottoms, [])
     with h5py.File(out, "r") as handle:
         np.testing.assert_array_equal(handle["data"][...], np.concatenate([b[0] for b in batches]))
-        np.testing.assert_array_equal(handle["label"][...], np.concatenate([b[1] for b in batches]))
+        # Caffe writes legacy 4-d datasets: labels (n,) become (n, 1, 1, 1).
+        np.testing.assert_array_equal(handle["label"][...],
+                                      np.concatenate([b[1] for b in batches]).reshape(-1, 1, 1, 1))
     with pytest.raises(ConfigError, match="bottom"):
         layer.check_blob_counts(bottoms[:1], [])
     bad = [Blob((2, 3)), Blob((3,))]

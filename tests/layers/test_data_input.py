@@ -84,7 +84,8 @@ def test_memory_data_serves_batches_and_wraps_around():
     for batch in (0, 1, 2, 0, 1):
         got_data, got_labels = step(layer, bottoms, tops)
         np.testing.assert_array_equal(got_data, data[2 * batch:2 * batch + 2])
-        np.testing.assert_array_equal(got_labels, labels[2 * batch:2 * batch + 2])
+        # Caffe's MemoryData forward shapes the label top (N, 1, 1, 1).
+        np.testing.assert_array_equal(got_labels, labels[2 * batch:2 * batch + 2].reshape(2, 1, 1, 1))
 
 
 def test_memory_data_reset_uses_first_n_and_restarts():
@@ -93,9 +94,9 @@ def test_memory_data_reset_uses_first_n_and_restarts():
     labels = np.arange(6.0).reshape(6, 1, 1, 1)
     layer.reset(data, labels, 4)
     served = [step(layer, bottoms, tops)[1] for _ in range(3)]
-    np.testing.assert_array_equal(np.concatenate(served), [0, 1, 2, 3, 0, 1])
+    np.testing.assert_array_equal(np.concatenate(served).ravel(), [0, 1, 2, 3, 0, 1])
     layer.reset(data, labels, 6)
-    np.testing.assert_array_equal(step(layer, bottoms, tops)[1], [0, 1])
+    np.testing.assert_array_equal(step(layer, bottoms, tops)[1].ravel(), [0, 1])
 
 
 def test_memory_data_errors():
@@ -121,7 +122,7 @@ def test_memory_data_in_a_net(tmp_path):
     net.forward()
     out = net.forward()
     np.testing.assert_array_equal(out["data"], data[2:])
-    np.testing.assert_array_equal(out["label"], [4, 1])
+    np.testing.assert_array_equal(out["label"].ravel(), [4, 1])
 
 
 # --- Parameter -----------------------------------------------------------------------
