@@ -11,6 +11,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from . import config as run_config
 from . import weights as weights_io
 from .blob import Blob
 from .errors import ConfigError, ShapeError, WeightsError
@@ -137,6 +138,7 @@ class Net:
             self._force_backward()
         self.outputs = sorted(available)          # Caffe keeps them in a std::set
         self.layer_dict = OrderedDict(zip(self._layer_names, self.layers))
+        run_config.apply(self)                    # per-layer partitions from CCT_CONFIG
 
     def _loss_weights(self, layer, num_tops):
         given = list(layer.layer_param.loss_weight)

@@ -2,30 +2,63 @@
 
 The arithmetic lives in cct.lowering: the whole batch is lowered into one
 matrix and multiplied in one GEMM per group. Each layer has a
-`lowering_type` (1, 2 or 3, see cct.lowering): 1 unless the environment
-variable CCT_LOWERING says otherwise when the layer is set up; a scheduler may
-set the attribute afterwards.
+`lowering_type` (1, 2 or 3, see cct.lowering), decided in this order: the
+layer's entry in the run configuration (cct.config), the environment variable
+CCT_LOWERING, the configuration's default, else the chooser
+(cct.lowering.chooser) picks per geometry and batch at reshape (cached, so a
+reshape to the same shape costs a tuple comparison). A scheduler may set the
+attribute afterwards; that forces the type.
+
+Intermediates live in the running thread's workspace arena
+(cct.lowering.workspace), reused across iterations, and a batch whose largest
+lowering matrix exceeds the budget (default 256 MB; CCT_LOWERING_BUDGET_MB or
+the configuration's lowering_budget_mb) runs in chunks of images.
 """
 import os
 
 import numpy as np
 
-from cct import fillers
+from cct import config, fillers
 from cct.blob import Blob
 from cct.layer import Layer, register
-from cct.lowering import ConvGeometry, lowering, type1
+from cct.lowering import (ConvGeometry, chooser, conv_backward, conv_backward_data, conv_backward_weights,
+                          conv_forward, lowering, type1)
+from cct.lowering.workspace import BUDGET_ENV, DEFAULT_BUDGET_MB, budget_from_env, chunk_size, thread_arena
 
-DEFAULT_LOWERING = 1
+DEFAULT_LOWERING = 1          # before the first reshape, and where nothing decides
 LOWERING_ENV = "CCT_LOWERING"
 
 
 def lowering_from_env(layer):
+    """The type CCT_LOWERING forces, or None."""
     value = os.environ.get(LOWERING_ENV, "").strip()
     if not value:
-        return DEFAULT_LOWERING
+        return None
     if value not in ("1", "2", "3"):
         raise layer.config_error(LOWERING_ENV, f"environment variable must be 1, 2 or 3, got {value!r}")
     return int(value)
+
+
+def lowering_settings(layer):
+    """(forced type or None for the chooser, measure, budget in bytes) for a
+    layer, by the precedence in the module docstring."""
+    run = config.active()
+    forced = run.layer_value(layer.name, "lowering") if run else None
+    if forced is None:
+        forced = lowering_from_env(layer)
+    if forced is None and run:
+        forced = run.default_value("lowering")
+    measure = bool(run.value(layer.name, "measure")) if run else False
+    budget_mb = run.layer_value(layer.name, "lowering_budget_mb") if run else None
+    if budget_mb is None:
+        default_mb = (run.default_value("lowering_budget_mb") if run else None) or DEFAULT_BUDGET_MB
+        try:
+            budget = budget_from_env(default_mb)
+        except ValueError as error:
+            raise layer.config_error(BUDGET_ENV, str(error)) from None
+    else:
+        budget = int(budget_mb * 2 ** 20)
+    return (None if forced in (None, "auto") else int(forced)), measure, budget
 
 
 def read_spatial_params(layer, p, bottom):
@@ -95,7 +128,11 @@ class _ConvolutionBase(Layer):
             raise self.config_error("convolution_param.group", f"must divide num_output "
                                     f"({self.num_output}), got {self.group}")
         self.bias_term = p.bias_term
-        self.lowering_type = lowering_from_env(self)
+        # Partition clones (copy.copy after setup, cct.executor) share the owner's choice.
+        self._owner = self
+        self._forced_type, self.measure_lowering, self.lowering_budget = lowering_settings(self)
+        self._auto_type = None
+        self._choice_key = None
         # The convolution's own (input, output) channels; swapped for Deconvolution.
         conv_in, conv_out = ((self.num_output, self.channels) if self.reverse
                              else (self.channels, self.num_output))
@@ -121,6 +158,21 @@ class _ConvolutionBase(Layer):
         self.geom = self._geometry(shape)
         for blob in top:
             blob.reshape(self._top_shape(shape[0]))
+        key = (self.geom, shape[0], bottom[0].data.dtype)
+        if self._owner is self and self._forced_type is None and key != self._choice_key:
+            self._auto_type = chooser.choose(self.geom, shape[0], measure=self.measure_lowering,
+                                             dtype=bottom[0].data.dtype, budget=self.lowering_budget)
+            self._choice_key = key
+
+    @property
+    def lowering_type(self):
+        """The type in use: forced (configuration, CCT_LOWERING, assignment) or chosen."""
+        owner = self._owner
+        return owner._forced_type or owner._auto_type or DEFAULT_LOWERING
+
+    @lowering_type.setter
+    def lowering_type(self, value):
+        self._owner._forced_type = value
 
     def _geometry_for(self, channels, num_output, in_h, in_w):
         try:
@@ -130,10 +182,16 @@ class _ConvolutionBase(Layer):
             raise self.shape_error(f"input {in_h} x {in_w} does not fit the kernel: {error}") from None
 
     def _lowering(self):
+        """The lowering type in use, checked."""
+        kind = self.lowering_type
         try:
-            return lowering(self.lowering_type)
+            lowering(kind)
         except ValueError as error:
             raise self.config_error("lowering_type", str(error)) from None
+        return kind
+
+    def _chunk(self, lowering_type, x):
+        return chunk_size(self.geom, lowering_type, x.shape[0], x.dtype.itemsize, self.lowering_budget)
 
     def _add_bias(self, y):
         if self.bias_term:
@@ -164,24 +222,25 @@ class Convolution(_ConvolutionBase):
         return self.geom.output_shape(batch)
 
     def forward(self, bottom, top):
-        impl = self._lowering()
-        weight = self.blobs[0].data
+        kind = self._lowering()
+        weight, arena = self.blobs[0].data, thread_arena()
         for b, t in zip(bottom, top):
-            impl.forward(b.data, weight, self.geom, out=t.data)
+            conv_forward(b.data, weight, self.geom, kind, out=t.data, ws=arena, chunk=self._chunk(kind, b.data))
             self._add_bias(t.data)
 
     def backward(self, top, propagate_down, bottom):
-        impl = self._lowering()
+        kind = self._lowering()
+        arena = thread_arena()
         need_weights = self.param_propagate_down[0]
         self._bias_gradient(top)
         for t, down, b in zip(top, propagate_down, bottom):
             if not (down or need_weights):
                 continue
-            dx, dw = impl.backward(b.data, t.diff, self.blobs[0].data, self.geom, data=down, weights=need_weights)
+            _, dw = conv_backward(b.data, t.diff, self.blobs[0].data, self.geom, kind, data=down,
+                                  weights=need_weights, ws=arena, chunk=self._chunk(kind, b.data),
+                                  dx_out=b.diff if down else None)
             if need_weights:
                 self.blobs[0].diff[...] += dw
-            if down:
-                b.diff[...] = dx
 
 
 @register("Deconvolution")
@@ -207,21 +266,25 @@ class Deconvolution(_ConvolutionBase):
         return self.geom.input_shape(batch)
 
     def forward(self, bottom, top):
-        impl = self._lowering()
-        weight = self.blobs[0].data
+        kind = self._lowering()
+        weight, arena = self.blobs[0].data, thread_arena()
         for b, t in zip(bottom, top):
-            impl.backward_data(b.data, weight, self.geom, out=t.data)
+            conv_backward_data(b.data, weight, self.geom, kind, out=t.data, ws=arena,
+                               chunk=self._chunk(kind, b.data))
             self._add_bias(t.data)
 
     def backward(self, top, propagate_down, bottom):
-        impl = self._lowering()
+        kind = self._lowering()
+        arena = thread_arena()
         need_weights = self.param_propagate_down[0]
         self._bias_gradient(top)
         for t, down, b in zip(top, propagate_down, bottom):
+            chunk = self._chunk(kind, b.data)
             if need_weights:
-                self.blobs[0].diff[...] += impl.backward_weights(t.diff, b.data, self.geom)
+                self.blobs[0].diff[...] += conv_backward_weights(t.diff, b.data, self.geom, kind, ws=arena,
+                                                                 chunk=chunk)
             if down:
-                impl.forward(t.diff, self.blobs[0].data, self.geom, out=b.diff)
+                conv_forward(t.diff, self.blobs[0].data, self.geom, kind, out=b.diff, ws=arena, chunk=chunk)
 
 
 @register("Im2col")

@@ -7,11 +7,18 @@ lifted to the output. Three lowerings trade lowering cost against lifting cost
     2  type2: lowered along the width only, (C*KW) x (N*Hp*OW); lifting sums KH slices
     3  type3: the padded input as is, C x (N*Hp*Wp); lifting sums KH*KW slices
 
-Every function is pure (arrays in, arrays out) and works on any batch, so a
-scheduler can call it on a partition of the batch.
+Every function works on any batch, so a scheduler can call it on a partition
+of the batch. By default they allocate their intermediates (pure: arrays in,
+arrays out); given `ws` (a cct.lowering.workspace.Arena) they reuse its
+buffers instead, and given `chunk` they process the batch that many images at
+a time, which bounds the workspace (see workspace.chunk_size). The chooser
+(cct.lowering.chooser) picks a type per layer from a cost model.
 """
+import numpy as np
+
 from . import type1, type2, type3
 from .geometry import ConvGeometry
+from .workspace import FRESH, chunks, slot_bytes
 
 LOWERINGS = {1: type1, 2: type2, 3: type3}
 
@@ -23,24 +30,59 @@ def lowering(lowering_type):
         raise ValueError(f"lowering type must be one of {sorted(LOWERINGS)}, got {lowering_type!r}") from None
 
 
-def conv_forward(x, w, geom, lowering_type=1, out=None):
+def _whole(batch, chunk):
+    return chunk is None or chunk >= batch
+
+
+def _plan(ws, geom, lowering_type, batch, chunk, dtype):
+    """Lay the call's workspace out in one store (see workspace.Arena.plan)."""
+    ws.plan(slot_bytes(geom, int(lowering_type), batch if _whole(batch, chunk) else chunk, np.dtype(dtype).itemsize))
+
+
+def conv_forward(x, w, geom, lowering_type=1, out=None, ws=FRESH, chunk=None):
     """y (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/group, KH, KW))."""
-    return lowering(lowering_type).forward(x, w, geom, out=out)
+    impl, n = lowering(lowering_type), x.shape[0]
+    _plan(ws, geom, lowering_type, n, chunk, x.dtype)
+    if _whole(n, chunk):
+        return impl.forward(x, w, geom, out=out, ws=ws)
+    out = np.empty(geom.output_shape(n), x.dtype) if out is None else out
+    for start, stop in chunks(n, chunk):
+        impl.forward(x[start:stop], w, geom, out=out[start:stop], ws=ws)
+    return out
 
 
-def conv_backward_data(dy, w, geom, lowering_type=1, out=None):
+def conv_backward(x, dy, w, geom, lowering_type=1, data=True, weights=True, ws=FRESH, chunk=None, dx_out=None):
+    """(dx or None, dw or None); types 2 and 3 share their unlifted dy between the
+    two. dx goes into `dx_out` when given; dw is summed over the chunks."""
+    impl, n = lowering(lowering_type), dy.shape[0]
+    _plan(ws, geom, lowering_type, n, chunk, dy.dtype)
+    if _whole(n, chunk):
+        return impl.backward(x, dy, w, geom, data=data, weights=weights, ws=ws, dx_out=dx_out)
+    if data and dx_out is None:
+        dx_out = np.empty(geom.input_shape(n), dy.dtype)
+    dw = None
+    for start, stop in chunks(n, chunk):
+        _, part = impl.backward(None if x is None else x[start:stop], dy[start:stop], w, geom, data=data,
+                                weights=weights, ws=ws, dx_out=dx_out[start:stop] if data else None)
+        if weights and dw is None:
+            dw = part
+        elif weights:
+            dw += part
+    return (dx_out if data else None), dw
+
+
+def conv_backward_data(dy, w, geom, lowering_type=1, out=None, ws=FRESH, chunk=None):
     """dx (N, C, H, W) from dy (N, O, OH, OW)."""
-    return lowering(lowering_type).backward_data(dy, w, geom, out=out)
+    return conv_backward(None, dy, w, geom, lowering_type, weights=False, ws=ws, chunk=chunk, dx_out=out)[0]
 
 
-def conv_backward_weights(x, dy, geom, lowering_type=1, out=None):
+def conv_backward_weights(x, dy, geom, lowering_type=1, out=None, ws=FRESH, chunk=None):
     """dw (O, C/group, KH, KW) from x and dy (set, not accumulated)."""
-    return lowering(lowering_type).backward_weights(x, dy, geom, out=out)
-
-
-def conv_backward(x, dy, w, geom, lowering_type=1, data=True, weights=True):
-    """(dx or None, dw or None); types 2 and 3 share their unlifted dy between the two."""
-    return lowering(lowering_type).backward(x, dy, w, geom, data=data, weights=weights)
+    dw = conv_backward(x, dy, None, geom, lowering_type, data=False, ws=ws, chunk=chunk)[1]
+    if out is None:
+        return dw
+    out[...] = dw
+    return out
 
 
 __all__ = ["ConvGeometry", "LOWERINGS", "lowering", "conv_forward", "conv_backward_data",

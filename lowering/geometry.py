@@ -96,14 +96,20 @@ def pad_channels_first(x, geom, out=None):
     """x (N, C, H, W) -> padded, channels-first (C, N, H + 2*pad_h, W + 2*pad_w).
 
     Every lowering starts here: with channels outermost, the per-group matrices
-    are plain reshapes and the copies in the lowerings walk memory in order."""
+    are plain reshapes and the copies in the lowerings walk memory in order.
+    `out` may hold garbage: only its border is zeroed."""
     n = x.shape[0]
     shape = (geom.channels, n, geom.padded_h, geom.padded_w)
     if out is None:
-        out = np.zeros(shape, x.dtype)
-    elif geom.pad_h or geom.pad_w:
-        out[...] = 0
-    out[:, :, geom.pad_h:geom.pad_h + geom.in_h, geom.pad_w:geom.pad_w + geom.in_w] = x.transpose(1, 0, 2, 3)
+        out = np.empty(shape, x.dtype)
+    ph, pw = geom.pad_h, geom.pad_w
+    if ph:
+        out[:, :, :ph] = 0
+        out[:, :, ph + geom.in_h:] = 0
+    if pw:
+        out[:, :, ph:ph + geom.in_h, :pw] = 0
+        out[:, :, ph:ph + geom.in_h, pw + geom.in_w:] = 0
+    out[:, :, ph:ph + geom.in_h, pw:pw + geom.in_w] = x.transpose(1, 0, 2, 3)
     return out
 
 
@@ -119,6 +125,14 @@ def unpad_channels_first(xp, geom, out=None):
 def output_channels_first(dy):
     """dy (N, O, OH, OW) -> contiguous (O, N, OH, OW): the GEMM-side layout of outputs."""
     return np.ascontiguousarray(dy.transpose(1, 0, 2, 3))
+
+
+def channels_first_output(dy, ws):
+    """output_channels_first into the workspace slot "output"."""
+    n, o, oh, ow = dy.shape
+    out = ws.empty("output", (o, n, oh, ow), dy.dtype)
+    out[...] = dy.transpose(1, 0, 2, 3)
+    return out
 
 
 def store_output(y_cf, out):

@@ -7,28 +7,34 @@ Shapes per group g (Cg = C/group, Og = O/group, M2 = N*Hp*OW, Hp = H + 2*pad_h):
     GEMM           Z   = K2 @ D2  (Og*KH, M2), one call per group over the whole batch
     lifting        y[n, o, oh, ow] = sum_i Z[(o,i), (n, oh*sh + i*dh, ow)]   (KH shifted slices)
 
-Backward: dZ scatters dy into the KH shifted row slices; dD2 = K2^T @ dZ then a
-KW-slice col2im along the width; dK2 = dZ @ D2^T.
+Backward: dZ scatters dy into the KH shifted row slices; dK2 = dZ @ D2^T;
+dD2 = K2^T @ dZ (into D2's buffer) then a KW-slice col2im along the width.
+
+Workspace slots (see cct.lowering.workspace): "padded" (C, N, Hp, Wp),
+"lowered" D2, "product" Z, "output" y or dy channels first.
 """
 import numpy as np
 
-from .geometry import (matmul_nt, output_channels_first, pad_channels_first, store_output,
-                       unpad_channels_first, weights_as, window_view)
+from .geometry import (channels_first_output, matmul_nt, pad_channels_first, store_output, unpad_channels_first,
+                       weights_as, window_view)
+from .workspace import FRESH
 
 
-def lower(x, geom):
+def lower(x, geom, ws=FRESH):
     """x (N, C, H, W) -> D2 (C*KW, N*Hp*OW)."""
     n = x.shape[0]
-    view = window_view(pad_channels_first(x, geom), geom, lower_h=False)   # (C, KW, N, Hp, OW), no copy
-    lowered = np.empty(view.shape, x.dtype)
+    xp = pad_channels_first(x, geom, out=ws.empty("padded", (geom.channels, n, geom.padded_h, geom.padded_w),
+                                                   x.dtype))
+    view = window_view(xp, geom, lower_h=False)                  # (C, KW, N, Hp, OW), no copy
+    lowered = ws.empty("lowered", view.shape, x.dtype)
     np.copyto(lowered, view)
     return lowered.reshape(geom.channels * geom.kernel_w, n * geom.padded_h * geom.out_w)
 
 
-def unlower(lowered, geom, batch, out=None):
+def unlower(lowered, geom, batch, out=None, ws=FRESH):
     """Adjoint of `lower`: (C*KW, N*Hp*OW) -> (N, C, H, W), summing the KW slices."""
     lowered = lowered.reshape(geom.channels, geom.kernel_w, batch, geom.padded_h, geom.out_w)
-    dxp = np.zeros((geom.channels, batch, geom.padded_h, geom.padded_w), lowered.dtype)
+    dxp = ws.zeros("padded", (geom.channels, batch, geom.padded_h, geom.padded_w), lowered.dtype)
     for j in range(geom.kernel_w):
         dxp[:, :, :, geom.cols(j)] += lowered[:, j]
     return unpad_channels_first(dxp, geom, out)
@@ -41,62 +47,64 @@ def _kernel_matrix(w, geom, dtype):
     return k.reshape(g, og * geom.kernel_h, cg * geom.kernel_w)
 
 
-def lift(z, geom, batch):
+def lift(z, geom, batch, ws=FRESH):
     """Z (O*KH, N*Hp*OW) -> y channels-first (O, N, OH, OW)."""
     z = z.reshape(geom.num_output, geom.kernel_h, batch, geom.padded_h, geom.out_w)
-    y = z[:, 0, :, geom.rows(0)].copy()
+    y = ws.empty("output", (geom.num_output, batch, geom.out_h, geom.out_w), z.dtype)
+    np.copyto(y, z[:, 0, :, geom.rows(0)])
     for i in range(1, geom.kernel_h):
         y += z[:, i, :, geom.rows(i)]
     return y
 
 
-def unlift(dy, geom):
+def unlift(dy, geom, ws=FRESH):
     """Adjoint of `lift`: dy (N, O, OH, OW) -> dZ (g, Og*KH, N*Hp*OW)."""
     n = dy.shape[0]
-    dy_cf = output_channels_first(dy)                                  # (O, N, OH, OW)
-    dz = np.zeros((geom.num_output, geom.kernel_h, n, geom.padded_h, geom.out_w), dy.dtype)
+    dy_cf = channels_first_output(dy, ws)                              # (O, N, OH, OW)
+    dz = ws.zeros("product", (geom.num_output, geom.kernel_h, n, geom.padded_h, geom.out_w), dy.dtype)
     for i in range(geom.kernel_h):
         dz[:, i, :, geom.rows(i)] = dy_cf
     return dz.reshape(geom.group, geom.outputs_per_group * geom.kernel_h, -1)
 
 
-def forward(x, w, geom, out=None):
+def forward(x, w, geom, out=None, ws=FRESH):
     """y (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/g, KH, KW))."""
     n = x.shape[0]
-    lowered = lower(x, geom).reshape(geom.group, geom.channels_per_group * geom.kernel_w, -1)
-    z = np.matmul(_kernel_matrix(w, geom, x.dtype), lowered)        # (g, Og*KH, M2)
-    return store_output(lift(z, geom, n), out)
+    lowered = lower(x, geom, ws).reshape(geom.group, geom.channels_per_group * geom.kernel_w, -1)
+    kernel = _kernel_matrix(w, geom, x.dtype)
+    z = np.matmul(kernel, lowered, out=ws.empty("product", (geom.group, kernel.shape[1], lowered.shape[2]),
+                                                x.dtype))             # (g, Og*KH, M2)
+    return store_output(lift(z, geom, n, ws), out)
 
 
-def backward(x, dy, w, geom, data=True, weights=True):
-    """(dx or None, dw or None), sharing the unlifted dZ between the two."""
+def backward(x, dy, w, geom, data=True, weights=True, ws=FRESH, dx_out=None):
+    """(dx or None, dw or None), sharing the unlifted dZ between the two. dx goes
+    into `dx_out` when given; dw is a new array (set, not accumulated)."""
     n = dy.shape[0]
-    dz = unlift(dy, geom)
+    dz = unlift(dy, geom, ws)
     dx = dw = None
-    if data:
-        dlowered = np.matmul(_kernel_matrix(w, geom, dy.dtype).transpose(0, 2, 1), dz)  # (g, Cg*KW, M2)
-        dx = unlower(dlowered, geom, n)
-    if weights:
-        lowered = lower(x, geom).reshape(geom.group, geom.channels_per_group * geom.kernel_w, -1)
+    if weights:                   # first: the data gradient then reuses the lowered buffer
+        lowered = lower(x, geom, ws).reshape(geom.group, geom.channels_per_group * geom.kernel_w, -1)
         dk = matmul_nt(dz, lowered)                                  # (g, Og*KH, Cg*KW)
         dk = dk.reshape(geom.group, geom.outputs_per_group, geom.kernel_h,
                         geom.channels_per_group, geom.kernel_w)
         dw = np.ascontiguousarray(dk.transpose(0, 1, 3, 2, 4)).reshape(geom.weight_shape)
+    if data:
+        kernel = _kernel_matrix(w, geom, dy.dtype)
+        dlowered = np.matmul(kernel.transpose(0, 2, 1), dz,
+                             out=ws.empty("lowered", (geom.group, kernel.shape[2], dz.shape[2]), dy.dtype))
+        dx = unlower(dlowered, geom, n, out=dx_out, ws=ws)
     return dx, dw
 
 
-def backward_data(dy, w, geom, out=None):
+def backward_data(dy, w, geom, out=None, ws=FRESH):
     """dx (N, C, H, W) from dy (N, O, OH, OW)."""
-    dx, _ = backward(None, dy, w, geom, data=True, weights=False)
-    if out is None:
-        return dx
-    out[...] = dx
-    return out
+    return backward(None, dy, w, geom, data=True, weights=False, ws=ws, dx_out=out)[0]
 
 
-def backward_weights(x, dy, geom, out=None):
+def backward_weights(x, dy, geom, out=None, ws=FRESH):
     """dw (O, C/g, KH, KW) from x and dy (not accumulated)."""
-    _, dw = backward(x, dy, None, geom, data=False, weights=True)
+    dw = backward(x, dy, None, geom, data=False, weights=True, ws=ws)[1]
     if out is None:
         return dw
     out[...] = dw

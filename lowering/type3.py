@@ -8,17 +8,23 @@ Shapes per group g (Cg = C/group, Og = O/group, M3 = N*Hp*Wp, padded input):
     lifting        y[n, o, oh, ow] = sum_{i,j} Z[(o,i,j), (n, oh*sh + i*dh, ow*sw + j*dw)]
                    (KH*KW shifted, strided, dilated slices)
 
-Backward: dZ scatters dy into the KH*KW shifted slices; dD3 = K3^T @ dZ (then
-crop the padding); dK3 = dZ @ D3^T.
+Backward: dZ scatters dy into the KH*KW shifted slices; dK3 = dZ @ D3^T;
+dD3 = K3^T @ dZ (into D3's buffer, then crop the padding).
+
+Workspace slots (see cct.lowering.workspace): "padded" D3, "product" Z,
+"output" y or dy channels first.
 """
 import numpy as np
 
-from .geometry import matmul_nt, output_channels_first, pad_channels_first, store_output, unpad_channels_first, weights_as
+from .geometry import (channels_first_output, matmul_nt, pad_channels_first, store_output, unpad_channels_first,
+                       weights_as)
+from .workspace import FRESH
 
 
-def lower(x, geom):
+def lower(x, geom, ws=FRESH):
     """x (N, C, H, W) -> D3 (C, N*Hp*Wp)."""
-    return pad_channels_first(x, geom).reshape(geom.channels, -1)
+    shape = (geom.channels, x.shape[0], geom.padded_h, geom.padded_w)
+    return pad_channels_first(x, geom, out=ws.empty("padded", shape, x.dtype)).reshape(geom.channels, -1)
 
 
 def _kernel_matrix(w, geom, dtype):
@@ -28,10 +34,11 @@ def _kernel_matrix(w, geom, dtype):
     return k.reshape(g, og * geom.kernel_h * geom.kernel_w, cg)
 
 
-def lift(z, geom, batch):
+def lift(z, geom, batch, ws=FRESH):
     """Z (O*KH*KW, N*Hp*Wp) -> y channels-first (O, N, OH, OW)."""
     z = z.reshape(geom.num_output, geom.kernel_h, geom.kernel_w, batch, geom.padded_h, geom.padded_w)
-    y = z[:, 0, 0, :, geom.rows(0), geom.cols(0)].copy()
+    y = ws.empty("output", (geom.num_output, batch, geom.out_h, geom.out_w), z.dtype)
+    np.copyto(y, z[:, 0, 0, :, geom.rows(0), geom.cols(0)])
     for i in range(geom.kernel_h):
         for j in range(geom.kernel_w):
             if i or j:
@@ -39,53 +46,55 @@ def lift(z, geom, batch):
     return y
 
 
-def unlift(dy, geom):
+def unlift(dy, geom, ws=FRESH):
     """Adjoint of `lift`: dy (N, O, OH, OW) -> dZ (g, Og*KH*KW, N*Hp*Wp)."""
     n = dy.shape[0]
-    dy_cf = output_channels_first(dy)                                  # (O, N, OH, OW)
-    dz = np.zeros((geom.num_output, geom.kernel_h, geom.kernel_w, n, geom.padded_h, geom.padded_w), dy.dtype)
+    dy_cf = channels_first_output(dy, ws)                              # (O, N, OH, OW)
+    dz = ws.zeros("product", (geom.num_output, geom.kernel_h, geom.kernel_w, n, geom.padded_h, geom.padded_w),
+                  dy.dtype)
     for i in range(geom.kernel_h):
         for j in range(geom.kernel_w):
             dz[:, i, j, :, geom.rows(i), geom.cols(j)] = dy_cf
     return dz.reshape(geom.group, geom.outputs_per_group * geom.kernel_h * geom.kernel_w, -1)
 
 
-def forward(x, w, geom, out=None):
+def forward(x, w, geom, out=None, ws=FRESH):
     """y (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/g, KH, KW))."""
     n = x.shape[0]
-    lowered = lower(x, geom).reshape(geom.group, geom.channels_per_group, -1)
-    z = np.matmul(_kernel_matrix(w, geom, x.dtype), lowered)        # (g, Og*KH*KW, M3)
-    return store_output(lift(z, geom, n), out)
+    lowered = lower(x, geom, ws).reshape(geom.group, geom.channels_per_group, -1)
+    kernel = _kernel_matrix(w, geom, x.dtype)
+    z = np.matmul(kernel, lowered, out=ws.empty("product", (geom.group, kernel.shape[1], lowered.shape[2]),
+                                                x.dtype))             # (g, Og*KH*KW, M3)
+    return store_output(lift(z, geom, n, ws), out)
 
 
-def backward(x, dy, w, geom, data=True, weights=True):
-    """(dx or None, dw or None), sharing the unlifted dZ between the two."""
+def backward(x, dy, w, geom, data=True, weights=True, ws=FRESH, dx_out=None):
+    """(dx or None, dw or None), sharing the unlifted dZ between the two. dx goes
+    into `dx_out` when given; dw is a new array (set, not accumulated)."""
     n = dy.shape[0]
-    dz = unlift(dy, geom)
+    dz = unlift(dy, geom, ws)
     dx = dw = None
-    if data:
-        dxp = np.matmul(_kernel_matrix(w, geom, dy.dtype).transpose(0, 2, 1), dz)   # (g, Cg, M3)
-        dx = unpad_channels_first(dxp.reshape(geom.channels, n, geom.padded_h, geom.padded_w), geom)
-    if weights:
-        lowered = lower(x, geom).reshape(geom.group, geom.channels_per_group, -1)
+    if weights:                   # first: the data gradient then reuses the padded buffer
+        lowered = lower(x, geom, ws).reshape(geom.group, geom.channels_per_group, -1)
         dk = matmul_nt(dz, lowered)                                  # (g, Og*KH*KW, Cg)
         dk = dk.reshape(geom.num_output, geom.kernel_h, geom.kernel_w, geom.channels_per_group)
         dw = np.ascontiguousarray(dk.transpose(0, 3, 1, 2))
+    if data:
+        kernel = _kernel_matrix(w, geom, dy.dtype)
+        dxp = np.matmul(kernel.transpose(0, 2, 1), dz,
+                        out=ws.empty("padded", (geom.group, geom.channels_per_group, dz.shape[2]), dy.dtype))
+        dx = unpad_channels_first(dxp.reshape(geom.channels, n, geom.padded_h, geom.padded_w), geom, dx_out)
     return dx, dw
 
 
-def backward_data(dy, w, geom, out=None):
+def backward_data(dy, w, geom, out=None, ws=FRESH):
     """dx (N, C, H, W) from dy (N, O, OH, OW)."""
-    dx, _ = backward(None, dy, w, geom, data=True, weights=False)
-    if out is None:
-        return dx
-    out[...] = dx
-    return out
+    return backward(None, dy, w, geom, data=True, weights=False, ws=ws, dx_out=out)[0]
 
 
-def backward_weights(x, dy, geom, out=None):
+def backward_weights(x, dy, geom, out=None, ws=FRESH):
     """dw (O, C/g, KH, KW) from x and dy (not accumulated)."""
-    _, dw = backward(x, dy, None, geom, data=False, weights=True)
+    dw = backward(x, dy, None, geom, data=False, weights=True, ws=ws)[1]
     if out is None:
         return dw
     out[...] = dw

@@ -1,0 +1,368 @@
+"""Choosing a lowering type per convolution (Caffe con Troll, Sec. 3.1).
+
+With input n x n x d, kernel k x k, output m x m x o and batch b, type 1 copies
+k^2*d*m^2*b values and runs an o x k^2 d x m^2 b GEMM; type 3 copies only the
+(padded) input but its GEMM is o k^2 x d x n^2 b and lifting sums k^2 slices of
+o*m^2*b; type 2 sits in between. The ratio d/o drives the choice: type 1 for
+few input channels and many outputs, type 3 for the reverse.
+
+`estimate(geom, batch, lowering_type, machine)` models forward + backward
+(data and weight gradients) as the implementation runs it (cct.lowering.type*):
+
+    copies   elements * itemsize * streams / bandwidth + rows * row cost
+             (numpy pays a fixed cost per inner row of a strided copy or add,
+             which dominates for the short rows of small images; gathers,
+             scatters and adds each have their measured row cost)
+    GEMMs    2*m*n*k / flops + m*n*itemsize / out_bandwidth
+             + (m*k + k*n)*itemsize / in_bandwidth, per group: a skinny GEMM
+             (small k, or small m) is bound by writing its output or packing
+             its inputs and runs far below the peak rate; the three constants
+             are fitted to three timed GEMMs
+
+`Machine` holds those constants, measured once (0.13 to 0.22 s here) and cached in
+$CCT_CACHE_DIR/lowering.json (default ~/.cache/cct), one entry per host and
+BLAS thread count. `choose(geom, batch, machine, measure=False)` returns the
+type the model says is fastest, or with measure=True times every type once on
+the actual shape (batch reduced to keep it short) and caches the answer in the
+same file.
+"""
+import json
+import os
+import platform
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .workspace import Arena, chunk_size, chunks, image_bytes
+
+CACHE_ENV = "CCT_CACHE_DIR"
+CACHE_FILE = "lowering.json"
+CACHE_VERSION = 1
+TYPES = (1, 2, 3)
+MEASURE_BYTES = 32 * 2 ** 20          # largest workspace matrix when timing a shape
+
+_lock = threading.RLock()
+_cache = {}                            # cache path -> parsed file contents
+_machines = {}                         # (cache path, machine key) -> Machine
+
+
+# --- machine constants -------------------------------------------------------------------
+# GEMMs timed to fit the GEMM model, (m, n, k): one compute bound, one bound by
+# writing its output (k small), one by reading its inputs (m small).
+GEMM_PROBES = ((256, 4096, 512), (1024, 8192, 8), (8, 8192, 1024))
+
+
+@dataclass
+class Machine:
+    """Measured constants of this host (float32):
+
+    bandwidth           bytes/s moved by a large contiguous copy (reads + writes)
+    gather_row          seconds per inner row of a copy from a strided source (lowering, lifting)
+    scatter_row         seconds per inner row of a copy into a strided target (padding, unlifting)
+    add_row             seconds per inner row of a strided in-place add (lifting sums, col2im)
+    gemm_flops          flop/s of a GEMM with every dimension large
+    gemm_out_bandwidth  bytes/s of GEMM output written (what a GEMM with a small k is bound by)
+    gemm_in_bandwidth   bytes/s of GEMM inputs read and packed (what a GEMM with a small m is bound by)
+    probes              the timed GEMMs, [m, n, k, seconds]
+    """
+    bandwidth: float
+    gather_row: float
+    scatter_row: float
+    add_row: float
+    gemm_flops: float
+    gemm_out_bandwidth: float
+    gemm_in_bandwidth: float
+    probes: list = field(default_factory=list)
+
+    FIELDS = ("bandwidth", "gather_row", "scatter_row", "add_row", "gemm_flops", "gemm_out_bandwidth",
+              "gemm_in_bandwidth")
+
+    def gemm_seconds(self, m, n, k, itemsize=4, count=1):
+        """An (m x k) by (k x n) GEMM: compute plus the memory traffic that makes
+        small and skinny GEMMs run far below the peak rate."""
+        return count * (2.0 * m * n * k * (itemsize / 4) / self.gemm_flops
+                        + m * n * itemsize / self.gemm_out_bandwidth
+                        + (m * k + k * n) * itemsize / self.gemm_in_bandwidth)
+
+    def gather(self, elements, row, itemsize):
+        return 2 * elements * itemsize / self.bandwidth + elements / max(row, 1) * self.gather_row
+
+    def scatter(self, elements, row, itemsize):
+        return 2 * elements * itemsize / self.bandwidth + elements / max(row, 1) * self.scatter_row
+
+    def add(self, elements, row, itemsize):
+        return 3 * elements * itemsize / self.bandwidth + elements / max(row, 1) * self.add_row
+
+    def fill(self, elements, itemsize):
+        return elements * itemsize / self.bandwidth
+
+    def to_dict(self):
+        return {name: float(getattr(self, name)) for name in self.FIELDS} | {"probes": self.probes}
+
+    @classmethod
+    def from_dict(cls, values):
+        return cls(*(float(values[name]) for name in cls.FIELDS), [list(p) for p in values.get("probes", [])])
+
+
+def _best_time(function, repeats):
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def fit_gemm(probes):
+    """(flops, out_bandwidth, in_bandwidth) from [m, n, k, seconds] rows: solve
+    Machine.gemm_seconds in relative error; a coefficient that comes out
+    negative (noise) is dropped, its term then costs nothing."""
+    terms = np.array([[2.0 * m * n * k, 4.0 * m * n, 4.0 * (m * k + k * n)] for m, n, k, _ in probes])
+    terms /= np.array([p[3] for p in probes])[:, None]
+    keep = np.ones(3, bool)
+    while True:
+        inverse = np.zeros(3)
+        inverse[keep] = np.linalg.lstsq(terms[:, keep], np.ones(len(probes)), rcond=None)[0]
+        if (inverse >= 0).all() or keep.sum() == 1:
+            break
+        keep &= inverse > 0
+    return tuple(float(1.0 / c) if c > 0 else 1e18 for c in inverse)
+
+
+def _row_seconds(function, elements, rows, bandwidth, streams):
+    """Per-row cost of `function` beyond its memory traffic."""
+    elapsed = _best_time(function, 3)
+    return max(elapsed - streams * elements * 4 / bandwidth, 0.0) / rows
+
+
+def measure_machine():
+    """Measure a Machine (about 0.2 s)."""
+    big = np.ones(8 * 2 ** 20, np.float32)                          # 32 MB: beyond most caches
+    dst = np.empty_like(big)
+    np.copyto(dst, big)
+    bandwidth = 2 * big.nbytes / _best_time(lambda: np.copyto(dst, big), 3)
+    # Rows of 13 in a frame of 15: a small image's rows inside its padded frame.
+    frame = big[: 2 ** 21 // 15 * 15].reshape(-1, 15)
+    inner, other = frame[:, 1:14], dst[: frame.size].reshape(frame.shape)[:, 1:14]
+    rows = inner.shape[0]
+    dense = np.empty(inner.shape, np.float32)
+    gather_row = _row_seconds(lambda: np.copyto(dense, inner), inner.size, rows, bandwidth, 2)
+    scatter_row = _row_seconds(lambda: np.copyto(other, dense), inner.size, rows, bandwidth, 2)
+    add_row = _row_seconds(lambda: np.add(other, inner, out=other), inner.size, rows, bandwidth, 3)
+    probes = []
+    for m, n, k in GEMM_PROBES:
+        a, b = np.ones((m, k), np.float32), np.ones((k, n), np.float32)
+        c = np.empty((m, n), np.float32)
+        np.matmul(a, b, out=c)
+        probes.append([m, n, k, _best_time(lambda: np.matmul(a, b, out=c), 3)])
+    return Machine(bandwidth, gather_row, scatter_row, add_row, *fit_gemm(probes), probes)
+
+
+def _blas_threads():
+    try:
+        from threadpoolctl import threadpool_info
+        return max([lib.get("num_threads", 1) for lib in threadpool_info() if lib.get("user_api") == "blas"] or [1])
+    except Exception:                  # threadpoolctl missing or a library it cannot read
+        return 0
+
+
+def machine_key():
+    return f"{platform.node()}|{platform.machine()}|blas_threads={_blas_threads()}"
+
+
+# --- the cache file --------------------------------------------------------------------------
+def cache_path():
+    directory = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "cct")
+    return Path(directory) / CACHE_FILE
+
+
+def _load_cache(path):
+    contents = _cache.get(path)
+    if contents is None:
+        try:
+            contents = json.loads(path.read_text())
+            if contents.get("version") != CACHE_VERSION:
+                contents = None
+        except (OSError, ValueError, AttributeError):
+            contents = None
+        contents = contents or {"version": CACHE_VERSION, "machines": {}, "choices": {}}
+        _cache[path] = contents
+    return contents
+
+
+def _save_cache(path, contents):
+    """Write atomically; a read-only cache directory only loses the caching."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        temporary.write_text(json.dumps(contents, indent=1, sort_keys=True))
+        os.replace(temporary, path)
+    except OSError:
+        pass
+
+
+def load_machine(refresh=False):
+    """This host's Machine: from the cache file, else measured and cached."""
+    with _lock:
+        path, key = cache_path(), machine_key()
+        machine = None if refresh else _machines.get((path, key))
+        if machine is not None:
+            return machine
+        contents = _load_cache(path)
+        stored = None if refresh else contents["machines"].get(key)
+        try:
+            machine = Machine.from_dict(stored) if stored else None
+        except (KeyError, TypeError, ValueError):
+            machine = None
+        if machine is None:
+            machine = measure_machine()
+            contents["machines"][key] = machine.to_dict()
+            _save_cache(path, contents)
+        _machines[(path, key)] = machine
+        return machine
+
+
+def clear_memory_cache():
+    """Forget what was read from cache files (tests switch CCT_CACHE_DIR)."""
+    with _lock:
+        _cache.clear()
+        _machines.clear()
+
+
+# --- the cost model ----------------------------------------------------------------------------
+def _cost_parts(geom, b, lowering_type, mc, s):
+    """{(pass, part): seconds} for one chunk of b images of itemsize s, step by
+    step as cct.lowering.type1/2/3 run them."""
+    g = geom
+    grp, cg, og = g.group, g.channels_per_group, g.outputs_per_group
+    kh, kw = g.kernel_h, g.kernel_w
+    k2 = kh * kw
+    c, o = g.channels, g.num_output
+    m1 = b * g.out_h * g.out_w                       # output pixels of the batch
+    frame = b * g.padded_h * g.padded_w              # padded input pixels of the batch
+    pad = (mc.fill(c * (frame - b * g.in_h * g.in_w), s)           # border
+           + mc.scatter(c * b * g.in_h * g.in_w, g.in_w, s))       # NCHW -> padded CNHW
+    unpad = mc.gather(c * b * g.in_h * g.in_w, g.in_w, s)
+    transpose = mc.gather(o * m1, g.out_h * g.out_w, s)            # (O, N, ..) <-> (N, O, ..)
+    parts = {}
+    if lowering_type == 1:
+        lower = pad + mc.gather(c * k2 * m1, g.out_w, s)
+        parts["forward", "lower"] = lower
+        parts["forward", "gemm"] = mc.gemm_seconds(og, m1, cg * k2, s, grp)
+        parts["forward", "lift"] = transpose
+        parts["backward", "unlift"] = transpose
+        parts["backward", "lower"] = lower
+        parts["backward", "gemm"] = mc.gemm_seconds(og, cg * k2, m1, s, grp) + mc.gemm_seconds(cg * k2, m1, og, s, grp)
+        parts["backward", "unlower"] = mc.fill(c * frame, s) + k2 * mc.add(c * m1, g.out_w, s) + unpad
+    elif lowering_type == 2:
+        m2 = b * g.padded_h * g.out_w
+        lower = pad + mc.gather(c * kw * m2, g.out_w, s)
+        parts["forward", "lower"] = lower
+        parts["forward", "gemm"] = mc.gemm_seconds(og * kh, m2, cg * kw, s, grp)
+        parts["forward", "lift"] = mc.gather(o * m1, g.out_w, s) + (kh - 1) * mc.add(o * m1, g.out_w, s) + transpose
+        parts["backward", "unlift"] = transpose + mc.fill(o * kh * m2, s) + kh * mc.scatter(o * m1, g.out_w, s)
+        parts["backward", "lower"] = lower
+        parts["backward", "gemm"] = (mc.gemm_seconds(og * kh, cg * kw, m2, s, grp)
+                                     + mc.gemm_seconds(cg * kw, m2, og * kh, s, grp))
+        parts["backward", "unlower"] = mc.fill(c * frame, s) + kw * mc.add(c * m2, g.out_w, s) + unpad
+    else:
+        parts["forward", "lower"] = pad
+        parts["forward", "gemm"] = mc.gemm_seconds(og * k2, frame, cg, s, grp)
+        parts["forward", "lift"] = mc.gather(o * m1, g.out_w, s) + (k2 - 1) * mc.add(o * m1, g.out_w, s) + transpose
+        parts["backward", "unlift"] = transpose + mc.fill(o * k2 * frame, s) + k2 * mc.scatter(o * m1, g.out_w, s)
+        parts["backward", "lower"] = pad
+        parts["backward", "gemm"] = (mc.gemm_seconds(og * k2, cg, frame, s, grp)
+                                     + mc.gemm_seconds(cg, frame, og * k2, s, grp))
+        parts["backward", "unlower"] = unpad
+    return parts
+
+
+def estimate_parts(geom, batch, lowering_type, machine, itemsize=4, budget=None):
+    """The model's seconds per (pass, part) for the whole batch, processed in
+    chunks when `budget` (bytes) is given, as the layers run it."""
+    chunk = batch if budget is None else chunk_size(geom, lowering_type, batch, itemsize, budget)
+    total = {}
+    for start, stop in chunks(batch, chunk):
+        for key, seconds in _cost_parts(geom, stop - start, lowering_type, machine, itemsize).items():
+            total[key] = total.get(key, 0.0) + seconds
+    return total
+
+
+def estimate(geom, batch, lowering_type, machine, itemsize=4, budget=None):
+    """Modelled seconds of forward + backward (data and weight gradients)."""
+    return sum(estimate_parts(geom, batch, lowering_type, machine, itemsize, budget).values())
+
+
+# --- choosing ------------------------------------------------------------------------------------
+def choose_by_model(geom, batch, machine, itemsize=4, budget=None):
+    costs = {t: estimate(geom, batch, t, machine, itemsize, budget) for t in TYPES}
+    return min(TYPES, key=lambda t: (costs[t], t))
+
+
+def shape_key(geom, batch, itemsize=4):
+    g = geom
+    return (f"{machine_key()}|c{g.channels}o{g.num_output}|{g.in_h}x{g.in_w}|k{g.kernel_h}x{g.kernel_w}"
+            f"|s{g.stride_h}x{g.stride_w}|p{g.pad_h}x{g.pad_w}|d{g.dilation_h}x{g.dilation_w}|g{g.group}"
+            f"|b{batch}|f{8 * itemsize}")
+
+
+def measure_types(geom, batch, dtype=np.float32, repeats=3):
+    """{type: seconds} of forward + backward on random data, the best of
+    `repeats` runs, the types interleaved (a shared machine drifts)."""
+    from . import conv_backward, conv_forward
+    rng = np.random.default_rng(0)
+    dtype = np.dtype(dtype)
+    x = rng.standard_normal(geom.input_shape(batch)).astype(dtype)
+    w = rng.standard_normal(geom.weight_shape).astype(dtype)
+    dy = rng.standard_normal(geom.output_shape(batch)).astype(dtype)
+    y, dx = np.empty(geom.output_shape(batch), dtype), np.empty_like(x)
+    arena = Arena()
+
+    def run(kind):
+        conv_forward(x, w, geom, kind, out=y, ws=arena)
+        conv_backward(x, dy, w, geom, kind, ws=arena, dx_out=dx)
+
+    for kind in TYPES:                 # warm: the arena grows to each type's buffers
+        run(kind)
+    seconds = {kind: [] for kind in TYPES}
+    for _ in range(repeats):
+        for kind in TYPES:
+            start = time.perf_counter()
+            run(kind)
+            seconds[kind].append(time.perf_counter() - start)
+    return {kind: min(times) for kind, times in seconds.items()}
+
+
+def measured_batch(geom, batch, itemsize):
+    """The batch used when timing a shape: whole, or as many images as keep
+    every type's largest matrix within MEASURE_BYTES."""
+    largest = max(image_bytes(geom, t, itemsize) for t in TYPES)
+    return int(max(1, min(batch, MEASURE_BYTES // largest)))
+
+
+def choose_by_measurement(geom, batch, dtype=np.float32):
+    dtype = np.dtype(dtype)
+    key = shape_key(geom, batch, dtype.itemsize)
+    with _lock:
+        path = cache_path()
+        stored = _load_cache(path)["choices"].get(key)
+    if stored and stored.get("type") in TYPES:
+        return stored["type"]
+    seconds = measure_types(geom, measured_batch(geom, batch, dtype.itemsize), dtype)
+    choice = min(TYPES, key=lambda t: (seconds[t], t))
+    with _lock:
+        contents = _load_cache(path)
+        contents["choices"][key] = {"type": choice, "seconds": {str(t): seconds[t] for t in TYPES}}
+        _save_cache(path, contents)
+    return choice
+
+
+def choose(geom, batch, machine=None, measure=False, dtype=np.float32, budget=None):
+    """The lowering type for `geom` at `batch`: by the cost model, or with
+    measure=True by timing every type once on this shape (cached per shape)."""
+    if measure:
+        return choose_by_measurement(geom, batch, dtype)
+    return choose_by_model(geom, batch, machine or load_machine(), np.dtype(dtype).itemsize, budget)
