@@ -65,8 +65,7 @@ def read_spatial_params(layer, p, bottom):
     """Kernel, stride, pad and dilation as (h, w) pairs from a ConvolutionParameter,
     with Caffe's checks (BaseConvolutionLayer::LayerSetUp). Only 2 spatial axes."""
     field = "convolution_param"
-    if p.force_nd_im2col:
-        raise layer.config_error(f"{field}.force_nd_im2col", "N-d im2col is not supported; leave it false")
+    # force_nd_im2col only picks Caffe's im2col routine; 2-d results are the same.
     try:
         channel_axis = bottom.canonical_axis(p.axis)
     except ValueError as error:
@@ -209,8 +208,8 @@ class Convolution(_ConvolutionBase):
 
     convolution_param: num_output, bias_term, kernel_size | kernel_h+kernel_w,
     stride | stride_h+stride_w, pad | pad_h+pad_w, dilation (once or per axis),
-    group, weight_filler, bias_filler, axis (must be 1), force_nd_im2col (must
-    be false). Params: weight (O, C/group, KH, KW), bias (O,).
+    group, weight_filler, bias_filler, axis (must be 1), force_nd_im2col (no
+    effect: 2-d only). Params: weight (O, C/group, KH, KW), bias (O,).
     bottom[i] (N, C, H, W) -> top[i] (N, O, OH, OW),
     OH = (H + 2*pad_h - (dilation_h*(KH-1)+1)) // stride_h + 1 (OW alike).
     """
@@ -292,7 +291,7 @@ class Im2col(Layer):
     """Caffe's im2col of each image, as a layer.
 
     convolution_param: kernel_size | kernel_h+kernel_w, stride | stride_h+stride_w,
-    pad | pad_h+pad_w, dilation, axis (must be 1), force_nd_im2col (must be false).
+    pad | pad_h+pad_w, dilation, axis (must be 1), force_nd_im2col (no effect).
     bottom (N, C, H, W) -> top (N, C*KH*KW, OH, OW) with OH, OW as Convolution;
     channel index c*KH*KW + i*KW + j holds input pixel (oh*sh - ph + i*dh, ow*sw - pw + j*dw).
     """

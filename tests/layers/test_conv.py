@@ -220,7 +220,6 @@ def test_lowering_type_attribute_overrides(monkeypatch):
     (dict(num_output=4, kernel_h=3), "kernel_size"),
     (dict(num_output=3, kernel_size=3, group=2), "group"),
     (dict(num_output=4, kernel_size=3, group=3), "group"),
-    (dict(num_output=4, kernel_size=3, force_nd_im2col=True), "force_nd_im2col"),
     (dict(num_output=4, kernel_size=3, axis=2), "axis"),
     ({"num_output": 4, "kernel_size": "3 kernel_size: 3 kernel_size: 3"}, "kernel_size"),
 ])
@@ -228,6 +227,18 @@ def test_config_errors(fields, message):
     layer = make_layer(conv_text(**fields))
     with pytest.raises(ConfigError, match=message):
         setup_layer(layer, [np.zeros((1, 4, 6, 6))])
+
+
+def test_force_nd_im2col_gives_the_same_numbers():
+    """It only selects Caffe's N-d im2col routine; 2-d results are unchanged."""
+    x = RNG.standard_normal((2, 4, 6, 6))
+    plain, _, plain_tops = run_forward(conv_text(num_output=3, kernel_size=3), x)
+    forced = make_layer(conv_text(num_output=3, kernel_size=3, force_nd_im2col=True))
+    bottoms, tops = setup_layer(forced, [x])
+    for ours, theirs in zip(forced.blobs, plain.blobs):
+        ours.data[...] = theirs.data
+    forced.forward(bottoms, tops)
+    np.testing.assert_array_equal(tops[0].data, plain_tops[0].data)
 
 
 def test_bad_environment_and_shapes(monkeypatch):
