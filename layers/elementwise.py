@@ -24,7 +24,7 @@ class Eltwise(Layer):
     """Combines same-shaped bottoms element by element.
 
     eltwise_param: operation PROD, SUM (default) or MAX; coeff: none or one
-    per bottom (SUM only); stable_prod_grad (default true): PROD's gradient as
+    per bottom (SUM uses them, MAX ignores them, PROD refuses them); stable_prod_grad (default true): PROD's gradient as
     the product of the other bottoms rather than top / bottom.
     top = prod_i b_i  |  sum_i coeff_i * b_i  |  max_i b_i (ties: bottom 1 beats
     bottom 0, later bottoms win only when strictly greater, as in Caffe).
@@ -35,8 +35,9 @@ class Eltwise(Layer):
     def setup(self, bottom, top):
         param = self.layer_param.eltwise_param
         self.op = param.operation
-        if param.coeff and self.op != _ELTWISE.SUM:
-            raise self.config_error("eltwise_param.coeff", "only the SUM operation takes coefficients")
+        # As Caffe: PROD refuses coefficients, MAX accepts and ignores them.
+        if param.coeff and self.op == _ELTWISE.PROD:
+            raise self.config_error("eltwise_param.coeff", "the PROD operation takes no coefficients")
         if param.coeff and len(param.coeff) != len(bottom):
             raise self.config_error("eltwise_param.coeff", f"give one coefficient per bottom "
                                     f"({len(bottom)}), got {len(param.coeff)}")

@@ -81,10 +81,17 @@ def test_eltwise_sum_in_place():
     np.testing.assert_allclose(bottoms[0].diff, 2 * diff)
 
 
+def test_eltwise_max_ignores_coefficients():
+    """Caffe's MAX accepts coeff and takes the plain maximum."""
+    a, b = rand(2, 3), rand(2, 3)
+    _, _, tops = run('type: "Eltwise" eltwise_param { operation: MAX coeff: 1 coeff: -1 }', [a, b])
+    np.testing.assert_array_equal(tops[0].data, np.maximum(a, b))
+
+
 def test_eltwise_errors():
     with pytest.raises(ConfigError, match="eltwise_param.coeff.*one coefficient per bottom \\(2\\), got 3"):
         run('type: "Eltwise" eltwise_param { coeff: 1 coeff: 2 coeff: 3 }', [rand(2), rand(2)])
-    with pytest.raises(ConfigError, match="only the SUM"):
+    with pytest.raises(ConfigError, match="PROD operation takes no coefficients"):
         run('type: "Eltwise" eltwise_param { operation: PROD coeff: 1 coeff: 2 }', [rand(2), rand(2)])
     with pytest.raises(ShapeError, match=r"bottom\[1\] has shape \(3,\)"):
         run('type: "Eltwise"', [rand(2), rand(3)])
