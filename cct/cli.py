@@ -231,8 +231,8 @@ def _check_iterations(iterations):
 
 # --- time --------------------------------------------------------------------------------------
 def layer_report(layer, forward_ms=None, backward_ms=None):
-    """Extra columns for a layer's line in `cct time` (e.g. GFLOP/s, lowering
-    type); "" adds none."""
+    """Extra columns for a layer's Caffe-format line in `cct time`; "" adds none
+    (the profile table after those lines carries cct's own columns)."""
     return ""
 
 
@@ -241,17 +241,34 @@ def layer_report(layer, forward_ms=None, backward_ms=None):
     flag("--model", default="", help="the net definition (prototxt)"),
     flag("--weights", default="", help="optional weights, comma separated"),
     flag("--iterations", type=int, default=50, help="number of forward-backward passes to time"),
+    flag("--tune", action="store_true",
+         help="first choose each layer's batch partitions by measurement (net.executor.tune())"),
+    flag("--peak_size", type=int, default=2048,
+         help="square sgemm size for the GEMM peak measured at the start (0: skip it)"),
     PHASE, LEVEL, STAGE, GPU,
 )
 def time_command(args):
+    from . import profile
     from .layer import TRAIN
     from .net import Net
     _require(args.model, "--model", "need a model definition to time")
     _check_iterations(args.iterations)
+    if args.peak_size < 0:
+        raise ConfigError(f"--peak_size: must be >= 0, got {args.peak_size}")
     _note_gpu(args)
     net = Net(args.model, _phase(args, TRAIN), level=args.level, stages=_stages(args.stage))
     for path in _stages(args.weights):
         net.copy_from(path)
+    peak = None
+    if args.peak_size:
+        net.executor.finish()                   # all BLAS threads, as the layers get them
+        peak = profile.gemm_peak(args.peak_size, repeats=3)
+        log.info("GEMM peak: %.1f GFLOP/s (sgemm %d, %d BLAS threads)", peak, args.peak_size,
+                 net.executor.threads)
+    if args.tune:
+        log.info("Tuning batch partitions")
+        plan = net.executor.tune()
+        log.info("Partitions: %s", ", ".join(f"{name}={p}" for name, p in plan.items()) or "no layer")
     log.info("Performing Forward")
     log.info("Initial loss: %s", _fmt(net._forward()))
     log.info("Performing Backward")
@@ -275,6 +292,7 @@ def time_command(args):
         log.info("Iteration: %d forward-backward time: %s ms.", iteration + 1,
                  _fmt((clock() - iteration_start) * 1e3))
     total_ms = (clock() - total_start) * 1e3
+    net.executor.finish()
     forward_ms /= args.iterations
     backward_ms /= args.iterations
     log.info("Average time per layer: ")
@@ -286,8 +304,48 @@ def time_command(args):
     log.info("Average Backward pass: %s ms.", _fmt(backward_ms.sum()))
     log.info("Average Forward-Backward: %s ms.", _fmt(total_ms / args.iterations))
     log.info("Total Time: %s ms.", _fmt(total_ms))
+    for line in profile_table(net, forward_ms, backward_ms, peak):
+        log.info("%s", line)
     log.info("*** Benchmark ends ***")
     return 0
+
+
+PROFILE_HEADER = ("layer", "type", "fwd ms", "bwd ms", "fwd GFLOP/s", "bwd GFLOP/s", "% peak",
+                  "lowering", "partitions")
+
+
+def profile_table(net, forward_ms, backward_ms, peak):
+    """`cct time`'s profile: per layer its times, achieved GFLOP/s (cct.profile's
+    counts), the share of the GEMM peak (forward and backward together), the
+    lowering type of convolutions and the batch partitions; then the net's total."""
+    from . import profile
+    flops = profile.net_flops(net)
+
+    def rate(count, ms):
+        return count / ms / 1e6 if count and ms > 0 else None
+
+    def cell(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    rows = [PROFILE_HEADER]
+    for i, layer in enumerate(net.layers):
+        (fwd_flops, bwd_flops), fwd, bwd = flops[i], forward_ms[i], backward_ms[i]
+        both = rate(fwd_flops + bwd_flops, fwd + bwd)
+        rows.append((layer.name, layer.type, f"{fwd:.3f}", f"{bwd:.3f}", cell(rate(fwd_flops, fwd), ".1f"),
+                     cell(rate(bwd_flops, bwd), ".1f"),
+                     cell(100 * both / peak if both is not None and peak else None, ".0f"),
+                     str(getattr(layer, "lowering_type", "-")), str(net.executor.partitions(i))))
+    total_flops = sum(f + b for f, b in flops)
+    total_ms = float(np.sum(forward_ms) + np.sum(backward_ms))
+    total = rate(total_flops, total_ms)
+    widths = [max(len(row[k]) for row in rows) for k in range(len(PROFILE_HEADER))]
+    lines = ["Profile per layer" + (f" (GEMM peak {peak:.1f} GFLOP/s):" if peak else ":")]
+    lines += ["  ".join(text.rjust(width) if k > 1 else text.ljust(width)
+                        for k, (text, width) in enumerate(zip(row, widths))).rstrip() for row in rows]
+    lines.append(f"Net: {total_flops / 1e9:.4g} GFLOP per forward-backward, "
+                 + (f"{total:.1f} GFLOP/s" if total is not None else "- GFLOP/s")
+                 + (f" = {100 * total / peak:.0f}% of the GEMM peak" if total is not None and peak else ""))
+    return lines
 
 
 # --- device_query ---------------------------------------------------------------------------
@@ -346,6 +404,19 @@ def _opencl_devices():
                          f"({platform.name.strip()}), {device.max_compute_units} compute units, "
                          f"{device.global_mem_size // 2**20} MiB")
     return lines or ["OpenCL: no devices"]
+
+
+@command("digits", "write the embedded handwritten digits as LMDBs for models/lenet")
+@arguments(flag("--out_dir", default="examples_out", help="folder for digits_{train,test}_lmdb"),
+           flag("--train_count", type=int, default=10000, help="training images"),
+           flag("--test_count", type=int, default=2000, help="test images"),
+           flag("--seed", type=int, default=0, help="rendering seed"),
+           flag("--overwrite", action="store_true", help="rewrite existing databases"))
+def digits(args):
+    from .digits import make_digits_lmdb
+    for path in make_digits_lmdb(args.out_dir, args.train_count, args.test_count, args.seed, args.overwrite):
+        log.info("wrote %s", path)
+    return 0
 
 
 # --- pass-through tools --------------------------------------------------------------------

@@ -4,6 +4,12 @@ import numpy as np
 from cct import fillers
 from cct.blob import Blob
 from cct.layer import Layer, register
+from cct.layers.neuron import scratch
+
+
+# Elements of the weight-gradient work array (16 MiB of float32): blocks of rows
+# big enough for an efficient GEMM, small next to fc6's weights.
+WEIGHT_GRADIENT_BLOCK = 1 << 22
 
 
 @register("InnerProduct")
@@ -70,11 +76,25 @@ class InnerProduct(Layer):
         dy = top[0].diff.reshape(self.m, self.num_output)
         x = bottom[0].data.reshape(self.m, self.k)
         if self.param_propagate_down[0]:
-            if self.transpose:
-                self.blobs[0].diff[...] += x.T @ dy                       # (K, N)
-            else:
-                self.blobs[0].diff[...] += dy.T @ x                       # (N, K)
+            self._accumulate_weight_gradient(x, dy)
         if self.bias_term and self.param_propagate_down[1]:
             self.blobs[1].diff[...] += dy.sum(axis=0)
         if propagate_down[0]:
             np.matmul(dy, self._weight_nk(dy.dtype), out=bottom[0].diff.reshape(self.m, self.k))
+
+    def _accumulate_weight_gradient(self, x, dy):
+        """weight.diff += dy^T x ((N, K); x^T dy (K, N) when transposed), a block of
+        weight rows at a time through a small work array: a whole-matrix temporary
+        (fc6's is 4096 x 9216, 151 MB) would cost page faults on every backward
+        and add its size to the peak memory."""
+        weight_diff = self.blobs[0].diff
+        rows, cols = weight_diff.shape
+        block = max(64, min(rows, WEIGHT_GRADIENT_BLOCK // cols))
+        work = scratch(self, "weight_gradient", (block, cols), dy.dtype)
+        left = x.T if self.transpose else dy.T                                # (rows, M)
+        right = dy if self.transpose else x                                   # (M, cols)
+        for start in range(0, rows, block):
+            stop = min(start + block, rows)
+            part = work[:stop - start]
+            np.matmul(left[start:stop], right, out=part)
+            weight_diff[start:stop] += part

@@ -1,34 +1,39 @@
 """Normalization layers: LRN, MVN and BatchNorm, with Caffe's exact formulas
 (where eps goes, which divisor a window uses, how running statistics decay).
 
-Window sums are a loop over the local_size offsets of a zero-padded array
-(a handful of whole-array adds), never over pixels.
+Window sums are a loop over the local_size offsets (a handful of whole-array
+adds of shifted slices), never over pixels.
 """
 import numpy as np
 
 from cct.blob import Blob
 from cct.layer import TEST, Layer, register
+from cct.layers.neuron import scratch
 from cct.proto import caffe_pb2
 
+# Elements per batch chunk in LRN: about 1 MiB of float32 (see LRN._chunks).
+CHUNK_ELEMENTS = 1 << 18
 _ACROSS = caffe_pb2.LRNParameter.ACROSS_CHANNELS
 _WITHIN = caffe_pb2.LRNParameter.WITHIN_CHANNEL
 
 
-def window_sum(values, size, axis):
+def window_sum(values, size, axis, out=None):
     """Sum over a centred window of odd `size` along `axis`, zeros beyond the edges.
 
-    out[i] = sum_{j = i - (size-1)/2}^{i + (size-1)/2} values[j]; same shape as values.
+    out[i] = sum_{j = i - (size-1)/2}^{i + (size-1)/2} values[j]; same shape as
+    values, written into `out` when given (it must not be `values`). Each offset d
+    adds values shifted by d onto the part of out it reaches: no padded copy.
     """
     half = (size - 1) // 2
     length = values.shape[axis]
-    pad = [(0, 0)] * values.ndim
-    pad[axis] = (half, half)
-    padded = np.pad(values, pad)
-    moved = np.moveaxis(padded, axis, 0)
-    total = moved[0:length].copy()
-    for offset in range(1, size):
-        total += moved[offset:offset + length]
-    return np.moveaxis(total, 0, axis)
+    if out is None:
+        out = np.empty_like(values)
+    np.copyto(out, values)
+    moved_in, moved_out = np.moveaxis(values, axis, 0), np.moveaxis(out, axis, 0)
+    for offset in range(1, min(half, length - 1) + 1):
+        moved_out[offset:] += moved_in[:length - offset]      # from the cells before
+        moved_out[:length - offset] += moved_in[offset:]      # from the cells after
+    return out
 
 
 @register("LRN")
@@ -67,43 +72,90 @@ class LRN(Layer):
 
     def forward(self, bottom, top):
         x = bottom[0].data
+        shape, dtype = x.shape, x.dtype
         if top[0] is bottom[0]:
-            x = self._saved_input = x.copy()   # backward needs x, forward overwrites it
+            # backward needs x, forward overwrites it
+            saved = scratch(self, "saved_input", shape, dtype)
+            np.copyto(saved, x)
+            x = self._saved_input = saved
+        self.scale = scratch(self, "scale", shape, dtype)        # (N, C, H, W), kept for backward
+        for rows in self._chunks(shape):
+            self._forward_chunk(x[rows], self.scale[rows], top[0].data[rows])
+
+    def _chunks(self, shape):
+        """Slices of a few images: the ~10 element-wise passes run on work arrays
+        that stay in the CPU cache (CaffeNet's norm1 is 256x96x27x27)."""
+        per_image = int(np.prod(shape[1:]))
+        self._chunk = max(1, min(shape[0], CHUNK_ELEMENTS // max(per_image, 1)))
+        return [slice(start, start + self._chunk) for start in range(0, shape[0], self._chunk)]
+
+    def _work(self, name, like):
+        full = (self._chunk,) + like.shape[1:]
+        return scratch(self, name, full, like.dtype)[:like.shape[0]]
+
+    def _forward_chunk(self, x, scale, y):
         cast = x.dtype.type
-        squares = x * x
+        squares = np.multiply(x, x, out=self._work("squares", x))
         if self.across:
             # scale: k + alpha/n * windowed sum of squares over channels
-            self.scale = window_sum(squares, self.size, axis=1)
-            self.scale *= cast(self.alpha / self.size)
-            self.scale += cast(self.k)
+            window_sum(squares, self.size, axis=1, out=scale)
+            scale *= cast(self.alpha / self.size)
+            scale += cast(self.k)
         else:
-            self.scale = self._box_average(squares)
-            self.scale *= cast(self.alpha)
-            self.scale += cast(1.0)
-        self.power = self.scale ** cast(-self.beta)      # (N, C, H, W)
-        np.multiply(x, self.power, out=top[0].data)
+            self._box_average(squares, out=scale)
+            scale *= cast(self.alpha)
+            scale += cast(1.0)
+        power = _negative_power(scale, self.beta, self._work("power", x))
+        np.multiply(x, power, out=y)
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
         x = self._saved_input if top[0] is bottom[0] else bottom[0].data
-        cast = x.dtype.type
-        g = top[0].diff
-        # y = x * s^-beta with s = shift + c * window(x^2):
-        # dL/dx = g * s^-beta - 2 * beta * c * x * window^T(g * x * s^(-beta-1))
-        ratio = g * x * self.power / self.scale
-        if self.across:
-            spread = window_sum(ratio, self.size, axis=1) * cast(self.alpha / self.size)
-        else:
-            spread = self._box_average(ratio) * cast(self.alpha)
-        bottom[0].diff[...] = g * self.power - cast(2 * self.beta) * x * spread
+        for rows in self._chunks(x.shape):
+            self._backward_chunk(x[rows], top[0].data[rows], top[0].diff[rows], self.scale[rows],
+                                 bottom[0].diff[rows])
 
-    def _box_average(self, values):
+    def _backward_chunk(self, x, y, g, scale, dx):
+        # y = x * s^-beta with s = shift + c * window(x^2):
+        # dL/dx = g * s^-beta - 2 * beta * c * x * window^T(g * y / s)   (y / s = x * s^(-beta-1))
+        ratio = np.multiply(g, y, out=self._work("ratio", x))
+        ratio /= scale
+        spread = self._work("squares", x)
+        if self.across:
+            window_sum(ratio, self.size, axis=1, out=spread)
+            factor = 2 * self.beta * self.alpha / self.size
+        else:
+            self._box_average(ratio, out=spread)
+            factor = 2 * self.beta * self.alpha
+        spread *= x
+        spread *= x.dtype.type(factor)
+        # s^-beta again, cheaper than keeping a blob-sized copy from forward.
+        power = _negative_power(scale, self.beta, self._work("power", x))
+        # g may be bottom's diff (in place): it is read here for the last time.
+        np.multiply(g, power, out=dx)
+        dx -= spread
+
+    def _box_average(self, values, out):
         """Caffe's AVE pooling with kernel n, stride 1, pad (n-1)/2 over H and W;
         its divisor is n^2 at every position. Symmetric, so it is its own transpose."""
-        total = window_sum(window_sum(values, self.size, axis=2), self.size, axis=3)
-        total *= values.dtype.type(1.0 / (self.size * self.size))
-        return total
+        rows = window_sum(values, self.size, axis=2, out=self._work("rows", values))
+        window_sum(rows, self.size, axis=3, out=out)
+        out *= values.dtype.type(1.0 / (self.size * self.size))
+        return out
+
+
+def _negative_power(scale, beta, out):
+    """scale ** -beta into out; beta 0.75 (every AlexNet-style LRN) by square roots,
+    several times faster than a general power: s^-0.75 = 1 / sqrt(s * sqrt(s))."""
+    if beta == 0.75:
+        np.sqrt(scale, out=out)
+        out *= scale
+        np.sqrt(out, out=out)
+        np.reciprocal(out, out=out)
+    else:
+        np.power(scale, scale.dtype.type(-beta), out=out)
+    return out
 
 
 @register("MVN")

@@ -7,6 +7,7 @@ import numpy as np
 
 from cct.blob import Blob
 from cct.layer import TRAIN, Layer, register
+from cct.layers.neuron import scratch
 from cct.proto import caffe_pb2
 from cct.rng import get_rng
 
@@ -14,6 +15,10 @@ MAX, AVE, STOCHASTIC = (caffe_pb2.PoolingParameter.MAX, caffe_pb2.PoolingParamet
                         caffe_pb2.PoolingParameter.STOCHASTIC)
 _POOL_NAMES = {MAX: "MAX", AVE: "AVE", STOCHASTIC: "STOCHASTIC"}
 _FLT_MAX = float(np.finfo(np.float32).max)    # Caffe starts every max at -FLT_MAX
+# Output elements per batch chunk in MAX/AVE pooling: about 1 MiB of float32,
+# where the chunk's work arrays stay in the CPU cache (measured: 2-4 images of
+# CaffeNet's pool1 run 2x faster than the whole batch at once).
+CHUNK_ELEMENTS = 1 << 18
 
 
 def pooled_size(size, kernel, stride, pad, ceil):
@@ -124,15 +129,55 @@ class Pooling(Layer):
         # The padded buffer holds every window cell, including ceil-mode overhang.
         self.padded_hw = ((ph - 1) * sh + kh, (pw - 1) * sw + kw)
 
-    def _padded(self, x, fill):
+    def _padded_shape(self, n, c):
+        (h, w), (pad_h, pad_w) = self.in_hw, self.pad
+        return (n, c, max(self.padded_hw[0], h + pad_h), max(self.padded_hw[1], w + pad_w))
+
+    def _padded(self, x, fill, name="padded"):
+        """x in a buffer with room for every window cell beyond the image, the
+        extra cells `fill`; x itself when every window lies inside it."""
         n, c = x.shape[:2]
         (h, w), (pad_h, pad_w) = self.in_hw, self.pad
-        hp, wp = max(self.padded_hw[0], h + pad_h), max(self.padded_hw[1], w + pad_w)
-        if (hp, wp) == (h, w):
+        shape = self._padded_shape(n, c)
+        if shape[2:] == (h, w):
             return x
-        xp = np.full((n, c, hp, wp), fill, x.dtype)
+        xp = self._work(name, shape, x.dtype)
+        xp.fill(fill)
         xp[:, :, pad_h:pad_h + h, pad_w:pad_w + w] = x
         return xp
+
+    def _zeroed_gradient(self, bottom_diff):
+        """(the array to accumulate window gradients into, a function that moves
+        it into bottom_diff): the bottom diff itself when no window reaches past
+        the image, else a padded work array."""
+        n, c, h, w = bottom_diff.shape
+        pad_h, pad_w = self.pad
+        shape = self._padded_shape(n, c)
+        if shape[2:] == (h, w):
+            bottom_diff.fill(0)
+            return bottom_diff, lambda: None
+        dxp = self._work("padded_diff", shape, bottom_diff.dtype)
+        dxp.fill(0)
+
+        def crop():
+            bottom_diff[...] = dxp[:, :, pad_h:pad_h + h, pad_w:pad_w + w]
+        return dxp, crop
+
+    def _chunks(self, n, c):
+        """Slices of the batch, a few images each: the dozen whole-array passes
+        per window offset run on arrays that stay in the CPU cache (about 2x
+        faster than passes over the whole batch)."""
+        per_image = c * self.out_hw[0] * self.out_hw[1]
+        self._chunk = max(1, min(n, CHUNK_ELEMENTS // max(per_image, 1)))
+        return [slice(start, min(start + self._chunk, n)) for start in range(0, n, self._chunk)]
+
+    def _work(self, name, shape, dtype):
+        """A chunk-sized work array (scratch sized for a full chunk, sliced to this one)."""
+        full = (max(shape[0], self._chunk),) + tuple(shape[1:])
+        return scratch(self, name, full, dtype)[:shape[0]]
+
+    def _overlapping(self):
+        return self.stride[0] < self.kernel[0] or self.stride[1] < self.kernel[1]
 
     def _offsets(self):
         (ph, pw), (sh, sw) = self.out_hw, self.stride
@@ -145,50 +190,57 @@ class Pooling(Layer):
     def forward(self, bottom, top):
         x = bottom[0].data
         if self.pool == MAX:
-            value, self.winner, self.empty = self._max(x)
-            top[0].data[...] = value
+            _, self.winner, self.empty = self._max(x, top[0].data)
             if len(top) > 1:
                 top[1].data[...] = self._mask(self.winner, self.empty)
         elif self.pool == AVE:
-            top[0].data[...] = self._average(x)
+            self._average(x, top[0].data)
         elif self.phase == TRAIN:
             top[0].data[...] = self._stochastic_sample(x)
         else:
             top[0].data[...] = self._stochastic_weighted(x)
 
-    def _max(self, x):
-        """(value, winner, empty): the window maxima, where each is (the flat index
-        h*W + w for a whole-image window, else the kernel offset i*KW + j of the
-        first maximum in scan order), and the windows with nothing above -FLT_MAX."""
+    def _max(self, x, value):
+        """Fill `value` (N, C, PH, PW) with the window maxima; return (value, winner,
+        empty): where each maximum is (the flat index h*W + w for a whole-image
+        window, else the kernel offset i*KW + j of the first maximum in scan
+        order), and the windows with nothing above -FLT_MAX (None if none)."""
         n, c, h, w = x.shape
         if self.whole_image:
             flat = x.reshape(n, c, h * w)
             winner = flat.argmax(axis=2)[..., None]                     # the first maximum, as Caffe scans
-            value = np.take_along_axis(flat, winner, axis=2)
-            value, winner = value.reshape(n, c, 1, 1), winner.reshape(n, c, 1, 1)
+            value[...] = np.take_along_axis(flat, winner, axis=2).reshape(value.shape)
+            winner = winner.reshape(n, c, 1, 1)
+            valid = value > -_FLT_MAX
         else:
-            # Padding holds -inf, below Caffe's -FLT_MAX start, so it never wins.
-            xp = self._padded(x, -np.inf)
-            offsets = self._offsets()
-            value = xp[next(offsets)[2]].copy()
-            winner = np.zeros(value.shape, np.int16)
-            better = np.empty(value.shape, bool)
-            step = np.empty(value.shape, np.int16)
-            for k, (_, _, window) in enumerate(offsets, 1):
-                cell = xp[window]
-                np.greater(cell, value, out=better)                     # strict: an equal later cell loses
-                np.fmax(value, cell, out=value)
-                # winner = k where better (arithmetic: several times faster than a masked copy)
-                np.subtract(k, winner, out=step)
-                step *= better
-                winner += step
+            winner = scratch(self, "winner", value.shape, np.int16)
+            valid = scratch(self, "valid", value.shape, np.bool_)
+            for rows in self._chunks(n, c):
+                self._max_chunk(x[rows], value[rows], winner[rows])
+            np.greater(value, -_FLT_MAX, out=valid)
         # Such a window keeps Caffe's initial -FLT_MAX and mask -1 (and gets no gradient).
-        empty = ~(value > -_FLT_MAX)
-        if empty.any():
-            value[empty] = -_FLT_MAX
-        else:
-            empty = None
+        if valid.all():
+            return value, winner, None
+        empty = ~valid
+        value[empty] = -_FLT_MAX
         return value, winner, empty
+
+    def _max_chunk(self, x, value, winner):
+        # Padding holds -inf, below Caffe's -FLT_MAX start, so it never wins.
+        xp = self._padded(x, -np.inf)
+        better = self._work("better", value.shape, np.bool_)
+        step = self._work("step", value.shape, np.int16)
+        offsets = self._offsets()
+        value[...] = xp[next(offsets)[2]]
+        winner.fill(0)
+        for k, (_, _, window) in enumerate(offsets, 1):
+            cell = xp[window]
+            np.greater(cell, value, out=better)                         # strict: an equal later cell loses
+            np.fmax(value, cell, out=value)
+            # winner = k where better (arithmetic: several times faster than a masked copy)
+            np.subtract(k, winner, out=step)
+            step *= better
+            winner += step
 
     def _mask(self, winner, empty):
         """The flat input index h*W + w of each maximum, -1 for an empty window."""
@@ -202,19 +254,24 @@ class Pooling(Layer):
             index[empty] = -1
         return index
 
-    def _average(self, x):
+    def _average(self, x, out):
         if self.whole_image:
-            total = x.sum(axis=(2, 3), keepdims=True)
+            np.sum(x, axis=(2, 3), keepdims=True, out=out)
         else:
-            xp = self._padded(x, 0)
-            total = None
-            for _, _, window in self._offsets():
-                total = xp[window].copy() if total is None else np.add(total, xp[window], out=total)
-        return total / self.pool_size.astype(x.dtype)
+            for rows in self._chunks(*x.shape[:2]):
+                xp, total = self._padded(x[rows], 0), out[rows]
+                for k, (_, _, window) in enumerate(self._offsets()):
+                    if k == 0:
+                        total[...] = xp[window]
+                    else:
+                        total += xp[window]
+        out /= self.pool_size.astype(x.dtype)
+        return out
 
     def _windows(self, x):
         """x (N, C, H, W) -> (N, C, PH, PW, KH*KW), the unpadded windows (stochastic pooling)."""
-        xp = self._padded(x, 0)
+        self._chunk = x.shape[0]
+        xp = self._padded(x, 0, name="padded_windows")
         return np.stack([xp[window] for _, _, window in self._offsets()], axis=-1)
 
     def _stochastic_sample(self, x):
@@ -239,9 +296,9 @@ class Pooling(Layer):
             # Caffe routes by the mask top when there is one.
             bottom[0].diff[...] = self._route(dy, top[1].data.astype(np.int64), bottom[0].shape)
         elif self.pool == MAX:
-            bottom[0].diff[...] = self._max_backward(dy, bottom[0].shape)
+            self._max_backward(dy, bottom[0].diff)
         elif self.pool == AVE:
-            bottom[0].diff[...] = self._spread(dy / self.pool_size.astype(dy.dtype), bottom[0].shape)
+            self._spread(dy / self.pool_size.astype(dy.dtype), bottom[0].diff)
         else:
             bottom[0].diff[...] = self._spread_to_sample(dy, bottom[0].shape)
 
@@ -255,30 +312,40 @@ class Pooling(Layer):
         summed = np.bincount(target, weights=dy[valid], minlength=n * c * h * w)
         return summed.reshape(shape)
 
-    def _max_backward(self, dy, shape):
+    def _max_backward(self, dy, dx):
+        """dx (N, C, H, W): each output's gradient routed to its window's winner."""
         if self.empty is not None:
             dy = np.where(self.empty, 0, dy)
-        n, c, h, w = shape
+        n, c, h, w = dx.shape
         if self.whole_image:
-            dx = np.zeros((n, c, h * w), dy.dtype)
-            np.put_along_axis(dx, self.winner.reshape(n, c, 1), dy.reshape(n, c, 1), axis=2)
-            return dx.reshape(shape)
-        pad_h, pad_w = self.pad
-        dxp = np.zeros((n, c, max(self.padded_hw[0], h + pad_h), max(self.padded_hw[1], w + pad_w)), dy.dtype)
-        for k, (_, _, window) in enumerate(self._offsets()):
-            dxp[window] += dy * (self.winner == k)
-        return dxp[:, :, pad_h:pad_h + h, pad_w:pad_w + w]
+            flat = dx.reshape(n, c, h * w)
+            flat.fill(0)
+            np.put_along_axis(flat, self.winner.reshape(n, c, 1), dy.reshape(n, c, 1), axis=2)
+            return
+        overlapping = self._overlapping()
+        for rows in self._chunks(n, c):
+            target, finish = self._zeroed_gradient(dx[rows])
+            chosen = self._work("chosen", dy[rows].shape, np.bool_)
+            routed = self._work("routed", dy[rows].shape, dy.dtype)
+            for k, (_, _, window) in enumerate(self._offsets()):
+                np.equal(self.winner[rows], k, out=chosen)
+                if overlapping:
+                    np.multiply(dy[rows], chosen, out=routed)
+                    target[window] += routed
+                else:                                    # each cell in one window: write, no sum
+                    np.multiply(dy[rows], chosen, out=target[window])
+            finish()
 
-    def _spread(self, dy_scaled, shape):
-        """Adjoint of the window sum: every output's value added over its window."""
+    def _spread(self, dy_scaled, dx):
+        """Adjoint of the window sum: every output's value added over its window, into dx."""
         if self.whole_image:
-            return np.broadcast_to(dy_scaled, shape)
-        n, c, h, w = shape
-        pad_h, pad_w = self.pad
-        dxp = np.zeros((n, c, max(self.padded_hw[0], h + pad_h), max(self.padded_hw[1], w + pad_w)), dy_scaled.dtype)
-        for _, _, window in self._offsets():
-            dxp[window] += dy_scaled
-        return dxp[:, :, pad_h:pad_h + h, pad_w:pad_w + w]
+            dx[...] = dy_scaled
+            return
+        for rows in self._chunks(*dx.shape[:2]):
+            target, finish = self._zeroed_gradient(dx[rows])
+            for _, _, window in self._offsets():
+                target[window] += dy_scaled[rows]
+            finish()
 
     def _spread_to_sample(self, dy, shape):
         n, c, h, w = shape

@@ -1,0 +1,126 @@
+"""LeNet training iteration time at batch 64 (forward, backward, SGD update),
+with a per-layer breakdown, the framework's per-layer overhead (a net of 20
+tiny layers), and PyTorch on the same net when it is importable.
+
+    python bench/bench_lenet.py [--batch 64] [--iterations 200] [--no-torch]
+
+The net is models/lenet/lenet_train_test.prototxt (TRAIN phase) with its Data
+layer replaced by Input blobs filled once (gaussian 1x28x28 images, labels 0..9).
+Each framework runs in a fresh subprocess (no BLAS or OpenMP thread pools
+competing with each other).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+LENET = os.path.join(common.REPO, "models", "lenet", "lenet_train_test.prototxt")
+
+
+def lenet_solver(batch):
+    param, inputs = common.net_param_with_inputs(LENET, batch, data_shapes=[(batch, 1, 28, 28), (batch,)])
+    solver = common.sgd_solver(param, base_lr=0.01)
+    common.fill_inputs(solver.net, inputs, classes=10)
+    return solver
+
+
+def overhead_net(layers=20):
+    """`layers` in-place ReLUs on a 1x1 blob after an Input, then a Power loss
+    so backward runs through all: what an iteration costs beyond the arithmetic."""
+    import cct
+    from cct.net import Net
+    from cct.proto import caffe_pb2
+    param = caffe_pb2.NetParameter(name="overhead")
+    data = param.layer.add(name="data", type="Input", top=["x"])
+    data.input_param.shape.add().dim.extend([1, 1])
+    param.force_backward = True
+    for k in range(layers - 2):
+        param.layer.add(name=f"relu{k}", type="ReLU", bottom=["x"], top=["x"])
+    param.layer.add(name="loss", type="EuclideanLoss", bottom=["x", "x"], top=["loss"])
+    return Net(param, cct.TRAIN)
+
+
+def run_cct(args):
+    solver = lenet_solver(args.batch)
+    median, times = common.time_loop(lambda: solver.step(1), args.iterations, args.warmup)
+    forward, backward = common.layer_breakdown(solver.net, min(args.iterations, 50))
+    net = overhead_net(20)
+    net.forward_backward()
+    overhead, _ = common.time_loop(net.forward_backward, 200, 10)
+    return {"framework": "cct", "batch": args.batch, "ms": median * 1e3,
+            "layers": [[layer.name, layer.type, f, b] for layer, f, b in zip(solver.net.layers, forward, backward)],
+            "update_ms": median * 1e3 - forward.sum() - backward.sum(),
+            "overhead_ms_per_layer": overhead * 1e3 / len(net.layers),
+            "overhead_layers": len(net.layers)}
+
+
+def run_torch(args):
+    import torch
+    torch.set_num_threads(args.threads or os.cpu_count())
+    nn = torch.nn
+    model = nn.Sequential(nn.Conv2d(1, 20, 5), nn.MaxPool2d(2, 2), nn.Conv2d(20, 50, 5), nn.MaxPool2d(2, 2),
+                          nn.Flatten(), nn.Linear(800, 500), nn.ReLU(inplace=True), nn.Linear(500, 10)).train()
+    torch.manual_seed(0)
+    data, labels = torch.randn(args.batch, 1, 28, 28), torch.randint(0, 10, (args.batch,))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    loss_function = nn.CrossEntropyLoss()
+
+    def step():
+        optimizer.zero_grad(set_to_none=False)
+        loss_function(model(data), labels).backward()
+        optimizer.step()
+    median, _ = common.time_loop(step, args.iterations, args.warmup)
+    return {"framework": f"torch {torch.__version__}", "batch": args.batch, "ms": median * 1e3,
+            "threads": torch.get_num_threads()}
+
+
+def child(args, framework):
+    command = [sys.executable, os.path.abspath(__file__), "--child", framework, "--batch", str(args.batch),
+               "--iterations", str(args.iterations), "--warmup", str(args.warmup)]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, cwd=common.REPO)
+    if done.returncode:
+        raise SystemExit(f"{framework} child failed ({done.returncode})")
+    line = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=64, help="images per iteration (default 64)")
+    parser.add_argument("--iterations", type=int, default=200, help="timed iterations (median reported)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed iterations first")
+    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
+    parser.add_argument("--child", choices=("cct", "torch"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        result = run_cct(args) if args.child == "cct" else run_torch(args)
+        print("RESULT " + json.dumps(result))
+        return 0
+    p = common.print_flush
+    p(common.machine_line())
+    r = child(args, "cct")
+    p(f"cct LeNet training iteration, batch {r['batch']}: {r['ms']:.2f} ms (median of {args.iterations})")
+    p(f"  {'layer':8s} {'type':16s} {'fwd ms':>8s} {'bwd ms':>8s}")
+    for name, kind, forward, backward in r["layers"]:
+        p(f"  {name:8s} {kind:16s} {forward:8.3f} {backward:8.3f}")
+    p(f"  update and solver bookkeeping (rest of the iteration): {r['update_ms']:.2f} ms")
+    p(f"per-layer overhead (a {r['overhead_layers']}-layer net of 1x1 blobs, forward+backward): "
+      f"{r['overhead_ms_per_layer'] * 1e3:.1f} us per layer")
+    if not args.no_torch and common.torch_available():
+        t = child(args, "torch")
+        p(f"{t['framework']} ({t['threads']} threads): {t['ms']:.2f} ms; cct / torch time: {r['ms'] / t['ms']:.2f}")
+    elif not args.no_torch:
+        p("torch: not importable, no comparison")
+    p(f"load after the runs: {common.load_average():.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
