@@ -143,6 +143,9 @@ def train(args):
     param = load_solver_param(args.solver)
     param.train_state.level = args.level
     param.train_state.stage.extend(_stages(args.stage))
+    # As caffe.cpp: --snapshot or --weights replace the solver's own `weights:`.
+    if args.snapshot or args.weights:
+        param.ClearField("weights")
     if args.weights:
         param.weights.append(args.weights)
     if param.solver_mode == caffe_pb2.SolverParameter.GPU:
@@ -287,7 +290,9 @@ def time_command(args):
             forward_ms[i] += (clock() - start) * 1e3
         for i in reversed(range(count)):
             start = clock()
-            net._backward_layer(i)
+            # Caffe times every layer's Backward, needed or not (weight gradients of a
+            # deploy net still count); bottoms that need no gradient still get none.
+            net.executor.backward(i)
             backward_ms[i] += (clock() - start) * 1e3
         log.info("Iteration: %d forward-backward time: %s ms.", iteration + 1,
                  _fmt((clock() - iteration_start) * 1e3))

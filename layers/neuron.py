@@ -384,8 +384,9 @@ class Threshold(NoBackward, Neuron):
 
 @register("Clip")
 class Clip(Neuron):
-    """y = max(min, min(x, max)). Fields: clip_param.min, clip_param.max (both required).
-    Gradient passes where min <= x <= max."""
+    """y = max(min, min(x, max)). Fields: clip_param.min, clip_param.max (both required;
+    min > max is allowed, as in Caffe: y = min everywhere). Gradient passes where
+    min <= x <= max."""
     needs_input = True
 
     def setup(self, bottom, top):
@@ -394,13 +395,13 @@ class Clip(Neuron):
             if not p.HasField(field):
                 raise self.config_error(f"clip_param.{field}", "is required")
         self.low, self.high = float(p.min), float(p.max)
-        if self.low > self.high:
-            raise self.config_error("clip_param", f"min ({self.low}) must not exceed max ({self.high})")
 
     def forward(self, bottom, top):
         x = self.keep_input(bottom, top)
         dtype = x.dtype.type
-        np.clip(x, dtype(self.low), dtype(self.high), out=top[0].data)
+        # Not np.clip: with min > max it returns max, Caffe's formula gives min.
+        np.minimum(x, dtype(self.high), out=top[0].data)
+        np.maximum(top[0].data, dtype(self.low), out=top[0].data)
 
     def backward(self, top, propagate_down, bottom):
         if propagate_down[0]:

@@ -21,12 +21,13 @@ _FLT_MAX = float(np.finfo(np.float32).max)    # Caffe starts every max at -FLT_M
 CHUNK_ELEMENTS = 1 << 18
 
 
-def pooled_size(size, kernel, stride, pad, ceil):
+def pooled_size(size, kernel, stride, pad, ceil, padded):
     """Caffe's pooled output size along one axis (CEIL or FLOOR rounding, then the
-    last window must start inside the image when there is padding)."""
+    last window must start inside the image when the layer has any padding:
+    Caffe applies that clip to both axes if either one is padded)."""
     span = size + 2 * pad - kernel
     pooled = (-(-span // stride) if ceil else span // stride) + 1
-    if pad and (pooled - 1) * stride >= size + pad:
+    if padded and (pooled - 1) * stride >= size + pad:
         pooled -= 1
     return pooled
 
@@ -105,7 +106,8 @@ class Pooling(Layer):
         if self.global_pooling:
             self.kernel = (h, w)
         self.in_hw = (h, w)
-        self.out_hw = tuple(pooled_size(size, k, s, p, self.ceil) for size, k, s, p
+        padded = any(self.pad)
+        self.out_hw = tuple(pooled_size(size, k, s, p, self.ceil, padded) for size, k, s, p
                             in zip((h, w), self.kernel, self.stride, self.pad))
         if min(self.out_hw) < 1:
             raise self.shape_error(f"input {h} x {w} gives an empty output {self.out_hw}")

@@ -91,6 +91,18 @@ def test_train_resume_and_finetune(run_folder, capsys):
     assert "Loading weights from snap_iter_4.caffemodel" in messages(err)
 
 
+def test_train_weights_flag_replaces_the_solvers_weights(run_folder, capsys):
+    """caffe.cpp clears the solver's `weights:` when --weights or --snapshot is given."""
+    assert run(capsys, "train", "-solver", "solver.prototxt")[0] == 0
+    solver = run_folder / "solver.prototxt"
+    solver.write_text(solver.read_text() + ' weights: "does_not_exist.caffemodel"')
+    code, _, err = run(capsys, "train", "-solver", "solver.prototxt", "-weights", "snap_iter_4.caffemodel")
+    assert code == 0, err
+    assert "Loading weights from snap_iter_4.caffemodel" in messages(err)
+    code, _, err = run(capsys, "train", "-solver", "solver.prototxt", "-snapshot", "snap_iter_2.solverstate")
+    assert code == 0, err
+
+
 def test_train_level_and_stage_select_layers(run_folder, capsys):
     (run_folder / "net.prototxt").write_text(helpers.net_text() + """
 layer { name: "deep" type: "TestLinReg" bottom: "x" bottom: "t" top: "loss2"

@@ -221,11 +221,17 @@ def test_power_shift_zero_backward_follows_caffe_at_zero():
     ('type: "Log" log_param { base: -2 }', "log_param.base"),
     ('type: "Dropout" dropout_param { dropout_ratio: 1 }', "dropout_param.dropout_ratio"),
     ('type: "Clip" clip_param { min: 1 }', "clip_param.max"),
-    ('type: "Clip" clip_param { min: 1 max: 0 }', "clip_param"),
 ])
 def test_bad_params_are_config_errors(prototxt, field):
     with pytest.raises(ConfigError, match=field):
         setup_layer(make_layer(prototxt), [uniform(0.5, 1)])
+
+
+def test_clip_with_min_above_max_gives_min_as_caffe():
+    layer = make_layer('type: "Clip" clip_param { min: 2 max: 1 }')
+    bottoms, tops = setup_layer(layer, [np.array([-3.0, 1.5, 4.0])])
+    layer.forward(bottoms, tops)
+    np.testing.assert_array_equal(tops[0].data, [2, 2, 2])
 
 
 def test_absval_refuses_in_place():

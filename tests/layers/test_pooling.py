@@ -247,3 +247,14 @@ def test_mask_top_only_for_max_and_4d_bottom():
         setup_layer(make_layer('type: "Pooling" pooling_param { pool: AVE kernel_size: 2 }'), [np.zeros((1, 4, 4))])
     with pytest.raises(ConfigError, match="pyramid_height"):
         setup_layer(make_layer('type: "SPP" spp_param { pool: MAX }'), [np.zeros((1, 1, 4, 4))])
+
+
+def test_padding_on_one_axis_clips_the_last_window_on_both():
+    """Caffe's Reshape drops a last window starting in the padding on each axis
+    when either pad is non-zero (pooling_layer.cpp)."""
+    for fields, expected in ((dict(kernel_h=2, kernel_w=1, stride_h=1, stride_w=3, pad_h=1, pad_w=0), (5, 2)),
+                             (dict(kernel_h=1, kernel_w=2, stride_h=2, stride_w=1, pad_h=0, pad_w=1), (2, 6))):
+        text = " ".join(f"{k}: {v}" for k, v in fields.items())
+        layer = make_layer(f'type: "Pooling" pooling_param {{ pool: MAX {text} }}')
+        _, tops = setup_layer(layer, [np.zeros((1, 1, 4, 5))])
+        assert tops[0].shape[2:] == expected
