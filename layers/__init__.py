@@ -6,12 +6,7 @@ _FAMILIES = ("data_input", "neuron", "conv", "pooling", "inner_product",
              "normalization", "loss", "metrics", "shape", "elementwise", "data", "python_layer")
 
 for _family in _FAMILIES:
-    try:
-        importlib.import_module(f"{__name__}.{_family}")
-    except ModuleNotFoundError as error:
-        # Families are being written in parallel; only a missing family module is tolerated.
-        if error.name != f"{__name__}.{_family}":
-            raise
+    importlib.import_module(f"{__name__}.{_family}")
 
 
 def __getattr__(name):
