@@ -235,6 +235,20 @@ class Transformer:
 _GRAY_WEIGHTS = np.array([0.2125, 0.7154, 0.0721], np.float32)
 
 
+def input_transformer(net, mean=None, input_scale=None, raw_scale=None, channel_swap=None):
+    """The Transformer Classifier and Detector set up for a net's first input:
+    HxWxC images to CxHxW, then the optional settings (None leaves one unset)."""
+    name = net.inputs[0]
+    transformer = Transformer({name: net.blobs[name].data.shape})
+    transformer.set_transpose(name, (2, 0, 1))
+    settings = ((transformer.set_mean, mean), (transformer.set_input_scale, input_scale),
+                (transformer.set_raw_scale, raw_scale), (transformer.set_channel_swap, channel_swap))
+    for setter, value in settings:
+        if value is not None:
+            setter(name, value)
+    return transformer
+
+
 def load_image(filename, color=True):
     """An image file as float32 in [0, 1]: H x W x 3 RGB, or H x W x 1 gray when
     color=False. Alpha is dropped; gray images are tiled to 3 channels for color."""
