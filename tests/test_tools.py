@@ -48,9 +48,9 @@ def read_db(path):
     return [k for k, _ in items], [d for _, d in items]
 
 
-def read_with_data_layer(path, batch, transform=""):
+def read_with_data_layer(path, batch, transform="", backend="LMDB"):
     layer = make_layer(f'name: "d" type: "Data" transform_param {{ {transform} }} '
-                       f'data_param {{ source: "{path}" batch_size: {batch} backend: LMDB }}', cct.TEST)
+                       f'data_param {{ source: "{path}" batch_size: {batch} backend: {backend} }}', cct.TEST)
     tops = [Blob(), Blob()]
     layer.setup([], tops)
     layer.reshape([], tops)
@@ -146,6 +146,21 @@ def test_convert_imageset_errors(image_set, tmp_path):
     with pytest.raises(DataError, match="none of the 4 images"):
         convert_imageset([str(tmp_path) + "/wrong/", listing, str(tmp_path / "w")])
     assert convert_imageset(["--help"]) == 0
+
+
+def test_leveldb_round_trip(image_set, tmp_path):
+    """convert_imageset --backend leveldb, read back by a Data layer, keys read by plyvel."""
+    plyvel = pytest.importorskip("plyvel")
+    root, listing, pixels = image_set
+    out = tmp_path / "images_leveldb"
+    assert convert_imageset(["--backend", "leveldb", root, listing, str(out)]) == 0
+    database = plyvel.DB(str(out))
+    keys = [key.decode() for key, _ in database]
+    database.close()
+    assert keys == ["00000000_img0.png", "00000001_img1.png", "00000002_img2.png", "00000003_img3.bmp"]
+    data, labels = read_with_data_layer(out, 4, backend="LEVELDB")
+    np.testing.assert_array_equal(data, pixels)
+    np.testing.assert_array_equal(labels, [1, 2, 3, 4])
 
 
 def test_leveldb_backend_needs_plyvel(image_set, tmp_path):
