@@ -56,9 +56,7 @@ class Net:
 
     # --- construction ------------------------------------------------------------
     def _build(self):
-        param = self.net_param
-        source = str(self.source)
-        self.name = param.name
+        self.name = self.net_param.name
         self.layers, self._layer_names = [], []
         self.blobs = OrderedDict()
         self.bottom_vecs, self.top_vecs = [], []
@@ -68,77 +66,92 @@ class Net:
         self.inputs = []
         self._executor = None
         self._init_param_tables()
-        blob_needs_backward = {}
-        available = OrderedDict()                     # blobs not yet read by a later layer
-        for layer_index, layer_param in enumerate(param.layer):
-            if not layer_param.name:
-                raise ConfigError(f"{source}: layer #{layer_index} ({layer_param.type}): name: missing")
-            if len(layer_param.propagate_down) not in (0, len(layer_param.bottom)):
-                raise ConfigError(f"{source}: layer '{layer_param.name}' ({layer_param.type}): propagate_down: "
-                                  f"give none or one per bottom ({len(layer_param.bottom)}), got {len(layer_param.propagate_down)}")
-            # The layer gets its own copy: setup may add to it (BatchNorm adds
-            # ParamSpecs) while backward needs are decided on the net's, as in Caffe.
-            own_param = _copy(layer_param)
-            if not own_param.HasField("phase"):   # a layer's own `phase:` wins over the net's
-                own_param.phase = self.phase
-            layer = create_layer(own_param, own_param.phase, source)
-            bottoms, bottom_names, bottom_backward = [], [], []
-            need_backward = False
-            for index, name in enumerate(layer_param.bottom):
-                if name not in self.blobs:
-                    raise ConfigError(f"{layer.where()}: bottom[{index}]: unknown blob '{name}'")
-                available.pop(name, None)
-                bottoms.append(self.blobs[name])
-                bottom_names.append(name)
-                need_backward |= blob_needs_backward[name]
-                # A given propagate_down decides alone, forcing a gradient or skipping it.
-                bottom_backward.append(layer_param.propagate_down[index] if len(layer_param.propagate_down)
-                                       else blob_needs_backward[name])
-            top_names = list(layer_param.top)
-            num_named_tops = len(top_names)
-            top_names += [AUTOMATIC_TOP] * layer.num_auto_tops(len(top_names))
-            tops = []
-            for index, name in enumerate(top_names):
-                in_place = index < len(bottom_names) and bottom_names[index] == name
-                automatic = index >= num_named_tops
-                if name in self.blobs and not in_place and not automatic:
-                    raise ConfigError(f"{layer.where()}: top[{index}]: blob '{name}' is produced by an "
-                                      "earlier layer; a top may only reuse the bottom at its own index (in-place)")
-                if not in_place:
-                    self.blobs[name] = Blob()
-                    blob_needs_backward[name] = False
-                tops.append(self.blobs[name])
-                if not automatic:                 # Caffe leaves automatic tops out of the outputs
-                    available[name] = True
-                if layer_param.type == "Input":
-                    self.inputs.append(name)
-            layer.check_blob_counts(bottoms, tops)
-            layer.setup(bottoms, tops)
-            layer.reshape(bottoms, tops)
-            layer.loss_weights = self._loss_weights(layer, len(tops))
-            for name, weight in zip(top_names, layer.loss_weights):
-                self.blob_loss_weights[name] = weight
-            need_backward |= self._append_params(layer_index, layer)
-            self.layers.append(layer)
-            self._layer_names.append(layer.name)
-            self.bottom_vecs.append(bottoms)
-            self.top_vecs.append(tops)
-            self._bottom_names.append(bottom_names)
-            self._top_names.append(top_names)
-            self.bottom_need_backward.append(bottom_backward)
-            self.layer_need_backward.append(need_backward)
-            if need_backward:
-                for name in top_names:
-                    blob_needs_backward[name] = True
-            log.debug("%s: tops %s", layer.where(), [self.blobs[n].shape for n in top_names])
+        self._blob_needs_backward = {}
+        self._available = OrderedDict()               # blobs no later layer has read yet
+        for layer_index, layer_param in enumerate(self.net_param.layer):
+            self._add_layer(layer_index, layer_param)
         for name in self.blobs:
             self.blob_loss_weights.setdefault(name, 0.0)
         self._prune_backward()
-        if param.force_backward:
+        if self.net_param.force_backward:
             self._force_backward()
-        self.outputs = sorted(available)          # Caffe keeps them in a std::set
+        self.outputs = sorted(self._available)        # Caffe keeps them in a std::set
+        del self._blob_needs_backward, self._available
         self.layer_dict = OrderedDict(zip(self._layer_names, self.layers))
-        run_config.apply(self)                    # per-layer partitions from CCT_CONFIG
+        run_config.apply(self)                        # per-layer partitions from CCT_CONFIG
+
+    def _add_layer(self, layer_index, layer_param):
+        source = str(self.source)
+        if not layer_param.name:
+            raise ConfigError(f"{source}: layer #{layer_index} ({layer_param.type}): name: missing")
+        if len(layer_param.propagate_down) not in (0, len(layer_param.bottom)):
+            raise ConfigError(f"{source}: layer '{layer_param.name}' ({layer_param.type}): propagate_down: "
+                              f"give none or one per bottom ({len(layer_param.bottom)}), "
+                              f"got {len(layer_param.propagate_down)}")
+        # The layer gets its own copy: setup may add to it (BatchNorm adds
+        # ParamSpecs) while backward needs are decided on the net's, as in Caffe.
+        own_param = _copy(layer_param)
+        if not own_param.HasField("phase"):       # a layer's own `phase:` wins over the net's
+            own_param.phase = self.phase
+        layer = create_layer(own_param, own_param.phase, source)
+        bottoms, bottom_names, bottom_backward, need_backward = self._wire_bottoms(layer, layer_param)
+        tops, top_names = self._wire_tops(layer, layer_param, bottom_names)
+        layer.check_blob_counts(bottoms, tops)
+        layer.setup(bottoms, tops)
+        layer.reshape(bottoms, tops)
+        layer.loss_weights = self._loss_weights(layer, len(tops))
+        for name, weight in zip(top_names, layer.loss_weights):
+            self.blob_loss_weights[name] = weight
+        need_backward |= self._append_params(layer_index, layer)
+        self.layers.append(layer)
+        self._layer_names.append(layer.name)
+        self.bottom_vecs.append(bottoms)
+        self.top_vecs.append(tops)
+        self._bottom_names.append(bottom_names)
+        self._top_names.append(top_names)
+        self.bottom_need_backward.append(bottom_backward)
+        self.layer_need_backward.append(need_backward)
+        if need_backward:
+            for name in top_names:
+                self._blob_needs_backward[name] = True
+        log.debug("%s: tops %s", layer.where(), [blob.shape for blob in tops])
+
+    def _wire_bottoms(self, layer, layer_param):
+        """(blobs, names, per-bottom need-backward, whether any input needs backward)."""
+        bottoms, names, bottom_backward, need_backward = [], [], [], False
+        for index, name in enumerate(layer_param.bottom):
+            if name not in self.blobs:
+                raise ConfigError(f"{layer.where()}: bottom[{index}]: unknown blob '{name}'")
+            self._available.pop(name, None)
+            bottoms.append(self.blobs[name])
+            names.append(name)
+            need_backward |= self._blob_needs_backward[name]
+            # A given propagate_down decides alone, forcing a gradient or skipping it.
+            bottom_backward.append(layer_param.propagate_down[index] if len(layer_param.propagate_down)
+                                   else self._blob_needs_backward[name])
+        return bottoms, names, bottom_backward, need_backward
+
+    def _wire_tops(self, layer, layer_param, bottom_names):
+        """(blobs, names): new blobs, or the bottom's own for an in-place top."""
+        names = list(layer_param.top)
+        num_named = len(names)
+        names += [AUTOMATIC_TOP] * layer.num_auto_tops(num_named)
+        tops = []
+        for index, name in enumerate(names):
+            in_place = index < len(bottom_names) and bottom_names[index] == name
+            automatic = index >= num_named
+            if name in self.blobs and not in_place and not automatic:
+                raise ConfigError(f"{layer.where()}: top[{index}]: blob '{name}' is produced by an "
+                                  "earlier layer; a top may only reuse the bottom at its own index (in-place)")
+            if not in_place:
+                self.blobs[name] = Blob()
+                self._blob_needs_backward[name] = False
+            tops.append(self.blobs[name])
+            if not automatic:                         # Caffe leaves automatic tops out of the outputs
+                self._available[name] = True
+            if layer_param.type == "Input":
+                self.inputs.append(name)
+        return tops, names
 
     def _loss_weights(self, layer, num_tops):
         given = list(layer.layer_param.loss_weight)
