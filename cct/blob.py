@@ -3,17 +3,27 @@
 As in Caffe, a blob keeps its storage when reshaped to a smaller or equal count,
 so views handed out before a reshape stay valid and iterations reuse memory.
 `data` and `diff` are writable numpy views, as pycaffe exposes them.
+
+The diff's storage is allocated on first use of `diff` (Caffe's SyncedMemory is
+lazy too): in training, the input images' gradient (158 MB for CaffeNet at batch
+256) and the labels' are never asked for.
 """
+import threading
+
 import numpy as np
 
 from .errors import ShapeError
+
+# Batch partitions (cct.executor) may ask for one blob's diff from several
+# threads at once: it must be made once, not once per thread.
+_ALLOCATION_LOCK = threading.Lock()
 
 
 class Blob:
     def __init__(self, shape=(), dtype=np.float32):
         self.dtype = np.dtype(dtype)
         self._data_store = np.zeros(0, self.dtype)   # flat storage, may exceed count
-        self._diff_store = np.zeros(0, self.dtype)
+        self._diff_store = None                      # same capacity as the data's, once used
         self._shape = ()
         self.reshape(shape)
 
@@ -28,7 +38,8 @@ class Blob:
         count = int(np.prod(shape, dtype=np.int64))
         if count > self._data_store.size:
             self._data_store = _grown(self._data_store, count)
-            self._diff_store = _grown(self._diff_store, count)
+            if self._diff_store is not None:
+                self._diff_store = _grown(self._diff_store, count)
         self._shape = shape
         self._make_views()
 
@@ -38,7 +49,7 @@ class Blob:
     def _make_views(self):
         count = self.count
         self._data = self._data_store[:count].reshape(self._shape)
-        self._diff = self._diff_store[:count].reshape(self._shape)
+        self._diff = None if self._diff_store is None else self._diff_store[:count].reshape(self._shape)
 
     @property
     def shape(self):
@@ -81,11 +92,20 @@ class Blob:
 
     @property
     def diff(self):
-        return self._diff
+        diff = self._diff
+        return diff if diff is not None else self._allocate_diff()
 
     @diff.setter
     def diff(self, value):
-        self._diff[...] = value
+        self.diff[...] = value
+
+    def _allocate_diff(self):
+        """The diff view, its zeroed storage made now (capacity as the data's)."""
+        with _ALLOCATION_LOCK:
+            if self._diff_store is None:
+                self._diff_store = np.zeros(self._data_store.size, self.dtype)
+                self._make_views()
+        return self._diff
 
     def share_data(self, other):
         """Use `other`'s data storage (Caffe's ShareData); counts must agree."""
@@ -94,7 +114,10 @@ class Blob:
         self._make_views()
 
     def share_diff(self, other):
+        """Use `other`'s diff storage (Caffe's ShareDiff); counts must agree."""
         self._check_same_count(other)
+        if other._diff_store is None:
+            other._allocate_diff()
         self._diff_store = other._diff_store
         self._make_views()
 

@@ -9,15 +9,22 @@ partitions also runs in parallel, which one BLAS call with T threads cannot do.
 
 A partition runs a shallow clone of the layer on BlobSlice views of the batch,
 so per-forward state (pooling argmax, saved inputs) stays per partition; the
-clones' parameter blobs share data with the layer's but own their diffs,
+clones' parameter blobs share data with the layer's; the first clone
+accumulates into the layer's own diffs, the others into diffs of their own,
 which are summed into the layer's after backward (no race on `+=`).
 The unit of work is (layer, partition, pass), what a scheduler places on a
 worker with a chosen thread count.
+
+Memory: partition k of every layer runs on the same thread (k = 0 on the
+calling thread, k >= 1 on worker k), so the per-thread work stores
+(Layer.work, the convolutions' lowering arenas) exist once per partition index,
+not once per pool thread; a clone's lowering budget is the layer's divided by
+p, so p partitions at once stay within one budget.
 """
 import copy
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
@@ -32,6 +39,12 @@ PARTITIONABLE_TYPES = {
     "ReLU", "PReLU", "ELU", "Sigmoid", "TanH", "AbsVal", "BNLL", "Power", "Exp", "Log",
     "Swish", "Clip",
 }
+
+
+# The tuner skips partition counts whose clones' private parameter diffs
+# ((p - 1) copies of the layer's parameters) would hold more than this: fc6's
+# 151 MB of weights would cost 453 MB at p = 4, for a GEMM that splits no better.
+TUNE_PARAM_COPY_BYTES = 64 << 20
 
 
 class BlasThreads:
@@ -58,7 +71,13 @@ class BlobSlice(Blob):
         self.dtype = blob.dtype
         self._shape = (stop - start,) + blob.shape[1:]
         self._data = blob.data[start:stop]
+        self._diff = None                 # the blob's diff is made only if a layer asks
+        self._rows = (blob, start, stop)
+
+    def _allocate_diff(self):
+        blob, start, stop = self._rows
         self._diff = blob.diff[start:stop]
+        return self._diff
 
     def reshape(self, *shape):
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
@@ -73,13 +92,26 @@ class BlobSlice(Blob):
 
 
 class ParamView(Blob):
-    """A clone's parameter: the layer's data, a private diff."""
+    """A clone's parameter: the layer's data; the layer's diff (`shares_diff`) or
+    a private one, made on first use."""
 
-    def __init__(self, blob):
+    def __init__(self, blob, shares_diff):
         self.dtype = blob.dtype
         self._shape = blob.shape
+        self.shares_diff = shares_diff
+        self._diff = None
+        self.follow(blob)
+
+    def follow(self, blob):
+        """Track the layer's current storage (share_with and copy_from may replace it)."""
         self._data = blob.data
-        self._diff = np.zeros_like(blob.diff)
+        if self.shares_diff:
+            self._diff = None
+            self._blob = blob
+
+    def _allocate_diff(self):
+        self._diff = self._blob.diff if self.shares_diff else np.zeros(self._shape, self.dtype)
+        return self._diff
 
     def reshape(self, *shape):
         raise ShapeError("a partition clone cannot reshape a parameter")
@@ -92,9 +124,13 @@ class PartitionedLayer:
         self.layer = layer
         self.partitions = partitions
         self.clones = []
-        for _ in range(partitions):
+        for index in range(partitions):
             clone = copy.copy(layer)
-            clone.blobs = [ParamView(blob) for blob in layer.blobs]
+            clone.blobs = [ParamView(blob, shares_diff=index == 0) for blob in layer.blobs]
+            budget = getattr(layer, "lowering_budget", None)
+            if budget:
+                # the partitions run at once: together within the layer's budget
+                clone.lowering_budget = max(1, budget // partitions)
             self.clones.append(clone)
 
     def _bounds(self, batch):
@@ -105,35 +141,44 @@ class PartitionedLayer:
         batch = bottoms[0].shape[0]
         for (start, stop), clone in zip(self._bounds(batch), self.clones):
             for view, blob in zip(clone.blobs, self.layer.blobs):
-                view._data = blob.data        # follow the layer's storage (share_with, copy_from)
+                view.follow(blob)
             bottom_views = [BlobSlice(b, start, stop) for b in bottoms]
             # An in-place top gets the very view of its bottom, so the clone sees in-place.
             top_views = [next((v for b, v in zip(bottoms, bottom_views) if b is t), None)
                          or BlobSlice(t, start, stop) for t in tops]
             yield clone, bottom_views, top_views
 
-    def forward(self, pool, bottoms, tops):
+    def forward(self, workers, bottoms, tops):
         def run(clone, bottom_views, top_views):
             clone.reshape(bottom_views, top_views)
             clone.forward(bottom_views, top_views)
-        _run_all(pool, run, self._views(bottoms, tops))
+        _run_all(workers, run, self._views(bottoms, tops))
 
-    def backward(self, pool, tops, propagate_down, bottoms):
+    def backward(self, workers, tops, propagate_down, bottoms):
         def run(clone, bottom_views, top_views):
             clone.param_propagate_down = self.layer.param_propagate_down
             clone.backward(top_views, propagate_down, bottom_views)
-        _run_all(pool, run, self._views(bottoms, tops))
+        _run_all(workers, run, self._views(bottoms, tops))
         for index, blob in enumerate(self.layer.blobs):
             if self.layer.param_propagate_down[index]:
-                for clone in self.clones:
-                    blob.diff += clone.blobs[index].diff
-                    clone.blobs[index].diff[...] = 0
+                for clone in self.clones[1:]:        # clone 0 wrote into blob.diff itself
+                    private = clone.blobs[index]._diff
+                    if private is not None:
+                        blob.diff += private
+                        private[...] = 0
 
 
-def _run_all(pool, function, work):
-    futures = [pool.submit(function, *unit) for unit in work]
+def _run_all(workers, function, work):
+    """Unit k on workers[k - 1], unit 0 on this thread; waits for all of them
+    and re-raises the first exception (in partition order)."""
+    work = list(work)
+    futures = [worker.submit(function, *unit) for worker, unit in zip(workers, work[1:])]
+    try:
+        function(*work[0])
+    finally:
+        wait(futures)                 # no partition may still write when this returns
     for future in futures:
-        future.result()               # re-raises a partition's exception here
+        future.result()
 
 
 class Executor:
@@ -148,7 +193,7 @@ class Executor:
         self.threads = int(threads or os.environ.get("CCT_THREADS", 0) or self.blas.default)
         self.plan = {}
         self._partitioned = {}
-        self._pool = None
+        self._workers = []            # worker k - 1 runs partition k of every layer
         # CCT_PARTITIONS=p partitions every layer that allows it (the conformance
         # suite runs with it to check partitioned results equal unpartitioned ones).
         forced = int(os.environ.get("CCT_PARTITIONS", 0) or 0)
@@ -182,11 +227,11 @@ class Executor:
         return self.plan.get(index, 1)
 
     # --- running -----------------------------------------------------------------
-    def _pool_for(self, partitions):
-        if self._pool is None or self._pool._max_workers < partitions:
-            self._pool = ThreadPoolExecutor(max_workers=max(partitions, self.threads),
-                                            thread_name_prefix="cct-partition")
-        return self._pool
+    def _workers_for(self, partitions):
+        while len(self._workers) < partitions - 1:
+            self._workers.append(ThreadPoolExecutor(max_workers=1,
+                                                    thread_name_prefix=f"cct-partition-{len(self._workers) + 1}"))
+        return self._workers
 
     def _runner(self, index):
         partitions = self.partitions(index)
@@ -205,7 +250,7 @@ class Executor:
             layer.forward(bottoms, tops)
             return
         self.blas.set(max(1, self.threads // partitions))
-        self._runner(index).forward(self._pool_for(partitions), bottoms, tops)
+        self._runner(index).forward(self._workers_for(partitions), bottoms, tops)
 
     def backward(self, index):
         net = self.net
@@ -217,7 +262,7 @@ class Executor:
             layer.backward(tops, propagate_down, bottoms)
             return
         self.blas.set(max(1, self.threads // partitions))
-        self._runner(index).backward(self._pool_for(partitions), tops, propagate_down, bottoms)
+        self._runner(index).backward(self._workers_for(partitions), tops, propagate_down, bottoms)
 
     def finish(self):
         self.blas.set(self.threads)
@@ -225,7 +270,8 @@ class Executor:
     # --- choosing p per layer by measurement ---------------------------------------
     def tune(self, candidates=None, repeats=2):
         """Time each partitionable layer's forward+backward with every candidate p
-        on the net's current data, keep the fastest per layer. Returns the plan."""
+        on the net's current data, keep the fastest per layer. Returns the plan.
+        Candidates whose parameter copies exceed TUNE_PARAM_COPY_BYTES are not tried."""
         net = self.net
         candidates = candidates or sorted({1, self.threads, 2 * self.threads})
         net._forward()                            # blobs hold real shapes and values
@@ -234,8 +280,11 @@ class Executor:
             if not self.partitionable(index):
                 continue
             best = None
+            param_bytes = sum(blob.count * blob.dtype.itemsize for blob in net.layers[index].blobs)
             for partitions in candidates:
                 if partitions > net.bottom_vecs[index][0].shape[0]:
+                    continue
+                if partitions > 1 and (partitions - 1) * param_bytes > TUNE_PARAM_COPY_BYTES:
                     continue
                 self.set_partitions(index, partitions)
                 elapsed = self._time_layer(index, repeats)

@@ -9,7 +9,19 @@ A layer follows pycaffe's contract:
 Blob counts are declared as class attributes, so the check and its message live
 here once. Types register under Caffe's exact type string (V1 enum names are
 mapped to these by cct.upgrade).
+
+Work arrays: big temporaries are mmapped and page-faulted afresh on every
+allocation (tens of ms for CaffeNet's blobs), so hot paths reuse arrays:
+`self.scratch(...)` for state a layer keeps from forward to backward (its own,
+per layer and per batch-partition clone), `self.work(...)` for temporaries that
+live only inside one forward or backward call (the running thread's, shared by
+every layer that thread runs, so they cost threads x the largest request, not
+layers x partitions).
 """
+import threading
+
+import numpy as np
+
 from .errors import ConfigError, ShapeError, layer_where
 
 TRAIN, TEST = 0, 1            # caffe.Phase values
@@ -104,6 +116,38 @@ class Layer:
         if most is not None and got > most:
             raise self.config_error(kind, f"takes at most {most} {kind} blob(s), got {got}")
 
+    def scratch(self, name, shape, dtype):
+        """A work array of this layer's, kept between calls (contents included).
+        A batch-partition clone (a shallow copy, cct.executor) that finds its
+        original's array allocates its own instead of sharing it across threads."""
+        key = "_scratch_" + name
+        held = self.__dict__.get(key)
+        shape, dtype = tuple(shape), np.dtype(dtype)
+        if held is not None and held[0] == id(self) and held[1].shape == shape and held[1].dtype == dtype:
+            return held[1]
+        self.__dict__[key] = None                   # drop the old array before making the new one
+        array = np.empty(shape, dtype)
+        self.__dict__[key] = (id(self), array)
+        return array
+
+    @staticmethod
+    def work(name, shape, dtype):
+        """An uninitialised array from the calling thread's store for `name`, valid
+        until the next request for `name` on this thread: only for temporaries
+        used inside one forward or backward call, never kept across calls (the
+        next layer reuses the memory). Layers running one after another on a
+        thread share the store; partitions running at once are on other threads."""
+        dtype = np.dtype(dtype)
+        shape = tuple(int(d) for d in shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        stores = _thread_stores()
+        store = stores.get(name)
+        if store is None or store.size < nbytes:
+            stores[name] = None                     # free the old store first
+            # rounded up to whole 4 KiB pages, the store holds any dtype aligned
+            store = stores[name] = np.empty(-(-max(nbytes, 1) // 4096) * 4096, np.uint8)
+        return store[:nbytes].view(dtype).reshape(shape)
+
     def num_auto_tops(self, num_tops_given):
         """How many anonymous tops the net must add (Caffe's AutoTopBlobs)."""
         if not self.is_loss:
@@ -113,3 +157,19 @@ class Layer:
 
     def __repr__(self):
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+_local = threading.local()
+
+
+def _thread_stores():
+    """{name: flat uint8 store} of the calling thread (Layer.work)."""
+    stores = getattr(_local, "stores", None)
+    if stores is None:
+        stores = _local.stores = {}
+    return stores
+
+
+def thread_work_bytes():
+    """Bytes held by the calling thread's work stores (for tests and reports)."""
+    return sum(store.size for store in _thread_stores().values() if store is not None)

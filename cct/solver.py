@@ -36,6 +36,7 @@ from .weights import array_to_blob_proto, blob_proto_to_array
 log = logging.getLogger("cct.solver")
 
 SOLVER_TYPES = {}            # SolverParameter.type -> Solver subclass
+UPDATE_PIECE = 1 << 16       # elements per piece of the update's element-wise passes
 ACTIONS = ("none", "stop", "snapshot")
 
 
@@ -112,7 +113,7 @@ class Solver:
             self._load_weights(net)
         self._images_per_iter = self._batch_size(self.net) * param.iter_size
         self.history = [np.zeros(p.shape, p.dtype) for p in self.net.learnable_params]
-        self._temp = [np.zeros(p.shape, p.dtype) for p in self.net.learnable_params]
+        self._work = {}              # dtype -> work arrays of UPDATE_PIECE elements (_pieces)
         self.pre_solve()
         log.info("Solver scaffolding done.")
 
@@ -456,13 +457,29 @@ class Solver:
         decay = self.param.weight_decay * self.net.params_weight_decay[index]
         if not decay:
             return
-        blob, temp = self.net.learnable_params[index], self._temp[index]
-        if self.param.regularization_type == "L2":
-            np.multiply(blob.data, decay, out=temp)
-        else:                                       # L1
-            np.sign(blob.data, out=temp)
-            temp *= decay
-        blob.diff[...] += temp
+        blob = self.net.learnable_params[index]
+        l2 = self.param.regularization_type == "L2"
+        for data, diff, temp in self._pieces(blob.data, blob.diff):
+            if l2:
+                np.multiply(data, decay, out=temp)
+            else:
+                np.sign(data, out=temp)
+                temp *= decay
+            diff += temp
+
+    def _pieces(self, *arrays, temps=1):
+        """The arrays (same size) flattened and cut into UPDATE_PIECE-element
+        pieces, each yielded with `temps` work arrays of the piece's length: the
+        update's temporaries stay small (a parameter-sized one would hold 244 MB
+        for CaffeNet) and each piece's passes run in the CPU cache."""
+        flats = [array.reshape(-1) for array in arrays]
+        size, dtype = flats[0].size, flats[0].dtype
+        work = self._work.get(dtype)
+        if work is None or len(work) < temps:
+            work = self._work[dtype] = [np.empty(UPDATE_PIECE, dtype) for _ in range(temps)]
+        for start in range(0, size, UPDATE_PIECE):
+            stop = min(start + UPDATE_PIECE, size)
+            yield tuple(flat[start:stop] for flat in flats) + tuple(w[:stop - start] for w in work[:temps])
 
     def compute_update_value(self, index, rate):
         """Turn the param's regularized gradient (diff) into the step to subtract."""
@@ -576,17 +593,20 @@ def _duration(seconds):
 
 
 # --- the update rules ----------------------------------------------------------------
+# Each rule runs over pieces of the parameter (Solver._pieces): element-wise,
+# so the numbers are those of whole-array passes.
 @register_solver("SGD")
 class SGDSolver(Solver):
     """history = momentum * history + local_rate * grad; step = history."""
 
     def compute_update_value(self, index, rate):
-        blob, history, temp = self.net.learnable_params[index], self.history[index], self._temp[index]
         local_rate = rate * self.net.params_lr[index]
-        history *= self.param.momentum
-        np.multiply(blob.diff, local_rate, out=temp)
-        history += temp
-        blob.diff[...] = history
+        momentum = self.param.momentum
+        for diff, history, temp in self._pieces(self.net.learnable_params[index].diff, self.history[index]):
+            history *= momentum
+            np.multiply(diff, local_rate, out=temp)
+            history += temp
+            diff[...] = history
 
 
 @register_solver("Nesterov")
@@ -595,15 +615,15 @@ class NesterovSolver(Solver):
     step = (1 + momentum) * history' - momentum * history."""
 
     def compute_update_value(self, index, rate):
-        blob, history, previous = self.net.learnable_params[index], self.history[index], self._temp[index]
         momentum = self.param.momentum
         local_rate = rate * self.net.params_lr[index]
-        previous[...] = history
-        history *= momentum
-        history += local_rate * blob.diff
-        np.multiply(history, 1.0 + momentum, out=blob.diff)
-        previous *= momentum
-        blob.diff[...] -= previous
+        for diff, history, previous in self._pieces(self.net.learnable_params[index].diff, self.history[index]):
+            previous[...] = history
+            history *= momentum
+            history += local_rate * diff
+            np.multiply(history, 1.0 + momentum, out=diff)
+            previous *= momentum
+            diff -= previous
 
 
 def _require_no_momentum(solver):
@@ -620,14 +640,13 @@ class AdaGradSolver(Solver):
         _require_no_momentum(self)
 
     def compute_update_value(self, index, rate):
-        blob, history, temp = self.net.learnable_params[index], self.history[index], self._temp[index]
         local_rate = rate * self.net.params_lr[index]
-        diff = blob.diff
-        history += np.square(diff, out=temp)
-        np.sqrt(history, out=temp)
-        temp += self.param.delta
-        np.divide(diff, temp, out=diff)
-        diff *= local_rate
+        for diff, history, temp in self._pieces(self.net.learnable_params[index].diff, self.history[index]):
+            history += np.square(diff, out=temp)
+            np.sqrt(history, out=temp)
+            temp += self.param.delta
+            np.divide(diff, temp, out=diff)
+            diff *= local_rate
 
 
 @register_solver("RMSProp")
@@ -642,18 +661,17 @@ class RMSPropSolver(Solver):
             raise ConfigError(f"{self.source}: rms_decay: must be in [0, 1), got {decay}")
 
     def compute_update_value(self, index, rate):
-        blob, history, temp = self.net.learnable_params[index], self.history[index], self._temp[index]
         decay = self.param.rms_decay
         local_rate = rate * self.net.params_lr[index]
-        diff = blob.diff
-        np.square(diff, out=temp)
-        temp *= 1.0 - decay
-        history *= decay
-        history += temp
-        np.sqrt(history, out=temp)
-        temp += self.param.delta
-        np.divide(diff, temp, out=diff)
-        diff *= local_rate
+        for diff, history, temp in self._pieces(self.net.learnable_params[index].diff, self.history[index]):
+            np.square(diff, out=temp)
+            temp *= 1.0 - decay
+            history *= decay
+            history += temp
+            np.sqrt(history, out=temp)
+            temp += self.param.delta
+            np.divide(diff, temp, out=diff)
+            diff *= local_rate
 
 
 @register_solver("AdaDelta")
@@ -672,22 +690,21 @@ class AdaDeltaSolver(Solver):
         self.history += [np.zeros(p.shape, p.dtype) for p in self.net.learnable_params]
 
     def compute_update_value(self, index, rate):
-        blob, temp = self.net.learnable_params[index], self._temp[index]
-        gradients_sq = self.history[index]
-        updates_sq = self.history[len(self.net.learnable_params) + index]
         momentum, delta = self.param.momentum, self.param.delta
         local_rate = rate * self.net.params_lr[index]
-        diff = blob.diff
-        gradients_sq *= momentum
-        gradients_sq += (1.0 - momentum) * np.square(diff, out=temp)
-        ratio = updates_sq + delta
-        np.add(gradients_sq, delta, out=temp)
-        ratio /= temp
-        np.sqrt(ratio, out=ratio)
-        diff *= ratio
-        updates_sq *= momentum
-        updates_sq += (1.0 - momentum) * np.square(diff, out=temp)
-        diff *= local_rate
+        pieces = self._pieces(self.net.learnable_params[index].diff, self.history[index],
+                              self.history[len(self.net.learnable_params) + index], temps=2)
+        for diff, gradients_sq, updates_sq, temp, ratio in pieces:
+            gradients_sq *= momentum
+            gradients_sq += (1.0 - momentum) * np.square(diff, out=temp)
+            np.add(updates_sq, delta, out=ratio)
+            np.add(gradients_sq, delta, out=temp)
+            ratio /= temp
+            np.sqrt(ratio, out=ratio)
+            diff *= ratio
+            updates_sq *= momentum
+            updates_sq += (1.0 - momentum) * np.square(diff, out=temp)
+            diff *= local_rate
 
 
 @register_solver("Adam")
@@ -701,19 +718,18 @@ class AdamSolver(Solver):
         self.history += [np.zeros(p.shape, p.dtype) for p in self.net.learnable_params]
 
     def compute_update_value(self, index, rate):
-        blob, temp = self.net.learnable_params[index], self._temp[index]
-        first = self.history[index]
-        second = self.history[len(self.net.learnable_params) + index]
         beta1, beta2 = self.param.momentum, self.param.momentum2
         local_rate = rate * self.net.params_lr[index]
         t = self.iter + 1
         correction = np.sqrt(1.0 - beta2 ** t) / (1.0 - beta1 ** t)
-        diff = blob.diff
-        first *= beta1
-        first += (1.0 - beta1) * diff
-        second *= beta2
-        second += (1.0 - beta2) * np.square(diff, out=temp)
-        np.sqrt(second, out=temp)
-        temp += self.param.delta
-        np.divide(first, temp, out=diff)
-        diff *= local_rate * correction
+        pieces = self._pieces(self.net.learnable_params[index].diff, self.history[index],
+                              self.history[len(self.net.learnable_params) + index])
+        for diff, first, second, temp in pieces:
+            first *= beta1
+            first += (1.0 - beta1) * diff
+            second *= beta2
+            second += (1.0 - beta2) * np.square(diff, out=temp)
+            np.sqrt(second, out=temp)
+            temp += self.param.delta
+            np.divide(first, temp, out=diff)
+            diff *= local_rate * correction

@@ -4,7 +4,6 @@ import numpy as np
 from cct import fillers
 from cct.blob import Blob
 from cct.layer import Layer, register
-from cct.layers.neuron import scratch
 
 
 # Elements of the weight-gradient work array (16 MiB of float32): blocks of rows
@@ -90,7 +89,7 @@ class InnerProduct(Layer):
         weight_diff = self.blobs[0].diff
         rows, cols = weight_diff.shape
         block = max(64, min(rows, WEIGHT_GRADIENT_BLOCK // cols))
-        work = scratch(self, "weight_gradient", (block, cols), dy.dtype)
+        work = self.work("ip_weight_gradient", (block, cols), dy.dtype)
         left = x.T if self.transpose else dy.T                                # (rows, M)
         right = dy if self.transpose else x                                   # (M, cols)
         for start in range(0, rows, block):

@@ -18,21 +18,6 @@ from cct.rng import get_rng
 CHUNK_ELEMENTS = 1 << 18
 
 
-def scratch(layer, name, shape, dtype):
-    """A work array of the layer's, kept between calls: big temporaries are
-    mmapped and page-faulted afresh on every allocation (tens of ms for CaffeNet's
-    blobs), so hot paths reuse these. Each owner gets its own: a batch-partition
-    clone (a shallow copy, cct.executor) that finds its original's array
-    allocates another instead of sharing it across threads."""
-    key = "_scratch_" + name
-    held = layer.__dict__.get(key)
-    if held is not None and held[0] == id(layer) and held[1].shape == shape and held[1].dtype == dtype:
-        return held[1]
-    array = np.empty(shape, dtype)
-    layer.__dict__[key] = (id(layer), array)
-    return array
-
-
 class Neuron(Layer):
     """Base: one bottom, one top shaped like it."""
     exact_bottoms = 1
@@ -48,9 +33,7 @@ class Neuron(Layer):
         """The input x, copied aside when the layer runs in place and backward needs it."""
         x = bottom[0].data
         if top[0] is bottom[0] and self.needs_input:
-            saved = getattr(self, "_saved_input", None)
-            if saved is None or saved.shape != x.shape or saved.dtype != x.dtype:
-                saved = self._saved_input = np.empty_like(x)
+            saved = self._saved_input = self.scratch("saved_input", x.shape, x.dtype)
             np.copyto(saved, x)
             return saved
         return x
@@ -101,7 +84,7 @@ class ReLU(Neuron):
             # whole-blob mask (74 MB for CaffeNet's relu1) would add to peak memory.
             flat_x, flat_dy, flat_dx = x.reshape(-1), top[0].diff.reshape(-1), bottom[0].diff.reshape(-1)
             size = flat_x.size
-            mask = scratch(self, "positive", (min(size, CHUNK_ELEMENTS),), np.bool_)
+            mask = self.work("relu_positive", (min(size, CHUNK_ELEMENTS),), np.bool_)
             for start in range(0, size, CHUNK_ELEMENTS):
                 stop = min(start + CHUNK_ELEMENTS, size)
                 positive = np.greater(flat_x[start:stop], 0, out=mask[:stop - start])
@@ -450,10 +433,10 @@ class Dropout(Neuron):
             if top[0] is not bottom[0]:
                 top[0].data[...] = x
             return
-        uniform = scratch(self, "uniform", x.shape, np.float32)
+        uniform = self.work("dropout_uniform", x.shape, np.float32)
         get_rng().random(dtype=np.float32, out=uniform)
         # The mask carries the scale, so forward and backward are one multiply each.
-        self._mask = scratch(self, "mask", x.shape, x.dtype)
+        self._mask = self.scratch("mask", x.shape, x.dtype)
         np.less(uniform, np.float32(1.0 - self.ratio), out=self._mask)
         self._mask *= x.dtype.type(self.scale)
         np.multiply(x, self._mask, out=top[0].data)

@@ -8,7 +8,6 @@ import numpy as np
 
 from cct.blob import Blob
 from cct.layer import TEST, Layer, register
-from cct.layers.neuron import scratch
 from cct.proto import caffe_pb2
 
 # Elements per batch chunk in LRN: about 1 MiB of float32 (see LRN._chunks).
@@ -72,32 +71,37 @@ class LRN(Layer):
 
     def forward(self, bottom, top):
         x = bottom[0].data
-        shape, dtype = x.shape, x.dtype
         if top[0] is bottom[0]:
             # backward needs x, forward overwrites it
-            saved = scratch(self, "saved_input", shape, dtype)
+            saved = self.scratch("saved_input", x.shape, x.dtype)
             np.copyto(saved, x)
             x = self._saved_input = saved
-        self.scale = scratch(self, "scale", shape, dtype)        # (N, C, H, W), kept for backward
-        for rows in self._chunks(shape):
-            self._forward_chunk(x[rows], self.scale[rows], top[0].data[rows])
+        y = top[0].data
+        for rows in self._chunks(x.shape):
+            scale = self._scale(x[rows])
+            power = _negative_power(scale, self.beta, self._work("power", scale))
+            np.multiply(x[rows], power, out=y[rows])
 
     def _chunks(self, shape):
         """Slices of a few images: the ~10 element-wise passes run on work arrays
         that stay in the CPU cache (CaffeNet's norm1 is 256x96x27x27)."""
         per_image = int(np.prod(shape[1:]))
-        self._chunk = max(1, min(shape[0], CHUNK_ELEMENTS // max(per_image, 1)))
-        return [slice(start, start + self._chunk) for start in range(0, shape[0], self._chunk)]
+        chunk = max(1, min(shape[0], CHUNK_ELEMENTS // max(per_image, 1)))
+        return [slice(start, start + chunk) for start in range(0, shape[0], chunk)]
 
     def _work(self, name, like):
-        full = (self._chunk,) + like.shape[1:]
-        return scratch(self, name, full, like.dtype)[:like.shape[0]]
+        """A work array shaped like `like` for use inside this call (Layer.work)."""
+        return self.work("lrn_" + name, like.shape, like.dtype)
 
-    def _forward_chunk(self, x, scale, y):
+    def _scale(self, x):
+        """s = k + alpha/n * window(x^2) (ACROSS_CHANNELS) or 1 + alpha * box
+        average of x^2 (WITHIN_CHANNEL) of a chunk, in a work array. Backward
+        computes it again rather than keep a blob-sized copy from forward (72 MB
+        for CaffeNet's norm1): the same operations give the same numbers."""
         cast = x.dtype.type
         squares = np.multiply(x, x, out=self._work("squares", x))
+        scale = self._work("scale", x)
         if self.across:
-            # scale: k + alpha/n * windowed sum of squares over channels
             window_sum(squares, self.size, axis=1, out=scale)
             scale *= cast(self.alpha / self.size)
             scale += cast(self.k)
@@ -105,20 +109,19 @@ class LRN(Layer):
             self._box_average(squares, out=scale)
             scale *= cast(self.alpha)
             scale += cast(1.0)
-        power = _negative_power(scale, self.beta, self._work("power", x))
-        np.multiply(x, power, out=y)
+        return scale
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
         x = self._saved_input if top[0] is bottom[0] else bottom[0].data
         for rows in self._chunks(x.shape):
-            self._backward_chunk(x[rows], top[0].data[rows], top[0].diff[rows], self.scale[rows],
-                                 bottom[0].diff[rows])
+            self._backward_chunk(x[rows], top[0].data[rows], top[0].diff[rows], bottom[0].diff[rows])
 
-    def _backward_chunk(self, x, y, g, scale, dx):
+    def _backward_chunk(self, x, y, g, dx):
         # y = x * s^-beta with s = shift + c * window(x^2):
         # dL/dx = g * s^-beta - 2 * beta * c * x * window^T(g * y / s)   (y / s = x * s^(-beta-1))
+        scale = self._scale(x)
         ratio = np.multiply(g, y, out=self._work("ratio", x))
         ratio /= scale
         spread = self._work("squares", x)
@@ -130,7 +133,6 @@ class LRN(Layer):
             factor = 2 * self.beta * self.alpha
         spread *= x
         spread *= x.dtype.type(factor)
-        # s^-beta again, cheaper than keeping a blob-sized copy from forward.
         power = _negative_power(scale, self.beta, self._work("power", x))
         # g may be bottom's diff (in place): it is read here for the last time.
         np.multiply(g, power, out=dx)

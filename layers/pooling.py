@@ -7,7 +7,6 @@ import numpy as np
 
 from cct.blob import Blob
 from cct.layer import TRAIN, Layer, register
-from cct.layers.neuron import scratch
 from cct.proto import caffe_pb2
 from cct.rng import get_rng
 
@@ -170,13 +169,12 @@ class Pooling(Layer):
         per window offset run on arrays that stay in the CPU cache (about 2x
         faster than passes over the whole batch)."""
         per_image = c * self.out_hw[0] * self.out_hw[1]
-        self._chunk = max(1, min(n, CHUNK_ELEMENTS // max(per_image, 1)))
-        return [slice(start, min(start + self._chunk, n)) for start in range(0, n, self._chunk)]
+        chunk = max(1, min(n, CHUNK_ELEMENTS // max(per_image, 1)))
+        return [slice(start, min(start + chunk, n)) for start in range(0, n, chunk)]
 
     def _work(self, name, shape, dtype):
-        """A chunk-sized work array (scratch sized for a full chunk, sliced to this one)."""
-        full = (max(shape[0], self._chunk),) + tuple(shape[1:])
-        return scratch(self, name, full, dtype)[:shape[0]]
+        """A work array for use inside this call (the thread's, Layer.work)."""
+        return self.work("pooling_" + name, shape, dtype)
 
     def _overlapping(self):
         return self.stride[0] < self.kernel[0] or self.stride[1] < self.kernel[1]
@@ -215,13 +213,16 @@ class Pooling(Layer):
             winner = winner.reshape(n, c, 1, 1)
             valid = value > -_FLT_MAX
         else:
-            winner = scratch(self, "winner", value.shape, np.int16)
-            valid = scratch(self, "valid", value.shape, np.bool_)
+            # Kept for backward: the kernel offset fits a byte for kernels up to 11 x 11.
+            area = self.kernel[0] * self.kernel[1]
+            offset_type = np.int8 if area <= 127 else np.int16 if area <= 32767 else np.int32
+            winner = self.scratch("winner", value.shape, offset_type)
             for rows in self._chunks(n, c):
                 self._max_chunk(x[rows], value[rows], winner[rows])
-            np.greater(value, -_FLT_MAX, out=valid)
+            # (min: no blob-sized mask in the usual case of no empty window)
+            valid = None if not value.size or value.min() > -_FLT_MAX else value > -_FLT_MAX
         # Such a window keeps Caffe's initial -FLT_MAX and mask -1 (and gets no gradient).
-        if valid.all():
+        if valid is None or valid.all():
             return value, winner, None
         empty = ~valid
         value[empty] = -_FLT_MAX
@@ -231,7 +232,7 @@ class Pooling(Layer):
         # Padding holds -inf, below Caffe's -FLT_MAX start, so it never wins.
         xp = self._padded(x, -np.inf)
         better = self._work("better", value.shape, np.bool_)
-        step = self._work("step", value.shape, np.int16)
+        step = self._work("step", value.shape, winner.dtype)
         offsets = self._offsets()
         value[...] = xp[next(offsets)[2]]
         winner.fill(0)
@@ -272,7 +273,6 @@ class Pooling(Layer):
 
     def _windows(self, x):
         """x (N, C, H, W) -> (N, C, PH, PW, KH*KW), the unpadded windows (stochastic pooling)."""
-        self._chunk = x.shape[0]
         xp = self._padded(x, 0, name="padded_windows")
         return np.stack([xp[window] for _, _, window in self._offsets()], axis=-1)
 

@@ -70,3 +70,69 @@ def test_blas_thread_count_is_restored():
     blas.set(1)
     blas.set(blas.default)
     assert blas.current == blas.default
+
+
+def test_partition_k_always_runs_on_the_same_thread():
+    """Per-thread work stores then exist once per partition index, not once per pool thread."""
+    import threading
+    net = run(1)
+    index = [layer.name for layer in net.layers].index("pool1")
+    net.executor.set_partitions(index, 3)
+    seen = []
+    runner = net.executor._runner(index)
+    for clone in runner.clones:
+        original = clone.forward
+
+        def forward(bottom, top, original=original, clone=clone):
+            seen.append((runner.clones.index(clone), threading.get_ident()))
+            original(bottom, top)
+        clone.forward = forward
+    for _ in range(3):
+        net.forward()
+    threads = {}
+    for partition, thread in seen:
+        threads.setdefault(partition, set()).add(thread)
+    assert all(len(ids) == 1 for ids in threads.values()) and len(threads) == 3
+    assert threads[0] == {threading.get_ident()}          # partition 0 on the calling thread
+
+
+def test_clones_share_the_layer_budget_and_the_first_clone_its_diffs():
+    net = run(1)
+    index = [layer.name for layer in net.layers].index("conv1")
+    net.executor.set_partitions(index, 2)
+    net.forward()
+    net.backward()
+    layer, clones = net.layers[index], net.executor._runner(index).clones
+    assert [clone.lowering_budget for clone in clones] == [layer.lowering_budget // 2] * 2
+    assert all(np.shares_memory(clones[0].blobs[i].diff, blob.diff) for i, blob in enumerate(layer.blobs))
+    assert not any(np.shares_memory(clones[1].blobs[i].diff, blob.diff) for i, blob in enumerate(layer.blobs))
+    assert not clones[1].blobs[0].diff.any()               # summed into the layer's, then cleared
+
+
+def test_partitions_leave_unneeded_diffs_unmade():
+    """In training (forward_backward, as the solver runs it) nothing asks for the
+    input's diff: partitioned or not, it is never allocated."""
+    for partitions in (1, 2):
+        net = cct.Net(NET, cct.TRAIN)
+        for index in range(len(net.layers)):
+            if partitions > 1 and net.executor.partitionable(index):
+                net.executor.set_partitions(index, partitions)
+        net.forward_backward()
+        assert net.blobs["data"]._diff_store is None and net.blobs["label"]._diff_store is None
+        assert net.blobs["conv1"]._diff_store is not None
+
+
+def test_tune_skips_partitions_that_copy_big_parameters(monkeypatch):
+    import cct.executor
+    net = run(1)
+    monkeypatch.setattr(cct.executor, "TUNE_PARAM_COPY_BYTES", 1000)
+    tried = []
+    original = net.executor._time_layer
+
+    def timed(index, repeats):
+        tried.append((net.layers[index].name, net.executor.partitions(index)))
+        return original(index, repeats)
+    monkeypatch.setattr(net.executor, "_time_layer", timed)
+    plan = net.executor.tune(candidates=[1, 2], repeats=1)
+    # conv1 (8x3x3x3 + 8 floats: 896 bytes) may be split; ip1 (5 x 288 floats) may not
+    assert ("conv1", 2) in tried and ("ip1", 2) not in tried and plan["ip1"] == 1

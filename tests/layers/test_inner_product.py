@@ -3,6 +3,7 @@ gradients (axis, transpose, no bias), accumulation, shape checks."""
 import numpy as np
 import pytest
 
+import cct
 from cct.errors import ConfigError, ShapeError
 from cct.gradient_check import check_layer_gradient, make_layer, setup_layer
 
@@ -81,3 +82,28 @@ def test_errors():
     bottoms[0].reshape(5, 3)                               # a new batch size is fine
     layer.reshape(bottoms, tops)
     assert tops[0].shape == (5, 2)
+
+
+@pytest.mark.parametrize("fields", ["num_output: 150", "num_output: 150 transpose: true"])
+def test_weight_gradient_blocks_give_the_unblocked_numbers(monkeypatch, fields):
+    """WEIGHT_GRADIENT_BLOCK small enough for 64-row blocks: the 150 weight rows
+    (or, transposed, 24 rows of 150) are accumulated block by block."""
+    x, dy = RNG.standard_normal((5, 4, 3, 2)), RNG.standard_normal((5, 150))
+
+    def weight_gradient():
+        cct.set_random_seed(2)                      # the same weights both times
+        layer = make_layer(ip_text(fields))
+        bottoms, tops = setup_layer(layer, [x])
+        layer.forward(bottoms, tops)
+        tops[0].diff[...] = dy
+        layer.blobs[0].diff[...] = 1.0              # accumulates onto what is there
+        layer.backward(tops, [True], bottoms)
+        return layer.blobs[0].diff.copy(), bottoms[0].diff.copy()
+
+    whole = weight_gradient()
+    monkeypatch.setattr("cct.layers.inner_product.WEIGHT_GRADIENT_BLOCK", 24)
+    blocked = weight_gradient()
+    expected = 1.0 + (x.reshape(5, 24).T @ dy if "transpose" in fields else dy.T @ x.reshape(5, 24))
+    np.testing.assert_allclose(blocked[0], expected, rtol=1e-12)
+    np.testing.assert_allclose(blocked[0], whole[0], rtol=1e-12)
+    np.testing.assert_array_equal(blocked[1], whole[1])

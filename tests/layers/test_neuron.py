@@ -290,3 +290,43 @@ def test_in_place_in_a_net_matches_out_of_place(layer_text, bounds):
     assert np.abs(dx0).max() > 0
     for a, b in zip(p0, p1):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+
+
+# --- chunks and memory ------------------------------------------------------------------
+def relu_forward_backward(text, x, dy, in_place):
+    layer = make_layer(text)
+    if in_place:
+        blob = cct.Blob(x.shape, np.float64)
+        blob.data[...] = x
+        bottoms = tops = [blob]
+        layer.setup(bottoms, tops)
+        layer.reshape(bottoms, tops)
+    else:
+        bottoms, tops = setup_layer(layer, [x])
+    layer.forward(bottoms, tops)
+    y = tops[0].data.copy()
+    tops[0].diff[...] = dy
+    layer.backward(tops, [True], bottoms)
+    return layer, y, bottoms[0].diff.copy()
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_relu_backward_slices_give_the_unsliced_numbers(monkeypatch, in_place):
+    """CHUNK_ELEMENTS = 7 on 120 elements: the backward mask runs in 18 slices."""
+    x, dy = uniform(-1, 1), uniform(-1, 1)
+    _, y, dx = relu_forward_backward('type: "ReLU"', x, dy, in_place)
+    monkeypatch.setattr("cct.layers.neuron.CHUNK_ELEMENTS", 7)
+    _, y_sliced, dx_sliced = relu_forward_backward('type: "ReLU"', x, dy, in_place)
+    np.testing.assert_array_equal(y_sliced, y)
+    np.testing.assert_array_equal(dx_sliced, dx)
+    np.testing.assert_array_equal(dx, np.where(x > 0, dy, 0))
+
+
+@pytest.mark.parametrize("slope,saves", [(0, False), (0.1, False), (-0.2, True)])
+def test_in_place_relu_keeps_its_input_only_for_a_negative_slope(slope, saves):
+    """y > 0 exactly where x > 0 when the slope is >= 0: no copy of x is needed."""
+    x, dy = uniform(-1, 1), uniform(-1, 1)
+    text = f'type: "ReLU" relu_param {{ negative_slope: {slope} }}'
+    layer, _, dx = relu_forward_backward(text, x, dy, in_place=True)
+    assert hasattr(layer, "_saved_input") == saves
+    np.testing.assert_allclose(dx, np.where(x > 0, dy, dy * np.float32(slope)))

@@ -261,3 +261,46 @@ def test_in_place_matches_out_of_place(text, phase):
     blob.diff[...] = g
     in_place.backward([blob], [True], [blob])
     np.testing.assert_allclose(blob.diff, bottoms[0].diff)
+
+
+# --- batch chunks ---------------------------------------------------------------------
+def lrn_forward_backward(text, x, g, in_place=False):
+    layer = make_layer(text)
+    if in_place:
+        blob = Blob(x.shape, np.float64)
+        blob.data[...] = x
+        bottoms = tops = [blob]
+        layer.setup(bottoms, tops)
+        layer.reshape(bottoms, tops)
+    else:
+        bottoms, tops = setup_layer(layer, [x])
+    layer.forward(bottoms, tops)
+    y = tops[0].data.copy()
+    tops[0].diff[...] = g
+    layer.backward(tops, [True], bottoms)
+    return y, bottoms[0].diff.copy()
+
+
+@pytest.mark.parametrize("text", [
+    'type: "LRN" lrn_param { local_size: 5 alpha: 0.7 beta: 0.75 k: 2 }',       # the square-root power
+    'type: "LRN" lrn_param { local_size: 3 alpha: 0.7 beta: 0.6 }',
+    'type: "LRN" lrn_param { local_size: 3 alpha: 0.7 norm_region: WITHIN_CHANNEL }',
+])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_lrn_batch_chunks_give_the_unchunked_numbers(monkeypatch, text, in_place):
+    """CHUNK_ELEMENTS below one image: every image is its own chunk, and the
+    scale backward recomputes per chunk equals the forward's."""
+    x, g = random((5, 6, 4, 4), seed=5), random((5, 6, 4, 4), seed=6)
+    whole = lrn_forward_backward(text, x, g, in_place)
+    monkeypatch.setattr("cct.layers.normalization.CHUNK_ELEMENTS", 10)
+    chunked = lrn_forward_backward(text, x, g, in_place)
+    for ours, theirs in zip(chunked, whole):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+def test_lrn_keeps_no_blob_sized_scale():
+    """s is recomputed in backward: forward leaves nothing of the blob's size
+    behind when not in place."""
+    layer, _, _ = run_forward('type: "LRN" lrn_param { local_size: 3 }', random((4, 6, 5, 5)))
+    kept = [value for value in vars(layer).values() if isinstance(value, np.ndarray) and value.size >= 4 * 6 * 25]
+    assert not kept and not hasattr(layer, "scale")

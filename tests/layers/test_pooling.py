@@ -258,3 +258,47 @@ def test_padding_on_one_axis_clips_the_last_window_on_both():
         layer = make_layer(f'type: "Pooling" pooling_param {{ pool: MAX {text} }}')
         _, tops = setup_layer(layer, [np.zeros((1, 1, 4, 5))])
         assert tops[0].shape[2:] == expected
+
+
+def forward_backward(prototxt, x, dy):
+    layer, bottoms, tops = run(prototxt, x)
+    tops[0].diff[...] = dy
+    layer.backward(tops, [True], bottoms)
+    return tops[0].data.copy(), bottoms[0].diff.copy()
+
+
+@pytest.mark.parametrize("text", [
+    "pool: MAX kernel_size: 3 stride: 2",                  # overlapping windows
+    "pool: MAX kernel_size: 2 stride: 2",                  # non-overlapping: backward writes, no sum
+    "pool: MAX kernel_size: 3 stride: 2 pad: 1",           # padded work arrays
+    "pool: AVE kernel_size: 3 stride: 2 pad: 1",
+    "pool: AVE kernel_size: 2 stride: 1",
+])
+def test_batch_chunks_give_the_unchunked_numbers(monkeypatch, text):
+    """CHUNK_ELEMENTS below one image's output: every image is its own chunk."""
+    x = distinct((5, 3, 9, 9))
+    prototxt = f'type: "Pooling" pooling_param {{ {text} }}'
+    dy = RNG.standard_normal(run(prototxt, x)[2][0].shape)
+    whole = forward_backward(prototxt, x, dy)
+    monkeypatch.setattr("cct.layers.pooling.CHUNK_ELEMENTS", 7)
+    chunked = forward_backward(prototxt, x, dy)
+    for ours, theirs in zip(chunked, whole):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+def test_max_winner_offsets_fit_the_kernel():
+    """The kept winner offsets are bytes for small kernels, wider for big ones."""
+    small = run('type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 2 }', distinct((1, 1, 7, 7)))[0]
+    big = run('type: "Pooling" pooling_param { pool: MAX kernel_size: 12 stride: 1 }', distinct((1, 1, 13, 13)))[0]
+    assert small.winner.dtype == np.int8 and big.winner.dtype == np.int16
+
+
+def test_max_with_empty_windows_after_chunks():
+    """A window with nothing above -FLT_MAX keeps -FLT_MAX and gets no gradient."""
+    x = np.full((2, 1, 4, 4), -np.inf)
+    x[0] = distinct((1, 4, 4))
+    layer, bottoms, tops = run('type: "Pooling" pooling_param { pool: MAX kernel_size: 2 stride: 2 }', x)
+    assert (tops[0].data[1] == -FLT_MAX).all() and (tops[0].data[0] > -FLT_MAX).all()
+    tops[0].diff[...] = 1
+    layer.backward(tops, [True], bottoms)
+    assert not bottoms[0].diff[1].any() and bottoms[0].diff[0].sum() == 4

@@ -1,0 +1,121 @@
+"""Blob: storage kept across reshapes, views, the lazily made diff, sharing."""
+import threading
+
+import numpy as np
+import pytest
+
+import cct
+from cct.blob import Blob
+
+
+def test_shape_count_and_legacy_accessors():
+    blob = Blob((2, 3, 4, 5))
+    assert blob.shape == (2, 3, 4, 5) and blob.count == 120
+    assert (blob.num, blob.channels, blob.height, blob.width) == (2, 3, 4, 5)
+    assert blob.count_range(1) == 60 and blob.count_range(1, 3) == 12
+    assert blob.canonical_axis(-1) == 3
+    short = Blob((7, 2))
+    assert (short.num, short.channels, short.height, short.width) == (7, 2, 1, 1)
+    with pytest.raises(cct.ShapeError):
+        Blob((1, 1, 1, 1, 1)).num
+    with pytest.raises(cct.ShapeError):
+        blob.canonical_axis(4)
+    with pytest.raises(cct.ShapeError):
+        Blob((2, -1))
+
+
+def test_reshape_accepts_ints_or_a_sequence():
+    blob = Blob()
+    assert blob.shape == () and blob.count == 1
+    blob.reshape(2, 3)
+    assert blob.shape == (2, 3)
+    blob.reshape([4])
+    assert blob.shape == (4,)
+    blob.reshape_like(Blob((1, 5)))
+    assert blob.shape == (1, 5)
+
+
+def test_data_and_diff_start_at_zero_and_are_writable_views():
+    blob = Blob((2, 3))
+    assert not blob.data.any() and not blob.diff.any()
+    blob.data[0, 1] = 4
+    blob.diff = np.arange(6).reshape(2, 3)          # pycaffe-style assignment copies in
+    assert blob.data[0, 1] == 4 and blob.diff.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert blob.data.dtype == blob.diff.dtype == np.float32
+    assert Blob((2,), np.float64).diff.dtype == np.float64
+
+
+def test_reshape_to_a_smaller_count_keeps_storage_and_views():
+    blob = Blob((4, 3))
+    blob.data[...] = np.arange(12).reshape(4, 3)
+    blob.diff[...] = 1
+    data_view, diff_view = blob.data, blob.diff
+    blob.reshape(2, 3)
+    assert np.shares_memory(blob.data, data_view) and np.shares_memory(blob.diff, diff_view)
+    assert blob.data.tolist() == [[0, 1, 2], [3, 4, 5]]
+    blob.reshape(4, 3)                               # back within capacity: same storage, same values
+    assert np.shares_memory(blob.data, data_view) and blob.data[3, 2] == 11
+
+
+def test_reshape_growth_keeps_values():
+    blob = Blob((2,))
+    blob.data[...] = [1, 2]
+    blob.diff[...] = [3, 4]
+    blob.reshape(5)
+    assert blob.data.tolist() == [1, 2, 0, 0, 0] and blob.diff.tolist() == [3, 4, 0, 0, 0]
+
+
+def test_diff_storage_is_made_on_first_use_only():
+    blob = Blob((1000,))
+    assert blob._diff_store is None
+    blob.reshape(5000)                               # growth of the data alone
+    assert blob._diff_store is None
+    blob.data[...] = 1
+    assert blob._diff_store is None
+    assert not blob.diff.any() and blob.diff.shape == (5000,)
+    assert blob._diff_store.size == blob._data_store.size
+    blob.reshape(10, 10)                             # views follow the shape from then on
+    assert blob.diff.shape == (10, 10) and np.shares_memory(blob.diff, blob._diff_store)
+
+
+def test_lazy_diff_grows_with_the_data():
+    blob = Blob((3,))
+    blob.reshape(10)
+    blob.diff[...] = 2
+    blob.reshape(20)
+    assert blob.diff[:10].tolist() == [2] * 10 and not blob.diff[10:].any()
+
+
+def test_share_data_and_share_diff():
+    owner, user = Blob((2, 3)), Blob((3, 2))
+    user.share_data(owner)
+    owner.data[...] = 7
+    assert user.data.shape == (3, 2) and (user.data == 7).all()
+    assert user._diff_store is None                  # sharing data does not make a diff
+    user.share_diff(owner)                           # makes the owner's diff, then shares it
+    assert owner._diff_store is not None
+    user.diff[...] = 5
+    assert (owner.diff == 5).all()
+    with pytest.raises(cct.ShapeError):
+        Blob((4,)).share_data(owner)
+    with pytest.raises(cct.ShapeError):
+        Blob((4,)).share_diff(owner)
+
+
+def test_diff_made_once_when_asked_from_several_threads():
+    blob = Blob((64, 1000))
+    views = [None] * 8
+    barrier = threading.Barrier(8)
+
+    def take(index):
+        barrier.wait()
+        views[index] = blob.diff
+        views[index][index] = index + 1
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(np.shares_memory(view, blob.diff) for view in views)
+    assert blob.diff[:8, 0].tolist() == list(range(1, 9))
