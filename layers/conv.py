@@ -23,7 +23,8 @@ from cct.blob import Blob
 from cct.layer import Layer, register
 from cct.lowering import (ConvGeometry, chooser, conv_backward, conv_backward_data, conv_backward_weights,
                           conv_forward, lowering, type1)
-from cct.lowering.workspace import BUDGET_ENV, DEFAULT_BUDGET_MB, budget_from_env, chunk_size, thread_arena
+from cct.lowering.workspace import (BUDGET_ENV, DEFAULT_BUDGET_MB, budget_from_env, cache_chunk, chunk_size,
+                                    thread_arena)
 
 DEFAULT_LOWERING = 1          # before the first reshape, and where nothing decides
 LOWERING_ENV = "CCT_LOWERING"
@@ -132,6 +133,7 @@ class _ConvolutionBase(Layer):
         self._forced_type, self.measure_lowering, self.lowering_budget = lowering_settings(self)
         self._auto_type = None
         self._choice_key = None
+        self._chunk_key = None
         # The convolution's own (input, output) channels; swapped for Deconvolution.
         conv_in, conv_out = ((self.num_output, self.channels) if self.reverse
                              else (self.channels, self.num_output))
@@ -154,7 +156,10 @@ class _ConvolutionBase(Layer):
             if blob.shape != shape:
                 raise self.shape_error(f"every bottom must have bottom[0]'s shape {shape}, "
                                        f"bottom[{index}] is {blob.shape}")
-        self.geom = self._geometry(shape)
+        geom = self._geometry(shape)
+        if geom != getattr(self, "geom", None):
+            self.geom = geom
+            self._chunk_key = None
         for blob in top:
             blob.reshape(self._top_shape(shape[0]))
         key = (self.geom, shape[0], bottom[0].data.dtype)
@@ -190,7 +195,14 @@ class _ConvolutionBase(Layer):
         return kind
 
     def _chunk(self, lowering_type, x):
-        return chunk_size(self.geom, lowering_type, x.shape[0], x.dtype.itemsize, self.lowering_budget)
+        batch = x.shape[0]
+        key = (lowering_type, batch, x.dtype.itemsize, self.lowering_budget)
+        if key != self._chunk_key:            # reshape-stable: computed once per shape
+            self._chunk_key = key
+            self._chunk_images = min(chunk_size(self.geom, lowering_type, batch, x.dtype.itemsize,
+                                                self.lowering_budget),
+                                     cache_chunk(self.geom, lowering_type, batch, x.dtype.itemsize))
+        return self._chunk_images
 
     def _add_bias(self, y):
         if self.bias_term:
@@ -223,9 +235,10 @@ class Convolution(_ConvolutionBase):
     def forward(self, bottom, top):
         kind = self._lowering()
         weight, arena = self.blobs[0].data, thread_arena()
+        bias = self.blobs[1].data if self.bias_term else None
         for b, t in zip(bottom, top):
-            conv_forward(b.data, weight, self.geom, kind, out=t.data, ws=arena, chunk=self._chunk(kind, b.data))
-            self._add_bias(t.data)
+            conv_forward(b.data, weight, self.geom, kind, out=t.data, ws=arena, chunk=self._chunk(kind, b.data),
+                         bias=bias)
 
     def backward(self, top, propagate_down, bottom):
         kind = self._lowering()

@@ -39,15 +39,16 @@ def _plan(ws, geom, lowering_type, batch, chunk, dtype):
     ws.plan(slot_bytes(geom, int(lowering_type), batch if _whole(batch, chunk) else chunk, np.dtype(dtype).itemsize))
 
 
-def conv_forward(x, w, geom, lowering_type=1, out=None, ws=FRESH, chunk=None):
-    """y (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/group, KH, KW))."""
+def conv_forward(x, w, geom, lowering_type=1, out=None, ws=FRESH, chunk=None, bias=None):
+    """y (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/group, KH, KW)), plus
+    bias (O,) when given (added while the result is stored, no extra pass)."""
     impl, n = lowering(lowering_type), x.shape[0]
     _plan(ws, geom, lowering_type, n, chunk, x.dtype)
     if _whole(n, chunk):
-        return impl.forward(x, w, geom, out=out, ws=ws)
+        return impl.forward(x, w, geom, out=out, ws=ws, bias=bias)
     out = np.empty(geom.output_shape(n), x.dtype) if out is None else out
     for start, stop in chunks(n, chunk):
-        impl.forward(x[start:stop], w, geom, out=out[start:stop], ws=ws)
+        impl.forward(x[start:stop], w, geom, out=out[start:stop], ws=ws, bias=bias)
     return out
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .type1 import batch_inner
 from .workspace import Arena, chunk_size, chunks, image_bytes
 
 CACHE_ENV = "CCT_CACHE_DIR"
@@ -249,14 +250,24 @@ def _cost_parts(geom, b, lowering_type, mc, s):
     transpose = mc.gather(o * m1, g.out_h * g.out_w, s)            # (O, N, ..) <-> (N, O, ..)
     parts = {}
     if lowering_type == 1:
-        lower = pad + mc.gather(c * k2 * m1, g.out_w, s)
+        row = g.out_w
+        if batch_inner(g, b):
+            # Columns (oh, ow, n): rows of b (or b*OW at stride 1) values, and
+            # the input, output and gradients move to and from batch-innermost.
+            row = b * g.out_w if g.stride_w == 1 else b
+            pad = mc.fill(c * (frame - b * g.in_h * g.in_w), s) + mc.gather(c * b * g.in_h * g.in_w, b, s)
+            unpad = mc.gather(c * b * g.in_h * g.in_w, b, s)
+            transpose = mc.gather(o * m1, b, s)
+        elif not (g.pad_h or g.pad_w):
+            pad = 0.0                                  # lowered straight from the input
+        lower = pad + mc.gather(c * k2 * m1, row, s)
         parts["forward", "lower"] = lower
         parts["forward", "gemm"] = mc.gemm_seconds(og, m1, cg * k2, s, grp)
         parts["forward", "lift"] = transpose
         parts["backward", "unlift"] = transpose
         parts["backward", "lower"] = lower
         parts["backward", "gemm"] = mc.gemm_seconds(og, cg * k2, m1, s, grp) + mc.gemm_seconds(cg * k2, m1, og, s, grp)
-        parts["backward", "unlower"] = mc.fill(c * frame, s) + k2 * mc.add(c * m1, g.out_w, s) + unpad
+        parts["backward", "unlower"] = mc.fill(c * frame, s) + k2 * mc.add(c * m1, row, s) + unpad
     elif lowering_type == 2:
         m2 = b * g.padded_h * g.out_w
         lower = pad + mc.gather(c * kw * m2, g.out_w, s)

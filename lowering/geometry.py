@@ -135,12 +135,21 @@ def channels_first_output(dy, ws):
     return out
 
 
-def store_output(y_cf, out):
-    """(O, N, OH, OW) channels-first result -> (N, O, OH, OW), into `out` if given."""
+def store(y, out, bias=None):
+    """Copy y, any (N, O, OH, OW) view, into `out` (new when None), adding
+    bias (O,) on the way: the add costs no extra pass over the output."""
     if out is None:
-        return np.ascontiguousarray(y_cf.transpose(1, 0, 2, 3))
-    out[...] = y_cf.transpose(1, 0, 2, 3)
+        out = np.empty(y.shape, y.dtype)
+    if bias is None:
+        np.copyto(out, y)
+    else:
+        np.add(y, bias.reshape(1, -1, 1, 1), out=out)
     return out
+
+
+def store_output(y_cf, out, bias=None):
+    """(O, N, OH, OW) channels-first result -> (N, O, OH, OW) (+ bias), into `out` if given."""
+    return store(y_cf.transpose(1, 0, 2, 3), out, bias)
 
 
 def window_view(xp, geom, lower_h=True, lower_w=True):

@@ -58,14 +58,14 @@ def unlift(dy, geom, ws=FRESH):
     return dz.reshape(geom.group, geom.outputs_per_group * geom.kernel_h * geom.kernel_w, -1)
 
 
-def forward(x, w, geom, out=None, ws=FRESH):
-    """y (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/g, KH, KW))."""
+def forward(x, w, geom, out=None, ws=FRESH, bias=None):
+    """y (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/g, KH, KW)) (+ bias (O,))."""
     n = x.shape[0]
     lowered = lower(x, geom, ws).reshape(geom.group, geom.channels_per_group, -1)
     kernel = _kernel_matrix(w, geom, x.dtype)
     z = np.matmul(kernel, lowered, out=ws.empty("product", (geom.group, kernel.shape[1], lowered.shape[2]),
                                                 x.dtype))             # (g, Og*KH*KW, M3)
-    return store_output(lift(z, geom, n, ws), out)
+    return store_output(lift(z, geom, n, ws), out, bias)
 
 
 def backward(x, dy, w, geom, data=True, weights=True, ws=FRESH, dx_out=None):

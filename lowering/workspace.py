@@ -161,6 +161,26 @@ def chunk_size(geom, lowering_type, batch, itemsize, budget):
     return int(max(1, min(batch, budget // per_image)))
 
 
+CACHE_BYTES = 8 * 2 ** 20          # a lowered chunk this small is still in cache when its GEMM reads it
+MIN_GEMM_COLUMNS = 4096            # ... but keep the GEMM wide enough to run at its full rate
+
+
+def cache_chunk(geom, lowering_type, batch, itemsize):
+    """Images per chunk for speed: type 1 on large images (CaffeNet conv1: 4.4 MB
+    lowered per image) runs ~15% faster forward when its lowered matrix is
+    consumed by the GEMM while still in cache, rather than written to memory for
+    the whole batch and read back. Chunks keep at least MIN_GEMM_COLUMNS GEMM
+    columns; other types, and type 1 on small images (batch-inner, see type1),
+    measured fastest whole."""
+    from .type1 import batch_inner
+    if lowering_type != 1 or batch_inner(geom, batch):
+        return batch
+    pixels = geom.out_h * geom.out_w
+    lowered = geom.channels * geom.kernel_h * geom.kernel_w * pixels * itemsize
+    images = max(CACHE_BYTES // lowered, -(-MIN_GEMM_COLUMNS // pixels), 1)
+    return int(min(batch, images))
+
+
 def chunks(batch, size):
     """[(start, stop)] covering range(batch) in steps of `size`."""
     return [(start, min(start + size, batch)) for start in range(0, batch, size)]

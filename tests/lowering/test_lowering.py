@@ -141,6 +141,48 @@ def test_out_buffers_are_filled(kind):
     np.testing.assert_allclose(dw, reference.backward_weights(x, dy, geom), atol=1e-12)
 
 
+WIDE_LOWERED = [g for g in GRID if g.channels * g.kernel_h * g.kernel_w >= 4 * g.num_output][::3]
+
+
+@pytest.mark.parametrize("geom", WIDE_LOWERED, ids=lambda g: f"c{g.channels}o{g.num_output}k{g.kernel_h}x{g.kernel_w}"
+                         f"s{g.stride_h}p{g.pad_h}d{g.dilation_h}g{g.group}")
+@pytest.mark.parametrize("width", [0, 10 ** 6])
+def test_type1_both_column_orders_match_reference(geom, width, monkeypatch):
+    # width 0: columns (n, oh, ow) everywhere; 10**6: batch-inner (oh, ow, n) everywhere.
+    monkeypatch.setattr(type1, "BATCH_INNER_WIDTH", width)
+    batch = 3 if geom.stride_w == 1 else 2 * geom.out_w
+    wide = geom.channels * geom.kernel_h * geom.kernel_w >= 4 * geom.num_output
+    assert type1.batch_inner(geom, batch) == (bool(width) and wide)
+    x, w, dy = arrays(geom, batch=batch)
+    np.testing.assert_allclose(conv_forward(x, w, geom, 1), reference.forward(x, w, geom), atol=1e-10)
+    dx, dw = conv_backward(x, dy, w, geom, 1)
+    np.testing.assert_allclose(dx, reference.backward_data(dy, w, geom), atol=1e-10)
+    np.testing.assert_allclose(dw, reference.backward_weights(x, dy, geom), atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_forward_adds_the_bias_while_storing(kind, chunk):
+    geom = ConvGeometry(4, 6, 7, 6, 3, 2, stride_h=2, pad_w=1, group=2)
+    x, w, _ = arrays(geom, batch=3)
+    bias = RNG.standard_normal(geom.num_output)
+    expected = reference.forward(x, w, geom) + bias.reshape(1, -1, 1, 1)
+    np.testing.assert_allclose(conv_forward(x, w, geom, kind, bias=bias, chunk=chunk), expected, atol=1e-10)
+    y = np.empty(geom.output_shape(3))
+    assert conv_forward(x, w, geom, kind, out=y, bias=bias, chunk=chunk) is y
+    np.testing.assert_allclose(y, expected, atol=1e-10)
+
+
+def test_cache_chunk_only_splits_wide_type1_layers():
+    from cct.lowering.workspace import cache_chunk
+    conv1 = ConvGeometry(3, 96, 227, 227, 11, 11, 4, 4)          # 4.4 MB lowered per image, 3025 columns
+    assert cache_chunk(conv1, 1, 256, 4) == 2                    # >= 4096 GEMM columns
+    assert cache_chunk(conv1, 2, 256, 4) == 256
+    lenet2 = ConvGeometry(20, 50, 12, 12, 5, 5)                  # batch-inner: whole
+    assert type1.batch_inner(lenet2, 64) and cache_chunk(lenet2, 1, 64, 4) == 64
+    assert not type1.batch_inner(ConvGeometry(1, 20, 28, 28, 5, 5), 64)     # output larger than lowered
+
+
 def test_type1_lowered_matrix_layout():
     # Row (c, i, j), column (n, oh, ow): the (C*KH*KW) x (N*OH*OW) patch matrix.
     geom = ConvGeometry(2, 1, 4, 5, 2, 3, stride_w=2, pad_h=1)
