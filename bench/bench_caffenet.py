@@ -13,7 +13,6 @@ framework runs in a fresh subprocess, so its peak RSS (VmHWM) is its own.
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -92,19 +91,14 @@ def run_torch(args):
 
 def child(args, framework):
     """Run one framework in a fresh process; its result dict."""
-    command = [sys.executable, os.path.abspath(__file__), "--child", framework, "--batch", str(args.batch),
-               "--iterations", str(args.iterations), "--warmup", str(args.warmup)]
+    flags = ["--batch", args.batch, "--iterations", args.iterations, "--warmup", args.warmup]
     if args.tune:
-        command.append("--tune")
+        flags.append("--tune")
     if args.layers:
-        command += ["--layers", str(args.layers)]
+        flags += ["--layers", args.layers]
     if args.threads:
-        command += ["--threads", str(args.threads)]
-    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, cwd=common.REPO)
-    if done.returncode:
-        raise SystemExit(f"{framework} child failed ({done.returncode})")
-    line = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+        flags += ["--threads", args.threads]
+    return common.run_child(__file__, framework, flags)
 
 
 def main(argv=None):

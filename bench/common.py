@@ -4,9 +4,11 @@ benchmark nets with their data layers replaced by Input blobs filled once.
 
 Run the benchmarks from the repository root: `python bench/bench_caffenet.py`.
 """
+import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
 
@@ -164,3 +166,14 @@ def torch_available():
 def print_flush(*args):
     print(*args)
     sys.stdout.flush()
+
+
+def run_child(script, framework, flags):
+    """Run `script --child framework flags...` in a fresh process (so peak memory
+    is its own) and return the dict it printed on its last `RESULT {json}` line."""
+    command = [sys.executable, os.path.abspath(script), "--child", framework, *map(str, flags)]
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    if done.returncode:
+        raise SystemExit(f"{framework} child failed ({done.returncode})")
+    line = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
