@@ -223,7 +223,10 @@ class Convolution(_ConvolutionBase):
     group, weight_filler, bias_filler, axis (must be 1), force_nd_im2col (no
     effect: 2-d only). Params: weight (O, C/group, KH, KW), bias (O,).
     bottom[i] (N, C, H, W) -> top[i] (N, O, OH, OW),
-    OH = (H + 2*pad_h - (dilation_h*(KH-1)+1)) // stride_h + 1 (OW alike).
+    OH = (H + 2*pad_h - (dilation_h*(KH-1)+1)) / stride_h + 1 (OW alike), the
+    division truncating toward zero as in Caffe: a kernel may overrun the padded
+    input by less than the stride, the cells beyond it reading as zero (kernel
+    3, stride 2 on 2 x 2: a 1 x 1 output). OH and OW must be >= 1.
     """
 
     def _geometry(self, shape):
@@ -305,8 +308,9 @@ class Im2col(Layer):
 
     convolution_param: kernel_size | kernel_h+kernel_w, stride | stride_h+stride_w,
     pad | pad_h+pad_w, dilation, axis (must be 1), force_nd_im2col (no effect).
-    bottom (N, C, H, W) -> top (N, C*KH*KW, OH, OW) with OH, OW as Convolution;
-    channel index c*KH*KW + i*KW + j holds input pixel (oh*sh - ph + i*dh, ow*sw - pw + j*dw).
+    bottom (N, C, H, W) -> top (N, C*KH*KW, OH, OW) with OH, OW as Convolution
+    (truncating division included); channel index c*KH*KW + i*KW + j holds input
+    pixel (oh*sh - ph + i*dh, ow*sw - pw + j*dw), zero outside the image.
     """
     exact_bottoms = 1
     exact_tops = 1

@@ -258,7 +258,7 @@ def _cost_parts(geom, b, lowering_type, mc, s):
             pad = mc.fill(c * (frame - b * g.in_h * g.in_w), s) + mc.gather(c * b * g.in_h * g.in_w, b, s)
             unpad = mc.gather(c * b * g.in_h * g.in_w, b, s)
             transpose = mc.gather(o * m1, b, s)
-        elif not (g.pad_h or g.pad_w):
+        elif not g.has_border:
             pad = 0.0                                  # lowered straight from the input
         lower = pad + mc.gather(c * k2 * m1, row, s)
         parts["forward", "lower"] = lower

@@ -5,11 +5,23 @@ tests. Array conventions used throughout cct.lowering:
     w  (O, C/group, KH, KW)    kernel
     y  (N, O, OH, OW)          output batch
 
-with OH = (H + 2*pad_h - (dilation_h*(KH-1)+1)) // stride_h + 1 (OW alike).
+with OH = trunc((H + 2*pad_h - (dilation_h*(KH-1)+1)) / stride_h) + 1 (OW alike):
+Caffe's C++ integer division, which truncates toward zero. So a window may
+overrun the padded input when the kernel extent exceeds it by less than the
+stride (kernel 3, stride 2 on a 2 x 2 input: one 1 x 1 output), and Caffe's
+im2col reads every cell outside the image as zero. The lowerings do the same
+by padding the bottom and right further by the overrun (`overrun_h`,
+`overrun_w`): `padded_h` and `padded_w` include it, and the data gradient is
+cropped back to H x W as for any padding.
 """
 from dataclasses import dataclass
 
 import numpy as np
+
+
+def _truncating_div(a, b):
+    """a / b rounded toward zero, as C++ integer division (b > 0)."""
+    return a // b if a >= 0 else -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -49,19 +61,35 @@ class ConvGeometry:
 
     @property
     def out_h(self):
-        return (self.in_h + 2 * self.pad_h - self.extent_h) // self.stride_h + 1
+        return _truncating_div(self.in_h + 2 * self.pad_h - self.extent_h, self.stride_h) + 1
 
     @property
     def out_w(self):
-        return (self.in_w + 2 * self.pad_w - self.extent_w) // self.stride_w + 1
+        return _truncating_div(self.in_w + 2 * self.pad_w - self.extent_w, self.stride_w) + 1
+
+    # Rows (columns) the last window reads past the padded input: nonzero only when
+    # the kernel extent exceeds the padded input (by less than the stride).
+    @property
+    def overrun_h(self):
+        return max(0, self.stride_h * (self.out_h - 1) + self.extent_h - self.in_h - 2 * self.pad_h)
 
     @property
+    def overrun_w(self):
+        return max(0, self.stride_w * (self.out_w - 1) + self.extent_w - self.in_w - 2 * self.pad_w)
+
+    # The zero-bordered frame the lowerings read: pad on both sides, plus the overrun.
+    @property
     def padded_h(self):
-        return self.in_h + 2 * self.pad_h
+        return self.in_h + 2 * self.pad_h + self.overrun_h
 
     @property
     def padded_w(self):
-        return self.in_w + 2 * self.pad_w
+        return self.in_w + 2 * self.pad_w + self.overrun_w
+
+    @property
+    def has_border(self):
+        """Whether the frame the windows read is larger than the input."""
+        return self.padded_h != self.in_h or self.padded_w != self.in_w
 
     @property
     def channels_per_group(self):
@@ -93,7 +121,8 @@ class ConvGeometry:
 
 
 def pad_channels_first(x, geom, out=None):
-    """x (N, C, H, W) -> padded, channels-first (C, N, H + 2*pad_h, W + 2*pad_w).
+    """x (N, C, H, W) -> padded, channels-first (C, N, Hp, Wp), Hp = geom.padded_h
+    (H + 2*pad_h + overrun_h; Wp alike).
 
     Every lowering starts here: with channels outermost, the per-group matrices
     are plain reshapes and the copies in the lowerings walk memory in order.
@@ -102,14 +131,12 @@ def pad_channels_first(x, geom, out=None):
     shape = (geom.channels, n, geom.padded_h, geom.padded_w)
     if out is None:
         out = np.empty(shape, x.dtype)
-    ph, pw = geom.pad_h, geom.pad_w
-    if ph:
-        out[:, :, :ph] = 0
-        out[:, :, ph + geom.in_h:] = 0
-    if pw:
-        out[:, :, ph:ph + geom.in_h, :pw] = 0
-        out[:, :, ph:ph + geom.in_h, pw + geom.in_w:] = 0
-    out[:, :, ph:ph + geom.in_h, pw:pw + geom.in_w] = x.transpose(1, 0, 2, 3)
+    ph, pw, h, w = geom.pad_h, geom.pad_w, geom.in_h, geom.in_w
+    out[:, :, :ph] = 0                        # each border is empty when there is none
+    out[:, :, ph + h:] = 0
+    out[:, :, ph:ph + h, :pw] = 0
+    out[:, :, ph:ph + h, pw + w:] = 0
+    out[:, :, ph:ph + h, pw:pw + w] = x.transpose(1, 0, 2, 3)
     return out
 
 

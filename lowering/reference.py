@@ -9,7 +9,9 @@ import numpy as np
 
 
 def _padded(x, geom):
-    return np.pad(x, ((0, 0), (0, 0), (geom.pad_h, geom.pad_h), (geom.pad_w, geom.pad_w)))
+    # Bottom/right also by the last window's overrun: Caffe reads those cells as zero.
+    return np.pad(x, ((0, 0), (0, 0), (geom.pad_h, geom.pad_h + geom.overrun_h),
+                      (geom.pad_w, geom.pad_w + geom.overrun_w)))
 
 
 def _offsets(geom):

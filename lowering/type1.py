@@ -21,6 +21,9 @@ col2im: 6.6 ms -> 1.4 ms at batch 64). The price is that the input, output and
 gradients are transposed to and from batch-innermost, four activation-sized
 copies instead of the KH*KW-times-larger strided ones they speed up.
 
+Hp, Wp: the padded frame, geom.padded_h x geom.padded_w (padding plus any
+overrun of the last window, see cct.lowering.geometry).
+
 Workspace slots (see cct.lowering.workspace): "padded" (C, N, Hp, Wp) or
 (C, Hp, Wp, N), "lowered" D1, "product" Y, "output" dY channels first.
 """
@@ -34,7 +37,7 @@ from .workspace import FRESH
 def lower(x, geom, out=None, ws=FRESH):
     """im2col of a whole batch: x (N, C, H, W) -> (C*KH*KW, N*OH*OW)."""
     n = x.shape[0]
-    if geom.pad_h or geom.pad_w:
+    if geom.has_border:
         xp = pad_channels_first(x, geom, out=ws.empty("padded", (geom.channels, n, geom.padded_h, geom.padded_w),
                                                        x.dtype))
     else:
@@ -74,12 +77,10 @@ def pad_batch_inner(x, geom, out):
     """x (N, C, H, W) -> padded, batch innermost (C, Hp, Wp, N); `out` may hold
     garbage: only its border is zeroed."""
     ph, pw, h, w = geom.pad_h, geom.pad_w, geom.in_h, geom.in_w
-    if ph:
-        out[:, :ph] = 0
-        out[:, ph + h:] = 0
-    if pw:
-        out[:, ph:ph + h, :pw] = 0
-        out[:, ph:ph + h, pw + w:] = 0
+    out[:, :ph] = 0                           # each border is empty when there is none
+    out[:, ph + h:] = 0
+    out[:, ph:ph + h, :pw] = 0
+    out[:, ph:ph + h, pw + w:] = 0
     out[:, ph:ph + h, pw:pw + w] = x.transpose(1, 2, 3, 0)
     return out
 

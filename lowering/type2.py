@@ -1,6 +1,7 @@
 """Lowering type 2: balanced; lower along the width only, lift along the height.
 
-Shapes per group g (Cg = C/group, Og = O/group, M2 = N*Hp*OW, Hp = H + 2*pad_h):
+Shapes per group g (Cg = C/group, Og = O/group, M2 = N*Hp*OW, Hp = H + 2*pad_h
++ overrun_h, see cct.lowering.geometry):
 
     lowered data   D2  (Cg*KW, M2)          D2[(c,j), (n,hp,ow)] = xpad[n, c, hp, ow*sw + j*dw]
     kernel matrix  K2  (Og*KH, Cg*KW)       K2[(o,i), (c,j)] = w[o, c, i, j]

@@ -1,6 +1,7 @@
 """Lowering type 3: cheap lowering, expensive lifting.
 
-Shapes per group g (Cg = C/group, Og = O/group, M3 = N*Hp*Wp, padded input):
+Shapes per group g (Cg = C/group, Og = O/group, M3 = N*Hp*Wp, the padded
+input frame geom.padded_h x geom.padded_w, see cct.lowering.geometry):
 
     lowered data   D3  (Cg, M3)              the padded input, channels first (no duplication)
     kernel matrix  K3  (Og*KH*KW, Cg)        K3[(o,i,j), c] = w[o, c, i, j]

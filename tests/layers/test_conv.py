@@ -34,14 +34,18 @@ def run_forward(prototxt, *xs):
 
 
 # --- naive references ---------------------------------------------------------------
+def caffe_size(size, kernel, stride, pad, dilation):
+    """Caffe's output size: C++ int division, which truncates toward zero."""
+    return int((size + 2 * pad - (dilation * (kernel - 1) + 1)) / stride) + 1
+
+
 def naive_conv(x, w, b, stride, pad, dilation, group):
     """Per output pixel: gather the window by explicit index arithmetic and sum."""
     n_, c_, h_, w_ = x.shape
     o_, cg, kh, kw = w.shape
     og = o_ // group
     (sh, sw), (ph, pw), (dh, dw) = stride, pad, dilation
-    oh_ = (h_ + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1
-    ow_ = (w_ + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1
+    oh_, ow_ = caffe_size(h_, kh, sh, ph, dh), caffe_size(w_, kw, sw, pw, dw)
     y = np.zeros((n_, o_, oh_, ow_))
     for o in range(o_):
         g = o // og
@@ -82,8 +86,7 @@ def naive_im2col(x, kernel, stride, pad, dilation):
     """Caffe's im2col of each image: row c*KH*KW + i*KW + j, column oh*OW + ow."""
     n_, c_, h_, w_ = x.shape
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = kernel, stride, pad, dilation
-    oh_ = (h_ + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1
-    ow_ = (w_ + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1
+    oh_, ow_ = caffe_size(h_, kh, sh, ph, dh), caffe_size(w_, kw, sw, pw, dw)
     out = np.zeros((n_, c_ * kh * kw, oh_, ow_))
     for c in range(c_):
         for i in range(kh):
@@ -108,7 +111,17 @@ CONV_CASES = [
 ]
 
 
-@pytest.mark.parametrize("fields,shape,stride,pad,dilation,group", CONV_CASES)
+# Kernels that overrun the padded input by less than the stride: Caffe's truncating
+# division still gives an output, the cells past the input read as zero.
+OVERRUN_CASES = [
+    (dict(num_output=3, kernel_size=3, stride=2), (2, 2, 2, 2), (2, 2), (0, 0), (1, 1), 1),
+    (dict(num_output=4, kernel_h=4, kernel_w=3, stride_h=3, stride_w=2, pad_w=1, group=2),
+     (2, 4, 3, 7), (3, 2), (0, 1), (1, 1), 2),
+    (dict(num_output=2, kernel_size=3, dilation=2, stride=3, pad=1), (1, 3, 2, 4), (3, 3), (1, 1), (2, 2), 1),
+]
+
+
+@pytest.mark.parametrize("fields,shape,stride,pad,dilation,group", CONV_CASES + OVERRUN_CASES)
 def test_convolution_forward_matches_naive(lowering_type, fields, shape, stride, pad, dilation, group):
     x = RNG.standard_normal(shape)
     layer, _, tops = run_forward(conv_text(**fields), x)
@@ -134,6 +147,8 @@ def test_deconvolution_forward_matches_naive(lowering_type, fields, shape, strid
     (dict(kernel_size=3), (3, 3), (1, 1), (0, 0), (1, 1)),
     (dict(kernel_h=2, kernel_w=3, stride_h=2, stride_w=1, pad_h=1, pad_w=2), (2, 3), (2, 1), (1, 2), (1, 1)),
     (dict(kernel_size=2, dilation=2, pad=1, stride=2), (2, 2), (2, 2), (1, 1), (2, 2)),
+    (dict(kernel_h=6, kernel_w=4, stride_h=3, stride_w=2), (6, 4), (3, 2), (0, 0), (1, 1)),
+    (dict(kernel_size=3, dilation=3, stride=4), (3, 3), (4, 4), (0, 0), (3, 3)),
 ])
 def test_im2col_forward_matches_naive(fields, kernel, stride, pad, dilation):
     x = RNG.standard_normal((2, 3, 5, 6))
@@ -148,6 +163,9 @@ def test_im2col_forward_matches_naive(fields, kernel, stride, pad, dilation):
     (dict(num_output=4, kernel_size=3, pad=1, stride=2, group=2), (2, 4, 6, 5)),
     (dict(num_output=2, kernel_h=2, kernel_w=3, pad_h=1, stride_h=1, stride_w=2, dilation=2), (1, 3, 6, 7)),
     (dict(num_output=4, kernel_size=1, bias_term=False), (2, 3, 3, 4)),
+    (dict(num_output=3, kernel_size=3, stride=2), (2, 2, 2, 2)),                       # overruns both axes
+    (dict(num_output=4, kernel_h=4, kernel_w=2, stride_h=3, stride_w=2, pad_w=1, group=2), (2, 4, 3, 4)),
+    (dict(num_output=2, kernel_size=3, dilation=2, stride=3, pad=1), (1, 2, 2, 3)),
 ])
 def test_convolution_gradient(lowering_type, fields, shape):
     check_layer_gradient(make_layer(conv_text(**fields)), [RNG.standard_normal(shape)])
@@ -166,9 +184,44 @@ def test_convolution_two_bottoms_share_weights(lowering_type):
                          [RNG.standard_normal((2, 2, 4, 4)), RNG.standard_normal((2, 2, 4, 4))], num_tops=2)
 
 
-def test_im2col_gradient():
-    check_layer_gradient(make_layer('type: "Im2col" convolution_param { kernel_size: 3 pad: 1 stride: 2 }'),
-                         [RNG.standard_normal((2, 2, 5, 4))])
+@pytest.mark.parametrize("param,shape", [
+    ("kernel_size: 3 pad: 1 stride: 2", (2, 2, 5, 4)),
+    ("kernel_h: 4 kernel_w: 3 stride_h: 3 stride_w: 2", (2, 2, 3, 2)),           # overruns both axes
+])
+def test_im2col_gradient(param, shape):
+    check_layer_gradient(make_layer(f'type: "Im2col" convolution_param {{ {param} }}'),
+                         [RNG.standard_normal(shape)])
+
+
+def test_kernel_3_stride_2_on_2x2_input(lowering_type):
+    """Caffe: (2 + 0 - 3) / 2 + 1 = 1 (C++ division truncates -1/2 to 0); the one
+    window covers the 4 pixels and 5 zeros past the image."""
+    layer = make_layer(conv_text(num_output=2, kernel_size=3, stride=2))
+    x = np.array([[[[1.0, 2.0], [3.0, 4.0]]]])
+    bottoms, tops = setup_layer(layer, [x])
+    assert tops[0].shape == (1, 2, 1, 1)
+    layer.blobs[0].data[...] = np.arange(1.0, 19.0).reshape(2, 1, 3, 3)   # [[1 2 3] [4 5 6] [7 8 9]], then +9
+    layer.blobs[1].data[...] = [0.5, -1.0]
+    layer.forward(bottoms, tops)
+    # 1*1 + 2*2 + 3*4 + 4*5 = 37 (+0.5); 1*10 + 2*11 + 3*13 + 4*14 = 127 (-1)
+    np.testing.assert_allclose(tops[0].data.ravel(), [37.5, 126.0])
+    tops[0].diff[...] = np.array([1.0, 2.0]).reshape(1, 2, 1, 1)
+    for blob in layer.blobs:
+        blob.diff[...] = 0
+    layer.backward(tops, [True], bottoms)
+    # dx[h, v] = sum_o dy[o] * w[o, 0, h, v]: [1+20, 2+22], [4+26, 5+28]
+    np.testing.assert_allclose(bottoms[0].diff, [[[[21.0, 24.0], [30.0, 33.0]]]])
+    dw = np.zeros((2, 1, 3, 3))
+    dw[:, 0, :2, :2] = np.array([1.0, 2.0]).reshape(2, 1, 1) * x[0, 0]
+    np.testing.assert_allclose(layer.blobs[0].diff, dw)
+    np.testing.assert_allclose(layer.blobs[1].diff, [1.0, 2.0])
+
+
+def test_im2col_kernel_3_stride_2_on_2x2_input():
+    x = np.array([[[[1.0, 2.0], [3.0, 4.0]]]])
+    _, _, tops = run_forward('type: "Im2col" convolution_param { kernel_size: 3 stride: 2 }', x)
+    assert tops[0].shape == (1, 9, 1, 1)
+    np.testing.assert_array_equal(tops[0].data.ravel(), [1, 2, 0, 3, 4, 0, 0, 0, 0])
 
 
 # --- contract ----------------------------------------------------------------------------
@@ -248,6 +301,11 @@ def test_bad_environment_and_shapes(monkeypatch):
     monkeypatch.delenv("CCT_LOWERING")
     with pytest.raises(ShapeError, match="does not fit"):
         setup_layer(make_layer(conv_text(num_output=2, kernel_size=5)), [np.zeros((1, 2, 3, 3))])
+    with pytest.raises(ShapeError, match="does not fit"):        # (2 - 5) / 2 truncates to -1: 0 outputs
+        setup_layer(make_layer(conv_text(num_output=2, kernel_size=5, stride=2)), [np.zeros((1, 2, 2, 2))])
+    with pytest.raises(ShapeError, match="does not fit"):
+        setup_layer(make_layer('type: "Im2col" convolution_param { kernel_size: 5 stride: 2 }'),
+                    [np.zeros((1, 2, 2, 2))])
     with pytest.raises(ConfigError, match="axis"):
         setup_layer(make_layer(conv_text(num_output=2, kernel_size=1)), [np.zeros((1, 2, 3))])
 

@@ -197,6 +197,114 @@ def test_type1_lowered_matrix_layout():
         assert cols[row, col] == xp[n, c, oh + i, ow * 2 + j]
 
 
+# --- kernels that overrun the padded input (Caffe's truncating output size) ---------------
+def overrun_grid():
+    """Geometries whose last window reads past the padded input on at least one axis:
+    Caffe truncates (in + 2*pad - extent) / stride toward zero, so an extent larger
+    than the padded input by less than the stride still gives one output."""
+    for (c, o, group), (h, w), (kh, kw), (sh, sw), (ph, pw), (dh, dw) in itertools.product(
+            [(2, 4, 1), (4, 2, 2)], [(2, 2), (3, 4), (5, 2)], [(3, 3), (4, 2), (2, 5)],
+            [(2, 2), (3, 2), (4, 3)], [(0, 0), (1, 0)], [(1, 1), (2, 1)]):
+        try:
+            geom = ConvGeometry(c, o, h, w, kh, kw, sh, sw, ph, pw, dh, dw, group)
+        except ValueError:
+            continue
+        if geom.overrun_h or geom.overrun_w:
+            yield geom
+
+
+OVERRUN = list(overrun_grid())
+OVERRUN_IDS = [f"c{g.channels}o{g.num_output}i{g.in_h}x{g.in_w}k{g.kernel_h}x{g.kernel_w}"
+               f"s{g.stride_h}x{g.stride_w}p{g.pad_h}x{g.pad_w}d{g.dilation_h}x{g.dilation_w}" for g in OVERRUN]
+
+
+def test_overrun_grid_is_not_empty():
+    assert len(OVERRUN) > 20
+    assert any(g.overrun_h and g.overrun_w for g in OVERRUN)
+    assert any(g.group == 2 for g in OVERRUN) and any(g.pad_h for g in OVERRUN)
+
+
+@pytest.mark.parametrize("geom", OVERRUN[::4], ids=OVERRUN_IDS[::4])
+def test_overrun_reference_matches_loops(geom):
+    # The loops read every cell outside the image as zero, as Caffe's im2col does.
+    x, w, dy = arrays(geom)
+    np.testing.assert_allclose(reference.forward(x, w, geom), naive_conv(x, w, geom), rtol=1e-12, atol=1e-12)
+    value = np.vdot(reference.forward(x, w, geom), dy)
+    assert np.isclose(np.vdot(x, reference.backward_data(dy, w, geom)), value, rtol=1e-12)
+    assert np.isclose(np.vdot(w, reference.backward_weights(x, dy, geom)), value, rtol=1e-12)
+
+
+@pytest.mark.parametrize("geom", OVERRUN, ids=OVERRUN_IDS)
+def test_overrun_lowerings_match_reference(geom):
+    x, w, dy = arrays(geom)
+    expected = (reference.forward(x, w, geom), reference.backward_data(dy, w, geom),
+                reference.backward_weights(x, dy, geom))
+    for kind in TYPES:
+        got = (conv_forward(x, w, geom, kind), conv_backward_data(dy, w, geom, kind),
+               conv_backward_weights(x, dy, geom, kind))
+        for name, ours, want in zip(("forward", "backward_data", "backward_weights"), got, expected):
+            np.testing.assert_allclose(ours, want, rtol=1e-10, atol=1e-10, err_msg=f"type {kind} {name}")
+
+
+@pytest.mark.parametrize("width", [0, 10 ** 6])
+def test_overrun_type1_both_column_orders(width, monkeypatch):
+    monkeypatch.setattr(type1, "BATCH_INNER_WIDTH", width)
+    geom = ConvGeometry(4, 1, 3, 2, 4, 3, 2, 2, 0, 0)            # 1 x 1 output, both axes overrun by 1
+    assert (geom.out_h, geom.out_w, geom.overrun_h, geom.overrun_w) == (1, 1, 1, 1)
+    x, w, dy = arrays(geom, batch=4)
+    assert type1.batch_inner(geom, 4) == bool(width)
+    np.testing.assert_allclose(conv_forward(x, w, geom, 1), naive_conv(x, w, geom), atol=1e-10)
+    dx, dw = conv_backward(x, dy, w, geom, 1)
+    np.testing.assert_allclose(dx, reference.backward_data(dy, w, geom), atol=1e-10)
+    np.testing.assert_allclose(dw, reference.backward_weights(x, dy, geom), atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_kernel_3_stride_2_on_2x2_input_by_hand(kind):
+    # Caffe: (2 - 3) / 2 + 1 = 0 + 1 = 1 output; the window covers the 4 pixels and 5 zeros.
+    geom = ConvGeometry(1, 1, 2, 2, 3, 3, stride_h=2, stride_w=2)
+    assert (geom.out_h, geom.out_w) == (1, 1)
+    x = np.array([[[[1.0, 2.0], [3.0, 4.0]]]])
+    w = np.arange(1.0, 10.0).reshape(1, 1, 3, 3)                # [[1 2 3] [4 5 6] [7 8 9]]
+    y = conv_forward(x, w, geom, kind)
+    np.testing.assert_array_equal(y, [[[[1 * 1 + 2 * 2 + 3 * 4 + 4 * 5]]]])          # 37
+    dy = np.array([[[[2.0]]]])
+    np.testing.assert_array_equal(conv_backward_data(dy, w, geom, kind), [[[[2.0, 4.0], [8.0, 10.0]]]])
+    np.testing.assert_array_equal(conv_backward_weights(x, dy, geom, kind),
+                                  [[[[2.0, 4.0, 0.0], [6.0, 8.0, 0.0], [0.0, 0.0, 0.0]]]])
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_overrun_with_chunks_and_out_buffers(kind):
+    geom = ConvGeometry(2, 3, 3, 5, 4, 2, stride_h=2, stride_w=3, pad_w=1)
+    assert geom.overrun_h == 1
+    x, w, dy = arrays(geom, batch=3)
+    y, dx = np.full(geom.output_shape(3), np.nan), np.full(x.shape, np.nan)
+    conv_forward(x, w, geom, kind, out=y, chunk=2)
+    conv_backward(x, dy, w, geom, kind, weights=False, chunk=2, dx_out=dx)
+    np.testing.assert_allclose(y, naive_conv(x, w, geom), atol=1e-10)
+    np.testing.assert_allclose(dx, reference.backward_data(dy, w, geom), atol=1e-10)
+    np.testing.assert_allclose(conv_backward_weights(x, dy, geom, kind, chunk=1),
+                               reference.backward_weights(x, dy, geom), atol=1e-10)
+
+
+def test_output_size_truncates_toward_zero():
+    cases = [  # (in, kernel, stride, pad, dilation) -> Caffe's size, (in + 2*pad - extent) / stride + 1 in C++
+        ((2, 3, 2, 0, 1), 1), ((3, 4, 2, 0, 1), 1), ((2, 2, 3, 0, 2), 1), ((1, 3, 3, 0, 1), 1),
+        ((1, 3, 3, 1, 2), 1), ((7, 3, 2, 0, 1), 3), ((8, 3, 2, 0, 1), 3), ((5, 5, 4, 0, 1), 1)]
+    for (size, kernel, stride, pad, dilation), expected in cases:
+        geom = ConvGeometry(1, 1, size, 4, kernel, 1, stride, 1, pad, 0, dilation, 1)
+        assert geom.out_h == expected, (size, kernel, stride, pad, dilation)
+        extent = dilation * (kernel - 1) + 1
+        assert geom.overrun_h == max(0, extent - size - 2 * pad)
+        assert geom.padded_h == size + 2 * pad + geom.overrun_h
+    plain = ConvGeometry(1, 1, 6, 6, 3, 3, 2, 2, 1, 1)
+    assert (plain.overrun_h, plain.padded_h, plain.out_h) == (0, 8, 3)      # unused last row: no overrun
+    for size, kernel, stride in [(2, 5, 2), (3, 5, 1), (1, 4, 3)]:          # trunc(-3/2), -2, -3/3: size <= 0
+        with pytest.raises(ValueError, match="output"):
+            ConvGeometry(1, 1, size, size, kernel, kernel, stride, stride)
+
+
 def test_geometry_output_size_and_errors():
     geom = ConvGeometry(3, 4, 27, 27, 5, 5, stride_h=2, stride_w=2, pad_h=2, pad_w=2, dilation_h=2, dilation_w=2)
     assert (geom.out_h, geom.out_w) == ((27 + 4 - 9) // 2 + 1,) * 2
