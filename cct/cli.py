@@ -324,7 +324,7 @@ def profile_table(net, forward_ms, backward_ms, peak):
     counts), the share of the GEMM peak (forward and backward together), the
     lowering type of convolutions and the batch partitions; then the net's total."""
     from . import profile
-    flops = profile.net_flops(net)
+    flops = profile.net_flops(net, every_backward=True)
 
     def rate(count, ms):
         return count / ms / 1e6 if count and ms > 0 else None

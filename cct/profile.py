@@ -58,14 +58,15 @@ def layer_flops(layer, bottoms, tops, bottom_needs_backward=None):
     return 0, 0
 
 
-def net_flops(net):
+def net_flops(net, every_backward=False):
     """[(forward, backward)] per layer of a built net, at its current shapes;
-    backward counts 0 for a layer the net runs no backward for."""
+    backward counts 0 for a layer the net runs no backward for, unless
+    `every_backward` (`cct time` runs every layer's backward, as Caffe's does)."""
     counts = []
     for i, layer in enumerate(net.layers):
         forward, backward = layer_flops(layer, net.bottom_vecs[i], net.top_vecs[i],
                                         net.bottom_need_backward[i])
-        counts.append((forward, backward if net.layer_need_backward[i] else 0))
+        counts.append((forward, backward if every_backward or net.layer_need_backward[i] else 0))
     return counts
 
 
