@@ -24,5 +24,11 @@ def set_mode_cpu():
     """cct runs on the CPU unless a layer is given an OpenCL device."""
 
 
+def set_mode_gpu():
+    """pycaffe scripts call this; cct has no CUDA backend, so it says so and runs on the CPU."""
+    import warnings
+    warnings.warn("cct.set_mode_gpu(): cct has no CUDA backend; computing on the CPU", stacklevel=2)
+
+
 def set_device(device_id):
     """Kept for pycaffe scripts; device selection happens per run configuration."""

@@ -271,3 +271,8 @@ def test_timer():
     assert timer.running
     timer.milliseconds()                             # reading a running timer stops it
     assert not timer.running
+
+
+def test_set_mode_gpu_warns_and_stays_on_the_cpu():
+    with pytest.warns(UserWarning, match="no CUDA backend"):
+        cct.set_mode_gpu()
