@@ -2,13 +2,15 @@
 measured in the same run, peak memory; and PyTorch on the same net when it is
 importable (it is not a cct dependency).
 
-    python bench/bench_caffenet.py [--batch 256] [--iterations 5] [--tune] [--no-torch]
+    python bench/bench_caffenet.py [--batch 256] [--iterations 5] [--tune] [--no-torch] [--share-diffs]
 
 One iteration is cct.SGDSolver.step(1): forward, backward and the SGD update
 (momentum 0.9, weight decay 5e-4), on models/bvlc_reference_caffenet/
 train_synthetic.prototxt with its DummyData replaced by Input blobs filled once
 (gaussian images, random labels), so the random fill is not timed. Each
 framework runs in a fresh subprocess, so its peak RSS (VmHWM) is its own.
+--share-diffs runs cct with CCT_SHARE_DIFFS=1 (cct.memory: blobs whose
+gradients are never live together share one diff buffer).
 """
 import argparse
 import json
@@ -21,11 +23,12 @@ import common  # noqa: E402
 
 def run_cct(args):
     import cct  # noqa: F401
-    from cct import profile
+    from cct import memory, profile
     param, inputs = common.net_param_with_inputs(common.CAFFENET, args.batch)
     solver = common.sgd_solver(param)
     net = solver.net
     common.fill_inputs(net, inputs)
+    shared = memory.summary(net)
     plan = None
     if args.tune:
         plan = net.executor.tune()
@@ -40,7 +43,8 @@ def run_cct(args):
     return {"framework": "cct", "batch": args.batch, "seconds": median, "times": times, "layers": layers,
             "images_per_s": args.batch / median, "gflops": flops / median / 1e9,
             "gflop_per_image": flops / args.batch / 1e9, "plan": plan,
-            "peak_rss_mb": common.peak_rss_mb()}
+            "peak_rss_mb": common.peak_rss_mb(),
+            "share_diffs": None if shared is None else [str(shared), len(shared.arenas)]}
 
 
 def torch_caffenet(torch, classes=1000):
@@ -98,7 +102,17 @@ def child(args, framework):
         flags += ["--layers", args.layers]
     if args.threads:
         flags += ["--threads", args.threads]
-    return common.run_child(__file__, framework, flags)
+    if not (framework == "cct" and args.share_diffs):
+        return common.run_child(__file__, framework, flags)
+    before = os.environ.get("CCT_SHARE_DIFFS")
+    os.environ["CCT_SHARE_DIFFS"] = "1"              # the child's solver shares its train net's diffs
+    try:
+        return common.run_child(__file__, framework, flags)
+    finally:
+        if before is None:
+            del os.environ["CCT_SHARE_DIFFS"]
+        else:
+            os.environ["CCT_SHARE_DIFFS"] = before
 
 
 def main(argv=None):
@@ -110,6 +124,8 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=0,
                         help="then time each layer over this many passes and print the breakdown")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
+    parser.add_argument("--share-diffs", action="store_true",
+                        help="cct shares diff buffers between blobs never live together (CCT_SHARE_DIFFS=1)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     parser.add_argument("--child", choices=("cct", "torch"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -135,6 +151,8 @@ def main(argv=None):
       f"(times {', '.join(f'{t:.2f}' for t in r['times'])} s), {r['images_per_s']:.1f} images/s, "
       f"{r['gflop_per_image']:.2f} GFLOP/image, {r['gflops']:.1f} GFLOP/s = "
       f"{100 * r['gflops'] / peak:.0f}% of the GEMM peak; peak RSS {r['peak_rss_mb'] / 1024:.2f} GiB")
+    if r["share_diffs"]:
+        p(f"shared diffs: {r['share_diffs'][0]}")
     if r["layers"]:
         total = sum(f + b for _, _, f, b, _, _, _ in r["layers"])
         p(f"  {'layer':8s} {'type':16s} {'fwd ms':>9s} {'bwd ms':>9s} {'share':>6s} {'GFLOP/s':>8s} {'p':>2s}")

@@ -3,7 +3,8 @@ out of caffe.proto). A JSON file, named by the environment variable CCT_CONFIG
 or loaded with `cct.config.load(path)`:
 
     {"layers":  {"conv1": {"lowering": 3, "partitions": 2}},
-     "default": {"lowering": "auto", "measure": false}}
+     "default": {"lowering": "auto", "measure": false},
+     "share_diffs": false}
 
 Keys, per layer (under "layers", by layer name) or for every layer ("default"):
 
@@ -14,6 +15,11 @@ Keys, per layer (under "layers", by layer name) or for every layer ("default"):
                         are lowered in chunks (cct.lowering.workspace)
     partitions          batch partitions (cct.executor); as a default it
                         applies only to the layers that can be partitioned
+
+Top-level "share_diffs" (default false): true lets the solver's train net keep
+the diffs of blobs whose gradients are never live together in shared buffers
+(cct.memory); the environment variable CCT_SHARE_DIFFS (1 or 0), when set,
+decides instead. Activation diffs then do not keep their values after backward.
 
 Unknown keys and bad values are errors naming the file and the key. Layers a
 net does not have are ignored (a train and a test net share one file).
@@ -27,7 +33,8 @@ import os
 from .errors import ConfigError
 
 CONFIG_ENV = "CCT_CONFIG"
-TOP_KEYS = ("layers", "default")
+SHARE_DIFFS_ENV = "CCT_SHARE_DIFFS"
+TOP_KEYS = ("layers", "default", "share_diffs")
 LOWERING_TYPES = ("Convolution", "Deconvolution")
 KEYS = ("lowering", "measure", "lowering_budget_mb", "partitions")
 
@@ -75,6 +82,10 @@ class RunConfig:
         self.layers = {name: _check_settings(self.source, f"layers.{name}", settings)
                        for name, settings in layers.items()}
         self.default = _check_settings(self.source, "default", contents.get("default", {}))
+        self.share_diffs = contents.get("share_diffs", False)
+        if not isinstance(self.share_diffs, bool):
+            raise ConfigError(f"{self.source}: share_diffs: must be true or false, "
+                              f"got {json.dumps(self.share_diffs)}")
 
     def layer_value(self, layer_name, key):
         """The layer's own setting, or None."""
@@ -131,6 +142,21 @@ def active():
     if _from_env[0] != path:
         _from_env = (path, read(path))
     return _from_env[1]
+
+
+def share_diffs_enabled(config=None):
+    """Whether the solver shares its train net's diffs (cct.memory):
+    CCT_SHARE_DIFFS when set (1/true/yes/on or 0/false/no/off), else the
+    configuration's "share_diffs"."""
+    given = os.environ.get(SHARE_DIFFS_ENV, "").strip()
+    if given:
+        if given.lower() in ("1", "true", "yes", "on"):
+            return True
+        if given.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{SHARE_DIFFS_ENV}: must be 1 or 0, got {given!r}")
+    config = config or active()
+    return bool(config is not None and config.share_diffs)
 
 
 def apply(net, config=None):

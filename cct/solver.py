@@ -23,6 +23,8 @@ import time
 
 import numpy as np
 
+from . import config as run_config
+from . import memory
 from .errors import ConfigError, WeightsError
 from .layer import TEST, TRAIN
 from .lr_policy import check_policy, learning_rate
@@ -108,6 +110,9 @@ class Solver:
         if param.random_seed >= 0:
             set_random_seed(param.random_seed)
         self.net = self._init_train_net()
+        if run_config.share_diffs_enabled():
+            # opt-in: activation diffs then hold no meaning after backward
+            log.info("Sharing the train net's diffs: %s", memory.share_diffs(self.net))
         self.test_nets = self._init_test_nets()
         for net in [self.net] + self.test_nets:
             self._load_weights(net)
