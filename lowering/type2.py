@@ -96,17 +96,3 @@ def backward(x, dy, w, geom, data=True, weights=True, ws=FRESH, dx_out=None):
                              out=ws.empty("lowered", (geom.group, kernel.shape[2], dz.shape[2]), dy.dtype))
         dx = unlower(dlowered, geom, n, out=dx_out, ws=ws)
     return dx, dw
-
-
-def backward_data(dy, w, geom, out=None, ws=FRESH):
-    """dx (N, C, H, W) from dy (N, O, OH, OW)."""
-    return backward(None, dy, w, geom, data=True, weights=False, ws=ws, dx_out=out)[0]
-
-
-def backward_weights(x, dy, geom, out=None, ws=FRESH):
-    """dw (O, C/g, KH, KW) from x and dy (not accumulated)."""
-    dw = backward(x, dy, None, geom, data=False, weights=True, ws=ws)[1]
-    if out is None:
-        return dw
-    out[...] = dw
-    return out
