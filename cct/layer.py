@@ -48,11 +48,16 @@ def layer_type_list():
 
 def create_layer(layer_param, phase=TRAIN, source=None):
     _load_builtin_layers()
-    cls = LAYER_TYPES.get(layer_param.type)
-    if cls is None:
-        raise ConfigError(f"{layer_where(layer_param, source)}: unknown layer type "
+    check_layer_type(layer_param, source)
+    return LAYER_TYPES[layer_param.type](layer_param, phase, source)
+
+
+def check_layer_type(layer_param, source=None):
+    """An unknown type is an error that lists the known ones."""
+    _load_builtin_layers()
+    if layer_param.type not in LAYER_TYPES:
+        raise ConfigError(f"{layer_where(layer_param, source)}: type: unknown layer type "
                           f"{layer_param.type!r}; known types: {', '.join(sorted(LAYER_TYPES))}")
-    return cls(layer_param, phase, source)
 
 
 def _load_builtin_layers():

@@ -16,7 +16,7 @@ from . import weights as weights_io
 from .blob import Blob
 from .errors import ConfigError, ShapeError, WeightsError
 from .executor import Executor
-from .layer import TEST, TRAIN, create_layer
+from .layer import TEST, TRAIN, check_layer_type, create_layer
 from .net_passes import filter_net, insert_splits
 from .prototxt import read_net
 from .proto import caffe_pb2
@@ -43,6 +43,8 @@ class Net:
             raise ConfigError(f"Net(): phase must be cct.TRAIN or cct.TEST, got {phase!r}")
         self.source = network if not isinstance(network, caffe_pb2.NetParameter) else "<NetParameter>"
         param = upgrade_net(read_net(network), source=str(self.source))
+        for layer_param in param.layer:       # named before the passes, which see only blobs
+            check_layer_type(layer_param, str(self.source))
         state = caffe_pb2.NetState()
         state.CopyFrom(param.state)
         state.phase, state.level = phase, level

@@ -4,6 +4,7 @@ Parse errors carry the file, line and column; an unknown field is an error,
 as in Caffe (text_format rejects it), never skipped.
 """
 import os
+import re
 import tempfile
 
 from google.protobuf import text_format
@@ -17,8 +18,25 @@ def parse_text(text, message, source="<string>"):
     try:
         text_format.Parse(text, message)
     except text_format.ParseError as error:
-        raise ConfigError(f"{source}:{error}") from None
+        where = _enclosing_layer(text, error.GetLine(), error.GetColumn()) if error.GetLine() else ""
+        raise ConfigError(f"{source}:{error}{where}") from None
     return message
+
+
+_LAYER_OPEN = re.compile(r"^\s*layers?\s*\{", re.MULTILINE)
+_NAME = re.compile(r'\bname\s*:\s*"([^"]*)"')
+
+
+def _enclosing_layer(text, line, column):
+    """' (in layer 'conv1')' for the layer block that the 1-based line and column
+    fall in, when the text has `layer {` blocks; a hint for the reader, not a parse."""
+    offset = sum(len(row) + 1 for row in text.split("\n")[:line - 1]) + column
+    starts = [m.start() for m in _LAYER_OPEN.finditer(text, 0, offset)]
+    if not starts:
+        return ""
+    following = _LAYER_OPEN.search(text, offset)
+    name = _NAME.search(text, starts[-1], following.start() if following else len(text))
+    return f" (in layer '{name.group(1)}')" if name else ""
 
 
 def read_text(path, message):

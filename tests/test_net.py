@@ -186,7 +186,7 @@ def test_unknown_layer_type_lists_the_known_ones():
     with pytest.raises(ConfigError) as error:
         make_net(f'{input_layer()} layer {{ name: "odd" type: "Bogus" bottom: "data" top: "o" }}')
     message = str(error.value)
-    assert "layer 'odd' (Bogus): unknown layer type 'Bogus'" in message
+    assert "layer 'odd' (Bogus): type: unknown layer type 'Bogus'" in message
     assert all(known in message for known in ("BatchNorm", "Input", "LRN", "MVN", "Split"))
 
 
@@ -517,3 +517,17 @@ def test_hdf5_stores_shared_params_once_and_loads_them(tmp_path):
     other = cct.Net(SHARED, cct.TRAIN)
     other.copy_from(path)
     np.testing.assert_array_equal(other.params["ip2"][0].data, net.params["ip1"][0].data)
+
+
+def test_parse_error_names_file_line_and_layer(tmp_path):
+    path = tmp_path / "bad.prototxt"
+    path.write_text('name: "x"\nlayer { name: "data" type: "Input" top: "data" }\n'
+                    'layer {\n  name: "ip"\n  type: "InnerProduct"\n  bogus: 3\n}\n'
+                    'layer { name: "after" type: "ReLU" }\n')
+    with pytest.raises(cct.ConfigError, match=r"bad.prototxt:6:3 .*no field named \"bogus\".*\(in layer 'ip'\)"):
+        cct.Net(str(path), cct.TEST)
+
+
+def test_unknown_type_is_named_before_its_blobs(tmp_path):
+    with pytest.raises(cct.ConfigError, match=r"layer 'c' \(Convolutio\): type: unknown layer type"):
+        cct.Net('layer { name: "c" type: "Convolutio" bottom: "a" top: "c" }', cct.TEST)
