@@ -5,7 +5,6 @@ import re
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 from google.protobuf import text_format
@@ -13,22 +12,10 @@ from google.protobuf import text_format
 import cct
 from cct import cli
 from cct.proto import caffe_pb2
+from siblings import load_sibling
 
 
-def _load_helpers():
-    """tests/test_solver.py's nets and test-only layers (see its docstring)."""
-    path = str(Path(__file__).with_name("test_solver.py"))
-    for module in list(sys.modules.values()):
-        if getattr(module, "__file__", None) == path:
-            return module
-    spec = importlib.util.spec_from_file_location("cct_tests_test_solver", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-helpers = _load_helpers()
+helpers = load_sibling("test_solver")
 LOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d{6} \w+\] ")
 
 

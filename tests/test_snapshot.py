@@ -18,23 +18,9 @@ import cct
 from cct import solver as solver_module
 from cct.errors import ConfigError
 from cct.proto import caffe_pb2
+from siblings import load_sibling
 
-def _load_helpers():
-    """tests/test_solver.py's nets and test-only layers (see its docstring)."""
-    import importlib.util
-    from pathlib import Path
-    path = str(Path(__file__).with_name("test_solver.py"))
-    for module in list(sys.modules.values()):
-        if getattr(module, "__file__", None) == path:
-            return module
-    spec = importlib.util.spec_from_file_location("cct_tests_test_solver", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-helpers = _load_helpers()
+helpers = load_sibling("test_solver")
 SOLVER_CASES, make_solver, net_text = helpers.SOLVER_CASES, helpers.make_solver, helpers.net_text
 
 FORMATS = {"BINARYPROTO": (".caffemodel", ".solverstate"), "HDF5": (".caffemodel.h5", ".solverstate.h5")}

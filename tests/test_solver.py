@@ -7,13 +7,10 @@ are known in closed form), so these tests do not depend on the layer zoo:
     TestLinReg     bottoms x (N, D), t (N, M); params W (M, D), b (M,)
                    loss = sum((x W^T + b - t)^2) / (2 N)
     TestCycleData  tops x, t: the next batch of BATCHES[layer name] per forward
-Other test files load this one with load_sibling("test_solver") (pytest runs
-with --import-mode=importlib, so test files cannot import each other by name).
+Other test files load this one with siblings.load_sibling("test_solver").
 """
-import importlib.util
 import logging
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -86,18 +83,6 @@ for _name, _cls in (("TestLinReg", LinRegLayer), ("TestCycleData", CycleDataLaye
         register(_name)(_cls)
 BATCHES = LAYER_TYPES["TestCycleData"].BATCHES     # the registered class's, whichever copy that is
 
-
-def load_sibling(name):
-    """Another test file of this folder as a module (the one pytest loaded, if any)."""
-    path = str(Path(__file__).with_name(f"{name}.py"))
-    for module in list(sys.modules.values()):
-        if getattr(module, "__file__", None) == path:
-            return module
-    spec = importlib.util.spec_from_file_location(f"cct_tests_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 N, D, M = 4, 3, 2
 RNG = np.random.default_rng(7)
