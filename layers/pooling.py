@@ -1,11 +1,13 @@
 """Pooling family: Pooling (MAX, AVE, STOCHASTIC) and SPP.
 
 Windows are visited as KH*KW strided slices of a padded copy of the input
-(one numpy operation per kernel offset over the whole batch), never per pixel.
+(one numpy operation per kernel offset over a few images), never per pixel;
+MAX's backward, a scatter to each window's winner, is a compiled loop (cct.jit).
 """
 import numpy as np
 
 from cct.blob import Blob
+from cct.jit import kernel
 from cct.layer import TRAIN, Layer, register
 from cct.proto import caffe_pb2
 from cct.rng import get_rng
@@ -18,6 +20,21 @@ _FLT_MAX = float(np.finfo(np.float32).max)    # Caffe starts every max at -FLT_M
 # where the chunk's work arrays stay in the CPU cache (measured: 2-4 images of
 # CaffeNet's pool1 run 2x faster than the whole batch at once).
 CHUNK_ELEMENTS = 1 << 18
+
+
+@kernel
+def _max_backward(dy, winner, kernel_w, stride_h, stride_w, pad_h, pad_w, dx):
+    """dx (zeroed here) += each output's gradient at its window's winner."""
+    n, c, out_h, out_w = dy.shape
+    dx[...] = 0
+    for b in range(n):
+        for ch in range(c):
+            for oh in range(out_h):
+                for ow in range(out_w):
+                    k = winner[b, ch, oh, ow]
+                    if k >= 0:
+                        i, j = k // kernel_w, k % kernel_w
+                        dx[b, ch, oh * stride_h - pad_h + i, ow * stride_w - pad_w + j] += dy[b, ch, oh, ow]
 
 
 def pooled_size(size, kernel, stride, pad, ceil, padded):
@@ -176,9 +193,6 @@ class Pooling(Layer):
         """A work array for use inside this call (the thread's, Layer.work)."""
         return self.work("pooling_" + name, shape, dtype)
 
-    def _overlapping(self):
-        return self.stride[0] < self.kernel[0] or self.stride[1] < self.kernel[1]
-
     def _offsets(self):
         (ph, pw), (sh, sw) = self.out_hw, self.stride
         for i in range(self.kernel[0]):
@@ -190,9 +204,9 @@ class Pooling(Layer):
     def forward(self, bottom, top):
         x = bottom[0].data
         if self.pool == MAX:
-            _, self.winner, self.empty = self._max(x, top[0].data)
+            self.winner = self._max(x, top[0].data)
             if len(top) > 1:
-                top[1].data[...] = self._mask(self.winner, self.empty)
+                top[1].data[...] = self._mask(self.winner)
         elif self.pool == AVE:
             self._average(x, top[0].data)
         elif self.phase == TRAIN:
@@ -201,32 +215,30 @@ class Pooling(Layer):
             top[0].data[...] = self._stochastic_weighted(x)
 
     def _max(self, x, value):
-        """Fill `value` (N, C, PH, PW) with the window maxima; return (value, winner,
-        empty): where each maximum is (the flat index h*W + w for a whole-image
-        window, else the kernel offset i*KW + j of the first maximum in scan
-        order), and the windows with nothing above -FLT_MAX (None if none)."""
+        """Fill `value` (N, C, PH, PW) with the window maxima; return where each
+        is, as the kernel offset i*KW + j of the first maximum in scan order (for
+        a whole-image window that is the flat index h*W + w), -1 for a window
+        with nothing above -FLT_MAX: such a window keeps Caffe's initial -FLT_MAX
+        and gets no gradient. Kept for backward in the smallest integer that
+        holds KH*KW: a byte for kernels up to 11 x 11."""
         n, c, h, w = x.shape
+        area = self.kernel[0] * self.kernel[1]
+        offset_type = np.int8 if area <= 127 else np.int16 if area <= 32767 else np.int32
+        winner = self.scratch("winner", value.shape, offset_type)
         if self.whole_image:
             flat = x.reshape(n, c, h * w)
-            winner = flat.argmax(axis=2)[..., None]                     # the first maximum, as Caffe scans
-            value[...] = np.take_along_axis(flat, winner, axis=2).reshape(value.shape)
-            winner = winner.reshape(n, c, 1, 1)
-            valid = value > -_FLT_MAX
+            first = flat.argmax(axis=2)[..., None]                      # the first maximum, as Caffe scans
+            value[...] = np.take_along_axis(flat, first, axis=2).reshape(value.shape)
+            winner[...] = first.reshape(value.shape)
         else:
-            # Kept for backward: the kernel offset fits a byte for kernels up to 11 x 11.
-            area = self.kernel[0] * self.kernel[1]
-            offset_type = np.int8 if area <= 127 else np.int16 if area <= 32767 else np.int32
-            winner = self.scratch("winner", value.shape, offset_type)
             for rows in self._chunks(n, c):
                 self._max_chunk(x[rows], value[rows], winner[rows])
-            # (min: no blob-sized mask in the usual case of no empty window)
-            valid = None if not value.size or value.min() > -_FLT_MAX else value > -_FLT_MAX
-        # Such a window keeps Caffe's initial -FLT_MAX and mask -1 (and gets no gradient).
-        if valid is None or valid.all():
-            return value, winner, None
-        empty = ~valid
-        value[empty] = -_FLT_MAX
-        return value, winner, empty
+        # (min first: no blob-sized mask in the usual case of no empty window)
+        if value.size and not value.min() > -_FLT_MAX:
+            empty = ~(value > -_FLT_MAX)
+            value[empty] = -_FLT_MAX
+            winner[empty] = -1
+        return winner
 
     def _max_chunk(self, x, value, winner):
         # Padding holds -inf, below Caffe's -FLT_MAX start, so it never wins.
@@ -245,16 +257,14 @@ class Pooling(Layer):
             step *= better
             winner += step
 
-    def _mask(self, winner, empty):
+    def _mask(self, winner):
         """The flat input index h*W + w of each maximum, -1 for an empty window."""
+        offset = winner.astype(np.int64)
         if self.whole_image:
-            index = winner.astype(np.int64)
-        else:
-            w, kw = self.in_hw[1], self.kernel[1]
-            k = np.arange(self.kernel[0] * kw)
-            index = self.window_origin + np.take((k // kw) * w + k % kw, winner)
-        if empty is not None:
-            index[empty] = -1
+            return offset
+        w, kw = self.in_hw[1], self.kernel[1]
+        index = self.window_origin + (offset // kw) * w + offset % kw
+        index[offset < 0] = -1
         return index
 
     def _average(self, x, out):
@@ -298,7 +308,7 @@ class Pooling(Layer):
             # Caffe routes by the mask top when there is one.
             bottom[0].diff[...] = self._route(dy, top[1].data.astype(np.int64), bottom[0].shape)
         elif self.pool == MAX:
-            self._max_backward(dy, bottom[0].diff)
+            _max_backward(dy, self.winner, self.kernel[1], *self.stride, *self.pad, bottom[0].diff)
         elif self.pool == AVE:
             self._spread(dy / self.pool_size.astype(dy.dtype), bottom[0].diff)
         else:
@@ -313,30 +323,6 @@ class Pooling(Layer):
         target = (planes + mask)[valid]
         summed = np.bincount(target, weights=dy[valid], minlength=n * c * h * w)
         return summed.reshape(shape)
-
-    def _max_backward(self, dy, dx):
-        """dx (N, C, H, W): each output's gradient routed to its window's winner."""
-        if self.empty is not None:
-            dy = np.where(self.empty, 0, dy)
-        n, c, h, w = dx.shape
-        if self.whole_image:
-            flat = dx.reshape(n, c, h * w)
-            flat.fill(0)
-            np.put_along_axis(flat, self.winner.reshape(n, c, 1), dy.reshape(n, c, 1), axis=2)
-            return
-        overlapping = self._overlapping()
-        for rows in self._chunks(n, c):
-            target, finish = self._zeroed_gradient(dx[rows])
-            chosen = self._work("chosen", dy[rows].shape, np.bool_)
-            routed = self._work("routed", dy[rows].shape, dy.dtype)
-            for k, (_, _, window) in enumerate(self._offsets()):
-                np.equal(self.winner[rows], k, out=chosen)
-                if overlapping:
-                    np.multiply(dy[rows], chosen, out=routed)
-                    target[window] += routed
-                else:                                    # each cell in one window: write, no sum
-                    np.multiply(dy[rows], chosen, out=target[window])
-            finish()
 
     def _spread(self, dy_scaled, dx):
         """Adjoint of the window sum: every output's value added over its window, into dx."""

@@ -261,10 +261,50 @@ def test_padding_on_one_axis_clips_the_last_window_on_both():
 
 
 def forward_backward(prototxt, x, dy):
-    layer, bottoms, tops = run(prototxt, x)
+    layer = make_layer(prototxt, cct.TRAIN)
+    bottoms, tops = setup_layer(layer, [x], dtype=x.dtype)
+    layer.forward(bottoms, tops)
     tops[0].diff[...] = dy
     layer.backward(tops, [True], bottoms)
     return tops[0].data.copy(), bottoms[0].diff.copy()
+
+
+def naive_backward(dy, mask, x_shape, method, kernel, stride, pad):
+    """Caffe's backward loops: MAX routes by the mask, AVE spreads dy / divisor."""
+    n, c, h, w = x_shape
+    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, pad
+    dx = np.zeros(x_shape, dy.dtype)
+    for a, b, i, j in np.ndindex(*dy.shape):
+        if method == "MAX":
+            if mask[a, b, i, j] >= 0:
+                dx[a, b].flat[mask[a, b, i, j]] += dy[a, b, i, j]
+            continue
+        hs, ws = i * sh - ph, j * sw - pw
+        he, we = min(hs + kh, h + ph), min(ws + kw, w + pw)
+        share = dy[a, b, i, j] / dy.dtype.type((he - hs) * (we - ws))
+        dx[a, b, max(hs, 0):min(he, h), max(ws, 0):min(we, w)] += share
+    return dx
+
+
+@pytest.mark.parametrize("method", ["MAX", "AVE"])
+@pytest.mark.parametrize("fields,kernel,stride,pad,shape", CASES[:4])
+def test_float32_forward_and_backward_equal_caffe_loops(method, fields, kernel, stride, pad, shape):
+    """In float32, MAX equals Caffe's loops bitwise (the same winners, the same
+    sums of routed gradients); AVE up to float32 rounding (its sums run in
+    another order)."""
+    x = RNG.standard_normal(shape).astype(np.float32)
+    prototxt = f'type: "Pooling" pooling_param {{ pool: {method} {fields} }}'
+    y, mask = naive_pool(x, method, kernel, stride, pad)
+    y = y.astype(np.float32)
+    dy = RNG.standard_normal(y.shape).astype(np.float32)
+    ours_y, ours_dx = forward_backward(prototxt, x, dy)
+    dx = naive_backward(dy, mask, shape, method, kernel, stride, pad)
+    if method == "MAX":
+        np.testing.assert_array_equal(ours_y, y)
+        np.testing.assert_array_equal(ours_dx, dx)
+    else:
+        np.testing.assert_allclose(ours_y, y, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(ours_dx, dx, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("text", [
