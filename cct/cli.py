@@ -150,7 +150,8 @@ def train(args):
         param.weights.append(args.weights)
     if param.solver_mode == caffe_pb2.SolverParameter.GPU:
         log.info("solver_mode: GPU: cct runs on the CPU")
-    solver = get_solver(param, source=args.solver)
+    # Nothing outside the run reads an activation's diff: share them (cct.memory).
+    solver = get_solver(param, source=args.solver, share_diffs=True)
     with _signal_effects(solver, args.sigint_effect, args.sighup_effect):
         solver.solve(args.snapshot or None)
     return 0

@@ -16,10 +16,12 @@ Keys, per layer (under "layers", by layer name) or for every layer ("default"):
     partitions          batch partitions (cct.executor); as a default it
                         applies only to the layers that can be partitioned
 
-Top-level "share_diffs" (default false): true lets the solver's train net keep
-the diffs of blobs whose gradients are never live together in shared buffers
-(cct.memory); the environment variable CCT_SHARE_DIFFS (1 or 0), when set,
-decides instead. Activation diffs then do not keep their values after backward.
+Top-level "share_diffs": true lets the solver's train net keep the diffs of
+blobs whose gradients are never live together in shared buffers (cct.memory);
+the environment variable CCT_SHARE_DIFFS (1 or 0), when set, decides instead.
+Activation diffs then do not keep their values after backward. Left unset, it
+is on for `cct train` (which never shows an activation's diff) and off for a
+solver made from Python (pycaffe scripts read any blob's diff).
 
 Unknown keys and bad values are errors naming the file and the key. Layers a
 net does not have are ignored (a train and a test net share one file).
@@ -82,8 +84,8 @@ class RunConfig:
         self.layers = {name: _check_settings(self.source, f"layers.{name}", settings)
                        for name, settings in layers.items()}
         self.default = _check_settings(self.source, "default", contents.get("default", {}))
-        self.share_diffs = contents.get("share_diffs", False)
-        if not isinstance(self.share_diffs, bool):
+        self.share_diffs = contents.get("share_diffs")           # None: the caller's default
+        if "share_diffs" in contents and not isinstance(self.share_diffs, bool):
             raise ConfigError(f"{self.source}: share_diffs: must be true or false, "
                               f"got {json.dumps(self.share_diffs)}")
 
@@ -144,10 +146,10 @@ def active():
     return _from_env[1]
 
 
-def share_diffs_enabled(config=None):
+def share_diffs_enabled(config=None, default=False):
     """Whether the solver shares its train net's diffs (cct.memory):
     CCT_SHARE_DIFFS when set (1/true/yes/on or 0/false/no/off), else the
-    configuration's "share_diffs"."""
+    configuration's "share_diffs" when it has one, else `default`."""
     given = os.environ.get(SHARE_DIFFS_ENV, "").strip()
     if given:
         if given.lower() in ("1", "true", "yes", "on"):
@@ -156,7 +158,9 @@ def share_diffs_enabled(config=None):
             return False
         raise ConfigError(f"{SHARE_DIFFS_ENV}: must be 1 or 0, got {given!r}")
     config = config or active()
-    return bool(config is not None and config.share_diffs)
+    if config is None or config.share_diffs is None:
+        return default
+    return config.share_diffs
 
 
 def apply(net, config=None):

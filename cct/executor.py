@@ -41,6 +41,13 @@ PARTITIONABLE_TYPES = {
 }
 
 
+# Without a plan entry, a layer whose output has at least this many elements
+# is split into one partition per thread (when each gets 2 images or more):
+# what the tuner picks for CaffeNet's convolution, pooling, LRN and ReLU
+# layers. Smaller layers and InnerProduct (one GEMM splits as well across
+# BLAS threads, and its clones would copy the weights' diffs) run whole.
+DEFAULT_SPLIT_ELEMENTS = 1 << 20
+
 # The tuner skips partition counts whose clones' private parameter diffs
 # ((p - 1) copies of the layer's parameters) would hold more than this: fc6's
 # 151 MB of weights would cost 453 MB at p = 4, for a GEMM that splits no better.
@@ -184,7 +191,9 @@ def _run_all(workers, function, work):
 class Executor:
     """Runs a net's layers, each with its chosen number of batch partitions.
 
-    `plan[layer_index] = p` (1: the layer runs as is, with all BLAS threads).
+    `plan[layer_index] = p` (1: the layer runs as is, with all BLAS threads),
+    set by CCT_PARTITIONS, the run configuration, set_partitions or tune();
+    a layer without an entry gets default_partitions.
     """
 
     def __init__(self, net, threads=None):
@@ -224,7 +233,18 @@ class Executor:
         self._partitioned.pop(index, None)
 
     def partitions(self, index):
-        return self.plan.get(index, 1)
+        partitions = self.plan.get(index)
+        return self.default_partitions(index) if partitions is None else partitions
+
+    def default_partitions(self, index):
+        """One partition per thread for a large partitionable layer other than
+        InnerProduct (see DEFAULT_SPLIT_ELEMENTS), else 1."""
+        if self.threads < 2 or self.net.layers[index].type == "InnerProduct":
+            return 1
+        tops = self.net.top_vecs[index]
+        if not tops or tops[0].count < DEFAULT_SPLIT_ELEMENTS or not self.partitionable(index):
+            return 1
+        return self.threads if tops[0].shape[0] >= 2 * self.threads else 1
 
     # --- running -----------------------------------------------------------------
     def _workers_for(self, partitions):

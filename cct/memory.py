@@ -1,4 +1,4 @@
-"""Opt-in diff sharing: blobs whose gradients are never live at the same time
+"""Diff sharing: blobs whose gradients are never live at the same time
 keep their diffs in one buffer (an arena), as Caffe con Troll and MXNet do.
 
 A blob's diff is live only during backward. Layers run backward from the last
@@ -23,10 +23,12 @@ Never shared (`ShareSummary.excluded` gives the reason per blob):
   blob's gradient.
 
 After sharing, only the parameters' diffs keep their meaning after backward:
-an activation blob's diff may hold another blob's gradient, which is why this
-is off by default (pycaffe reads any blob's diff) and the solver applies it to
-its train net only, when the run configuration's "share_diffs" is true or
-CCT_SHARE_DIFFS=1 (cct.config.share_diffs_enabled).
+an activation blob's diff may hold another blob's gradient, which is why the
+solver applies it to its train net only, and by default only under `cct
+train`, which shows no activation diff; a solver made from Python (pycaffe
+scripts read any blob's diff) opts in. CCT_SHARE_DIFFS (1 or 0) or the run
+configuration's "share_diffs" decide over both defaults
+(cct.config.share_diffs_enabled).
 
 Reshaping the net to a larger batch afterwards stays correct but gives the
 grown blobs diff storage of their own (Blob.reshape grows a copy); call

@@ -65,14 +65,16 @@ def load_solver_param(path):
     return param
 
 
-def get_solver(solver, source=None):
-    """A solver of the type the SolverParameter (or solver prototxt path) names."""
+def get_solver(solver, source=None, share_diffs=False):
+    """A solver of the type the SolverParameter (or solver prototxt path) names.
+    share_diffs: whether its train net shares activation diffs (cct.memory)
+    when neither CCT_SHARE_DIFFS nor the run configuration says."""
     param, source = _solver_param(solver, source)
     cls = SOLVER_TYPES.get(param.type)
     if cls is None:
         raise ConfigError(f"{source}: type: unknown solver type {param.type!r}; "
                           f"known types: {', '.join(sorted(SOLVER_TYPES))}")
-    return cls(param, source=source)
+    return cls(param, source=source, share_diffs=share_diffs)
 
 
 def _solver_param(solver, source):
@@ -92,7 +94,7 @@ class Solver:
 
     type = None
 
-    def __init__(self, solver, source=None):
+    def __init__(self, solver, source=None, share_diffs=False):
         param, source = _solver_param(solver, source)
         if param.type != self.type and param.HasField("type"):
             log.warning("%s: type %r given, running it with the %s solver", source, param.type, self.type)
@@ -110,8 +112,8 @@ class Solver:
         if param.random_seed >= 0:
             set_random_seed(param.random_seed)
         self.net = self._init_train_net()
-        if run_config.share_diffs_enabled():
-            # opt-in: activation diffs then hold no meaning after backward
+        if run_config.share_diffs_enabled(default=share_diffs):
+            # activation diffs then hold no meaning after backward: pycaffe opts in
             log.info("Sharing the train net's diffs: %s", memory.share_diffs(self.net))
         self.test_nets = self._init_test_nets()
         for net in [self.net] + self.test_nets:

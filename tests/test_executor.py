@@ -136,3 +136,30 @@ def test_tune_skips_partitions_that_copy_big_parameters(monkeypatch):
     plan = net.executor.tune(candidates=[1, 2], repeats=1)
     # conv1 (8x3x3x3 + 8 floats: 896 bytes) may be split; ip1 (5 x 288 floats) may not
     assert ("conv1", 2) in tried and ("ip1", 2) not in tried and plan["ip1"] == 1
+
+
+def test_default_plan_splits_large_layers_per_thread_but_not_inner_product(monkeypatch):
+    net = run(1)
+    executor = net.executor
+    monkeypatch.setattr(executor, "threads", 2)
+    monkeypatch.setattr("cct.executor.DEFAULT_SPLIT_ELEMENTS", net.blobs["pool1"].count)
+    names = {layer.name: executor.partitions(i) for i, layer in enumerate(net.layers)}
+    # conv1/relu1/prelu (7x8x12x12) and pool1 reach the size; norm1 shares pool1's size;
+    # ip1 is an InnerProduct; data and loss cannot be partitioned
+    assert names == {"data": 1, "conv1": 2, "relu1": 2, "prelu": 2, "pool1": 2, "norm1": 2, "ip1": 1, "loss": 1}
+    executor.set_partitions(1, 1)                        # a plan entry wins over the default
+    assert executor.partitions(1) == 1
+    monkeypatch.setattr(executor, "threads", 4)          # 7 images: fewer than 2 per partition
+    assert executor.partitions(3) == 1
+
+
+def test_default_plan_gives_the_whole_layer_numbers(monkeypatch):
+    monkeypatch.setattr("cct.executor.DEFAULT_SPLIT_ELEMENTS", 1)
+    monkeypatch.setenv("CCT_THREADS", "2")
+    whole = run(1)                                       # conv1..norm1 now run as 2 partitions
+    assert whole.executor.partitions(1) == 2
+    monkeypatch.setenv("CCT_THREADS", "1")
+    single = run(1)
+    assert single.executor.partitions(1) == 1
+    for name in whole.blobs:
+        np.testing.assert_allclose(whole.blobs[name].diff, single.blobs[name].diff, rtol=1e-5, atol=1e-6)

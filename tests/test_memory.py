@@ -251,6 +251,37 @@ def test_off_by_default_and_never_for_test_nets(monkeypatch):
     assert solver.test_nets and memory.summary(solver.test_nets[0]) is None
 
 
+def test_cct_train_shares_by_default_unless_told_not_to(tmp_path, monkeypatch):
+    """`cct train` shows no activation diff, so it shares them; the variable
+    and the configuration still decide when they say."""
+    assert memory.summary(solver_module.get_solver(solver_param(LENET), share_diffs=True).net) is not None
+    monkeypatch.setenv("CCT_SHARE_DIFFS", "0")
+    assert memory.summary(solver_module.get_solver(solver_param(LENET), share_diffs=True).net) is None
+    monkeypatch.delenv("CCT_SHARE_DIFFS")
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"share_diffs": False}))
+    config.load(path)
+    assert memory.summary(solver_module.get_solver(solver_param(LENET), share_diffs=True).net) is None
+
+
+def test_cli_train_asks_for_shared_diffs(tmp_path, monkeypatch):
+    asked = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_get_solver(param, source=None, share_diffs=False):
+        asked["share_diffs"] = share_diffs
+        raise Stop
+    monkeypatch.setattr(solver_module, "get_solver", fake_get_solver)
+    path = tmp_path / "solver.prototxt"
+    path.write_text('net: "none.prototxt" base_lr: 0.1 lr_policy: "fixed" max_iter: 1')
+    from cct import cli
+    with pytest.raises(Stop):
+        cli.main(["train", f"--solver={path}"])
+    assert asked == {"share_diffs": True}
+
+
 @pytest.mark.parametrize("value, enabled", [("1", True), ("true", True), ("0", False), ("off", False)])
 def test_env_var_switches_it(value, enabled, monkeypatch):
     monkeypatch.setenv("CCT_SHARE_DIFFS", value)
