@@ -24,17 +24,24 @@ CHUNK_ELEMENTS = 1 << 18
 
 @kernel
 def _max_backward(dy, winner, kernel_w, stride_h, stride_w, pad_h, pad_w, dx):
-    """dx (zeroed here) += each output's gradient at its window's winner."""
+    """dx (zeroed here) += each output's gradient at its window's winner.
+    The offset's row and column come from tables (an integer division per
+    output would cost more than the rest); indices are unsigned, which spares
+    numba's negative-index checks."""
     n, c, out_h, out_w = dy.shape
+    area = kernel_w * ((winner.max() if winner.size else 0) // kernel_w + 1)
+    row_of = np.arange(area) // kernel_w
+    col_of = np.arange(area) % kernel_w
     dx[...] = 0
     for b in range(n):
         for ch in range(c):
             for oh in range(out_h):
+                top = oh * stride_h - pad_h
                 for ow in range(out_w):
                     k = winner[b, ch, oh, ow]
                     if k >= 0:
-                        i, j = k // kernel_w, k % kernel_w
-                        dx[b, ch, oh * stride_h - pad_h + i, ow * stride_w - pad_w + j] += dy[b, ch, oh, ow]
+                        dx[b, ch, np.uint64(top + row_of[k]), np.uint64(ow * stride_w - pad_w + col_of[k])] += \
+                            dy[b, ch, oh, ow]
 
 
 def pooled_size(size, kernel, stride, pad, ceil, padded):
