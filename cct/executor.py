@@ -202,6 +202,7 @@ class Executor:
         self.threads = int(threads or os.environ.get("CCT_THREADS", 0) or self.blas.default)
         self.plan = {}
         self._partitioned = {}
+        self._defaults = {}           # layer index -> (its top shape and settings, default partitions)
         self._workers = []            # worker k - 1 runs partition k of every layer
         # CCT_PARTITIONS=p partitions every layer that allows it (the conformance
         # suite runs with it to check partitioned results equal unpartitioned ones).
@@ -238,13 +239,20 @@ class Executor:
 
     def default_partitions(self, index):
         """One partition per thread for a large partitionable layer other than
-        InnerProduct (see DEFAULT_SPLIT_ELEMENTS), else 1."""
-        if self.threads < 2 or self.net.layers[index].type == "InnerProduct":
-            return 1
+        InnerProduct (see DEFAULT_SPLIT_ELEMENTS), else 1. Kept per top shape:
+        this runs twice per layer and iteration, small nets included."""
         tops = self.net.top_vecs[index]
-        if not tops or tops[0].count < DEFAULT_SPLIT_ELEMENTS or not self.partitionable(index):
-            return 1
-        return self.threads if tops[0].shape[0] >= 2 * self.threads else 1
+        key = (tops[0].shape if tops else None, self.threads, DEFAULT_SPLIT_ELEMENTS)
+        known = self._defaults.get(index)
+        if known is not None and known[0] == key:
+            return known[1]
+        partitions = 1
+        if (self.threads >= 2 and self.net.layers[index].type != "InnerProduct" and tops
+                and tops[0].count >= DEFAULT_SPLIT_ELEMENTS and self.partitionable(index)
+                and tops[0].shape[0] >= 2 * self.threads):
+            partitions = self.threads
+        self._defaults[index] = (key, partitions)
+        return partitions
 
     # --- running -----------------------------------------------------------------
     def _workers_for(self, partitions):
