@@ -255,6 +255,11 @@ class Executor:
         return partitions
 
     # --- running -----------------------------------------------------------------
+    def workers(self, count):
+        """The persistent worker threads for `count` units run at once (the
+        caller runs one itself): worker k - 1 runs unit k."""
+        return self._workers_for(count)
+
     def _workers_for(self, partitions):
         while len(self._workers) < partitions - 1:
             self._workers.append(ThreadPoolExecutor(max_workers=1,

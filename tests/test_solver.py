@@ -495,3 +495,22 @@ def test_reference_solver_case(case, monkeypatch):
             ours = solver.net.params[layer][int(index)].data
             scale = max(float(np.abs(steps[key]).max()), 1e-6)
             assert float(np.abs(ours - steps[key]).max()) / scale < 1e-3, key
+
+
+@pytest.mark.parametrize("kind", sorted(SOLVER_CASES))
+def test_update_striped_over_threads_gives_the_same_numbers(kind, monkeypatch):
+    """Solver._striped: T threads each update every T-th piece; with pieces of
+    one element, the weights span every stripe, and the result is bitwise
+    that of one thread (iter_size 2 and L1 decay run striped too)."""
+    monkeypatch.setattr(solver_module, "UPDATE_PIECE", 1)
+    text, _ = SOLVER_CASES[kind]
+    runs = []
+    for threads in (1, 3):
+        solver = make_solver(f'{text} base_lr: 0.05 lr_policy: "fixed" weight_decay: 0.01 '
+                             f'regularization_type: "L1" iter_size: 2')
+        solver.net.executor.threads = threads
+        solver.step(3)
+        runs.append([blob.data.copy() for blob in solver.net.learnable_params])
+    assert runs[0][0].size > 3
+    for single, striped in zip(*runs):
+        np.testing.assert_array_equal(single, striped)
