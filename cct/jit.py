@@ -1,10 +1,12 @@
 """Compiled CPU kernels: the decorator every numba kernel in cct uses.
 
-numpy expresses most layers as a few whole-array passes. A window loop
-(max pooling's argmax, im2col, col2im) takes a dozen such passes per window
-offset, each over the whole batch, where one compiled loop reads every input
-once: those loops are numba kernels, written next to the numpy code that
-uses them, with a plain reference beside them in the tests.
+numpy expresses most layers as a few whole-array passes. Where one is a
+scatter numpy can only write as several passes per window offset (max
+pooling's backward routes each gradient to its window's winner), a compiled
+loop that touches every element once is a numba kernel, written next to the
+numpy code that uses it and checked in the tests against Caffe's loops.
+Only where it pays: numba's im2col/col2im and max-pooling forward were
+measured slower than numpy's strided copies and chunked passes (BENCHMARKS.md).
 
 Kernels are serial and release the GIL (`nogil`): cct's parallelism is the
 executor's batch partitions (cct.executor), each on its own thread, so a

@@ -455,7 +455,7 @@ class Solver:
         order, and the numbers are those of one thread. numpy releases the GIL
         in each piece's passes (CaffeNet's 61M parameters: 4 passes of 233 MB)."""
         executor = self.net.executor
-        stripes = max(1, min(executor.threads, 8))
+        stripes = max(1, min(executor.threads, 8))      # memory-bound: more threads add nothing
         workers = executor.workers(stripes)
 
         def run(stripe):
