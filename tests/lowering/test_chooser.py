@@ -1,6 +1,7 @@
 """cct.lowering.chooser and cct.lowering.workspace: the cost model's picks on
 fixed machine constants (no timing here), the cache file, the GEMM fit,
 workspace reuse, and chunked execution equal to whole-batch execution."""
+import dataclasses
 import json
 import threading
 
@@ -81,19 +82,39 @@ def test_gemm_fit_recovers_constants():
 
 
 # --- the cache file ----------------------------------------------------------------------------
-def test_machine_is_measured_once_and_cached(cache_dir, monkeypatch):
+def test_machine_is_measured_once_per_process_and_cached(cache_dir, monkeypatch):
     calls = []
     monkeypatch.setattr(chooser, "measure_machine", lambda: calls.append(1) or FIXED)
     assert chooser.load_machine() == FIXED
+    assert chooser.load_machine() == FIXED and calls == [1]
     stored = json.loads((cache_dir / "lowering.json").read_text())
     assert stored["machines"][chooser.machine_key()]["gemm_flops"] == FIXED.gemm_flops
-    chooser.clear_memory_cache()                       # a new process: read back from the file
 
-    def refuse():
-        raise AssertionError("measured again")
-    monkeypatch.setattr(chooser, "measure_machine", refuse)
-    assert chooser.load_machine() == FIXED
-    assert calls == [1]
+
+def probed(machine, slowdown=1.0):
+    """`machine` with its GEMM probes timed by its own model, `slowdown` times slower."""
+    probes = [[m, n, k, slowdown * machine.gemm_seconds(m, n, k)] for m, n, k in chooser.GEMM_PROBES]
+    return dataclasses.replace(machine, probes=probes)
+
+
+def test_cache_keeps_the_fastest_calibration_seen(cache_dir, monkeypatch):
+    """A calibration taken under load reads slow; the next quiet process
+    replaces it, and a later loaded one cannot make it slow again."""
+    quiet = probed(FIXED)
+    loaded = dataclasses.replace(probed(FIXED, 3.0), bandwidth=FIXED.bandwidth / 3, gemm_flops=FIXED.gemm_flops / 3,
+                                 gather_row=3 * FIXED.gather_row, add_row=3 * FIXED.add_row)
+    for measured in (loaded, quiet, loaded):
+        chooser.clear_memory_cache()                   # a new process
+        monkeypatch.setattr(chooser, "measure_machine", lambda: measured)
+        machine = chooser.load_machine()
+    assert machine.bandwidth == FIXED.bandwidth and machine.gather_row == FIXED.gather_row
+    assert machine.gemm_flops == pytest.approx(FIXED.gemm_flops, rel=1e-6)
+    assert machine.gemm_in_bandwidth == pytest.approx(FIXED.gemm_in_bandwidth, rel=1e-6)
+    stored = json.loads((cache_dir / "lowering.json").read_text())["machines"][chooser.machine_key()]
+    assert stored["gemm_flops"] == pytest.approx(FIXED.gemm_flops, rel=1e-6)
+    chooser.clear_memory_cache()
+    monkeypatch.setattr(chooser, "measure_machine", lambda: loaded)
+    assert chooser.load_machine(refresh=True).bandwidth == loaded.bandwidth      # refresh forgets the file
 
 
 def test_measured_choice_is_cached_per_shape(cache_dir, monkeypatch):
