@@ -37,7 +37,7 @@ def parse_args(argv):
     parser.add_argument("--steps", type=int, default=4, help="d/o from 2^-steps to 2^steps (default 4: 1/16..16)")
     parser.add_argument("--repeats", type=int, default=7, help="timed repetitions per point (default 7)")
     parser.add_argument("--threads", type=int, default=0, help="BLAS threads (default: as configured)")
-    parser.add_argument("--budget-mb", type=float, default=DEFAULT_BUDGET_MB, help="workspace budget (default 256)")
+    parser.add_argument("--budget-mb", type=float, default=DEFAULT_BUDGET_MB, help=f"workspace budget (default {DEFAULT_BUDGET_MB})")
     parser.add_argument("--cached-machine", action="store_true",
                         help="use the cached machine constants instead of measuring them now")
     return parser.parse_args(argv)

@@ -11,7 +11,7 @@ attribute afterwards; that forces the type.
 
 Intermediates live in the running thread's workspace arena
 (cct.lowering.workspace), reused across iterations, and a batch whose largest
-lowering matrix exceeds the budget (default 256 MB; CCT_LOWERING_BUDGET_MB or
+lowering matrix exceeds the budget (default 64 MB; CCT_LOWERING_BUDGET_MB or
 the configuration's lowering_budget_mb) runs in chunks of images.
 """
 import os

@@ -10,6 +10,7 @@ from cct import config
 from cct.errors import ConfigError
 from cct.lowering import chooser
 from cct.lowering.chooser import Machine
+from cct.lowering.workspace import DEFAULT_BUDGET_MB
 
 FIXED = Machine(bandwidth=21e9, gather_row=3e-9, scatter_row=3e-9, add_row=15e-9, gemm_flops=96e9,
                 gemm_out_bandwidth=8e9, gemm_in_bandwidth=16e9)
@@ -122,7 +123,7 @@ def test_measure_and_budget_reach_the_layer(tmp_path, monkeypatch):
     net = cct.Net(NET, cct.TRAIN)
     assert seen["measure"] is True
     assert net.layer_dict["conv1"].lowering_budget == 2 ** 19
-    assert net.layer_dict["conv2"].lowering_budget == 256 * 2 ** 20
+    assert net.layer_dict["conv2"].lowering_budget == DEFAULT_BUDGET_MB * 2 ** 20
     monkeypatch.setenv("CCT_LOWERING_BUDGET_MB", "8")
     net = cct.Net(NET, cct.TRAIN)
     assert net.layer_dict["conv1"].lowering_budget == 2 ** 19 and net.layer_dict["conv2"].lowering_budget == 8 * 2 ** 20
