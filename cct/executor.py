@@ -239,10 +239,11 @@ class Executor:
 
     def default_partitions(self, index):
         """One partition per thread for a large partitionable layer other than
-        InnerProduct (see DEFAULT_SPLIT_ELEMENTS), else 1. Kept per top shape:
-        this runs twice per layer and iteration, small nets included."""
+        InnerProduct (see DEFAULT_SPLIT_ELEMENTS), fewer where the clones'
+        parameter diffs would exceed TUNE_PARAM_COPY_BYTES, else 1. Kept per
+        top shape: this runs twice per layer and iteration, small nets included."""
         tops = self.net.top_vecs[index]
-        key = (tops[0].shape if tops else None, self.threads, DEFAULT_SPLIT_ELEMENTS)
+        key = (tops[0].shape if tops else None, self.threads, DEFAULT_SPLIT_ELEMENTS, TUNE_PARAM_COPY_BYTES)
         known = self._defaults.get(index)
         if known is not None and known[0] == key:
             return known[1]
@@ -250,7 +251,11 @@ class Executor:
         if (self.threads >= 2 and self.net.layers[index].type != "InnerProduct" and tops
                 and tops[0].count >= DEFAULT_SPLIT_ELEMENTS and self.partitionable(index)
                 and tops[0].shape[0] >= 2 * self.threads):
-            partitions = self.threads
+            # as the tuner: at most TUNE_PARAM_COPY_BYTES of clones' private diffs
+            # (on a many-core host, p - 1 copies of a convolution's weights add up)
+            param_bytes = sum(blob.count * blob.dtype.itemsize for blob in self.net.layers[index].blobs)
+            partitions = self.threads if not param_bytes else min(self.threads,
+                                                                  1 + TUNE_PARAM_COPY_BYTES // param_bytes)
         self._defaults[index] = (key, partitions)
         return partitions
 

@@ -151,6 +151,11 @@ def test_default_plan_splits_large_layers_per_thread_but_not_inner_product(monke
     assert executor.partitions(1) == 1
     monkeypatch.setattr(executor, "threads", 4)          # 7 images: fewer than 2 per partition
     assert executor.partitions(3) == 1
+    monkeypatch.setattr(executor, "threads", 3)
+    assert executor.partitions(2) == 3                   # relu1: no parameters
+    conv1_bytes = sum(blob.count * blob.dtype.itemsize for blob in net.layers[1].blobs)
+    monkeypatch.setattr("cct.executor.TUNE_PARAM_COPY_BYTES", conv1_bytes)
+    assert executor.partitions(2) == 3 and executor.default_partitions(1) == 2   # one copy of conv1's
 
 
 def test_default_plan_gives_the_whole_layer_numbers(monkeypatch):
