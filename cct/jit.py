@@ -12,8 +12,22 @@ Kernels are serial and release the GIL (`nogil`): cct's parallelism is the
 executor's batch partitions (cct.executor), each on its own thread, so a
 kernel never starts threads of its own that would compete with OpenBLAS's.
 `cache` keeps the compiled code in __pycache__ (NUMBA_CACHE_DIR elsewhere),
-so only the first run on a machine pays the compile time.
+so only the first run on a machine pays the compile time. numba itself is
+imported on a kernel's first call: it is a quarter of `import cct`'s time, and
+`cct --help` or a script that never pools needs none of it.
 """
-import numba
+import functools
 
-kernel = numba.njit(nogil=True, cache=True, error_model="numpy")
+
+def kernel(function):
+    """`function` compiled by numba (nogil, cached) on its first call."""
+    compiled = None
+
+    @functools.wraps(function)
+    def call(*args):
+        nonlocal compiled
+        if compiled is None:
+            import numba
+            compiled = numba.njit(nogil=True, cache=True, error_model="numpy")(function)
+        return compiled(*args)
+    return call
