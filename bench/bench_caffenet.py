@@ -12,8 +12,6 @@ framework runs in a fresh subprocess, so its peak RSS (VmHWM) is its own.
 --share-diffs runs cct with CCT_SHARE_DIFFS=1 (cct.memory: blobs whose
 gradients are never live together share one diff buffer).
 """
-import argparse
-import json
 import os
 import sys
 
@@ -95,13 +93,11 @@ def run_torch(args):
 
 def child(args, framework):
     """Run one framework in a fresh process; its result dict."""
-    flags = ["--batch", args.batch, "--iterations", args.iterations, "--warmup", args.warmup]
+    flags = common.child_flags(args)
     if args.tune:
         flags.append("--tune")
     if args.layers:
         flags += ["--layers", args.layers]
-    if args.threads:
-        flags += ["--threads", args.threads]
     if not (framework == "cct" and args.share_diffs):
         return common.run_child(__file__, framework, flags)
     before = os.environ.get("CCT_SHARE_DIFFS")
@@ -116,22 +112,14 @@ def child(args, framework):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=256, help="images per iteration (default 256)")
-    parser.add_argument("--iterations", type=int, default=5, help="timed iterations (median reported)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
+    parser = common.framework_parser(__doc__, batch=256, iterations=5, warmup=1)
     parser.add_argument("--tune", action="store_true", help="run net.executor.tune() first and print its plan")
     parser.add_argument("--layers", type=int, default=0,
                         help="then time each layer over this many passes and print the breakdown")
-    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     parser.add_argument("--share-diffs", action="store_true",
                         help="cct shares diff buffers between blobs never live together (CCT_SHARE_DIFFS=1)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
-    parser.add_argument("--child", choices=("cct", "torch"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.child:
-        result = run_cct(args) if args.child == "cct" else run_torch(args)
-        print("RESULT " + json.dumps(result))
+    if common.serve_child(args, run_cct, run_torch):
         return 0
     p = common.print_flush
     p(common.machine_line())

@@ -9,8 +9,6 @@ layer replaced by Input blobs filled once (gaussian 1x28x28 images, labels 0..9)
 Each framework runs in a fresh subprocess (no BLAS or OpenMP thread pools
 competing with each other).
 """
-import argparse
-import json
 import os
 import sys
 
@@ -78,24 +76,12 @@ def run_torch(args):
 
 
 def child(args, framework):
-    flags = ["--batch", args.batch, "--iterations", args.iterations, "--warmup", args.warmup]
-    if args.threads:
-        flags += ["--threads", args.threads]
-    return common.run_child(__file__, framework, flags)
+    return common.run_child(__file__, framework, common.child_flags(args))
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=64, help="images per iteration (default 64)")
-    parser.add_argument("--iterations", type=int, default=200, help="timed iterations (median reported)")
-    parser.add_argument("--warmup", type=int, default=10, help="untimed iterations first")
-    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
-    parser.add_argument("--child", choices=("cct", "torch"), help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child:
-        result = run_cct(args) if args.child == "cct" else run_torch(args)
-        print("RESULT " + json.dumps(result))
+    args = common.framework_parser(__doc__, batch=64, iterations=200, warmup=10).parse_args(argv)
+    if common.serve_child(args, run_cct, run_torch):
         return 0
     p = common.print_flush
     p(common.machine_line())

@@ -4,6 +4,7 @@ benchmark nets with their data layers replaced by Input blobs filled once.
 
 Run the benchmarks from the repository root: `python bench/bench_caffenet.py`.
 """
+import argparse
 import json
 import os
 import resource
@@ -166,6 +167,36 @@ def torch_available():
 def print_flush(*args):
     print(*args)
     sys.stdout.flush()
+
+
+def framework_parser(doc, batch, iterations, warmup):
+    """The flags every cct-against-torch benchmark takes (its own are added after)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=batch, help=f"images per iteration (default {batch})")
+    parser.add_argument("--iterations", type=int, default=iterations, help="timed iterations (median reported)")
+    parser.add_argument("--warmup", type=int, default=warmup, help="untimed iterations first")
+    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
+    parser.add_argument("--child", choices=("cct", "torch"), help=argparse.SUPPRESS)
+    return parser
+
+
+def child_flags(args):
+    """The common flags of `args`, for run_child."""
+    flags = ["--batch", args.batch, "--iterations", args.iterations, "--warmup", args.warmup]
+    if args.threads:
+        flags += ["--threads", args.threads]
+    return flags
+
+
+def serve_child(args, run_cct, run_torch):
+    """In a --child process: run the one framework and print its RESULT line.
+    Returns whether this process was a child."""
+    if not args.child:
+        return False
+    result = run_cct(args) if args.child == "cct" else run_torch(args)
+    print("RESULT " + json.dumps(result))
+    return True
 
 
 def run_child(script, framework, flags):
