@@ -27,7 +27,16 @@ def kernel(function):
     def call(*args):
         nonlocal compiled
         if compiled is None:
-            import numba
-            compiled = numba.njit(nogil=True, cache=True, error_model="numpy")(function)
+            compiled = _compile(function)
         return compiled(*args)
     return call
+
+
+def _compile(function):
+    import numba
+    try:
+        return numba.njit(nogil=True, cache=True, error_model="numpy")(function)
+    except RuntimeError:
+        # No writable cache place (a read-only install and no usable home or
+        # NUMBA_CACHE_DIR): compile in memory, every process anew.
+        return numba.njit(nogil=True, error_model="numpy")(function)
