@@ -29,6 +29,8 @@ Workspace slots (see cct.lowering.workspace): "padded" (C, N, Hp, Wp) or
 """
 import numpy as np
 
+from cct.jit import kernel
+
 from .geometry import (channels_first_output, matmul_nt, pad_channels_first, store, unpad_channels_first,
                        weights_as, window_view)
 from .workspace import FRESH
@@ -103,13 +105,31 @@ def _lower_batch_inner(x, geom, ws):
     return cols.reshape(geom.channels * geom.kernel_h * geom.kernel_w, -1)
 
 
+@kernel
+def _add_windows_batch_inner(cols, stride_h, stride_w, dilation_h, dilation_w, dxp):
+    """dxp (C, Hp, Wp, N) += each window's column of cols (C, KH, KW, OH, OW, N),
+    N values at a time, each cell's sum in Caffe's order (kernel offset, then
+    output position). Compiled: 1.5 -> 0.3 ms on LeNet's conv2 at batch 64, and
+    91 -> 59 ms on CaffeNet's conv5 at batch 128, against numpy's KH*KW strided
+    adds (the batch-inner im2col measured no faster compiled, so stays numpy)."""
+    channels, kernel_h, kernel_w, out_h, out_w, batch = cols.shape
+    for c in range(channels):
+        for i in range(kernel_h):
+            for j in range(kernel_w):
+                for oh in range(out_h):
+                    row = oh * stride_h + i * dilation_h
+                    for ow in range(out_w):
+                        col = ow * stride_w + j * dilation_w
+                        for n in range(batch):
+                            dxp[c, row, col, n] += cols[c, i, j, oh, ow, n]
+
+
 def _col2im_batch_inner(cols, geom, batch, out, ws):
     """Adjoint of _lower_batch_inner: (C*KH*KW, OH*OW*N) -> (N, C, H, W)."""
     cols = cols.reshape(geom.channels, geom.kernel_h, geom.kernel_w, geom.out_h, geom.out_w, batch)
     dxp = ws.zeros("padded", (geom.channels, geom.padded_h, geom.padded_w, batch), cols.dtype)
-    for i in range(geom.kernel_h):
-        for j in range(geom.kernel_w):
-            dxp[:, geom.rows(i), geom.cols(j)] += cols[:, i, j]
+    _add_windows_batch_inner(np.ascontiguousarray(cols), geom.stride_h, geom.stride_w, geom.dilation_h,
+                             geom.dilation_w, dxp)
     inner = dxp[:, geom.pad_h:geom.pad_h + geom.in_h, geom.pad_w:geom.pad_w + geom.in_w].transpose(3, 0, 1, 2)
     if out is None:
         return np.ascontiguousarray(inner)
