@@ -2,11 +2,13 @@
 
 numpy expresses most layers as a few whole-array passes. Where one is a
 scatter numpy can only write as several passes per window offset (max
-pooling's backward routes each gradient to its window's winner), a compiled
-loop that touches every element once is a numba kernel, written next to the
-numpy code that uses it and checked in the tests against Caffe's loops.
-Only where it pays: numba's im2col/col2im and max-pooling forward were
-measured slower than numpy's strided copies and chunked passes (BENCHMARKS.md).
+pooling's backward routes each gradient to its window's winner; col2im of the
+batch-inner layout sums KH*KW windows into each cell), a compiled loop that
+touches every element once is a numba kernel, written next to the numpy code
+that uses it and checked in the tests against the numpy or Caffe version.
+Only where it pays: compiled im2col (either layout), channels-first col2im
+and the max-pooling forward were measured slower than numpy's strided copies
+and chunked passes (BENCHMARKS.md), and stay numpy.
 
 Kernels are serial and release the GIL (`nogil`): cct's parallelism is the
 executor's batch partitions (cct.executor), each on its own thread, so a
