@@ -514,3 +514,30 @@ def test_update_striped_over_threads_gives_the_same_numbers(kind, monkeypatch):
     assert runs[0][0].size > 3
     for single, striped in zip(*runs):
         np.testing.assert_array_equal(single, striped)
+
+
+@pytest.mark.parametrize("decay", [0.0, 0.01])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fused_sgd_update_equals_the_numpy_passes(decay, threads, monkeypatch):
+    """SGDSolver's one-pass compiled update gives bitwise the numbers of the
+    regularize / compute_update_value / Blob::Update passes, in float32 too."""
+    monkeypatch.setattr(solver_module, "UPDATE_PIECE", 2)
+    runs = []
+    for fused in (False, True):
+        solver = make_solver(f'type: "SGD" momentum: 0.9 base_lr: 0.05 lr_policy: "step" gamma: 0.5 '
+                             f'stepsize: 2 weight_decay: {decay}', net=net_text(((1, 1), (2, 0))))
+        solver.fused = fused
+        solver.net.executor.threads = threads
+        assert solver._can_fuse() is fused
+        solver.step(4)
+        runs.append([blob.data.copy() for blob in solver.net.learnable_params] + [h.copy() for h in solver.history])
+    for numpy_pass, compiled in zip(*runs):
+        assert numpy_pass.dtype == np.float32
+        np.testing.assert_array_equal(compiled, numpy_pass)
+
+
+def test_fused_sgd_steps_aside_where_it_does_not_apply():
+    for text in ('regularization_type: "L1" weight_decay: 0.01', "iter_size: 2"):
+        solver = make_solver(f'type: "SGD" momentum: 0.9 base_lr: 0.05 lr_policy: "fixed" {text}')
+        assert not solver._can_fuse()
+    assert make_solver('type: "SGD" base_lr: 0.05 lr_policy: "fixed"')._can_fuse()
