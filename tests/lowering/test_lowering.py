@@ -314,3 +314,20 @@ def test_geometry_output_size_and_errors():
         ConvGeometry(3, 4, 2, 2, 3, 3)
     with pytest.raises(ValueError, match="lowering type"):
         lowering(4)
+
+
+@pytest.mark.parametrize("bias", [None, np.arange(3.0)])
+def test_batch_first_transpose_crops_adds_bias_and_fills_any_out(bias):
+    """type1._batch_first, the tiled way back from the batch-inner layout: a
+    crop of (C, Hp, Wp, N) as (N, C, H, W), plus a bias per channel, into a new,
+    a contiguous or a strided `out` (sizes past one 16 x 16 tile)."""
+    source = RNG.standard_normal((3, 7, 21, 19))                  # C, Hp, Wp, N
+    expected = source[:, 1:6, 2:20].transpose(3, 0, 1, 2) + (0 if bias is None else bias.reshape(1, 3, 1, 1))
+    shape = (19, 3, 5, 18)
+    np.testing.assert_array_equal(type1._batch_first(source, 1, 2, shape, None, bias), expected)
+    contiguous = np.empty(shape)
+    assert type1._batch_first(source, 1, 2, shape, contiguous, bias) is contiguous
+    np.testing.assert_array_equal(contiguous, expected)
+    strided = np.empty((19, 3, 5, 36))[..., ::2]
+    assert type1._batch_first(source, 1, 2, shape, strided, bias) is strided
+    np.testing.assert_array_equal(strided, expected)
