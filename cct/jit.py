@@ -22,16 +22,30 @@ import functools
 
 
 def kernel(function):
-    """`function` compiled by numba (nogil, cached) on its first call."""
-    compiled = None
-
+    """`function` compiled by numba (nogil, cached) on its first call. A kernel
+    may call other kernels of its module: they are compiled first, and each
+    compiled kernel replaces its wrapper in the module, which is how numba
+    finds it when compiling the caller."""
     @functools.wraps(function)
     def call(*args):
-        nonlocal compiled
-        if compiled is None:
-            compiled = _compile(function)
-        return compiled(*args)
+        return _compiled(call)(*args)
+    call.python_function = function
+    call.compiled = None
     return call
+
+
+def _compiled(wrapper):
+    if wrapper.compiled is None:
+        function = wrapper.python_function
+        namespace = function.__globals__
+        for name in function.__code__.co_names:          # the kernels it calls, first
+            callee = namespace.get(name)
+            if hasattr(callee, "python_function"):
+                _compiled(callee)
+        wrapper.compiled = _compile(function)
+        if namespace.get(function.__name__) is wrapper:
+            namespace[function.__name__] = wrapper.compiled
+    return wrapper.compiled
 
 
 def _compile(function):

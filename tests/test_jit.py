@@ -33,3 +33,24 @@ def test_no_writable_cache_falls_back_to_compiling_in_memory(monkeypatch):
         return 2 * value
 
     assert double(21) == 42 and asked == [True, False]
+
+
+def test_a_kernel_calls_another_kernel_of_its_module():
+    """The callee compiles first and replaces its wrapper in the module, where
+    numba looks it up while compiling the caller."""
+    import types
+    module = types.ModuleType("kernels_for_test")
+    exec("from cct.jit import kernel\n"
+         "@kernel\n"
+         "def square(v):\n"
+         "    return v * v\n"
+         "@kernel\n"
+         "def sum_of_squares(values):\n"
+         "    total = 0.0\n"
+         "    for v in values:\n"
+         "        total += square(v)\n"
+         "    return total\n", module.__dict__)
+    wrapper = module.sum_of_squares
+    assert wrapper(np.arange(4.0)) == 14.0
+    assert module.square is not None and not hasattr(module.square, "python_function")   # compiled in place
+    assert wrapper(np.arange(3.0)) == 5.0 and module.sum_of_squares(np.arange(2.0)) == 1.0

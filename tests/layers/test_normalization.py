@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import cct
+from cct.layers.normalization import LRN
 from cct.blob import Blob
 from cct.errors import ConfigError, ShapeError
 from cct.gradient_check import check_layer_gradient, make_layer, setup_layer
@@ -267,13 +268,13 @@ def test_in_place_matches_out_of_place(text, phase):
 def lrn_forward_backward(text, x, g, in_place=False):
     layer = make_layer(text)
     if in_place:
-        blob = Blob(x.shape, np.float64)
+        blob = Blob(x.shape, x.dtype)
         blob.data[...] = x
         bottoms = tops = [blob]
         layer.setup(bottoms, tops)
         layer.reshape(bottoms, tops)
     else:
-        bottoms, tops = setup_layer(layer, [x])
+        bottoms, tops = setup_layer(layer, [x], dtype=x.dtype)
     layer.forward(bottoms, tops)
     y = tops[0].data.copy()
     tops[0].diff[...] = g
@@ -304,3 +305,24 @@ def test_lrn_keeps_no_blob_sized_scale():
     layer, _, _ = run_forward('type: "LRN" lrn_param { local_size: 3 }', random((4, 6, 5, 5)))
     kept = [value for value in vars(layer).values() if isinstance(value, np.ndarray) and value.size >= 4 * 6 * 25]
     assert not kept and not hasattr(layer, "scale")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("size", [1, 3, 5, 9])
+def test_lrn_compiled_pass_equals_the_numpy_passes(monkeypatch, dtype, in_place, size):
+    """ACROSS_CHANNELS with beta 0.75 runs compiled (one pass per image); it
+    gives bitwise the numbers of the chunked numpy passes, in place too (local
+    sizes past the channel count included)."""
+    text = f'type: "LRN" lrn_param {{ local_size: {size} alpha: 0.7 beta: 0.75 k: 2 }}'
+    x, g = random((3, 7, 5, 4), seed=7).astype(dtype), random((3, 7, 5, 4), seed=8).astype(dtype)
+    calls = []
+    real = LRN._compiled
+    monkeypatch.setattr(LRN, "_compiled", lambda self, x: calls.append(1) or real(self, x))
+    compiled = lrn_forward_backward(text, x, g, in_place)
+    assert len(calls) == 2                                  # forward and backward asked
+    monkeypatch.setattr(LRN, "_compiled", lambda self, x: False)
+    numpy_passes = lrn_forward_backward(text, x, g, in_place)
+    for ours, theirs in zip(compiled, numpy_passes):
+        assert ours.dtype == dtype
+        np.testing.assert_array_equal(ours, theirs)
