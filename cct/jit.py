@@ -1,11 +1,12 @@
 """Compiled CPU kernels: the decorator every numba kernel in cct uses.
 
-numpy expresses most layers as a few whole-array passes. Where one is a
-scatter numpy can only write as several passes per window offset (max
-pooling's backward routes each gradient to its window's winner; col2im of the
-batch-inner layout sums KH*KW windows into each cell), a compiled loop that
-touches every element once is a numba kernel, written next to the numpy code
-that uses it and checked in the tests against the numpy or Caffe version.
+numpy expresses most layers as a few whole-array passes. Where an operation
+takes numpy many passes, or a strided pass that reads one value per cache
+line, a compiled loop that touches every element once is a numba kernel,
+written next to the numpy code it replaces and checked in the tests against
+that code or Caffe's loops: max pooling's backward (a scatter to each
+window's winner), col2im of the batch-inner layout and the tiled transpose
+back from it (cct.lowering.type1), LRN across channels, and the SGD update.
 Only where it pays: compiled im2col (either layout), channels-first col2im
 and the max-pooling forward were measured slower than numpy's strided copies
 and chunked passes (BENCHMARKS.md), and stay numpy.
