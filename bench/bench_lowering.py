@@ -39,7 +39,8 @@ def parse_args(argv):
     parser.add_argument("--threads", type=int, default=0, help="BLAS threads (default: as configured)")
     parser.add_argument("--budget-mb", type=float, default=DEFAULT_BUDGET_MB, help=f"workspace budget (default {DEFAULT_BUDGET_MB})")
     parser.add_argument("--cached-machine", action="store_true",
-                        help="use the cached machine constants instead of measuring them now")
+                        help="use load_machine() (this run's measurement merged with the cached "
+                             "constants) instead of this run's measurement alone")
     return parser.parse_args(argv)
 
 

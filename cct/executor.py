@@ -127,6 +127,11 @@ class ParamView(Blob):
 class PartitionedLayer:
     """Runs `layer` over `partitions` slices of the batch in parallel."""
 
+    # Settings a scheduler or the user may change on the layer after its clones
+    # were made, passed on before every run (a convolution's lowering_type
+    # needs none: the clones read their original's).
+    FOLLOWED = ("lowering_budget",)
+
     def __init__(self, layer, partitions):
         self.layer = layer
         self.partitions = partitions
@@ -134,17 +139,25 @@ class PartitionedLayer:
         for index in range(partitions):
             clone = copy.copy(layer)
             clone.blobs = [ParamView(blob, shares_diff=index == 0) for blob in layer.blobs]
-            budget = getattr(layer, "lowering_budget", None)
-            if budget:
-                # the partitions run at once: together within the layer's budget
-                clone.lowering_budget = max(1, budget // partitions)
             self.clones.append(clone)
+
+    def _follow_settings(self):
+        for name in self.FOLLOWED:
+            if name not in vars(self.layer):
+                continue
+            value = getattr(self.layer, name)
+            if name == "lowering_budget" and value:
+                # the partitions run at once: together within the layer's budget
+                value = max(1, value // self.partitions)
+            for clone in self.clones:
+                setattr(clone, name, value)
 
     def _bounds(self, batch):
         edges = np.linspace(0, batch, self.partitions + 1).astype(int)
         return list(zip(edges[:-1], edges[1:]))
 
     def _views(self, bottoms, tops):
+        self._follow_settings()
         batch = bottoms[0].shape[0]
         for (start, stop), clone in zip(self._bounds(batch), self.clones):
             for view, blob in zip(clone.blobs, self.layer.blobs):
@@ -159,13 +172,13 @@ class PartitionedLayer:
         def run(clone, bottom_views, top_views):
             clone.reshape(bottom_views, top_views)
             clone.forward(bottom_views, top_views)
-        _run_all(workers, run, self._views(bottoms, tops))
+        run_all(workers, run, self._views(bottoms, tops))
 
     def backward(self, workers, tops, propagate_down, bottoms):
         def run(clone, bottom_views, top_views):
             clone.param_propagate_down = self.layer.param_propagate_down
             clone.backward(top_views, propagate_down, bottom_views)
-        _run_all(workers, run, self._views(bottoms, tops))
+        run_all(workers, run, self._views(bottoms, tops))
         for index, blob in enumerate(self.layer.blobs):
             if self.layer.param_propagate_down[index]:
                 for clone in self.clones[1:]:        # clone 0 wrote into blob.diff itself
@@ -175,7 +188,7 @@ class PartitionedLayer:
                         private[...] = 0
 
 
-def _run_all(workers, function, work):
+def run_all(workers, function, work):
     """Unit k on workers[k - 1], unit 0 on this thread; waits for all of them
     and re-raises the first exception (in partition order)."""
     work = list(work)
@@ -205,9 +218,10 @@ class Executor:
         self._defaults = {}           # layer index -> (its top shape and settings, default partitions)
         self._workers = []            # worker k - 1 runs partition k of every layer
         # CCT_PARTITIONS=p partitions every layer that allows it (the conformance
-        # suite runs with it to check partitioned results equal unpartitioned ones).
+        # suite runs with it to check partitioned results equal unpartitioned
+        # ones); CCT_PARTITIONS=1 runs every layer whole.
         forced = int(os.environ.get("CCT_PARTITIONS", 0) or 0)
-        if forced > 1:
+        if forced >= 1:                    # 1: every layer whole, the default plan off
             for index in range(len(net.layers)):
                 if self.partitionable(index):
                     self.plan[index] = min(forced, net.bottom_vecs[index][0].shape[0])

@@ -16,10 +16,12 @@ executor's batch partitions (cct.executor), each on its own thread, so a
 kernel never starts threads of its own that would compete with OpenBLAS's.
 `cache` keeps the compiled code in __pycache__ (NUMBA_CACHE_DIR elsewhere),
 so only the first run on a machine pays the compile time. numba itself is
-imported on a kernel's first call: it is a quarter of `import cct`'s time, and
-`cct --help` or a script that never pools needs none of it.
+imported on a kernel's first call (it was a quarter of `import cct`'s time):
+`cct --help`, or a script that only reads weights, needs none of it. The first
+call compiles under a lock, so partitions starting at once compile a kernel once.
 """
 import functools
+import threading
 
 
 def kernel(function):
@@ -35,17 +37,24 @@ def kernel(function):
     return call
 
 
+_compile_lock = threading.RLock()          # re-entrant: a kernel compiles its callees first
+
+
 def _compiled(wrapper):
-    if wrapper.compiled is None:
-        function = wrapper.python_function
-        namespace = function.__globals__
-        for name in function.__code__.co_names:          # the kernels it calls, first
-            callee = namespace.get(name)
-            if hasattr(callee, "python_function"):
-                _compiled(callee)
-        wrapper.compiled = _compile(function)
-        if namespace.get(function.__name__) is wrapper:
-            namespace[function.__name__] = wrapper.compiled
+    if wrapper.compiled is not None:
+        return wrapper.compiled
+    with _compile_lock:
+        if wrapper.compiled is None:
+            function = wrapper.python_function
+            namespace = function.__globals__
+            for name in function.__code__.co_names:      # the kernels it calls, first
+                callee = namespace.get(name)
+                if hasattr(callee, "python_function"):
+                    _compiled(callee)
+            compiled = _compile(function)
+            if namespace.get(function.__name__) is wrapper:
+                namespace[function.__name__] = compiled
+            wrapper.compiled = compiled
     return wrapper.compiled
 
 

@@ -27,6 +27,7 @@ import numpy as np
 from . import config as run_config
 from . import memory
 from .errors import ConfigError, WeightsError
+from .executor import run_all
 from .jit import kernel
 from .layer import TEST, TRAIN
 from .lr_policy import check_policy, learning_rate
@@ -456,7 +457,9 @@ class Solver:
         """Run function(*args) on the executor's threads at once, thread k doing
         the pieces k, k + T, k + 2T, ... of every parameter (_pieces): the update
         is element-wise, so each element gets the same operations in the same
-        order, and the numbers are those of one thread. numpy releases the GIL
+        order, and the numbers are those of one thread. So an update rule must
+        go through _pieces for every array it touches (all of cct's do): a rule
+        working on whole arrays would be applied once per thread. numpy releases the GIL
         in each piece's passes (CaffeNet's 61M parameters: 4 passes of 233 MB)."""
         executor = self.net.executor
         stripes = max(1, min(executor.threads, 8))      # memory-bound: more threads add nothing
@@ -468,12 +471,9 @@ class Solver:
                 function(*args)
             finally:
                 self._stripe.value = (0, 1)
-        futures = [worker.submit(run, stripe) for stripe, worker in enumerate(workers[:stripes - 1], 1)]
-        try:
-            run(0)
-        finally:
-            for future in futures:
-                future.result()
+        # every stripe has finished (or failed) before this returns: a snapshot
+        # after a failed update must not race a stripe still writing weights
+        run_all(workers, run, [(stripe,) for stripe in range(stripes)])
 
     def clip_gradients(self):
         clip = self.param.clip_gradients
@@ -680,7 +680,8 @@ class SGDSolver(Solver):
         """The one-pass update applies: plain SGD steps (no subclass overrides
         them), L2 decay or none, no averaging over iter_size."""
         cls = type(self)
-        return (self.fused and self.param.iter_size == 1 and self.param.regularization_type == "L2"
+        return (self.fused and self.param.iter_size == 1
+                and (self.param.regularization_type == "L2" or not self.param.weight_decay)
                 and cls.compute_update_value is SGDSolver.compute_update_value
                 and cls.regularize is Solver.regularize and cls.normalize is Solver.normalize
                 and cls._apply_step is Solver._apply_step)

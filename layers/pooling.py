@@ -315,7 +315,12 @@ class Pooling(Layer):
             # Caffe routes by the mask top when there is one.
             bottom[0].diff[...] = self._route(dy, top[1].data.astype(np.int64), bottom[0].shape)
         elif self.pool == MAX:
-            _max_backward(dy, self.winner, self.kernel[1], *self.stride, *self.pad, bottom[0].diff)
+            if self.winner.shape != dy.shape:
+                raise self.shape_error(f"backward needs a forward at the current shape: the kept maxima "
+                                       f"are for {self.winner.shape}, the top is {dy.shape}")
+            # a whole-image window's winner is the flat index h*W + w: decode it by the image width
+            width = self.in_hw[1] if self.whole_image else self.kernel[1]
+            _max_backward(dy, self.winner, width, *self.stride, *self.pad, bottom[0].diff)
         elif self.pool == AVE:
             self._spread(dy / self.pool_size.astype(dy.dtype), bottom[0].diff)
         else:

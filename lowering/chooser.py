@@ -19,9 +19,10 @@ few input channels and many outputs, type 3 for the reverse.
              its inputs and runs far below the peak rate; the three constants
              are fitted to three timed GEMMs
 
-`Machine` holds those constants, measured once (0.13 to 0.22 s here) and cached in
+`Machine` holds those constants, measured once per process (0.13 to 0.22 s
+here) and merged, keeping each constant's fastest value, with the ones cached in
 $CCT_CACHE_DIR/lowering.json (default ~/.cache/cct), one entry per host and
-BLAS thread count. `choose(geom, batch, machine, measure=False)` returns the
+BLAS thread count (load_machine). `choose(geom, batch, machine, measure=False)` returns the
 type the model says is fastest, or with measure=True times every type once on
 the actual shape (batch reduced to keep it short) and caches the answer in the
 same file.

@@ -168,3 +168,20 @@ def test_default_plan_gives_the_whole_layer_numbers(monkeypatch):
     assert single.executor.partitions(1) == 1
     for name in whole.blobs:
         np.testing.assert_allclose(whole.blobs[name].diff, single.blobs[name].diff, rtol=1e-5, atol=1e-6)
+
+
+def test_clones_follow_a_budget_set_after_they_were_made():
+    net = run(2)
+    conv = net.layers[1]
+    runner = net.executor._runner(1)
+    conv.lowering_budget = 4 << 20
+    net.forward()
+    assert all(clone.lowering_budget == 2 << 20 for clone in runner.clones)
+
+
+def test_cct_partitions_1_runs_every_layer_whole(monkeypatch):
+    monkeypatch.setenv("CCT_PARTITIONS", "1")
+    monkeypatch.setenv("CCT_THREADS", "2")
+    monkeypatch.setattr("cct.executor.DEFAULT_SPLIT_ELEMENTS", 1)
+    net = run(1)
+    assert all(net.executor.partitions(i) == 1 for i in range(len(net.layers)))

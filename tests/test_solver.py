@@ -541,3 +541,25 @@ def test_fused_sgd_steps_aside_where_it_does_not_apply():
         solver = make_solver(f'type: "SGD" momentum: 0.9 base_lr: 0.05 lr_policy: "fixed" {text}')
         assert not solver._can_fuse()
     assert make_solver('type: "SGD" base_lr: 0.05 lr_policy: "fixed"')._can_fuse()
+
+
+def test_fused_sgd_applies_with_l1_and_no_decay():
+    assert make_solver('type: "SGD" base_lr: 0.05 lr_policy: "fixed" regularization_type: "L1"')._can_fuse()
+
+
+def test_a_failing_stripe_is_waited_for_and_raised(monkeypatch):
+    """_striped returns only after every stripe has ended, and raises the failure."""
+    solver = make_solver('type: "SGD" momentum: 0.9 base_lr: 0.05 lr_policy: "fixed"')
+    solver.net.executor.threads = 3
+    import time
+    finished = []
+
+    def update(rate):
+        stripe = solver._stripe.value[0]
+        if stripe == 0:
+            raise RuntimeError("stripe 0 failed")
+        time.sleep(0.05)
+        finished.append(stripe)
+    with pytest.raises(RuntimeError, match="stripe 0 failed"):
+        solver._striped(update, 0.1)
+    assert sorted(finished) == [1, 2]

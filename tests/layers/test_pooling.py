@@ -342,3 +342,23 @@ def test_max_with_empty_windows_after_chunks():
     tops[0].diff[...] = 1
     layer.backward(tops, [True], bottoms)
     assert not bottoms[0].diff[1].any() and bottoms[0].diff[0].sum() == 4
+
+
+def test_max_whole_image_window_wider_than_the_image_routes_to_its_maximum():
+    """Kernel 3, stride 2 on a 2 x 2 map: one window past the image; its winner
+    is a flat index of the 2-wide image, not of the 3-wide kernel."""
+    x = np.array([[[[1.0, 2.0], [3.0, 4.0]]]])
+    layer, bottoms, tops = run('type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 2 }', x)
+    assert tops[0].data.ravel().tolist() == [4.0]
+    tops[0].diff[...] = 1
+    layer.backward(tops, [True], bottoms)
+    assert bottoms[0].diff.ravel().tolist() == [0, 0, 0, 1]
+
+
+def test_max_backward_after_a_reshape_without_forward_is_an_error():
+    layer, bottoms, tops = run('type: "Pooling" pooling_param { pool: MAX kernel_size: 2 stride: 2 }',
+                               distinct((2, 1, 4, 4)))
+    bottoms[0].reshape(3, 1, 4, 4)
+    layer.reshape(bottoms, tops)
+    with pytest.raises(ShapeError, match="backward needs a forward"):
+        layer.backward(tops, [True], bottoms)
