@@ -22,6 +22,8 @@ import threading
 
 import numpy as np
 
+from . import fillers
+from .blob import Blob
 from .errors import ConfigError, ShapeError, layer_where
 
 TRAIN, TEST = 0, 1            # caffe.Phase values
@@ -108,6 +110,11 @@ class Layer:
 
     def shape_error(self, message):
         return ShapeError(f"{self.where()}: {message}")
+
+    def filled_blob(self, shape, filler_param, field):
+        """A parameter blob of `shape` filled by `filler_param`; a bad filler's
+        error names this layer and `field` (e.g. "convolution_param.weight_filler")."""
+        return fillers.fill(Blob(shape), filler_param, where=f"{self.where()}: {field}")
 
     def check_blob_counts(self, bottom, top):
         self._check_count("bottom", len(bottom), self.exact_bottoms, self.min_bottoms, self.max_bottoms)

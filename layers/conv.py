@@ -18,8 +18,7 @@ import os
 
 import numpy as np
 
-from cct import config, fillers
-from cct.blob import Blob
+from cct import config
 from cct.layer import Layer, register
 from cct.lowering import (ConvGeometry, chooser, conv_backward, conv_backward_data, conv_backward_weights,
                           conv_forward, lowering, type1)
@@ -137,13 +136,10 @@ class _ConvolutionBase(Layer):
         # The convolution's own (input, output) channels; swapped for Deconvolution.
         conv_in, conv_out = ((self.num_output, self.channels) if self.reverse
                              else (self.channels, self.num_output))
-        weight = Blob((conv_out, conv_in // self.group) + self.kernel)
-        fillers.fill(weight, p.weight_filler, where=f"{self.where()}: convolution_param.weight_filler")
-        self.blobs = [weight]
+        self.blobs = [self.filled_blob((conv_out, conv_in // self.group) + self.kernel, p.weight_filler,
+                                       "convolution_param.weight_filler")]
         if self.bias_term:
-            bias = Blob((self.num_output,))
-            fillers.fill(bias, p.bias_filler, where=f"{self.where()}: convolution_param.bias_filler")
-            self.blobs.append(bias)
+            self.blobs.append(self.filled_blob((self.num_output,), p.bias_filler, "convolution_param.bias_filler"))
         self.param_propagate_down = [True] * len(self.blobs)
 
     def reshape(self, bottom, top):

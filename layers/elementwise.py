@@ -2,8 +2,6 @@
 Scale, Bias, Embed."""
 import numpy as np
 
-from cct.blob import Blob
-from cct.fillers import fill
 from cct.layer import Layer, register
 from cct.proto import caffe_pb2
 
@@ -197,15 +195,12 @@ class Scale(Layer):
     def setup(self, bottom, top):
         param = self.layer_param.scale_param
         if len(bottom) == 1 and not self.blobs:
-            scale = Blob(_learned_shape(self, bottom[0], "scale_param"))
             filler = param.filler if param.HasField("filler") else caffe_pb2.FillerParameter(type="constant", value=1)
-            fill(scale, filler, where=f"{self.where()}: scale_param.filler")
-            self.blobs.append(scale)
+            self.blobs.append(self.filled_blob(_learned_shape(self, bottom[0], "scale_param"), filler,
+                                               "scale_param.filler"))
         if param.bias_term and len(self.blobs) == (len(bottom) == 1):   # not already made
             shape = bottom[1].shape if len(bottom) > 1 else self.blobs[0].shape
-            bias = Blob(shape)
-            fill(bias, param.bias_filler, where=f"{self.where()}: scale_param.bias_filler")
-            self.blobs.append(bias)
+            self.blobs.append(self.filled_blob(shape, param.bias_filler, "scale_param.bias_filler"))
 
     def _scale(self, bottom):
         return bottom[1] if len(bottom) > 1 else self.blobs[0]
@@ -258,9 +253,8 @@ class Bias(Layer):
 
     def setup(self, bottom, top):
         if len(bottom) == 1 and not self.blobs:
-            bias = Blob(_learned_shape(self, bottom[0], "bias_param"))
-            fill(bias, self.layer_param.bias_param.filler, where=f"{self.where()}: bias_param.filler")
-            self.blobs.append(bias)
+            self.blobs.append(self.filled_blob(_learned_shape(self, bottom[0], "bias_param"),
+                                               self.layer_param.bias_param.filler, "bias_param.filler"))
 
     def _bias(self, bottom):
         return bottom[1] if len(bottom) > 1 else self.blobs[0]
@@ -314,13 +308,10 @@ class Embed(Layer):
             raise self.config_error("embed_param.input_dim", f"must be > 0, got {param.input_dim}")
         if self.blobs:
             return
-        weight = Blob((param.input_dim, param.num_output))
-        fill(weight, param.weight_filler, where=f"{self.where()}: embed_param.weight_filler")
-        self.blobs.append(weight)
+        self.blobs.append(self.filled_blob((param.input_dim, param.num_output), param.weight_filler,
+                                           "embed_param.weight_filler"))
         if param.bias_term:
-            bias = Blob((param.num_output,))
-            fill(bias, param.bias_filler, where=f"{self.where()}: embed_param.bias_filler")
-            self.blobs.append(bias)
+            self.blobs.append(self.filled_blob((param.num_output,), param.bias_filler, "embed_param.bias_filler"))
 
     def reshape(self, bottom, top):
         top[0].reshape(bottom[0].shape + (self.layer_param.embed_param.num_output,))

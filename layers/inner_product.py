@@ -1,8 +1,6 @@
 """InnerProduct (fully connected): one GEMM over the whole batch."""
 import numpy as np
 
-from cct import fillers
-from cct.blob import Blob
 from cct.layer import Layer, register
 
 
@@ -33,13 +31,10 @@ class InnerProduct(Layer):
         self.transpose = p.transpose
         self.axis = self._axis(bottom[0])
         self.k = bottom[0].count_range(self.axis)
-        weight = Blob((self.k, self.num_output) if self.transpose else (self.num_output, self.k))
-        fillers.fill(weight, p.weight_filler, where=f"{self.where()}: inner_product_param.weight_filler")
-        self.blobs = [weight]
+        self.blobs = [self.filled_blob((self.k, self.num_output) if self.transpose else (self.num_output, self.k),
+                                       p.weight_filler, "inner_product_param.weight_filler")]
         if self.bias_term:
-            bias = Blob((self.num_output,))
-            fillers.fill(bias, p.bias_filler, where=f"{self.where()}: inner_product_param.bias_filler")
-            self.blobs.append(bias)
+            self.blobs.append(self.filled_blob((self.num_output,), p.bias_filler, "inner_product_param.bias_filler"))
         self.param_propagate_down = [True] * len(self.blobs)
 
     def _axis(self, bottom):
