@@ -265,13 +265,16 @@ class Executor:
         if (self.threads >= 2 and self.net.layers[index].type != "InnerProduct" and tops
                 and tops[0].count >= DEFAULT_SPLIT_ELEMENTS and self.partitionable(index)
                 and tops[0].shape[0] >= 2 * self.threads):
-            # as the tuner: at most TUNE_PARAM_COPY_BYTES of clones' private diffs
             # (on a many-core host, p - 1 copies of a convolution's weights add up)
-            param_bytes = sum(blob.count * blob.dtype.itemsize for blob in self.net.layers[index].blobs)
-            partitions = self.threads if not param_bytes else min(self.threads,
-                                                                  1 + TUNE_PARAM_COPY_BYTES // param_bytes)
+            partitions = min(self.threads, self._most_partitions(index))
         self._defaults[index] = (key, partitions)
         return partitions
+
+    def _most_partitions(self, index):
+        """The most partitions whose clones' private parameter diffs ((p - 1)
+        copies of the layer's parameters) stay within TUNE_PARAM_COPY_BYTES."""
+        param_bytes = sum(blob.count * blob.dtype.itemsize for blob in self.net.layers[index].blobs)
+        return 1 + TUNE_PARAM_COPY_BYTES // param_bytes if param_bytes else float("inf")
 
     # --- running -----------------------------------------------------------------
     def workers(self, count):
@@ -332,11 +335,9 @@ class Executor:
             if not self.partitionable(index):
                 continue
             best = None
-            param_bytes = sum(blob.count * blob.dtype.itemsize for blob in net.layers[index].blobs)
+            most = min(net.bottom_vecs[index][0].shape[0], self._most_partitions(index))
             for partitions in candidates:
-                if partitions > net.bottom_vecs[index][0].shape[0]:
-                    continue
-                if partitions > 1 and (partitions - 1) * param_bytes > TUNE_PARAM_COPY_BYTES:
+                if partitions > most:
                     continue
                 self.set_partitions(index, partitions)
                 elapsed = self._time_layer(index, repeats)
