@@ -719,6 +719,14 @@ def _require_no_momentum(solver):
                           f"got {solver.param.momentum}")
 
 
+def _divide_by_root(diff, history, delta, local_rate, temp):
+    """diff = local_rate * diff / (sqrt(history) + delta), AdaGrad's and RMSProp's step."""
+    np.sqrt(history, out=temp)
+    temp += delta
+    np.divide(diff, temp, out=diff)
+    diff *= local_rate
+
+
 @register_solver("AdaGrad")
 class AdaGradSolver(Solver):
     """history += grad^2; step = local_rate * grad / (sqrt(history) + delta)."""
@@ -730,10 +738,7 @@ class AdaGradSolver(Solver):
         local_rate = rate * self.net.params_lr[index]
         for diff, history, temp in self._pieces(self.net.learnable_params[index].diff, self.history[index]):
             history += np.square(diff, out=temp)
-            np.sqrt(history, out=temp)
-            temp += self.param.delta
-            np.divide(diff, temp, out=diff)
-            diff *= local_rate
+            _divide_by_root(diff, history, self.param.delta, local_rate, temp)
 
 
 @register_solver("RMSProp")
@@ -755,10 +760,7 @@ class RMSPropSolver(Solver):
             temp *= 1.0 - decay
             history *= decay
             history += temp
-            np.sqrt(history, out=temp)
-            temp += self.param.delta
-            np.divide(diff, temp, out=diff)
-            diff *= local_rate
+            _divide_by_root(diff, history, self.param.delta, local_rate, temp)
 
 
 @register_solver("AdaDelta")

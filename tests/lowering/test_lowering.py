@@ -80,9 +80,8 @@ def grid():
 GRID = list(grid())
 
 
-@pytest.mark.parametrize("geom", GRID, ids=lambda g: f"c{g.channels}o{g.num_output}k{g.kernel_h}x{g.kernel_w}"
-                         f"s{g.stride_h}p{g.pad_h}d{g.dilation_h}g{g.group}")
-def test_lowerings_match_reference(geom):
+def assert_every_type_matches_reference(geom):
+    """Forward, data and weight gradients of every lowering type against the reference."""
     x, w, dy = arrays(geom)
     expected = (reference.forward(x, w, geom), reference.backward_data(dy, w, geom),
                 reference.backward_weights(x, dy, geom))
@@ -91,6 +90,12 @@ def test_lowerings_match_reference(geom):
                conv_backward_weights(x, dy, geom, kind))
         for name, ours, want in zip(("forward", "backward_data", "backward_weights"), got, expected):
             np.testing.assert_allclose(ours, want, rtol=1e-10, atol=1e-10, err_msg=f"type {kind} {name}")
+
+
+@pytest.mark.parametrize("geom", GRID, ids=lambda g: f"c{g.channels}o{g.num_output}k{g.kernel_h}x{g.kernel_w}"
+                         f"s{g.stride_h}p{g.pad_h}d{g.dilation_h}g{g.group}")
+def test_lowerings_match_reference(geom):
+    assert_every_type_matches_reference(geom)
 
 
 @pytest.mark.parametrize("kind", TYPES)
@@ -236,14 +241,7 @@ def test_overrun_reference_matches_loops(geom):
 
 @pytest.mark.parametrize("geom", OVERRUN, ids=OVERRUN_IDS)
 def test_overrun_lowerings_match_reference(geom):
-    x, w, dy = arrays(geom)
-    expected = (reference.forward(x, w, geom), reference.backward_data(dy, w, geom),
-                reference.backward_weights(x, dy, geom))
-    for kind in TYPES:
-        got = (conv_forward(x, w, geom, kind), conv_backward_data(dy, w, geom, kind),
-               conv_backward_weights(x, dy, geom, kind))
-        for name, ours, want in zip(("forward", "backward_data", "backward_weights"), got, expected):
-            np.testing.assert_allclose(ours, want, rtol=1e-10, atol=1e-10, err_msg=f"type {kind} {name}")
+    assert_every_type_matches_reference(geom)
 
 
 @pytest.mark.parametrize("width", [0, 10 ** 6])
