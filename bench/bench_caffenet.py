@@ -9,7 +9,7 @@ One iteration is cct.SGDSolver.step(1): forward, backward and the SGD update
 train_synthetic.prototxt with its DummyData replaced by Input blobs filled once
 (gaussian images, random labels), so the random fill is not timed. Each
 framework runs in a fresh subprocess, so its peak RSS (VmHWM) is its own.
---share-diffs runs cct with CCT_SHARE_DIFFS=1 (cct.memory: blobs whose
+--share-diffs runs cct with CCT_SHARE_DIFFS=1 (cct.runtime.memory: blobs whose
 gradients are never live together share one diff buffer).
 """
 import os
@@ -21,7 +21,8 @@ import common  # noqa: E402
 
 def run_cct(args):
     import cct  # noqa: F401
-    from cct import memory, profile
+    from cct.runtime import memory
+    from cct.runtime import profile
     param, inputs = common.net_param_with_inputs(common.CAFFENET, args.batch)
     solver = common.sgd_solver(param)
     net = solver.net

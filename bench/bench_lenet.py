@@ -29,7 +29,7 @@ def overhead_net(layers=20):
     """`layers` in-place ReLUs on a 1x1 blob after an Input, then a Power loss
     so backward runs through all: what an iteration costs beyond the arithmetic."""
     import cct
-    from cct.net import Net
+    from cct.core.net import Net
     from cct.proto import caffe_pb2
     param = caffe_pb2.NetParameter(name="overhead")
     data = param.layer.add(name="data", type="Input", top=["x"])

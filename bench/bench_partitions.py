@@ -27,7 +27,7 @@ def main(argv=None):
     parser.add_argument("--no-tune", action="store_true", help="skip the tuned per-layer plan")
     args = parser.parse_args(argv)
     p = common.print_flush
-    from cct import profile
+    from cct.runtime import profile
     param, inputs = common.net_param_with_inputs(common.CAFFENET, args.batch)
     solver = common.sgd_solver(param)
     net = solver.net

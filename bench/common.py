@@ -21,8 +21,8 @@ CAFFENET = os.path.join(REPO, "models", "bvlc_reference_caffenet", "train_synthe
 
 def gemm_peak(size=2048, repeats=5):
     """Best sgemm rate (GFLOP/s) with numpy's BLAS at its current threads
-    (cct.profile.gemm_peak: square `size`, best of `repeats`)."""
-    from cct.profile import gemm_peak as measure
+    (cct.runtime.profile.gemm_peak: square `size`, best of `repeats`)."""
+    from cct.runtime.profile import gemm_peak as measure
     return measure(size, repeats)
 
 
@@ -84,7 +84,7 @@ def net_param_with_inputs(path, batch=None, data_shapes=None):
     set to `batch`); a Data layer included in TRAIN (or in every phase) becomes
     an Input of `data_shapes` (one shape per top, batch axis first), and Data
     layers of the TEST phase are dropped. Returns (param, {top name: shape})."""
-    from cct.prototxt import read_net
+    from cct.formats.prototxt import read_net
     from cct.proto import caffe_pb2
     param = read_net(path)
     inputs = {}

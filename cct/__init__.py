@@ -1,21 +1,21 @@
 """cct: Caffe con Troll in Python. A Caffe-compatible CNN framework whose
 Python API mirrors pycaffe name for name (`import cct as caffe`)."""
-from .blob import Blob
-from .errors import CctError, ConfigError, DataError, ShapeError, WeightsError
-from .layer import TEST, TRAIN, Layer, layer_type_list, register
-from .net import Net
-from .rng import set_random_seed
-from . import pycaffe  # noqa: F401  (attaches forward_all, set_input_arrays, callbacks to Net)
-from .pycaffe import Timer
-from . import io
-from .classifier import Classifier
-from .detector import Detector
+from cct.core.blob import Blob
+from cct.core.errors import CctError, ConfigError, DataError, ShapeError, WeightsError
+from cct.core.layer import TEST, TRAIN, Layer, layer_type_list, register
+from cct.core.net import Net
+from cct.core.rng import set_random_seed
+from cct import pycaffe  # noqa: F401  (attaches forward_all, set_input_arrays, callbacks to Net)
+from cct.pycaffe import Timer
+from cct import io
+from cct.classifier import Classifier
+from cct.detector import Detector
 # pycaffe's `layers as L` is cct.layers itself: the subpackage of layer families
 # resolves capitalized names to NetSpec layer factories (see layers/__init__.py).
-from .net_spec import params, NetSpec, to_proto
-from .solver import (get_solver, SGDSolver, NesterovSolver, AdaGradSolver, RMSPropSolver,
+from cct.net_spec import params, NetSpec, to_proto
+from cct.training.solver import (get_solver, SGDSolver, NesterovSolver, AdaGradSolver, RMSPropSolver,
                      AdaDeltaSolver, AdamSolver)
-from . import layers  # noqa: E402  (registers every layer type)
+from cct import layers  # noqa: E402  (registers every layer type)
 
 __version__ = "0.1.0"
 

@@ -5,10 +5,10 @@ mirrors, whose predictions are averaged), preprocessed by a cct.io.Transformer
 and run through the net in batches."""
 import numpy as np
 
-from . import io as cct_io
-from . import pycaffe  # noqa: F401  (Net.forward_all)
-from .layer import TEST
-from .net import Net
+from cct import io as cct_io
+from cct import pycaffe  # noqa: F401  (Net.forward_all)
+from cct.core.layer import TEST
+from cct.core.net import Net
 
 
 class Classifier(Net):

@@ -6,11 +6,11 @@ import os
 
 import numpy as np
 
-from . import io as cct_io
-from . import pycaffe  # noqa: F401  (Net.forward_all)
-from .errors import CctError
-from .layer import TEST
-from .net import Net
+from cct import io as cct_io
+from cct import pycaffe  # noqa: F401  (Net.forward_all)
+from cct.core.errors import CctError
+from cct.core.layer import TEST
+from cct.core.net import Net
 
 
 class Detector(Net):

@@ -6,9 +6,9 @@ blobs are octagons; rendered by graphviz's `dot` through pydot.
 """
 import shutil
 
-from .errors import CctError
-from .proto import caffe_pb2
-from .prototxt import read_net
+from cct.core.errors import CctError
+from cct.proto import caffe_pb2
+from cct.formats.prototxt import read_net
 
 LAYER_STYLE_DEFAULT = {"shape": "record", "fillcolor": "#6495ED", "style": "filled"}
 NEURON_LAYER_STYLE = {"shape": "record", "fillcolor": "#90EE90", "style": "filled"}

@@ -13,9 +13,9 @@ close to but not bit-equal with skimage's.
 """
 import numpy as np
 
-from .errors import DataError, ShapeError
-from .proto import caffe_pb2
-from .weights import blob_proto_shape
+from cct.core.errors import DataError, ShapeError
+from cct.proto import caffe_pb2
+from cct.formats.weights import blob_proto_shape
 
 # --- proto / datum / ndarray conversion --------------------------------------------
 

@@ -25,8 +25,8 @@ from collections import Counter, OrderedDict
 
 from google.protobuf.message import Message
 
-from .errors import ConfigError
-from .proto import caffe_pb2
+from cct.core.errors import ConfigError
+from cct.proto import caffe_pb2
 
 
 def param_name_dict():

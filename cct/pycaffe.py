@@ -1,5 +1,5 @@
 """The parts of pycaffe's Net that pycaffe writes in Python, attached to
-cct.net.Net the way pycaffe attaches them to the C++ class (so nets made
+cct.core.net.Net the way pycaffe attaches them to the C++ class (so nets made
 anywhere, by a solver too, have them), plus pycaffe's Timer.
 
     net.forward_all(data=images)            any number of images, in batches
@@ -14,8 +14,8 @@ from itertools import zip_longest
 
 import numpy as np
 
-from .errors import ConfigError, ShapeError
-from .net import Net
+from cct.core.errors import ConfigError, ShapeError
+from cct.core.net import Net
 
 
 def _batch(self, blobs):

@@ -1,5 +1,5 @@
 """Every Caffe layer type, one module per family. Importing this package
-registers them all under their Caffe type names (see cct.layer.register)."""
+registers them all under their Caffe type names (see cct.core.layer.register)."""
 import importlib
 
 _FAMILIES = ("data_input", "neuron", "conv", "pooling", "inner_product",

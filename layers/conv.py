@@ -3,7 +3,7 @@
 The arithmetic lives in cct.lowering: the whole batch is lowered into one
 matrix and multiplied in one GEMM per group. Each layer has a
 `lowering_type` (1, 2 or 3, see cct.lowering), decided in this order: the
-layer's entry in the run configuration (cct.config), the environment variable
+layer's entry in the run configuration (cct.runtime.settings), the environment variable
 CCT_LOWERING, the configuration's default, else the chooser
 (cct.lowering.chooser) picks per geometry and batch at reshape (cached, so a
 reshape to the same shape costs a tuple comparison). A scheduler may set the
@@ -18,8 +18,8 @@ import os
 
 import numpy as np
 
-from cct import config
-from cct.layer import Layer, register
+from cct.runtime import settings as config
+from cct.core.layer import Layer, register
 from cct.lowering import (ConvGeometry, chooser, conv_backward, conv_backward_data, conv_backward_weights,
                           conv_forward, lowering, type1)
 from cct.lowering.workspace import (BUDGET_ENV, DEFAULT_BUDGET_MB, budget_from_env, cache_chunk, chunk_size,
@@ -127,7 +127,7 @@ class _ConvolutionBase(Layer):
             raise self.config_error("convolution_param.group", f"must divide num_output "
                                     f"({self.num_output}), got {self.group}")
         self.bias_term = p.bias_term
-        # Partition clones (copy.copy after setup, cct.executor) share the owner's choice.
+        # Partition clones (copy.copy after setup, cct.runtime.executor) share the owner's choice.
         self._owner = self
         self._forced_type, self.measure_lowering, self.lowering_budget = lowering_settings(self)
         self._auto_type = None

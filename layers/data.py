@@ -8,7 +8,7 @@ queue.Queue; forward takes the next one. The thread is a daemon with a stop
 event, stopped by `layer.close()` or when the layer is garbage collected; an
 error in it (a missing or undecodable file) is re-raised by forward with the
 layer's name and the file. Each thread draws crops, mirrors and shuffles from
-its own generator seeded from cct.rng in setup, so a seeded run repeats.
+its own generator seeded from cct.core.rng in setup, so a seeded run repeats.
 HDF5Data holds its files in memory and runs synchronously, as in Caffe.
 """
 import logging
@@ -20,11 +20,11 @@ import weakref
 
 import numpy as np
 
-from cct import rng as cct_rng
-from cct.data_transformer import DataTransformer, decode_image, read_image
-from cct.db import backend_name, open_db
-from cct.errors import CctError, DataError
-from cct.layer import Layer, register
+from cct.core import rng as cct_rng
+from cct.data.transformer import DataTransformer, decode_image, read_image
+from cct.data.db import backend_name, open_db
+from cct.core.errors import CctError, DataError
+from cct.core.layer import Layer, register
 from cct.proto import caffe_pb2
 
 log = logging.getLogger("cct")
@@ -34,7 +34,7 @@ _LEGACY_TRANSFORM_FIELDS = ("scale", "mean_file", "crop_size", "mirror")
 
 def merged_transform_param(layer, param_name):
     """layer_param.transform_param with the deprecated copies of its fields in
-    `param_name` (data_param.scale, ...) folded in. cct.upgrade moves them for
+    `param_name` (data_param.scale, ...) folded in. cct.formats.upgrade moves them for
     V1 nets; a current-format prototxt that still sets them gets the same."""
     merged = caffe_pb2.TransformationParameter()
     merged.CopyFrom(layer.layer_param.transform_param)
@@ -183,7 +183,7 @@ class Data(PrefetchingDataLayer):
     """Datums from an LMDB or LevelDB, in key order, wrapping around at the end.
     data_param: source (db path), backend (LEVELDB default, LMDB), batch_size,
     rand_skip (skip a random 0..rand_skip-1 records at start), prefetch (4),
-    force_encoded_color; transform_param (see cct.data_transformer).
+    force_encoded_color; transform_param (see cct.data.transformer).
     Tops: data (batch_size, C, h, w) from the first record of each batch, and
     optionally label (batch_size,)."""
 

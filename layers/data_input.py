@@ -5,10 +5,10 @@ import logging
 
 import numpy as np
 
-from cct.blob import Blob
-from cct.errors import ConfigError, ShapeError
-from cct.fillers import FILLERS, fill
-from cct.layer import Layer, register
+from cct.core.blob import Blob
+from cct.core.errors import ConfigError, ShapeError
+from cct.core.fillers import FILLERS, fill
+from cct.core.layer import Layer, register
 from cct.proto import caffe_pb2
 
 log = logging.getLogger("cct")

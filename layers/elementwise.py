@@ -2,7 +2,7 @@
 Scale, Bias, Embed."""
 import numpy as np
 
-from cct.layer import Layer, register
+from cct.core.layer import Layer, register
 from cct.proto import caffe_pb2
 
 from .shape import canonical_axis, gather_rows

@@ -1,7 +1,7 @@
 """InnerProduct (fully connected): one GEMM over the whole batch."""
 import numpy as np
 
-from cct.layer import Layer, register
+from cct.core.layer import Layer, register
 
 
 # Elements of the weight-gradient work array (16 MiB of float32): blocks of rows

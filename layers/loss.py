@@ -7,11 +7,11 @@ top[0]->cpu_diff()[0]. Label bottoms never get a gradient.
 """
 import numpy as np
 
-from cct.errors import DataError
-from cct.layer import Layer, register
-from cct.prototxt import read_binary
+from cct.core.errors import DataError
+from cct.core.layer import Layer, register
+from cct.formats.prototxt import read_binary
 from cct.proto import caffe_pb2
-from cct.weights import blob_proto_to_array
+from cct.formats.weights import blob_proto_to_array
 
 FULL, VALID, BATCH_SIZE, NONE = (caffe_pb2.LossParameter.FULL, caffe_pb2.LossParameter.VALID,
                                  caffe_pb2.LossParameter.BATCH_SIZE, caffe_pb2.LossParameter.NONE)

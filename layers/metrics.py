@@ -2,8 +2,8 @@
 backward (Caffe's NOT_IMPLEMENTED); force_backward does not ask them for one."""
 import numpy as np
 
-from cct.errors import DataError
-from cct.layer import Layer, register
+from cct.core.errors import DataError
+from cct.core.layer import Layer, register
 from cct.layers.neuron import NoBackward
 
 

@@ -7,11 +7,11 @@ the input x keeps a copy of it when in place, since forward overwrites it
 """
 import numpy as np
 
-from cct.blob import Blob
-from cct.fillers import fill
-from cct.layer import TRAIN, Layer, register
+from cct.core.blob import Blob
+from cct.core.fillers import fill
+from cct.core.layer import TRAIN, Layer, register
 from cct.proto import caffe_pb2
-from cct.rng import get_rng
+from cct.core.rng import get_rng
 
 
 # Elements per slice where element-wise work runs in cache-sized pieces.
@@ -418,7 +418,7 @@ class Swish(Neuron):
 @register("Dropout")
 class Dropout(Neuron):
     """TRAIN: y = x * m / (1 - ratio), m ~ Bernoulli(1 - ratio) drawn per element
-    from cct.rng; TEST: y = x. Fields: dropout_param.dropout_ratio (0.5, in [0, 1))."""
+    from cct.core.rng; TEST: y = x. Fields: dropout_param.dropout_ratio (0.5, in [0, 1))."""
 
     def setup(self, bottom, top):
         ratio = float(self.layer_param.dropout_param.dropout_ratio)

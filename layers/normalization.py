@@ -9,9 +9,9 @@ operations (CaffeNet's norm1 at batch 128: forward 26 -> 15 ms, backward
 """
 import numpy as np
 
-from cct.blob import Blob
-from cct.jit import kernel
-from cct.layer import TEST, Layer, register
+from cct.core.blob import Blob
+from cct.devices.jit import kernel
+from cct.core.layer import TEST, Layer, register
 from cct.proto import caffe_pb2
 
 # Elements per batch chunk in LRN: about 1 MiB of float32 (see LRN._chunks).

@@ -2,15 +2,15 @@
 
 Windows are visited as KH*KW strided slices of a padded copy of the input
 (one numpy operation per kernel offset over a few images), never per pixel;
-MAX's backward, a scatter to each window's winner, is a compiled loop (cct.jit).
+MAX's backward, a scatter to each window's winner, is a compiled loop (cct.devices.jit).
 """
 import numpy as np
 
-from cct.blob import Blob
-from cct.jit import kernel
-from cct.layer import TRAIN, Layer, register
+from cct.core.blob import Blob
+from cct.devices.jit import kernel
+from cct.core.layer import TRAIN, Layer, register
 from cct.proto import caffe_pb2
-from cct.rng import get_rng
+from cct.core.rng import get_rng
 
 MAX, AVE, STOCHASTIC = (caffe_pb2.PoolingParameter.MAX, caffe_pb2.PoolingParameter.AVE,
                         caffe_pb2.PoolingParameter.STOCHASTIC)

@@ -2,8 +2,8 @@
 PythonLayer, pycaffe's caffe.Layer)."""
 import importlib
 
-from cct.blob import Blob
-from cct.layer import TRAIN, Layer, register
+from cct.core.blob import Blob
+from cct.core.layer import TRAIN, Layer, register
 
 
 class BlobVec(list):

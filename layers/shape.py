@@ -2,8 +2,8 @@
 Split, Concat, Slice, Flatten, Reshape, Crop, Tile, Silence, BatchReindex, Filter."""
 import numpy as np
 
-from cct.errors import ShapeError
-from cct.layer import Layer, register
+from cct.core.errors import ShapeError
+from cct.core.layer import Layer, register
 
 
 def canonical_axis(layer, blob, axis, field):

@@ -29,7 +29,7 @@ Workspace slots (see cct.lowering.workspace): "padded" (C, N, Hp, Wp) or
 """
 import numpy as np
 
-from cct.jit import kernel
+from cct.devices.jit import kernel
 
 from .geometry import (channels_first_output, matmul_nt, pad_channels_first, store, unpad_channels_first,
                        weights_as, window_view)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cct
-from cct.blob import Blob
+from cct.core.blob import Blob
 
 
 def test_shape_count_and_legacy_accessors():

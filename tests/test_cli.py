@@ -127,7 +127,7 @@ def test_train_log_format_and_parse_log(run_folder, capsys):
 
 
 def test_parse_log_reads_caffe_logs(tmp_path):
-    from cct.train_log import parse_log
+    from cct.cli.train_log import parse_log
     log = tmp_path / "caffe.log"
     log.write_text(
         "I1231 23:59:59.500000  1234 solver.cpp:330] Iteration 0, Testing net (#0)\n"
@@ -240,8 +240,8 @@ def test_pass_through_tools_get_their_argv(monkeypatch, capsys):
     fake_tools = types.SimpleNamespace(convert_imageset=lambda argv: calls.append(("convert", argv)) or 0,
                                        compute_image_mean=lambda argv: calls.append(("mean", argv)) or 0)
     fake_compare = types.SimpleNamespace(main=lambda argv: calls.append(("compare", argv)) or 3)
-    monkeypatch.setitem(sys.modules, "cct.tools", fake_tools)
-    monkeypatch.setitem(sys.modules, "cct.compare", fake_compare)
+    monkeypatch.setitem(sys.modules, "cct.cli.datasets", fake_tools)
+    monkeypatch.setitem(sys.modules, "cct.cli.compare", fake_compare)
     assert cli.main(["convert_imageset", "-resize_height=8", "root/", "list.txt", "db"]) == 0
     assert cli.main(["compute_image_mean", "db", "mean.binaryproto"]) == 0
     assert cli.main(["compare", "--help"]) == 3
@@ -291,9 +291,9 @@ def test_bad_net_in_time_is_one_line(run_folder, capsys):
 
 
 def test_missing_tool_module_is_one_line(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "cct.compare", None)      # makes the import fail
+    monkeypatch.setitem(sys.modules, "cct.cli.compare", None)      # makes the import fail
     code, _, err = run(capsys, "compare")
-    assert_one_line_error(code, err, "no cct.compare")
+    assert_one_line_error(code, err, "no cct.cli.compare")
 
 
 def test_console_script_in_a_process(tmp_path):

@@ -1,4 +1,4 @@
-"""cct.config: parsing and its errors, CCT_CONFIG and load(), the precedence of
+"""cct.runtime.settings: parsing and its errors, CCT_CONFIG and load(), the precedence of
 lowering settings in a built Net, and partitions applied to the executor."""
 import json
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import cct
-from cct import config
-from cct.errors import ConfigError
+from cct.runtime import settings as config
+from cct.core.errors import ConfigError
 from cct.lowering import chooser
 from cct.lowering.chooser import Machine
 from cct.lowering.workspace import DEFAULT_BUDGET_MB

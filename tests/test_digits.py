@@ -7,7 +7,7 @@ import pytest
 from google.protobuf import text_format
 
 import cct
-from cct import digits
+from cct.data import digits
 from cct.proto import caffe_pb2
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "lenet"

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import cct
-from cct.executor import BlobSlice, BlasThreads
+from cct.runtime.executor import BlobSlice, BlasThreads
 
 NET = '''name: "partitioned"
 layer { name: "data" type: "Input" top: "data" top: "label"
@@ -123,9 +123,9 @@ def test_partitions_leave_unneeded_diffs_unmade():
 
 
 def test_tune_skips_partitions_that_copy_big_parameters(monkeypatch):
-    import cct.executor
+    import cct.runtime.executor
     net = run(1)
-    monkeypatch.setattr(cct.executor, "TUNE_PARAM_COPY_BYTES", 1000)
+    monkeypatch.setattr(cct.runtime.executor, "TUNE_PARAM_COPY_BYTES", 1000)
     tried = []
     original = net.executor._time_layer
 
@@ -142,7 +142,7 @@ def test_default_plan_splits_large_layers_per_thread_but_not_inner_product(monke
     net = run(1)
     executor = net.executor
     monkeypatch.setattr(executor, "threads", 2)
-    monkeypatch.setattr("cct.executor.DEFAULT_SPLIT_ELEMENTS", net.blobs["pool1"].count)
+    monkeypatch.setattr("cct.runtime.executor.DEFAULT_SPLIT_ELEMENTS", net.blobs["pool1"].count)
     names = {layer.name: executor.partitions(i) for i, layer in enumerate(net.layers)}
     # conv1/relu1/prelu (7x8x12x12) and pool1 reach the size; norm1 shares pool1's size;
     # ip1 is an InnerProduct; data and loss cannot be partitioned
@@ -154,12 +154,12 @@ def test_default_plan_splits_large_layers_per_thread_but_not_inner_product(monke
     monkeypatch.setattr(executor, "threads", 3)
     assert executor.partitions(2) == 3                   # relu1: no parameters
     conv1_bytes = sum(blob.count * blob.dtype.itemsize for blob in net.layers[1].blobs)
-    monkeypatch.setattr("cct.executor.TUNE_PARAM_COPY_BYTES", conv1_bytes)
+    monkeypatch.setattr("cct.runtime.executor.TUNE_PARAM_COPY_BYTES", conv1_bytes)
     assert executor.partitions(2) == 3 and executor.default_partitions(1) == 2   # one copy of conv1's
 
 
 def test_default_plan_gives_the_whole_layer_numbers(monkeypatch):
-    monkeypatch.setattr("cct.executor.DEFAULT_SPLIT_ELEMENTS", 1)
+    monkeypatch.setattr("cct.runtime.executor.DEFAULT_SPLIT_ELEMENTS", 1)
     monkeypatch.setenv("CCT_THREADS", "2")
     whole = run(1)                                       # conv1..norm1 now run as 2 partitions
     assert whole.executor.partitions(1) == 2
@@ -182,6 +182,6 @@ def test_clones_follow_a_budget_set_after_they_were_made():
 def test_cct_partitions_1_runs_every_layer_whole(monkeypatch):
     monkeypatch.setenv("CCT_PARTITIONS", "1")
     monkeypatch.setenv("CCT_THREADS", "2")
-    monkeypatch.setattr("cct.executor.DEFAULT_SPLIT_ELEMENTS", 1)
+    monkeypatch.setattr("cct.runtime.executor.DEFAULT_SPLIT_ELEMENTS", 1)
     net = run(1)
     assert all(net.executor.partitions(i) == 1 for i in range(len(net.layers)))

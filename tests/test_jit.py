@@ -1,7 +1,7 @@
-"""cct.jit: kernels compile on first use, and without a cache where none can be written."""
+"""cct.devices.jit: kernels compile on first use, and without a cache where none can be written."""
 import numpy as np
 
-from cct import jit
+from cct.devices import jit
 
 
 def test_kernel_compiles_on_first_call_and_computes():
@@ -40,7 +40,7 @@ def test_a_kernel_calls_another_kernel_of_its_module():
     numba looks it up while compiling the caller."""
     import types
     module = types.ModuleType("kernels_for_test")
-    exec("from cct.jit import kernel\n"
+    exec("from cct.devices.jit import kernel\n"
          "@kernel\n"
          "def square(v):\n"
          "    return v * v\n"

@@ -4,8 +4,8 @@ import math
 import pytest
 from google.protobuf import text_format
 
-from cct.errors import ConfigError
-from cct.lr_policy import learning_rate
+from cct.core.errors import ConfigError
+from cct.training.lr_policy import learning_rate
 from cct.proto import caffe_pb2
 
 

@@ -1,4 +1,4 @@
-"""cct.memory: diff sharing between blobs whose gradients are never live
+"""cct.runtime.memory: diff sharing between blobs whose gradients are never live
 together. Training with shared diffs must give bitwise the numbers of training
 without (the arenas are poisoned with NaN first, so a diff read before it is
 set shows), the arenas must be smaller, and the blobs whose diffs matter
@@ -11,11 +11,12 @@ import pytest
 from google.protobuf import text_format
 
 import cct
-from cct import config, memory
-from cct import solver as solver_module
-from cct.errors import ConfigError
+from cct.runtime import settings as config
+from cct.runtime import memory
+from cct.training import solver as solver_module
+from cct.core.errors import ConfigError
 from cct.proto import caffe_pb2
-from cct.rng import set_random_seed
+from cct.core.rng import set_random_seed
 
 GAUSS = 'weight_filler { type: "gaussian" std: 0.1 } bias_filler { type: "constant" value: 0.1 }'
 

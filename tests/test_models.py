@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import cct
-from cct.net_passes import filter_net, insert_splits
-from cct.prototxt import read_net, read_solver
+from cct.core.passes import filter_net, insert_splits
+from cct.formats.prototxt import read_net, read_solver
 from cct.proto import caffe_pb2
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cct
-from cct.errors import ConfigError, WeightsError
+from cct.core.errors import ConfigError, WeightsError
 
 needs_inner_product = pytest.mark.skipif("InnerProduct" not in cct.layer_type_list(),
                                          reason="InnerProduct is not written yet")

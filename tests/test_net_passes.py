@@ -3,8 +3,8 @@ FilterNet and InsertSplits tests, rewritten for the V2 format)."""
 import pytest
 from google.protobuf import text_format
 
-from cct.errors import ConfigError
-from cct.net_passes import filter_net, insert_splits, state_meets_rule
+from cct.core.errors import ConfigError
+from cct.core.passes import filter_net, insert_splits, state_meets_rule
 from cct.proto import caffe_pb2
 
 

@@ -1,12 +1,13 @@
-"""cct.profile's FLOP counts (against counts written out by hand) and the
+"""cct.runtime.profile's FLOP counts (against counts written out by hand) and the
 profile table `cct time` prints after Caffe's per-layer lines."""
 import re
 
 import pytest
 
 import cct
-from cct import cli, profile
-from cct.net import Net
+from cct import cli
+from cct.runtime import profile
+from cct.core.net import Net
 from cct.proto import caffe_pb2
 from google.protobuf import text_format
 

@@ -15,8 +15,8 @@ import pytest
 from google.protobuf import text_format
 
 import cct
-from cct import solver as solver_module
-from cct.errors import ConfigError
+from cct.training import solver as solver_module
+from cct.core.errors import ConfigError
 from cct.proto import caffe_pb2
 from siblings import load_sibling
 

@@ -18,10 +18,10 @@ import pytest
 from google.protobuf import text_format
 
 import cct
-from cct import solver as solver_module
-from cct.errors import ConfigError
-from cct.fillers import fill
-from cct.layer import LAYER_TYPES, Layer, register
+from cct.training import solver as solver_module
+from cct.core.errors import ConfigError
+from cct.core.fillers import fill
+from cct.core.layer import LAYER_TYPES, Layer, register
 from cct.proto import caffe_pb2
 
 class LinRegLayer(Layer):
@@ -228,7 +228,7 @@ def test_lr_schedule_reaches_every_rule(kind):
 
 def test_solver_classes_by_name_and_deprecated_enum():
     for kind in SOLVER_CASES:
-        cls = getattr(cct.solver, f"{kind}Solver")
+        cls = getattr(cct.training.solver, f"{kind}Solver")
         assert solver_module.SOLVER_TYPES[kind] is cls
     param = solver_param('solver_type: ADAM base_lr: 0.1 lr_policy: "fixed"')
     assert isinstance(solver_module.get_solver(param), solver_module.AdamSolver)
@@ -478,7 +478,7 @@ def test_reference_solver_case(case, monkeypatch):
         pytest.skip(f"layer types not registered yet: {missing}")
     monkeypatch.chdir(folder)                       # the solver names net.prototxt relatively
     steps = np.load("steps.npz")
-    solver = cct.solver.get_solver("solver.prototxt")
+    solver = cct.training.solver.get_solver("solver.prototxt")
     solver.net.copy_from("weights.caffemodel")
     batch = {key[len("batch/"):]: steps[key] for key in steps.files if key.startswith("batch/")}
     losses = []

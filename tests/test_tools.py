@@ -7,13 +7,13 @@ import pytest
 from PIL import Image
 
 import cct
-from cct import db as cct_db
-from cct.blob import Blob
-from cct.data_transformer import load_mean_file
-from cct.errors import ConfigError, DataError
-from cct.gradient_check import make_layer
+from cct.data import db as cct_db
+from cct.core.blob import Blob
+from cct.data.transformer import load_mean_file
+from cct.core.errors import ConfigError, DataError
+from cct.testing.gradient_check import make_layer
 from cct.proto import caffe_pb2
-from cct.tools import compute_image_mean, convert_arrays_to_lmdb, convert_imageset, image_mean
+from cct.cli.datasets import compute_image_mean, convert_arrays_to_lmdb, convert_imageset, image_mean
 
 RNG = np.random.default_rng(9)
 
@@ -40,7 +40,7 @@ def image_set(tmp_path):
 
 
 def read_db(path):
-    """(keys, datums) straight from LMDB, independent of cct.db."""
+    """(keys, datums) straight from LMDB, independent of cct.data.db."""
     env = lmdb.open(str(path), readonly=True, lock=False)
     with env.begin() as txn:
         items = [(k.decode(), caffe_pb2.Datum.FromString(v)) for k, v in txn.cursor()]
@@ -210,7 +210,7 @@ def test_compute_image_mean_errors(tmp_path):
         image_mean(tmp_path / "one")
 
 
-# --- convert_arrays_to_lmdb and cct.db -------------------------------------------------------------
+# --- convert_arrays_to_lmdb and cct.data.db -------------------------------------------------------------
 def test_convert_arrays_to_lmdb_round_trip(tmp_path):
     pixels = RNG.integers(0, 256, (7, 2, 3, 4)).astype(np.uint8)
     labels = RNG.integers(0, 10, 7)

@@ -3,10 +3,10 @@ V1 -> V2, V1 data transforms, `input:` fields, old BatchNorm specs, solver_type.
 import pytest
 from google.protobuf import text_format
 
-from cct.errors import ConfigError
+from cct.core.errors import ConfigError
 from cct.proto import caffe_pb2
-from cct.upgrade import upgrade_net, upgrade_solver
-from cct.upgrade_v0 import upgrade_v0_net
+from cct.formats.upgrade import upgrade_net, upgrade_solver
+from cct.formats.upgrade_v0 import upgrade_v0_net
 
 
 def parse(text, message=None):

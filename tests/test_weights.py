@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cct
-from cct import weights
+from cct.formats import weights
 from cct.proto import caffe_pb2
 
 BIG_NET = '''name: "big"

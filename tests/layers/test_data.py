@@ -13,9 +13,9 @@ import pytest
 from PIL import Image
 
 import cct
-from cct.blob import Blob
-from cct.errors import ConfigError, DataError
-from cct.gradient_check import make_layer
+from cct.core.blob import Blob
+from cct.core.errors import ConfigError, DataError
+from cct.testing.gradient_check import make_layer
 from cct.proto import caffe_pb2
 
 RNG = np.random.default_rng(5)
@@ -251,7 +251,7 @@ def test_seeded_runs_repeat(raw_db):
 
 
 def test_transformer_batch_equals_single_images():
-    from cct.data_transformer import DataTransformer
+    from cct.data.transformer import DataTransformer
     param = caffe_pb2.TransformationParameter(crop_size=3, mean_value=[5.0], scale=0.5)
     batch = images(4)
     transformer = DataTransformer(param, cct.TEST)

@@ -5,8 +5,8 @@ import itertools
 import numpy as np
 import pytest
 
-from cct.errors import ConfigError, ShapeError
-from cct.gradient_check import check_layer_gradient, make_layer, setup_layer
+from cct.core.errors import ConfigError, ShapeError
+from cct.testing.gradient_check import check_layer_gradient, make_layer, setup_layer
 
 RNG = np.random.default_rng(23)
 

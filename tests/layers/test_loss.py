@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import cct
-from cct.errors import ConfigError, DataError, ShapeError
-from cct.gradient_check import check_layer_gradient, make_layer, setup_layer
-from cct.weights import array_to_blob_proto
+from cct.core.errors import ConfigError, DataError, ShapeError
+from cct.testing.gradient_check import check_layer_gradient, make_layer, setup_layer
+from cct.formats.weights import array_to_blob_proto
 
 RNG = np.random.default_rng(9)
 FLT_MIN = float(np.finfo(np.float32).tiny)

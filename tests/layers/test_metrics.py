@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 import cct
-from cct.errors import ConfigError, DataError
-from cct.gradient_check import make_layer, setup_layer
+from cct.core.errors import ConfigError, DataError
+from cct.testing.gradient_check import make_layer, setup_layer
 
 RNG = np.random.default_rng(13)
 

@@ -5,9 +5,9 @@ import pytest
 
 import cct
 from cct.layers.normalization import LRN
-from cct.blob import Blob
-from cct.errors import ConfigError, ShapeError
-from cct.gradient_check import check_layer_gradient, make_layer, setup_layer
+from cct.core.blob import Blob
+from cct.core.errors import ConfigError, ShapeError
+from cct.testing.gradient_check import check_layer_gradient, make_layer, setup_layer
 
 
 def f32(value):

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import cct
-from cct.errors import ConfigError, ShapeError
-from cct.gradient_check import check_layer_gradient, make_layer, setup_layer
+from cct.core.errors import ConfigError, ShapeError
+from cct.testing.gradient_check import check_layer_gradient, make_layer, setup_layer
 
 RNG = np.random.default_rng(7)
 FLT_MAX = float(np.finfo(np.float32).max)

@@ -10,7 +10,7 @@ import pytest
 
 import cct
 
-from cct.gradient_check import make_layer, setup_layer
+from cct.testing.gradient_check import make_layer, setup_layer
 from cct.lowering import ConvGeometry, chooser, conv_backward, conv_forward, reference
 from cct.lowering.chooser import Machine
 from cct.lowering.workspace import FRESH, Arena, chunk_size, chunks, image_bytes, thread_arena

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cct
-from cct.compare import compare, main
+from cct.cli.compare import compare, main
 
 CASES = Path(__file__).resolve().parents[1] / "reference" / "cases"
 CASE_NAMES = sorted(p.name for p in CASES.iterdir() if (p / "net.prototxt").exists())

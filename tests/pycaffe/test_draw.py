@@ -6,7 +6,7 @@ from google.protobuf import text_format
 
 import cct
 from cct import draw
-from cct.errors import CctError
+from cct.core.errors import CctError
 from cct.proto import caffe_pb2
 
 pytest.importorskip("pydot", reason="drawing needs pydot")

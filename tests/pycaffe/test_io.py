@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from cct import io as cio
-from cct.errors import DataError, ShapeError
+from cct.core.errors import DataError, ShapeError
 from cct.proto import caffe_pb2
 
 rng = np.random.default_rng(3)

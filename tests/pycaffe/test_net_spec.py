@@ -5,7 +5,7 @@ import pytest
 from google.protobuf import text_format
 
 import cct
-from cct.errors import ConfigError
+from cct.core.errors import ConfigError
 from cct.net_spec import NetSpec, layers as L, params as P, to_proto
 from cct.proto import caffe_pb2
 

@@ -13,7 +13,7 @@ from cct import io as cio
 from cct import pycaffe  # noqa: F401  (attaches forward_all & co. to Net)
 from cct.classifier import Classifier
 from cct.detector import Detector
-from cct.errors import CctError, ConfigError
+from cct.core.errors import CctError, ConfigError
 from cct.net_spec import NetSpec, layers as L, params as P
 from cct.pycaffe import Timer
 
@@ -44,7 +44,7 @@ def separable_batch(rng, batch_size):
 
 
 def test_lenet_notebook_flow(tmp_path):
-    solver_module = pytest.importorskip("cct.solver", reason="cct.solver (SGDSolver) not available yet")
+    solver_module = pytest.importorskip("cct.training.solver", reason="cct.training.solver (SGDSolver) not available yet")
     (tmp_path / "train.prototxt").write_text(str(small_lenet(16, False)))
     (tmp_path / "test.prototxt").write_text(str(small_lenet(32, True)))
     (tmp_path / "solver.prototxt").write_text(textwrap.dedent(f"""\

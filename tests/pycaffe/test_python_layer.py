@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import cct
-from cct.errors import ConfigError
-from cct.gradient_check import check_layer_gradient, make_layer
+from cct.core.errors import ConfigError
+from cct.testing.gradient_check import check_layer_gradient, make_layer
 
 MODULE = "cct_test_py_layers"
 
@@ -136,7 +136,7 @@ def test_scale_shift_gradient(py_module, shape, init):
 
 
 def test_scale_shift_forward_against_naive(py_module):
-    from cct.gradient_check import setup_layer
+    from cct.testing.gradient_check import setup_layer
     layer = python_layer("ScaleShift", json.dumps({"scale": 3.0, "shift": -1.0}))
     x = np.random.default_rng(1).standard_normal((2, 3, 2))
     bottoms, tops = setup_layer(layer, [x])
@@ -167,7 +167,7 @@ layer {{ name: "loss" type: "Python" bottom: "out2" bottom: "target" top: "loss"
 
 
 def test_python_layers_train_in_a_net(py_module, tmp_path):
-    solver_module = pytest.importorskip("cct.solver", reason="cct.solver (SGDSolver) not available yet")
+    solver_module = pytest.importorskip("cct.training.solver", reason="cct.training.solver (SGDSolver) not available yet")
     (tmp_path / "net.prototxt").write_text(NET.format(module=MODULE))
     (tmp_path / "solver.prototxt").write_text(textwrap.dedent(f"""\
         net: "{tmp_path / 'net.prototxt'}"

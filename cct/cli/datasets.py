@@ -1,5 +1,5 @@
 """Caffe's dataset tools, as functions of their argument list (no program name)
-that return an exit code and raise cct.errors.CctError on bad input:
+that return an exit code and raise cct.core.errors.CctError on bad input:
 
     convert_imageset([FLAGS] ROOTFOLDER/ LISTFILE DB_NAME)
         images listed in LISTFILE (`path label` per line) -> a database of Datums
@@ -17,11 +17,11 @@ import os
 
 import numpy as np
 
-from . import rng as cct_rng
-from .data_transformer import array_to_datum, datum_to_array, encode_image, read_image, save_mean_file
-from .db import open_db, record_key
-from .errors import ConfigError, DataError
-from .proto import caffe_pb2
+from cct.core import rng as cct_rng
+from cct.data.transformer import array_to_datum, datum_to_array, encode_image, read_image, save_mean_file
+from cct.data.db import open_db, record_key
+from cct.core.errors import ConfigError, DataError
+from cct.proto import caffe_pb2
 
 log = logging.getLogger("cct")
 

@@ -8,10 +8,10 @@ gradient is compared with (L(x+h) - L(x-h)) / 2h. Big blobs are sampled.
 import numpy as np
 from google.protobuf import text_format
 
-from .blob import Blob
-from .layer import TRAIN, create_layer
-from .proto import caffe_pb2
-from .rng import set_random_seed
+from cct.core.blob import Blob
+from cct.core.layer import TRAIN, create_layer
+from cct.proto import caffe_pb2
+from cct.core.rng import set_random_seed
 
 
 def make_layer(prototxt, phase=TRAIN):

@@ -5,8 +5,8 @@ Fan sizes follow Caffe: fan_in = count / shape[0], fan_out = count / shape[1]
 """
 import numpy as np
 
-from .errors import ConfigError
-from .rng import get_rng
+from cct.core.errors import ConfigError
+from cct.core.rng import get_rng
 
 
 def fill(blob, filler_param, where="filler"):

@@ -6,7 +6,7 @@ The update is a template method (Caffe's sgd_solver.cpp):
         clear param diffs -> iter_size x forward_backward (loss averaged)
         -> smoothed loss over `average_loss` iterations -> display
         -> apply_update():
-             learning rate (cct.lr_policy) -> clip_gradients (global L2 norm)
+             learning rate (cct.training.lr_policy) -> clip_gradients (global L2 norm)
              -> per learnable param: normalize (1 / iter_size)
                                      -> regularize (L2 or L1, weight_decay * decay_mult)
                                      -> compute_update_value (the subclass's rule)
@@ -24,21 +24,21 @@ import time
 
 import numpy as np
 
-from . import config as run_config
-from . import memory
-from .errors import ConfigError, WeightsError
-from .executor import run_all
-from .jit import kernel
-from .layer import TEST, TRAIN
-from .lr_policy import check_policy, learning_rate
-from .net import Net
-from .prototxt import atomic_write, read_binary, read_net, read_solver
-from .proto import caffe_pb2
-from .rng import set_random_seed
-from .upgrade import upgrade_solver
-from .weights import array_to_blob_proto, blob_proto_to_array
+from cct.runtime import settings as run_config
+from cct.runtime import memory
+from cct.core.errors import ConfigError, WeightsError
+from cct.runtime.executor import run_all
+from cct.devices.jit import kernel
+from cct.core.layer import TEST, TRAIN
+from cct.training.lr_policy import check_policy, learning_rate
+from cct.core.net import Net
+from cct.formats.prototxt import atomic_write, read_binary, read_net, read_solver
+from cct.proto import caffe_pb2
+from cct.core.rng import set_random_seed
+from cct.formats.upgrade import upgrade_solver
+from cct.formats.weights import array_to_blob_proto, blob_proto_to_array
 
-log = logging.getLogger("cct.solver")
+log = logging.getLogger("cct.training.solver")
 
 SOLVER_TYPES = {}            # SolverParameter.type -> Solver subclass
 UPDATE_PIECE = 1 << 16       # elements per piece of the update's element-wise passes
@@ -70,7 +70,7 @@ def load_solver_param(path):
 
 def get_solver(solver, source=None, share_diffs=False):
     """A solver of the type the SolverParameter (or solver prototxt path) names.
-    share_diffs: whether its train net shares activation diffs (cct.memory)
+    share_diffs: whether its train net shares activation diffs (cct.runtime.memory)
     when neither CCT_SHARE_DIFFS nor the run configuration says."""
     param, source = _solver_param(solver, source)
     cls = SOLVER_TYPES.get(param.type)

@@ -9,9 +9,9 @@ import os
 
 import numpy as np
 
-from .errors import WeightsError
-from .prototxt import atomic_write, read_binary
-from .proto import caffe_pb2
+from cct.core.errors import WeightsError
+from cct.formats.prototxt import atomic_write, read_binary
+from cct.proto import caffe_pb2
 
 _PACKED_DATA_TAG = (5 << 3) | 2          # BlobProto.data = 5, length-delimited (packed)
 _PACKED_DIFF_TAG = (6 << 3) | 2          # BlobProto.diff = 6
@@ -78,7 +78,7 @@ def legacy_shape_matches(blob_shape, proto):
 # --- .caffemodel ----------------------------------------------------------------
 def read_caffemodel(path):
     """The NetParameter in a .caffemodel, upgraded to the current format."""
-    from .upgrade import upgrade_net
+    from cct.formats.upgrade import upgrade_net
     if not os.path.exists(path):
         raise WeightsError(f"{path}: weight file not found")
     return upgrade_net(read_binary(path, caffe_pb2.NetParameter()), source=str(path))

@@ -26,7 +26,7 @@ from datetime import datetime
 
 import numpy as np
 
-from .errors import CctError, ConfigError
+from cct.core.errors import CctError, ConfigError
 
 log = logging.getLogger("cct.cli")
 
@@ -110,7 +110,7 @@ def _note_gpu(args):
 
 
 def _phase(args, default):
-    from .layer import TEST, TRAIN
+    from cct.core.layer import TEST, TRAIN
     return {"TRAIN": TRAIN, "TEST": TEST}.get(args.phase, default)
 
 
@@ -133,8 +133,8 @@ def _require(value, flag_name, message):
          help="what SIGHUP does: stop, snapshot (and go on), none"),
 )
 def train(args):
-    from .solver import get_solver, load_solver_param
-    from .proto import caffe_pb2
+    from cct.training.solver import get_solver, load_solver_param
+    from cct.proto import caffe_pb2
     _require(args.solver, "--solver", "need a solver definition to train")
     if args.snapshot and args.weights:
         raise ConfigError("--snapshot, --weights: give a snapshot to resume training or weights to "
@@ -150,7 +150,7 @@ def train(args):
         param.weights.append(args.weights)
     if param.solver_mode == caffe_pb2.SolverParameter.GPU:
         log.info("solver_mode: GPU: cct runs on the CPU")
-    # Nothing outside the run reads an activation's diff: share them (cct.memory).
+    # Nothing outside the run reads an activation's diff: share them (cct.runtime.memory).
     solver = get_solver(param, source=args.solver, share_diffs=True)
     with _signal_effects(solver, args.sigint_effect, args.sighup_effect):
         solver.solve(args.snapshot or None)
@@ -196,8 +196,8 @@ class _signal_effects:
     PHASE, LEVEL, STAGE, GPU,
 )
 def test(args):
-    from .layer import TEST
-    from .net import Net
+    from cct.core.layer import TEST
+    from cct.core.net import Net
     _require(args.model, "--model", "need a model definition to score")
     _require(args.weights, "--weights", "need model weights to score")
     _check_iterations(args.iterations)
@@ -252,9 +252,9 @@ def layer_report(layer, forward_ms=None, backward_ms=None):
     PHASE, LEVEL, STAGE, GPU,
 )
 def time_command(args):
-    from . import profile
-    from .layer import TRAIN
-    from .net import Net
+    from cct.runtime import profile
+    from cct.core.layer import TRAIN
+    from cct.core.net import Net
     _require(args.model, "--model", "need a model definition to time")
     _check_iterations(args.iterations)
     if args.peak_size < 0:
@@ -321,10 +321,10 @@ PROFILE_HEADER = ("layer", "type", "fwd ms", "bwd ms", "fwd GFLOP/s", "bwd GFLOP
 
 
 def profile_table(net, forward_ms, backward_ms, peak):
-    """`cct time`'s profile: per layer its times, achieved GFLOP/s (cct.profile's
+    """`cct time`'s profile: per layer its times, achieved GFLOP/s (cct.runtime.profile's
     counts), the share of the GEMM peak (forward and backward together), the
     lowering type of convolutions and the batch partitions; then the net's total."""
-    from . import profile
+    from cct.runtime import profile
     flops = profile.net_flops(net, every_backward=True)
 
     def rate(count, ms):
@@ -419,7 +419,7 @@ def _opencl_devices():
            flag("--seed", type=int, default=0, help="rendering seed"),
            flag("--overwrite", action="store_true", help="rewrite existing databases"))
 def digits(args):
-    from .digits import make_digits_lmdb
+    from cct.data.digits import make_digits_lmdb
     for path in make_digits_lmdb(args.out_dir, args.train_count, args.test_count, args.seed, args.overwrite):
         log.info("wrote %s", path)
     return 0
@@ -428,29 +428,29 @@ def digits(args):
 # --- pass-through tools --------------------------------------------------------------------
 @command("convert_imageset", "convert a list of images into an LMDB/LevelDB of Datums", passthrough=True)
 def convert_imageset(argv):
-    return _tool("tools", "convert_imageset")(argv)
+    return _tool("cct.cli.datasets", "convert_imageset")(argv)
 
 
 @command("compute_image_mean", "compute the mean image of a database into a .binaryproto",
          passthrough=True)
 def compute_image_mean(argv):
-    return _tool("tools", "compute_image_mean")(argv)
+    return _tool("cct.cli.datasets", "compute_image_mean")(argv)
 
 
 @command("compare", "compare cct with reference outputs", passthrough=True)
 def compare(argv):
-    return _tool("compare", "main")(argv)
+    return _tool("cct.cli.compare", "main")(argv)
 
 
 def _tool(module_name, function_name):
     """Import a companion tool only when its command runs."""
     import importlib
     try:
-        module = importlib.import_module(f"cct.{module_name}")
+        module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
-        if error.name != f"cct.{module_name}":
+        if error.name != module_name:
             raise
-        raise ConfigError(f"this cct install has no cct.{module_name}, which this command "
+        raise ConfigError(f"this cct install has no {module_name}, which this command "
                           "needs") from None
     return getattr(module, function_name)
 
@@ -462,8 +462,8 @@ IN_OUT = (flag("input", help="file to read"), flag("output", help="file to write
 @command("upgrade_net_proto_text", "upgrade a net prototxt (V0/V1 layers, input fields) to the current format")
 @arguments(*IN_OUT)
 def upgrade_net_proto_text(args):
-    from .prototxt import read_text, write_text
-    from .proto import caffe_pb2
+    from cct.formats.prototxt import read_text, write_text
+    from cct.proto import caffe_pb2
     _upgrade_net(args, read_text(args.input, caffe_pb2.NetParameter()), write_text)
     return 0
 
@@ -471,14 +471,14 @@ def upgrade_net_proto_text(args):
 @command("upgrade_net_proto_binary", "upgrade a binary net (.caffemodel) to the current format")
 @arguments(*IN_OUT)
 def upgrade_net_proto_binary(args):
-    from .prototxt import read_binary, write_binary
-    from .proto import caffe_pb2
+    from cct.formats.prototxt import read_binary, write_binary
+    from cct.proto import caffe_pb2
     _upgrade_net(args, read_binary(args.input, caffe_pb2.NetParameter()), write_binary)
     return 0
 
 
 def _upgrade_net(args, net_param, write):
-    from .upgrade import upgrade_net
+    from cct.formats.upgrade import upgrade_net
     upgraded = upgrade_net(net_param, source=args.input)
     if upgraded == net_param:
         log.info("%s: already in the latest format", args.input)
@@ -489,8 +489,8 @@ def _upgrade_net(args, net_param, write):
 @command("upgrade_solver_proto_text", "upgrade a solver prototxt (solver_type enum -> type)")
 @arguments(*IN_OUT)
 def upgrade_solver_proto_text(args):
-    from .prototxt import read_solver, write_text
-    from .upgrade import upgrade_solver
+    from cct.formats.prototxt import read_solver, write_text
+    from cct.formats.upgrade import upgrade_solver
     param = read_solver(args.input)
     upgraded = upgrade_solver(param, source=args.input)
     if upgraded == param:
@@ -508,7 +508,7 @@ def upgrade_solver_proto_text(args):
     flag("--delimiter", default=",", help="column delimiter"),
 )
 def parse_log(args):
-    from .train_log import write_tables
+    from cct.cli.train_log import write_tables
     train_path, test_path = write_tables(args.logfile, args.output_dir, args.delimiter)
     log.info("Wrote %s and %s", train_path, test_path)
     return 0
@@ -521,7 +521,7 @@ def parse_log(args):
     flag("--x", default="iters", choices=("iters", "seconds"), help="the horizontal axis"),
 )
 def plot_training_log(args):
-    from .train_log import plot_training_log as plot
+    from cct.cli.train_log import plot_training_log as plot
     plot(args.logfile, args.output, x=args.x)
     log.info("Wrote %s", args.output)
     return 0
@@ -572,6 +572,3 @@ def _one_line(error):
         text = str(error) or type(error).__name__
     return " ".join(text.split())
 
-
-if __name__ == "__main__":
-    sys.exit(main())

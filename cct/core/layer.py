@@ -8,7 +8,7 @@ A layer follows pycaffe's contract:
                                           diffs ACCUMULATE (+=), bottom diffs are set
 Blob counts are declared as class attributes, so the check and its message live
 here once. Types register under Caffe's exact type string (V1 enum names are
-mapped to these by cct.upgrade).
+mapped to these by cct.formats.upgrade).
 
 Work arrays: big temporaries are mmapped and page-faulted afresh on every
 allocation (tens of ms for CaffeNet's blobs), so hot paths reuse arrays:
@@ -22,9 +22,9 @@ import threading
 
 import numpy as np
 
-from . import fillers
-from .blob import Blob
-from .errors import ConfigError, ShapeError, layer_where
+from cct.core import fillers
+from cct.core.blob import Blob
+from cct.core.errors import ConfigError, ShapeError, layer_where
 
 TRAIN, TEST = 0, 1            # caffe.Phase values
 
@@ -63,7 +63,7 @@ def check_layer_type(layer_param, source=None):
 
 
 def _load_builtin_layers():
-    from . import layers  # noqa: F401  (importing registers every family)
+    from cct import layers  # noqa: F401  (importing registers every family)
 
 
 class Layer:
@@ -130,7 +130,7 @@ class Layer:
 
     def scratch(self, name, shape, dtype):
         """A work array of this layer's, kept between calls (contents included).
-        A batch-partition clone (a shallow copy, cct.executor) that finds its
+        A batch-partition clone (a shallow copy, cct.runtime.executor) that finds its
         original's array allocates its own instead of sharing it across threads."""
         key = "_scratch_" + name
         held = self.__dict__.get(key)

@@ -12,7 +12,7 @@ and the max-pooling forward were measured slower than numpy's strided copies
 and chunked passes (BENCHMARKS.md), and stay numpy.
 
 Kernels are serial and release the GIL (`nogil`): cct's parallelism is the
-executor's batch partitions (cct.executor), each on its own thread, so a
+executor's batch partitions (cct.runtime.executor), each on its own thread, so a
 kernel never starts threads of its own that would compete with OpenBLAS's.
 `cache` keeps the compiled code in __pycache__ (NUMBA_CACHE_DIR elsewhere),
 so only the first run on a machine pays the compile time. numba itself is

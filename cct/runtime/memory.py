@@ -28,7 +28,7 @@ solver applies it to its train net only, and by default only under `cct
 train`, which shows no activation diff; a solver made from Python (pycaffe
 scripts read any blob's diff) opts in. CCT_SHARE_DIFFS (1 or 0) or the run
 configuration's "share_diffs" decide over both defaults
-(cct.config.share_diffs_enabled).
+(cct.runtime.settings.share_diffs_enabled).
 
 Reshaping the net to a larger batch afterwards stays correct but gives the
 grown blobs diff storage of their own (Blob.reshape grows a copy); call
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import blob as blob_module
+from cct.core import blob as blob_module
 
 _summaries = weakref.WeakKeyDictionary()      # net -> its ShareSummary, for a later call
 _lock = threading.Lock()

@@ -12,7 +12,7 @@ in setup, then hands the cursor to its prefetch thread).
 """
 import os
 
-from .errors import DataError
+from cct.core.errors import DataError
 
 BACKENDS = ("lmdb", "leveldb")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-DATA_FILE = Path(__file__).parent / "data" / "digits.npz"
+DATA_FILE = Path(__file__).with_name("digits.npz")
 TRAIN_LMDB, TEST_LMDB = "digits_train_lmdb", "digits_test_lmdb"
 SIZE = 28                 # output side, as MNIST
 BOX = 20.0                # side of the box the 8x8 source grid is mapped onto
@@ -129,7 +129,7 @@ def make_digits_lmdb(out_dir, train_count=10000, test_count=2000, seed=0, overwr
     Datums, keys %08d) for models/lenet. Existing ones are kept unless
     overwrite. Returns the two paths."""
     import shutil
-    from .tools import convert_arrays_to_lmdb
+    from cct.cli.datasets import convert_arrays_to_lmdb
     out_dir = Path(out_dir)
     paths = out_dir / TRAIN_LMDB, out_dir / TEST_LMDB
     if not overwrite and all((p / "data.mdb").exists() for p in paths):

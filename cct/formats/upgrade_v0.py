@@ -4,8 +4,8 @@ UpgradeV0Net: "padding" layers folded into the conv/pool they feed, then each
 V0 field moved into the *_param message of the layer types that accept it.
 A field the layer's type does not accept is an error (Caffe fails the upgrade).
 """
-from .errors import ConfigError
-from .proto import caffe_pb2
+from cct.core.errors import ConfigError
+from cct.proto import caffe_pb2
 
 _V1 = caffe_pb2.V1LayerParameter
 

@@ -3,8 +3,8 @@ filter_net keeps the layers whose include/exclude rules match the NetState,
 insert_splits gives every blob read by several layers a Split layer."""
 from collections import defaultdict
 
-from .errors import ConfigError
-from .proto import caffe_pb2
+from cct.core.errors import ConfigError
+from cct.proto import caffe_pb2
 
 
 def state_meets_rule(state, rule):

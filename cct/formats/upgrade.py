@@ -4,8 +4,8 @@ Each pass takes a NetParameter and returns an upgraded copy; upgrade_net runs
 whichever are needed, in Caffe's order: V0 -> V1, V1 data transforms, V1 -> V2
 (`layers` -> `layer`), `input:` fields -> an Input layer, old BatchNorm params.
 """
-from .errors import ConfigError
-from .proto import caffe_pb2
+from cct.core.errors import ConfigError
+from cct.proto import caffe_pb2
 
 # V1LayerParameter.LayerType enum name -> the type string of today's layers.
 V1_TYPE_NAMES = {
@@ -33,7 +33,7 @@ _DATA_PARAMS = {"Data": "data_param", "ImageData": "image_data_param",
 def upgrade_net(net, source="<net>"):
     """Return `net` upgraded to the current format (a copy when anything changed)."""
     if any(layer.HasField("layer") for layer in net.layers):
-        from .upgrade_v0 import upgrade_v0_net
+        from cct.formats.upgrade_v0 import upgrade_v0_net
         net = upgrade_v0_net(net, source)
     if len(net.layers):
         net = upgrade_v1_net(net, source)

@@ -12,9 +12,9 @@ import threading
 
 import numpy as np
 
-from .errors import ShapeError
+from cct.core.errors import ShapeError
 
-# Batch partitions (cct.executor) may ask for one blob's diff from several
+# Batch partitions (cct.runtime.executor) may ask for one blob's diff from several
 # threads at once: it must be made once, not once per thread.
 _ALLOCATION_LOCK = threading.Lock()
 

@@ -25,9 +25,9 @@ import os
 
 import numpy as np
 
-from .errors import ConfigError, DataError
-from .layer import TRAIN
-from .proto import caffe_pb2
+from cct.core.errors import ConfigError, DataError
+from cct.core.layer import TRAIN
+from cct.proto import caffe_pb2
 
 
 # --- decoding ---------------------------------------------------------------------
@@ -131,7 +131,7 @@ def array_to_datum(array, label=None):
 
 def load_mean_file(path, what="mean_file"):
     """A binaryproto mean (1, C, H, W) as a float32 (C, H, W) array."""
-    from .weights import blob_proto_to_array
+    from cct.formats.weights import blob_proto_to_array
     path = os.fspath(path)
     try:
         with open(path, "rb") as handle:
@@ -165,7 +165,7 @@ def save_mean_file(mean, path):
 class DataTransformer:
     """Caffe's DataTransformer for one TransformationParameter and phase.
     `rng` (a numpy Generator) draws crops and mirrors; data layers give each
-    prefetch thread its own, seeded from cct.rng, so runs repeat under a seed."""
+    prefetch thread its own, seeded from cct.core.rng, so runs repeat under a seed."""
 
     def __init__(self, param, phase=TRAIN, rng=None, where="transform_param"):
         self.param = param

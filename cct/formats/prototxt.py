@@ -10,8 +10,8 @@ import tempfile
 from google.protobuf import text_format
 from google.protobuf.message import DecodeError
 
-from .errors import ConfigError
-from .proto import caffe_pb2
+from cct.core.errors import ConfigError
+from cct.proto import caffe_pb2
 
 
 def parse_text(text, message, source="<string>"):

@@ -15,7 +15,7 @@ import os
 import re
 from datetime import datetime, timedelta
 
-from .errors import ConfigError
+from cct.core.errors import ConfigError
 
 _STAMP = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)(?:\.(\d+))?\s")
 _ITERATION = re.compile(r"Iteration (\d+)")
@@ -97,7 +97,7 @@ def columns_of(rows):
 
 def write_tables(log_path, output_dir, delimiter=","):
     """Write <output_dir>/<log name>.train and .test; returns their paths."""
-    from .prototxt import atomic_write
+    from cct.formats.prototxt import atomic_write
     train, test = parse_log(log_path)
     base = os.path.join(output_dir, os.path.basename(log_path))
     paths = []

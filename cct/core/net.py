@@ -11,16 +11,16 @@ from collections import OrderedDict
 
 import numpy as np
 
-from . import config as run_config
-from . import weights as weights_io
-from .blob import Blob
-from .errors import ConfigError, ShapeError, WeightsError
-from .executor import Executor
-from .layer import TEST, TRAIN, check_layer_type, create_layer
-from .net_passes import filter_net, insert_splits
-from .prototxt import read_net
-from .proto import caffe_pb2
-from .upgrade import upgrade_net
+from cct.runtime import settings as run_config
+from cct.formats import weights as weights_io
+from cct.core.blob import Blob
+from cct.core.errors import ConfigError, ShapeError, WeightsError
+from cct.runtime.executor import Executor
+from cct.core.layer import TEST, TRAIN, check_layer_type, create_layer
+from cct.core.passes import filter_net, insert_splits
+from cct.formats.prototxt import read_net
+from cct.proto import caffe_pb2
+from cct.formats.upgrade import upgrade_net
 
 log = logging.getLogger("cct")
 
@@ -282,7 +282,7 @@ class Net:
 
     @property
     def executor(self):
-        """Runs each layer, batch-partitioned as its plan says (cct.executor)."""
+        """Runs each layer, batch-partitioned as its plan says (cct.runtime.executor)."""
         if self._executor is None:
             self._executor = Executor(self)
         return self._executor

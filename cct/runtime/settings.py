@@ -1,6 +1,6 @@
 """cct run configuration: how to execute a net, kept out of the prototxt (and
 out of caffe.proto). A JSON file, named by the environment variable CCT_CONFIG
-or loaded with `cct.config.load(path)`:
+or loaded with `cct.runtime.settings.load(path)`:
 
     {"layers":  {"conv1": {"lowering": 3, "partitions": 2}},
      "default": {"lowering": "auto", "measure": false},
@@ -13,11 +13,11 @@ Keys, per layer (under "layers", by layer name) or for every layer ("default"):
                         instead of trusting the cost model (cached per shape)
     lowering_budget_mb  largest lowering workspace matrix, MB; bigger batches
                         are lowered in chunks (cct.lowering.workspace)
-    partitions          batch partitions (cct.executor); as a default it
+    partitions          batch partitions (cct.runtime.executor); as a default it
                         applies only to the layers that can be partitioned
 
 Top-level "share_diffs": true lets the solver's train net keep the diffs of
-blobs whose gradients are never live together in shared buffers (cct.memory);
+blobs whose gradients are never live together in shared buffers (cct.runtime.memory);
 the environment variable CCT_SHARE_DIFFS (1 or 0), when set, decides instead.
 Activation diffs then do not keep their values after backward. Left unset, it
 is on for `cct train` (which never shows an activation's diff) and off for a
@@ -32,7 +32,7 @@ budget likewise with CCT_LOWERING_BUDGET_MB.
 import json
 import os
 
-from .errors import ConfigError
+from cct.core.errors import ConfigError
 
 CONFIG_ENV = "CCT_CONFIG"
 SHARE_DIFFS_ENV = "CCT_SHARE_DIFFS"
@@ -147,7 +147,7 @@ def active():
 
 
 def share_diffs_enabled(config=None, default=False):
-    """Whether the solver shares its train net's diffs (cct.memory):
+    """Whether the solver shares its train net's diffs (cct.runtime.memory):
     CCT_SHARE_DIFFS when set (1/true/yes/on or 0/false/no/off), else the
     configuration's "share_diffs" when it has one, else `default`."""
     given = os.environ.get(SHARE_DIFFS_ENV, "").strip()

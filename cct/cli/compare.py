@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CctError
-from .layer import TEST, TRAIN
+from cct.core.errors import CctError
+from cct.core.layer import TEST, TRAIN
 
 DIFF_PREFIX = "diff/"
 
@@ -117,7 +117,7 @@ def compare(prototxt, weights, reference, phase=None, tolerance=1e-3, inputs=Non
     reference: a path (folder or file) or a Reference. phase: cct.TRAIN/TEST,
     default the reference's phase.txt, else TEST. inputs: optional {name: array}.
     """
-    from .net import Net
+    from cct.core.net import Net
     ref = reference if isinstance(reference, Reference) else load_reference(reference)
     phase = phase if phase is not None else (ref.phase if ref.phase is not None else TEST)
     net = Net(str(prototxt), phase, weights=str(weights) if weights else None)
@@ -281,7 +281,7 @@ def run_reference_caffe(python, prototxt, weights, phase, out_folder, inputs=Non
     """Run the net in the Caffe importable by interpreter `python`; write a
     reference folder (forward.npz, backward.npz, inputs.npz, top_diffs.npz,
     phase.txt) into out_folder and return its path."""
-    from .net import Net
+    from cct.core.net import Net
     out_folder = Path(out_folder)
     out_folder.mkdir(parents=True, exist_ok=True)
     net = Net(str(prototxt), phase, weights=str(weights) if weights else None)

@@ -13,9 +13,9 @@
 import logging
 import math
 
-from .errors import ConfigError
+from cct.core.errors import ConfigError
 
-log = logging.getLogger("cct.solver")
+log = logging.getLogger("cct.training.solver")
 
 POLICIES = ("fixed", "step", "exp", "inv", "multistep", "poly", "sigmoid")
 

@@ -29,8 +29,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from .blob import Blob
-from .errors import ShapeError
+from cct.core.blob import Blob
+from cct.core.errors import ShapeError
 
 # Layer types whose work is independent across the batch axis (axis 0) and safe
 # to run as clones: no cross-sample statistics, no shared random stream.

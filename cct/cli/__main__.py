@@ -1,0 +1,6 @@
+"""`python -m cct.cli ...` runs the `cct` command."""
+import sys
+
+from cct.cli import main
+
+sys.exit(main())

@@ -1,0 +1,2 @@
+"""Files in and out: prototxt text and binary, the V0/V1 upgrades, weights
+(.caffemodel and HDF5). Imports only cct.core and cct.proto."""

@@ -1,0 +1,1 @@
+"""For tests and Python-layer authors: the numerical gradient checker."""

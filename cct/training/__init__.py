@@ -1,0 +1,2 @@
+"""Training on top of the runtime: the solver loop, update rules, snapshots
+and learning-rate policies."""
