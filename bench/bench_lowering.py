@@ -23,7 +23,8 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from cct.lowering import ConvGeometry, chooser, conv_backward, conv_forward
-from cct.lowering.workspace import DEFAULT_BUDGET_MB, Arena, chunk_size
+from cct.core.workspace import Arena
+from cct.lowering.workspace import DEFAULT_BUDGET_MB, chunk_size
 
 TOLERANCE = 0.05
 

@@ -145,11 +145,11 @@ def layer_breakdown(net, iterations):
     for it in range(iterations):
         for i in range(count):
             start = clock()
-            net._forward_layer(i)
+            net.executor.forward(i)
             forward[it, i] = clock() - start
         for i in reversed(range(count)):
             start = clock()
-            net._backward_layer(i)
+            net.executor.backward(i)
             backward[it, i] = clock() - start
     net.executor.finish()
     net.clear_param_diffs()

@@ -99,42 +99,12 @@ def _set_input_arrays(self, data, labels):
 
 
 # --- per-layer callbacks (Caffe's Net::add_before_forward & co.) -----------------------
-# A net with callbacks gets its own _forward_layer/_backward_layer wrapping the
-# class's, so nets without callbacks run the plain loop with no extra cost.
-
-def _callbacks(self, kind):
-    lists = self.__dict__.setdefault("_layer_callbacks", {
-        "before_forward": [], "after_forward": [], "before_backward": [], "after_backward": []})
-    if "_forward_layer" not in self.__dict__:
-        self._forward_layer = _hooked_forward_layer.__get__(self)
-        self._backward_layer = _hooked_backward_layer.__get__(self)
-    return lists[kind]
-
-
-def _hooked_forward_layer(self, i):
-    callbacks = self._layer_callbacks
-    for callback in callbacks["before_forward"]:
-        callback(i)
-    loss = Net._forward_layer(self, i)
-    for callback in callbacks["after_forward"]:
-        callback(i)
-    return loss
-
-
-def _hooked_backward_layer(self, i):
-    callbacks = self._layer_callbacks
-    for callback in callbacks["before_backward"]:
-        callback(i)
-    Net._backward_layer(self, i)
-    for callback in callbacks["after_backward"]:
-        callback(i)
-
+# They subscribe to the net's executor events (cct.runtime.executor), which fire
+# around every layer the executor runs.
 
 def _register(kind):
     def add(self, callback):
-        if not callable(callback):
-            raise TypeError(f"{kind}(): the callback must be callable (fn(layer_index)), got {callback!r}")
-        _callbacks(self, kind).append(callback)
+        self.executor.subscribe(kind, callback)
     add.__name__ = kind
     add.__doc__ = (f"Call callback(layer_index) {kind.replace('_', ' ')} of every layer "
                    "(every layer in range, whether or not it needs backward).")

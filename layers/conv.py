@@ -2,63 +2,27 @@
 
 The arithmetic lives in cct.lowering: the whole batch is lowered into one
 matrix and multiplied in one GEMM per group. Each layer has a
-`lowering_type` (1, 2 or 3, see cct.lowering), decided in this order: the
-layer's entry in the run configuration (cct.runtime.settings), the environment variable
-CCT_LOWERING, the configuration's default, else the chooser
-(cct.lowering.chooser) picks per geometry and batch at reshape (cached, so a
-reshape to the same shape costs a tuple comparison). A scheduler may set the
-attribute afterwards; that forces the type.
+`lowering_type` (1, 2 or 3, see cct.lowering): the one its run settings force
+(`configure`, pushed by the runtime from the run configuration and
+CCT_LOWERING, cct.runtime.settings), else the chooser's (cct.lowering.chooser),
+picked per geometry and batch at reshape (cached, so a reshape to the same
+shape costs a tuple comparison). A scheduler may set the attribute
+afterwards; that forces the type.
 
 Intermediates live in the running thread's workspace arena
 (cct.lowering.workspace), reused across iterations, and a batch whose largest
-lowering matrix exceeds the budget (default 64 MB; CCT_LOWERING_BUDGET_MB or
-the configuration's lowering_budget_mb) runs in chunks of images.
+lowering matrix exceeds the budget (default 64 MB; set by the run settings'
+lowering_budget_mb) runs in chunks of images.
 """
-import os
-
 import numpy as np
 
-from cct.runtime import settings as config
 from cct.core.layer import Layer, register
 from cct.lowering import (ConvGeometry, chooser, conv_backward, conv_backward_data, conv_backward_weights,
                           conv_forward, lowering, type1)
-from cct.lowering.workspace import (BUDGET_ENV, DEFAULT_BUDGET_MB, budget_from_env, cache_chunk, chunk_size,
-                                    thread_arena)
+from cct.core.workspace import thread_arena
+from cct.lowering.workspace import DEFAULT_BUDGET_MB, cache_chunk, chunk_size
 
 DEFAULT_LOWERING = 1          # before the first reshape, and where nothing decides
-LOWERING_ENV = "CCT_LOWERING"
-
-
-def lowering_from_env(layer):
-    """The type CCT_LOWERING forces, or None."""
-    value = os.environ.get(LOWERING_ENV, "").strip()
-    if not value:
-        return None
-    if value not in ("1", "2", "3"):
-        raise layer.config_error(LOWERING_ENV, f"environment variable must be 1, 2 or 3, got {value!r}")
-    return int(value)
-
-
-def lowering_settings(layer):
-    """(forced type or None for the chooser, measure, budget in bytes) for a
-    layer, by the precedence in the module docstring."""
-    run = config.active()
-    forced = run.layer_value(layer.name, "lowering") if run else None
-    if forced is None:
-        forced = lowering_from_env(layer)
-    if forced is None and run:
-        forced = run.default_value("lowering")
-    measure = bool(run.value(layer.name, "measure")) if run else False
-    budget_mb = run.layer_value(layer.name, "lowering_budget_mb") if run else None
-    if budget_mb is None:
-        default_mb = (run.default_value("lowering_budget_mb") if run else None) or DEFAULT_BUDGET_MB
-        try:
-            budget = budget_from_env(default_mb)
-        except ValueError as error:
-            raise layer.config_error(BUDGET_ENV, str(error)) from None
-    else:
-        budget = int(budget_mb * 2 ** 20)
-    return (None if forced in (None, "auto") else int(forced)), measure, budget
 
 
 def read_spatial_params(layer, p, bottom):
@@ -106,6 +70,8 @@ class _ConvolutionBase(Layer):
     min_bottoms = 1
     min_tops = 1
     reverse = False               # Deconvolution: forward is the convolution's backward
+    batch_independent = True
+    run_settings = ("lowering", "measure", "lowering_budget_mb")
 
     def setup(self, bottom, top):
         if len(bottom) != len(top):
@@ -127,9 +93,11 @@ class _ConvolutionBase(Layer):
             raise self.config_error("convolution_param.group", f"must divide num_output "
                                     f"({self.num_output}), got {self.group}")
         self.bias_term = p.bias_term
-        # Partition clones (copy.copy after setup, cct.runtime.executor) share the owner's choice.
+        # Partition twins (clone) share the original's choice and budget.
         self._owner = self
-        self._forced_type, self.measure_lowering, self.lowering_budget = lowering_settings(self)
+        self._budget_share = 1
+        self._forced_type, self.measure_lowering = None, False
+        self._lowering_budget = DEFAULT_BUDGET_MB * 2 ** 20
         self._auto_type = None
         self._choice_key = None
         self._chunk_key = None
@@ -163,6 +131,38 @@ class _ConvolutionBase(Layer):
             self._auto_type = chooser.choose(self.geom, shape[0], measure=self.measure_lowering,
                                              dtype=bottom[0].data.dtype, budget=self.lowering_budget)
             self._choice_key = key
+
+    def flops(self, bottom, top):
+        # One GEMM per bottom, over the spatial size of the convolution's output:
+        # the top's, or for a deconvolution (a convolution's backward) the bottom's.
+        spatial = top[0] if not self.reverse else bottom[0]
+        gemm = 2 * spatial.shape[0] * spatial.count_range(2) * self.blobs[0].count * len(bottom)
+        return gemm, gemm, gemm
+
+    def configure(self, settings):
+        lowering = settings.get("lowering")
+        self._forced_type = None if lowering in (None, "auto") else int(lowering)
+        chooser_inputs = (self.measure_lowering, self.lowering_budget)
+        self.measure_lowering = bool(settings.get("measure", False))
+        self.lowering_budget = int(settings.get("lowering_budget_mb", DEFAULT_BUDGET_MB) * 2 ** 20)
+        if (self.measure_lowering, self.lowering_budget) != chooser_inputs:
+            self._choice_key = None           # choose again at the next reshape
+
+    def clone(self, share=1):
+        twin = super().clone(share)
+        twin._owner = self._owner             # the lowering choice stays the original's
+        twin._budget_share = share
+        return twin
+
+    @property
+    def lowering_budget(self):
+        """Workspace bytes: the original's budget, split among the `share`
+        partition twins that run at once."""
+        return max(1, self._owner._lowering_budget // self._budget_share)
+
+    @lowering_budget.setter
+    def lowering_budget(self, value):
+        self._owner._lowering_budget = int(value)
 
     @property
     def lowering_type(self):
@@ -308,6 +308,7 @@ class Im2col(Layer):
     (truncating division included); channel index c*KH*KW + i*KW + j holds input
     pixel (oh*sh - ph + i*dh, ow*sw - pw + j*dw), zero outside the image.
     """
+    batch_independent = True
     exact_bottoms = 1
     exact_tops = 1
 

@@ -21,6 +21,17 @@ class InnerProduct(Layer):
     """
     exact_bottoms = 1
     exact_tops = 1
+    batch_independent = True
+    # one GEMM splits as well across BLAS threads, and twins would copy the weights' diffs
+    split_by_default = False
+
+    def can_partition(self, bottom, top):
+        # folded at axis 0, every row of the GEMM mixes the whole batch
+        return bottom[0].canonical_axis(self.layer_param.inner_product_param.axis) != 0
+
+    def flops(self, bottom, top):
+        gemm = 2 * self.m * self.blobs[0].count
+        return gemm, gemm, gemm
 
     def setup(self, bottom, top):
         p = self.layer_param.inner_product_param

@@ -22,6 +22,7 @@ class Neuron(Layer):
     """Base: one bottom, one top shaped like it."""
     exact_bottoms = 1
     exact_tops = 1
+    batch_independent = True      # element-wise (Dropout, which draws random numbers, says otherwise)
     # True where backward reads the input x (not only y = f(x)).
     needs_input = False
 
@@ -419,6 +420,7 @@ class Swish(Neuron):
 class Dropout(Neuron):
     """TRAIN: y = x * m / (1 - ratio), m ~ Bernoulli(1 - ratio) drawn per element
     from cct.core.rng; TEST: y = x. Fields: dropout_param.dropout_ratio (0.5, in [0, 1))."""
+    batch_independent = False     # one random stream, drawn in batch order
 
     def setup(self, bottom, top):
         ratio = float(self.layer_param.dropout_param.dropout_ratio)

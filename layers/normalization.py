@@ -122,6 +122,13 @@ class LRN(Layer):
                        (padding zeros included) because with stride 1 and that pad
                        no window reaches past the pooling's padded border.
     """
+    batch_independent = True
+
+    def flops(self, bottom, top):
+        # per element: square, window sum, scale, power, product (+2 more backward)
+        size = self.size if self.across else self.size * self.size
+        count = bottom[0].count
+        return count * (size + 5), count * (size + 7), 0
     exact_bottoms = 1
     exact_tops = 1
 
@@ -271,6 +278,7 @@ class MVN(Layer):
     biased standard deviation (eps is added to the std, outside the sqrt, as in Caffe).
     Top: (num, channels, height, width) of the bottom (Caffe reshapes to 4-d).
     """
+    batch_independent = True
     exact_bottoms = 1
     exact_tops = 1
 

@@ -71,6 +71,18 @@ class Pooling(Layer):
     element per window with probability value / window sum; TEST outputs
     sum(v^2) / sum(v).
     """
+    batch_independent = True
+
+    def can_partition(self, bottom, top):
+        # stochastic pooling draws from one random stream in batch order
+        return self.layer_param.pooling_param.pool != caffe_pb2.PoolingParameter.STOCHASTIC
+
+    def flops(self, bottom, top):
+        # a compare (MAX) or an add (AVE) per window cell; backward routes or spreads as many
+        if getattr(self, "kernel", None) is None:
+            return 0, 0, 0
+        cells = top[0].count * self.kernel[0] * self.kernel[1]
+        return cells, cells, 0
     exact_bottoms = 1
     min_tops = 1
     max_tops = 2
@@ -399,11 +411,12 @@ class SPP(Layer):
             for level in range(self.pyramid_height):
                 pooling = Pooling(self._level_param(level, *shape[2:]), self.phase, self.source)
                 outputs = [Blob(dtype=bottom[0].dtype)]
-                pooling.setup(bottom, outputs)
+                pooling.set_up(bottom, outputs)
                 self.levels.append((pooling, outputs))
             self.levels_for = key
-        for pooling, outputs in self.levels:
-            pooling.reshape(bottom, outputs)
+        else:
+            for pooling, outputs in self.levels:
+                pooling.reshape(bottom, outputs)
         if self.pyramid_height == 1:
             top[0].reshape(self.levels[0][1][0].shape)
         else:

@@ -9,7 +9,7 @@ lifted to the output. Three lowerings trade lowering cost against lifting cost
 
 Every function works on any batch, so a scheduler can call it on a partition
 of the batch. By default they allocate their intermediates (pure: arrays in,
-arrays out); given `ws` (a cct.lowering.workspace.Arena) they reuse its
+arrays out); given `ws` (a cct.core.workspace.Arena) they reuse its
 buffers instead, and given `chunk` they process the batch that many images at
 a time, which bounds the workspace (see workspace.chunk_size). The chooser
 (cct.lowering.chooser) picks a type per layer from a cost model.
@@ -18,7 +18,9 @@ import numpy as np
 
 from . import type1, type2, type3
 from .geometry import ConvGeometry
-from .workspace import FRESH, chunks, slot_bytes
+from cct.core.workspace import FRESH
+
+from .workspace import chunks, slot_bytes
 
 LOWERINGS = {1: type1, 2: type2, 3: type3}
 

@@ -37,10 +37,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .type1 import batch_inner
-from .workspace import Arena, chunk_size, chunks, image_bytes
+from cct.core.workspace import Arena
 
-CACHE_ENV = "CCT_CACHE_DIR"
+from .type1 import batch_inner
+from .workspace import chunk_size, chunks, image_bytes
+
+# The cache folder; the runtime sets it from CCT_CACHE_DIR (cct.runtime.settings).
+cache_dir = None
 CACHE_FILE = "lowering.json"
 CACHE_VERSION = 1
 TYPES = (1, 2, 3)
@@ -177,7 +180,7 @@ def machine_key():
 
 # --- the cache file --------------------------------------------------------------------------
 def cache_path():
-    directory = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "cct")
+    directory = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "cct")
     return Path(directory) / CACHE_FILE
 
 

@@ -29,11 +29,11 @@ Workspace slots (see cct.lowering.workspace): "padded" (C, N, Hp, Wp) or
 """
 import numpy as np
 
+from cct.core.workspace import FRESH
 from cct.devices.jit import kernel
 
 from .geometry import (channels_first_output, matmul_nt, pad_channels_first, store, unpad_channels_first,
                        weights_as, window_view)
-from .workspace import FRESH
 
 
 def lower(x, geom, out=None, ws=FRESH):

@@ -16,9 +16,10 @@ Workspace slots (see cct.lowering.workspace): "padded" (C, N, Hp, Wp),
 """
 import numpy as np
 
+from cct.core.workspace import FRESH
+
 from .geometry import (channels_first_output, matmul_nt, pad_channels_first, store_output, unpad_channels_first,
                        weights_as, window_view)
-from .workspace import FRESH
 
 
 def lower(x, geom, ws=FRESH):

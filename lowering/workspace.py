@@ -1,136 +1,19 @@
-"""Scratch memory for the lowerings, reused across iterations, and batch chunking
-under a memory budget.
+"""The lowerings' workspace sizes, and batch chunking under a memory budget.
 
-A lowering function asks its `ws` for every big intermediate (padded input,
-lowered matrix, GEMM product, unlifted gradient) by slot name:
-
-    ws.empty(slot, shape, dtype)     uninitialised
-    ws.zeros(slot, shape, dtype)     zero-filled
-
-`FRESH` (the default) allocates new arrays, so the functions stay pure. An
-`Arena` keeps one flat store per slot that grows to the largest request and is
-handed out again on the next call: no allocation and no page faults after the
-first iteration. A slot's contents live only until the next request for the
-same slot, so a function never returns arena memory to its caller.
-
-The layers use `thread_arena()`, one arena per thread: layers run one after
-another on a thread, so they share its stores (the arena holds the largest
-layer's buffers, not the sum over layers, which is what keeps CaffeNet at batch
-256 under Caffe's memory), and the batch-partition clones of a layer, which run
-at the same time on different worker threads, never share a buffer.
+A lowering function asks its `ws` (cct.core.workspace: FRESH, or the running
+thread's Arena) for every big intermediate (padded input, lowered matrix, GEMM
+product, unlifted gradient) by slot name; `slot_bytes` says how much one call
+asks for, so a chunk of images can be sized to fit the budget.
 
 A batch whose workspace (lowered matrix, GEMM product, padded input, output:
-`slot_bytes`) would exceed the budget (default 64 MB, env
-CCT_LOWERING_BUDGET_MB) is processed in chunks of whole images, one after
+`slot_bytes`) would exceed the budget (default 64 MB; the run settings'
+lowering_budget_mb) is processed in chunks of whole images, one after
 another (`chunk_size`), so the arena never holds more than the budget: CaffeNet
 conv1 at batch 256 under type 1 would need 1.1 GB for its lowered matrix alone.
 """
-import os
-import threading
-
-import numpy as np
-
 # 64 MB: CaffeNet training at batch 256 then peaks at 2.48 GiB, within Caffe's
 # 2.7 GB, at most a few % slower than with 256 MB (2.67 GiB; BENCHMARKS.md).
 DEFAULT_BUDGET_MB = 64
-BUDGET_ENV = "CCT_LOWERING_BUDGET_MB"
-
-
-class Fresh:
-    """Allocates a new array on every request."""
-
-    @staticmethod
-    def empty(slot, shape, dtype):
-        return np.empty(shape, dtype)
-
-    @staticmethod
-    def zeros(slot, shape, dtype):
-        return np.zeros(shape, dtype)
-
-    @staticmethod
-    def plan(sizes):
-        pass
-
-
-FRESH = Fresh()
-
-
-class Arena:
-    """Named buffers reused across calls.
-
-    `plan({slot: nbytes})` lays the slots of one lowering call out in a single
-    store, which grows to the largest plan seen and is reused: the memory held
-    is the largest call's workspace, not a sum of per-slot maxima over layers.
-    A request for a slot the plan does not cover (or bigger than planned) gets
-    a store of its own, kept and reused in the same way."""
-
-    def __init__(self):
-        self.store = np.empty(0, np.uint8)
-        self.layout = {}            # slot -> (offset, nbytes) in self.store
-        self.stores = {}            # slot -> own store, for unplanned requests
-
-    def plan(self, sizes):
-        layout, offset = {}, 0
-        for slot, nbytes in sizes.items():
-            layout[slot] = (offset, int(nbytes))
-            offset += -(-int(nbytes) // 64) * 64         # keep every slot 64-byte aligned
-        if self.store.size < offset:
-            self.store = np.empty(0, np.uint8)           # free the old store before the new one
-            self.store = np.empty(offset, np.uint8)
-        self.layout = layout
-
-    def empty(self, slot, shape, dtype):
-        dtype = np.dtype(dtype)
-        shape = tuple(int(d) for d in shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        planned = self.layout.get(slot)
-        if planned is not None and nbytes <= planned[1]:
-            start = planned[0]
-            return self.store[start:start + nbytes].view(dtype).reshape(shape)
-        store = self.stores.get(slot)
-        if store is None or store.size < nbytes:
-            # The old store is freed once nothing views it (views never outlive a call).
-            store = self.stores[slot] = np.empty(max(nbytes, 1), np.uint8)
-        return store[:nbytes].view(dtype).reshape(shape)
-
-    def zeros(self, slot, shape, dtype):
-        array = self.empty(slot, shape, dtype)
-        array.fill(0)
-        return array
-
-    @property
-    def nbytes(self):
-        return self.store.size + sum(store.size for store in self.stores.values())
-
-    def clear(self):
-        self.store = np.empty(0, np.uint8)
-        self.layout = {}
-        self.stores.clear()
-
-
-_local = threading.local()
-
-
-def thread_arena():
-    """The calling thread's arena (created on first use)."""
-    arena = getattr(_local, "arena", None)
-    if arena is None:
-        arena = _local.arena = Arena()
-    return arena
-
-
-def budget_from_env(default_mb=DEFAULT_BUDGET_MB):
-    """Budget in bytes from CCT_LOWERING_BUDGET_MB, else `default_mb`."""
-    value = os.environ.get(BUDGET_ENV, "").strip()
-    if not value:
-        return int(default_mb * 2 ** 20)
-    try:
-        megabytes = float(value)
-    except ValueError:
-        megabytes = -1.0
-    if megabytes <= 0:
-        raise ValueError(f"environment variable {BUDGET_ENV} must be a positive number of MB, got {value!r}")
-    return int(megabytes * 2 ** 20)
 
 
 def slot_bytes(geom, lowering_type, batch, itemsize):

@@ -151,30 +151,30 @@ def test_apply_sets_configured_partitions(tmp_path):
     run = config.load(write(tmp_path, {"layers": {"conv1": {"partitions": 2}, "relu1": {"partitions": 8},
                                                   "not_in_this_net": {"partitions": 2}}}))
     net = cct.Net(NET, cct.TRAIN)
-    assert config.apply(net) == {"conv1": 2, "relu1": 4}        # capped at the batch
+    assert config.apply(net.executor) == {"conv1": 2, "relu1": 4}        # capped at the batch
     index = net.layer_names.index("conv1")
     assert net.executor.partitions(index) == 2 and net.executor.partitions(index + 1) == 4
     net.forward()
     net.backward()
-    assert config.apply(net, run) == {"conv1": 2, "relu1": 4}
+    assert config.apply(net.executor, run) == {"conv1": 2, "relu1": 4}
 
 
 def test_default_partitions_apply_where_allowed(tmp_path):
     config.load(write(tmp_path, {"default": {"partitions": 2}}))
     net = cct.Net(NET, cct.TRAIN)
-    applied = config.apply(net)
+    applied = config.apply(net.executor)
     assert applied == {"conv1": 2, "relu1": 2, "conv2": 2, "ip": 2}
 
 
 @pytest.mark.parametrize("contents,message", [
     ({"layers": {"loss": {"partitions": 2}}}, "layers.loss.partitions: .*cannot be batch-partitioned"),
-    ({"layers": {"ip": {"lowering": 2}}}, "layers.ip.lowering: applies to Convolution and Deconvolution"),
+    ({"layers": {"ip": {"lowering": 2}}}, r"layers.ip.lowering: layer .ip. \(InnerProduct\) takes only partitions"),
 ])
 def test_apply_refuses_settings_that_do_not_fit(tmp_path, contents, message):
     config.load(write(tmp_path, contents))
     with pytest.raises(ConfigError, match=message):
-        config.apply(cct.Net(NET, cct.TRAIN))
+        config.apply(cct.Net(NET, cct.TRAIN).executor)
 
 
 def test_apply_without_a_config_does_nothing():
-    assert config.apply(cct.Net(NET, cct.TRAIN)) == {}
+    assert config.apply(cct.Net(NET, cct.TRAIN).executor) == {}

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 import cct
-from cct.runtime.executor import BlobSlice, BlasThreads
+from cct.runtime.partition import BlobSlice
+from cct.runtime.threads import BlasThreads
 
 NET = '''name: "partitioned"
 layer { name: "data" type: "Input" top: "data" top: "label"

@@ -287,13 +287,13 @@ def time_command(args):
         iteration_start = clock()
         for i in range(count):
             start = clock()
-            net._forward_layer(i)
+            net.executor.forward(i)
             forward_ms[i] += (clock() - start) * 1e3
         for i in reversed(range(count)):
             start = clock()
             # Caffe times every layer's Backward, needed or not (weight gradients of a
             # deploy net still count); bottoms that need no gradient still get none.
-            net.executor.backward(i)
+            net.executor.backward(i, force=True)
             backward_ms[i] += (clock() - start) * 1e3
         log.info("Iteration: %d forward-backward time: %s ms.", iteration + 1,
                  _fmt((clock() - iteration_start) * 1e3))

@@ -6,25 +6,34 @@ A layer follows pycaffe's contract:
     forward(bottom, top)                  top.data from bottom.data
     backward(top, propagate_down, bottom) bottom.diff from top.diff; parameter
                                           diffs ACCUMULATE (+=), bottom diffs are set
-Blob counts are declared as class attributes, so the check and its message live
-here once. Types register under Caffe's exact type string (V1 enum names are
-mapped to these by cct.formats.upgrade).
+`set_up(bottom, top)` is Caffe's SetUp, the one sequence everything that
+builds a layer calls: check the blob counts, setup, reshape. Blob counts are
+declared as class attributes, so the check and its message live here once.
+Types register under Caffe's exact type string (V1 enum names are mapped to
+these by cct.formats.upgrade).
+
+What the runtime reads (declarations, never type names):
+    batch_independent      the batch axis may be split (can_partition decides per blob shapes)
+    flops(bottom, top)     (forward, backward_data, backward_params) FLOPs
+    run_settings           the run-setting keys the layer takes; configure(settings) gets them
+    clone(share)           a twin for one of `share` batch partitions run at once
 
 Work arrays: big temporaries are mmapped and page-faulted afresh on every
 allocation (tens of ms for CaffeNet's blobs), so hot paths reuse arrays:
 `self.scratch(...)` for state a layer keeps from forward to backward (its own,
-per layer and per batch-partition clone), `self.work(...)` for temporaries that
-live only inside one forward or backward call (the running thread's, shared by
-every layer that thread runs, so they cost threads x the largest request, not
-layers x partitions).
+per layer and per partition twin), `self.work(...)` for temporaries that live
+only inside one forward or backward call (the running thread's arena,
+cct.core.workspace, shared by every layer that thread runs, so they cost
+threads x the largest request, not layers x partitions).
 """
-import threading
+import copy
 
 import numpy as np
 
 from cct.core import fillers
 from cct.core.blob import Blob
 from cct.core.errors import ConfigError, ShapeError, layer_where
+from cct.core.workspace import thread_arena
 
 TRAIN, TEST = 0, 1            # caffe.Phase values
 
@@ -74,6 +83,13 @@ class Layer:
     # Loss layers: top 0 gets loss_weight 1 unless the prototxt says otherwise,
     # and a missing top blob is created (Caffe's AutoTopBlobs).
     is_loss = False
+    # True: every sample's outputs and gradients depend on that sample alone,
+    # and forward draws no random numbers, so the runtime may split the batch.
+    batch_independent = False
+    # False: the runtime's default plan keeps the layer whole even when it is
+    # large (it may still be split by a plan or the tuner).
+    split_by_default = True
+    run_settings = ()             # keys of the run configuration this layer takes
 
     def __init__(self, layer_param, phase=TRAIN, source=None):
         self.layer_param = layer_param
@@ -84,6 +100,13 @@ class Layer:
         self.param_propagate_down = []
 
     # --- the contract ----------------------------------------------------------
+    def set_up(self, bottom, top):
+        """Caffe's SetUp: check the blob counts, setup, reshape. Not to be
+        overridden (Python layers override setup and reshape)."""
+        self.check_blob_counts(bottom, top)
+        self.setup(bottom, top)
+        self.reshape(bottom, top)
+
     def setup(self, bottom, top):
         pass
 
@@ -96,6 +119,32 @@ class Layer:
     def backward(self, top, propagate_down, bottom):
         if any(propagate_down):
             raise NotImplementedError(f"{self.where()}: backward not implemented")
+
+    # --- what the runtime reads ---------------------------------------------------
+    def can_partition(self, bottom, top):
+        """Whether the runtime may split this layer's batch axis at these blobs
+        (it checks their batch sizes itself)."""
+        return self.batch_independent
+
+    def flops(self, bottom, top):
+        """(forward, backward_data, backward_params) FLOPs at the blobs' current
+        shapes (conventions in cct.runtime.profile): backward_data is the cost of
+        the bottom gradients, backward_params of the parameter gradients. 0 for
+        memory-bound layers."""
+        return 0, 0, 0
+
+    def configure(self, settings):
+        """Take {key: value} for the keys in run_settings (cct.runtime.settings)."""
+
+    def clone(self, share=1):
+        """A twin of this layer for one of `share` batch partitions that run at
+        once (cct.runtime.partition): its settings and parameter blobs are the
+        original's (the runtime gives it parameter views), its scratch arrays
+        its own. Layers whose settings the twins must follow override this."""
+        twin = copy.copy(self)
+        for key in [key for key in vars(twin) if key.startswith("_scratch_")]:
+            del twin.__dict__[key]
+        return twin
 
     def allow_force_backward(self, bottom_index):
         # Loss layers' labels (bottom 1) never get a gradient, even with force_backward.
@@ -129,36 +178,24 @@ class Layer:
             raise self.config_error(kind, f"takes at most {most} {kind} blob(s), got {got}")
 
     def scratch(self, name, shape, dtype):
-        """A work array of this layer's, kept between calls (contents included).
-        A batch-partition clone (a shallow copy, cct.runtime.executor) that finds its
-        original's array allocates its own instead of sharing it across threads."""
+        """A work array of this layer's, kept between calls (contents included);
+        a partition twin has its own (clone drops the original's)."""
         key = "_scratch_" + name
         held = self.__dict__.get(key)
         shape, dtype = tuple(shape), np.dtype(dtype)
-        if held is not None and held[0] == id(self) and held[1].shape == shape and held[1].dtype == dtype:
-            return held[1]
+        if held is not None and held.shape == shape and held.dtype == dtype:
+            return held
         self.__dict__[key] = None                   # drop the old array before making the new one
-        array = np.empty(shape, dtype)
-        self.__dict__[key] = (id(self), array)
+        array = self.__dict__[key] = np.empty(shape, dtype)
         return array
 
     @staticmethod
     def work(name, shape, dtype):
-        """An uninitialised array from the calling thread's store for `name`, valid
-        until the next request for `name` on this thread: only for temporaries
-        used inside one forward or backward call, never kept across calls (the
-        next layer reuses the memory). Layers running one after another on a
-        thread share the store; partitions running at once are on other threads."""
-        dtype = np.dtype(dtype)
-        shape = tuple(int(d) for d in shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        stores = _thread_stores()
-        store = stores.get(name)
-        if store is None or store.size < nbytes:
-            stores[name] = None                     # free the old store first
-            # rounded up to whole 4 KiB pages, the store holds any dtype aligned
-            store = stores[name] = np.empty(-(-max(nbytes, 1) // 4096) * 4096, np.uint8)
-        return store[:nbytes].view(dtype).reshape(shape)
+        """An uninitialised array from the calling thread's arena, valid until
+        the next request for `name` on this thread: only for temporaries used
+        inside one forward or backward call, never kept across calls (the next
+        layer reuses the memory). Partitions running at once are on other threads."""
+        return thread_arena().empty("work." + name, shape, dtype)
 
     def num_auto_tops(self, num_tops_given):
         """How many anonymous tops the net must add (Caffe's AutoTopBlobs)."""
@@ -169,19 +206,3 @@ class Layer:
 
     def __repr__(self):
         return f"<{type(self).__name__} {self.name!r}>"
-
-
-_local = threading.local()
-
-
-def _thread_stores():
-    """{name: flat uint8 store} of the calling thread (Layer.work)."""
-    stores = getattr(_local, "stores", None)
-    if stores is None:
-        stores = _local.stores = {}
-    return stores
-
-
-def thread_work_bytes():
-    """Bytes held by the calling thread's work stores (for tests and reports)."""
-    return sum(store.size for store in _thread_stores().values() if store is not None)

@@ -11,16 +11,14 @@ from collections import OrderedDict
 
 import numpy as np
 
-from cct.runtime import settings as run_config
-from cct.formats import weights as weights_io
 from cct.core.blob import Blob
 from cct.core.errors import ConfigError, ShapeError, WeightsError
-from cct.runtime.executor import Executor
 from cct.core.layer import TEST, TRAIN, check_layer_type, create_layer
 from cct.core.passes import filter_net, insert_splits
+from cct.formats import weights as weights_io
 from cct.formats.prototxt import read_net
-from cct.proto import caffe_pb2
 from cct.formats.upgrade import upgrade_net
+from cct.proto import caffe_pb2
 
 log = logging.getLogger("cct")
 
@@ -80,7 +78,7 @@ class Net:
         self.outputs = sorted(self._available)        # Caffe keeps them in a std::set
         del self._blob_needs_backward, self._available
         self.layer_dict = OrderedDict(zip(self._layer_names, self.layers))
-        run_config.apply(self)                        # per-layer partitions from CCT_CONFIG
+        self.executor                                 # the run settings, checked and applied now
 
     def _add_layer(self, layer_index, layer_param):
         source = str(self.source)
@@ -98,9 +96,7 @@ class Net:
         layer = create_layer(own_param, own_param.phase, source)
         bottoms, bottom_names, bottom_backward, need_backward = self._wire_bottoms(layer, layer_param)
         tops, top_names = self._wire_tops(layer, layer_param, bottom_names)
-        layer.check_blob_counts(bottoms, tops)
-        layer.setup(bottoms, tops)
-        layer.reshape(bottoms, tops)
+        layer.set_up(bottoms, tops)
         layer.loss_weights = self._loss_weights(layer, len(tops))
         for name, weight in zip(top_names, layer.loss_weights):
             self.blob_loss_weights[name] = weight
@@ -275,20 +271,27 @@ class Net:
     def _forward(self, start=0, end=None):
         """Run layers start..end inclusive (by index); return the summed loss."""
         end = len(self.layers) - 1 if end is None else end
+        executor = self.executor
         loss = 0.0
         for i in range(start, end + 1):
-            loss += self._forward_layer(i)
+            loss += executor.forward(i)
+        executor.finish()
         return loss
 
     @property
     def executor(self):
-        """Runs each layer, batch-partitioned as its plan says (cct.runtime.executor)."""
+        """Runs each layer, batch-partitioned as its plan says, and tells
+        subscribers about it (cct.runtime.executor). The one place the core
+        reaches up into the runtime: imported here, so that the core imports
+        nothing above itself and Net.forward() still works out of the box."""
         if self._executor is None:
+            from cct.runtime.executor import Executor
             self._executor = Executor(self)
         return self._executor
 
-    def _forward_layer(self, i):
-        self.executor.forward(i)
+    def layer_loss(self, i):
+        """After layer i's forward: set its loss tops' diffs to their loss
+        weights (what backward starts from) and return its weighted loss."""
         loss = 0.0
         for top, weight in zip(self.top_vecs[i], self.layers[i].loss_weights):
             if weight:
@@ -298,12 +301,10 @@ class Net:
 
     def _backward(self, start=None, end=0):
         start = len(self.layers) - 1 if start is None else start
+        executor = self.executor
         for i in range(start, end - 1, -1):
-            self._backward_layer(i)
-
-    def _backward_layer(self, i):
-        if self.layer_need_backward[i]:
-            self.executor.backward(i)
+            executor.backward(i)
+        executor.finish()
 
     def forward(self, blobs=None, start=None, end=None, **kwargs):
         """Forward from layer `start` to `end` (names, inclusive). Keyword arrays set

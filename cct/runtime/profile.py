@@ -4,6 +4,8 @@ Conventions (as the Caffe con Troll paper and the usual CNN FLOP tables count):
 a multiply-add is 2 FLOPs; only the arithmetic a layer needs is counted, not
 what an implementation happens to do (lowering copies, buffer fills are free).
 
+Each layer class counts its own (Layer.flops); the conventions they follow:
+
     Convolution     forward   2 * N * OH*OW * weight.count    (a GEMM per group)
                     backward  the same for the weight gradient, and again for the
                               bottom gradient when the bottom needs one
@@ -22,40 +24,20 @@ CaffeNet at batch 1 counts 1.45 GFLOP forward and 4.14 GFLOP for training
 (conv1's bottom needs no gradient), the figures the issue quotes.
 """
 
-CONV_TYPES = ("Convolution", "Deconvolution")
-
 
 def layer_flops(layer, bottoms, tops, bottom_needs_backward=None):
-    """(forward FLOPs, backward FLOPs) of one layer at its blobs' current shapes.
+    """(forward FLOPs, backward FLOPs) of one layer at its blobs' current shapes,
+    from the layer's own count (Layer.flops).
 
     `bottom_needs_backward`: per bottom, whether backward computes its gradient
-    (the net's bottom_need_backward[i]); None counts every bottom."""
-    kind = layer.type
+    (the net's bottom_need_backward[i]); None counts every bottom. The
+    parameter gradients count when the layer learns (param_propagate_down)."""
     if not bottoms or not tops:
         return 0, 0
+    forward, backward_data, backward_params = layer.flops(bottoms, tops)
     need_data_grad = any(bottom_needs_backward) if bottom_needs_backward is not None else True
-    if kind in CONV_TYPES:
-        weight = layer.blobs[0]
-        spatial_blob = tops[0] if kind == "Convolution" else bottoms[0]
-        n = spatial_blob.shape[0]
-        positions = spatial_blob.count_range(2)
-        gemm = 2 * n * positions * weight.count * len(bottoms)
-        learns = bool(layer.param_propagate_down and layer.param_propagate_down[0])
-        return gemm, gemm * (int(learns) + int(need_data_grad))
-    if kind == "InnerProduct":
-        gemm = 2 * layer.m * layer.blobs[0].count
-        learns = bool(layer.param_propagate_down and layer.param_propagate_down[0])
-        return gemm, gemm * (int(learns) + int(need_data_grad))
-    if kind == "Pooling":
-        if getattr(layer, "kernel", None) is None:
-            return 0, 0
-        cells = tops[0].count * layer.kernel[0] * layer.kernel[1]
-        return cells, cells if need_data_grad else 0
-    if kind == "LRN":
-        size = layer.size if layer.across else layer.size * layer.size
-        count = bottoms[0].count
-        return count * (size + 5), count * (size + 7) if need_data_grad else 0
-    return 0, 0
+    learns = bool(layer.param_propagate_down and layer.param_propagate_down[0])
+    return forward, backward_data * int(need_data_grad) + backward_params * int(learns)
 
 
 def net_flops(net, every_backward=False):

@@ -1,6 +1,22 @@
-"""cct run configuration: how to execute a net, kept out of the prototxt (and
-out of caffe.proto). A JSON file, named by the environment variable CCT_CONFIG
-or loaded with `cct.runtime.settings.load(path)`:
+"""Run settings: how to execute a net, kept out of the prototxt (and out of
+caffe.proto). This module is the only reader of cct's environment variables
+and of the run-configuration file, and the one place their precedence is
+decided; the runtime pushes the results onto the layers (Layer.configure) and
+the executor, so layers never read a global.
+
+Environment variables:
+
+    CCT_CONFIG              a run-configuration file (below)
+    CCT_THREADS             threads for a net's layers (default: the BLAS count)
+    CCT_PARTITIONS          p: every layer that allows it runs in p batch
+                            partitions; 1: every layer whole
+    CCT_LOWERING            1, 2 or 3: every convolution's lowering type
+    CCT_LOWERING_BUDGET_MB  largest lowering workspace, MB (default 64)
+    CCT_SHARE_DIFFS         1 or 0: whether a solver's train net shares diffs
+    CCT_CACHE_DIR           where the lowering chooser caches its measurements
+
+The run configuration, a JSON file named by CCT_CONFIG or loaded with
+`cct.runtime.settings.load(path)`:
 
     {"layers":  {"conv1": {"lowering": 3, "partitions": 2}},
      "default": {"lowering": "auto", "measure": false},
@@ -13,8 +29,12 @@ Keys, per layer (under "layers", by layer name) or for every layer ("default"):
                         instead of trusting the cost model (cached per shape)
     lowering_budget_mb  largest lowering workspace matrix, MB; bigger batches
                         are lowered in chunks (cct.lowering.workspace)
-    partitions          batch partitions (cct.runtime.executor); as a default it
-                        applies only to the layers that can be partitioned
+    partitions          batch partitions (cct.runtime.partition); as a default
+                        it applies only to the layers that can be partitioned
+
+A layer takes the keys its class declares in `run_settings` (Convolution and
+Deconvolution: lowering, measure, lowering_budget_mb), and every layer takes
+partitions.
 
 Top-level "share_diffs": true lets the solver's train net keep the diffs of
 blobs whose gradients are never live together in shared buffers (cct.runtime.memory);
@@ -33,12 +53,22 @@ import json
 import os
 
 from cct.core.errors import ConfigError
+from cct.lowering import chooser
+from cct.lowering.workspace import DEFAULT_BUDGET_MB
 
 CONFIG_ENV = "CCT_CONFIG"
 SHARE_DIFFS_ENV = "CCT_SHARE_DIFFS"
+THREADS_ENV = "CCT_THREADS"
+PARTITIONS_ENV = "CCT_PARTITIONS"
+LOWERING_ENV = "CCT_LOWERING"
+BUDGET_ENV = "CCT_LOWERING_BUDGET_MB"
+CACHE_ENV = "CCT_CACHE_DIR"
 TOP_KEYS = ("layers", "default", "share_diffs")
-LOWERING_TYPES = ("Convolution", "Deconvolution")
 KEYS = ("lowering", "measure", "lowering_budget_mb", "partitions")
+
+# The chooser (below the runtime) is told where to cache; set on import, since
+# convolutions choose while the net is built, before any executor exists.
+chooser.cache_dir = os.environ.get(CACHE_ENV, "").strip() or None
 
 
 def _check_value(source, where, key, value):
@@ -163,31 +193,116 @@ def share_diffs_enabled(config=None, default=False):
     return config.share_diffs
 
 
-def apply(net, config=None):
-    """Apply the configuration to a built Net: check that every setting fits
-    its layer's type and set the configured batch partitions on the net's
-    executor. Returns {layer name: partitions} set."""
+def _env(name):
+    return os.environ.get(name, "").strip()
+
+
+def _env_int(name, least):
+    value = _env(name)
+    if not value:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = least - 1
+    if number < least:
+        raise ConfigError(f"{name}: environment variable must be an integer >= {least}, got {value!r}")
+    return number
+
+
+def threads():
+    """CCT_THREADS, or None (the executor then uses the BLAS default)."""
+    return _env_int(THREADS_ENV, 1)
+
+
+def forced_partitions():
+    """CCT_PARTITIONS, or None. 0 counts as unset."""
+    value = _env(PARTITIONS_ENV)
+    return None if value in ("", "0") else _env_int(PARTITIONS_ENV, 1)
+
+
+def _lowering_from_env(layer):
+    value = _env(LOWERING_ENV)
+    if not value:
+        return None
+    if value not in ("1", "2", "3"):
+        raise layer.config_error(LOWERING_ENV, f"environment variable must be 1, 2 or 3, got {value!r}")
+    return int(value)
+
+
+def _budget_mb_from_env(layer):
+    value = _env(BUDGET_ENV)
+    if not value:
+        return None
+    try:
+        megabytes = float(value)
+    except ValueError:
+        megabytes = -1.0
+    if megabytes <= 0:
+        raise layer.config_error(BUDGET_ENV, f"environment variable {BUDGET_ENV} must be a positive "
+                                 f"number of MB, got {value!r}")
+    return megabytes
+
+
+def layer_settings(layer, config=None):
+    """{key: value} for the keys `layer` declares in run_settings, by the
+    precedence in the module docstring; keys nothing sets are left out."""
     config = config or active()
-    if config is None:
-        return {}
+    declared = set(getattr(layer, "run_settings", ()))
+    found = {}
+    if "lowering" in declared:
+        lowering = config.layer_value(layer.name, "lowering") if config else None
+        if lowering is None:
+            lowering = _lowering_from_env(layer)
+        if lowering is None and config:
+            lowering = config.default_value("lowering")
+        if lowering is not None:
+            found["lowering"] = lowering
+    if "measure" in declared and config and config.value(layer.name, "measure") is not None:
+        found["measure"] = config.value(layer.name, "measure")
+    if "lowering_budget_mb" in declared:
+        budget = config.layer_value(layer.name, "lowering_budget_mb") if config else None
+        if budget is None:
+            budget = _budget_mb_from_env(layer)
+        if budget is None:
+            budget = (config.default_value("lowering_budget_mb") if config else None) or DEFAULT_BUDGET_MB
+        found["lowering_budget_mb"] = budget
+    return found
+
+
+def apply(executor, config=None):
+    """Apply the settings to a built net through its executor: check that
+    every configured key fits its layer, push each layer's settings
+    (Layer.configure) and set the configured batch partitions. Returns
+    {layer name: partitions} set by the configuration."""
+    config = config or active()
+    net = executor.net
     applied = {}
     for index, layer in enumerate(net.layers):
+        declared = tuple(getattr(layer, "run_settings", ()))
+        if declared:
+            layer.configure(layer_settings(layer, config))
+            # the net set the layer up before it had its settings: size it again with them
+            layer.reshape(net.bottom_vecs[index], net.top_vecs[index])
+        if config is None:
+            continue
         own = config.layers.get(layer.name, {})
         for key in own:
-            if key != "partitions" and layer.type not in LOWERING_TYPES:
-                raise ConfigError(f"{config.source}: layers.{layer.name}.{key}: applies to Convolution and "
-                                  f"Deconvolution layers; '{layer.name}' is a {layer.type} layer")
+            if key != "partitions" and key not in declared:
+                takes = f"takes {', '.join(declared)} and partitions" if declared else "takes only partitions"
+                raise ConfigError(f"{config.source}: layers.{layer.name}.{key}: layer '{layer.name}' "
+                                  f"({layer.type}) {takes}")
         partitions = own.get("partitions")
         if partitions is None:
             partitions = config.default_value("partitions")
-            if partitions is None or not net.executor.partitionable(index):
+            if partitions is None or not executor.partitionable(index):
                 continue
-        elif partitions > 1 and not net.executor.partitionable(index):
+        elif partitions > 1 and not executor.partitionable(index):
             raise ConfigError(f"{config.source}: layers.{layer.name}.partitions: layer '{layer.name}' "
                               f"({layer.type}) cannot be batch-partitioned")
         bottoms = net.bottom_vecs[index]
         batch = bottoms[0].shape[0] if bottoms and bottoms[0].shape else 1
         partitions = min(partitions, max(1, batch))
-        net.executor.set_partitions(index, partitions)
+        executor.set_partitions(index, partitions)
         applied[layer.name] = partitions
     return applied

@@ -12,6 +12,7 @@ from cct.core.blob import Blob
 from cct.core.layer import TRAIN, create_layer
 from cct.proto import caffe_pb2
 from cct.core.rng import set_random_seed
+from cct.runtime import settings
 
 
 def make_layer(prototxt, phase=TRAIN):
@@ -27,11 +28,10 @@ def setup_layer(layer, bottom_arrays, num_tops=1, dtype=np.float64):
     its params converted to `dtype`. Returns (bottoms, tops)."""
     bottoms = [_blob_of(np.asarray(a, dtype)) for a in bottom_arrays]
     tops = [Blob(dtype=dtype) for _ in range(num_tops)]
-    layer.check_blob_counts(bottoms, tops)
-    layer.setup(bottoms, tops)
+    layer.set_up(bottoms, tops)
+    layer.configure(settings.layer_settings(layer))     # as a net's executor does
     layer.blobs[:] = [_blob_of(b.data.astype(dtype)) for b in layer.blobs]
     layer.param_propagate_down = [True] * len(layer.blobs)
-    layer.reshape(bottoms, tops)
     return bottoms, tops
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from cct.runtime import settings as run_config
 from cct.runtime import memory
 from cct.core.errors import ConfigError, WeightsError
-from cct.runtime.executor import run_all
+from cct.runtime.threads import run_all
 from cct.devices.jit import kernel
 from cct.core.layer import TEST, TRAIN
 from cct.training.lr_policy import check_policy, learning_rate

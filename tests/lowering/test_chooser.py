@@ -13,7 +13,8 @@ import cct
 from cct.testing.gradient_check import make_layer, setup_layer
 from cct.lowering import ConvGeometry, chooser, conv_backward, conv_forward, reference
 from cct.lowering.chooser import Machine
-from cct.lowering.workspace import FRESH, Arena, chunk_size, chunks, image_bytes, thread_arena
+from cct.core.workspace import FRESH, Arena, thread_arena
+from cct.lowering.workspace import chunk_size, chunks, image_bytes
 
 # Constants measured on the development machine (one BLAS thread), rounded.
 FIXED = Machine(bandwidth=21e9, gather_row=3e-9, scatter_row=3e-9, add_row=15e-9, gemm_flops=96e9,
@@ -23,7 +24,7 @@ RNG = np.random.default_rng(5)
 
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("CCT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(chooser, "cache_dir", str(tmp_path))
     chooser.clear_memory_cache()
     yield tmp_path
     chooser.clear_memory_cache()

@@ -1,0 +1,109 @@
+"""Work memory reused across iterations: named buffers per thread.
+
+A function asks its `ws` for every big intermediate by slot name:
+
+    ws.empty(slot, shape, dtype)     uninitialised
+    ws.zeros(slot, shape, dtype)     zero-filled
+
+`FRESH` allocates new arrays, so a function given it stays pure. An `Arena`
+keeps one flat store per slot that grows to the largest request and is handed
+out again on the next call: no allocation and no page faults after the first
+iteration (big temporaries are mmapped and page-faulted afresh on every
+allocation, tens of ms for CaffeNet's blobs). A slot's contents live only
+until the next request for the same slot, so a function never returns arena
+memory to its caller.
+
+`thread_arena()` is the calling thread's arena, the one work store of cct: the
+lowerings plan their slots in it, and Layer.work takes its temporaries from
+it. Layers run one after another on a thread, so they share its stores (the
+arena holds the largest layer's buffers, not the sum over layers, which is
+what keeps CaffeNet at batch 256 under Caffe's memory), and the batch-partition
+twins of a layer, which run at the same time on different worker threads,
+never share a buffer.
+"""
+import threading
+
+import numpy as np
+
+
+class Fresh:
+    """Allocates a new array on every request."""
+
+    @staticmethod
+    def empty(slot, shape, dtype):
+        return np.empty(shape, dtype)
+
+    @staticmethod
+    def zeros(slot, shape, dtype):
+        return np.zeros(shape, dtype)
+
+    @staticmethod
+    def plan(sizes):
+        pass
+
+
+FRESH = Fresh()
+
+
+class Arena:
+    """Named buffers reused across calls.
+
+    `plan({slot: nbytes})` lays the slots of one lowering call out in a single
+    store, which grows to the largest plan seen and is reused: the memory held
+    is the largest call's workspace, not a sum of per-slot maxima over layers.
+    A request for a slot the plan does not cover (or bigger than planned) gets
+    a store of its own, kept and reused in the same way."""
+
+    def __init__(self):
+        self.store = np.empty(0, np.uint8)
+        self.layout = {}            # slot -> (offset, nbytes) in self.store
+        self.stores = {}            # slot -> own store, for unplanned requests
+
+    def plan(self, sizes):
+        layout, offset = {}, 0
+        for slot, nbytes in sizes.items():
+            layout[slot] = (offset, int(nbytes))
+            offset += -(-int(nbytes) // 64) * 64         # keep every slot 64-byte aligned
+        if self.store.size < offset:
+            self.store = np.empty(0, np.uint8)           # free the old store before the new one
+            self.store = np.empty(offset, np.uint8)
+        self.layout = layout
+
+    def empty(self, slot, shape, dtype):
+        dtype = np.dtype(dtype)
+        shape = tuple(int(d) for d in shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        planned = self.layout.get(slot)
+        if planned is not None and nbytes <= planned[1]:
+            start = planned[0]
+            return self.store[start:start + nbytes].view(dtype).reshape(shape)
+        store = self.stores.get(slot)
+        if store is None or store.size < nbytes:
+            # The old store is freed once nothing views it (views never outlive a call).
+            store = self.stores[slot] = np.empty(max(nbytes, 1), np.uint8)
+        return store[:nbytes].view(dtype).reshape(shape)
+
+    def zeros(self, slot, shape, dtype):
+        array = self.empty(slot, shape, dtype)
+        array.fill(0)
+        return array
+
+    @property
+    def nbytes(self):
+        return self.store.size + sum(store.size for store in self.stores.values())
+
+    def clear(self):
+        self.store = np.empty(0, np.uint8)
+        self.layout = {}
+        self.stores.clear()
+
+
+_local = threading.local()
+
+
+def thread_arena():
+    """The calling thread's arena (created on first use)."""
+    arena = getattr(_local, "arena", None)
+    if arena is None:
+        arena = _local.arena = Arena()
+    return arena

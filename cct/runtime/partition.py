@@ -1,0 +1,115 @@
+"""Batch partitions (Caffe con Troll, Sec. 3.2): a layer's batch split into p
+slices that run at once, each on a twin of the layer (`Layer.clone`).
+
+A twin works on BlobSlice views of the batch, so per-forward state (pooling
+argmax, saved inputs) stays per partition. Its parameters are ParamViews of
+the layer's: the data is shared; the first twin accumulates into the layer's
+own diffs, the others into diffs of their own, which are summed into the
+layer's after backward (no race on `+=`).
+"""
+import numpy as np
+
+from cct.core.blob import Blob
+from cct.core.errors import ShapeError
+from cct.runtime.threads import run_all
+
+
+class BlobSlice(Blob):
+    """Rows [start, stop) of a blob's batch axis, as a Blob of fixed shape."""
+
+    def __init__(self, blob, start, stop):
+        self.dtype = blob.dtype
+        self._shape = (stop - start,) + blob.shape[1:]
+        self._data = blob.data[start:stop]
+        self._diff = None                 # the blob's diff is made only if a layer asks
+        self._rows = (blob, start, stop)
+
+    def _allocate_diff(self):
+        blob, start, stop = self._rows
+        self._diff = blob.diff[start:stop]
+        return self._diff
+
+    def reshape(self, *shape):
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        if tuple(int(d) for d in shape) != self._shape:
+            raise ShapeError(f"a batch partition of shape {self._shape} cannot be reshaped to {shape}")
+
+    def share_data(self, other):
+        raise ShapeError("a batch partition cannot share storage")
+
+    share_diff = share_data
+
+
+class ParamView(Blob):
+    """A clone's parameter: the layer's data; the layer's diff (`shares_diff`) or
+    a private one, made on first use."""
+
+    def __init__(self, blob, shares_diff):
+        self.dtype = blob.dtype
+        self._shape = blob.shape
+        self.shares_diff = shares_diff
+        self._diff = None
+        self.follow(blob)
+
+    def follow(self, blob):
+        """Track the layer's current storage (share_with and copy_from may replace it)."""
+        self._data = blob.data
+        if self.shares_diff:
+            self._diff = None
+            self._blob = blob
+
+    def _allocate_diff(self):
+        self._diff = self._blob.diff if self.shares_diff else np.zeros(self._shape, self.dtype)
+        return self._diff
+
+    def reshape(self, *shape):
+        raise ShapeError("a partition clone cannot reshape a parameter")
+
+
+class PartitionedLayer:
+    """Runs `layer` over `partitions` slices of the batch in parallel, each on
+    a twin from `layer.clone(partitions)` whose parameters are ParamViews."""
+
+    def __init__(self, layer, partitions):
+        self.layer = layer
+        self.partitions = partitions
+        self.clones = []
+        for index in range(partitions):
+            clone = layer.clone(partitions)
+            clone.blobs = [ParamView(blob, shares_diff=index == 0) for blob in layer.blobs]
+            self.clones.append(clone)
+
+    def _bounds(self, batch):
+        edges = np.linspace(0, batch, self.partitions + 1).astype(int)
+        return list(zip(edges[:-1], edges[1:]))
+
+    def _views(self, bottoms, tops):
+        batch = bottoms[0].shape[0]
+        for (start, stop), clone in zip(self._bounds(batch), self.clones):
+            for view, blob in zip(clone.blobs, self.layer.blobs):
+                view.follow(blob)
+            bottom_views = [BlobSlice(b, start, stop) for b in bottoms]
+            # An in-place top gets the very view of its bottom, so the clone sees in-place.
+            top_views = [next((v for b, v in zip(bottoms, bottom_views) if b is t), None)
+                         or BlobSlice(t, start, stop) for t in tops]
+            yield clone, bottom_views, top_views
+
+    def forward(self, workers, bottoms, tops):
+        def run(clone, bottom_views, top_views):
+            clone.reshape(bottom_views, top_views)
+            clone.forward(bottom_views, top_views)
+        run_all(workers, run, self._views(bottoms, tops))
+
+    def backward(self, workers, tops, propagate_down, bottoms):
+        def run(clone, bottom_views, top_views):
+            clone.param_propagate_down = self.layer.param_propagate_down
+            clone.backward(top_views, propagate_down, bottom_views)
+        run_all(workers, run, self._views(bottoms, tops))
+        for index, blob in enumerate(self.layer.blobs):
+            if self.layer.param_propagate_down[index]:
+                for clone in self.clones[1:]:        # clone 0 wrote into blob.diff itself
+                    private = clone.blobs[index]._diff
+                    if private is not None:
+                        blob.diff += private
+                        private[...] = 0

@@ -1,0 +1,74 @@
+"""The process's threads: one BLAS thread controller and one pool of worker
+threads, shared by every net, executor and solver of the process.
+
+OpenBLAS's thread count is process-wide, not per calling thread, so there is
+exactly one `BlasThreads` (`blas()`). Its `default` is the count the process
+had when cct first needed it, before any partitioned layer lowered it: a net
+built later (a test net made after `solver.step()`, a second pycaffe Net)
+gets the same default instead of whatever count the last layer left behind.
+
+Worker k - 1 of `workers()` runs unit k of every parallel run (a batch
+partition, an update stripe), so the per-thread work stores (the lowering
+arenas, Layer.work) exist once per unit index, not once per net.
+"""
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
+
+from threadpoolctl import ThreadpoolController
+
+_lock = threading.Lock()
+_blas = None
+_workers = []
+
+
+class BlasThreads:
+    """The BLAS libraries' thread count, set directly (threadpoolctl's
+    context manager re-scans the loaded libraries on every call)."""
+
+    def __init__(self):
+        self._libraries = ThreadpoolController().select(user_api="blas").lib_controllers
+        self.default = max([lib.num_threads for lib in self._libraries] or [1])
+        self.current = self.default
+
+    def set(self, count):
+        count = max(1, int(count))
+        if count != self.current:
+            for lib in self._libraries:
+                lib.set_num_threads(count)
+            self.current = count
+
+    def restore(self):
+        """Back to the process's default count."""
+        self.set(self.default)
+
+
+def blas():
+    """The process's BlasThreads, made on first use."""
+    global _blas
+    with _lock:
+        if _blas is None:
+            _blas = BlasThreads()
+        return _blas
+
+
+def workers(count):
+    """The persistent worker threads for `count` units run at once (the caller
+    runs unit 0 itself): worker k - 1 runs unit k. The list may be longer."""
+    with _lock:
+        while len(_workers) < count - 1:
+            _workers.append(ThreadPoolExecutor(max_workers=1,
+                                               thread_name_prefix=f"cct-worker-{len(_workers) + 1}"))
+        return list(_workers)
+
+
+def run_all(workers, function, work):
+    """Unit k on workers[k - 1], unit 0 on this thread; waits for all of them
+    and re-raises the first exception (in unit order)."""
+    work = list(work)
+    futures = [worker.submit(function, *unit) for worker, unit in zip(workers, work[1:])]
+    try:
+        function(*work[0])
+    finally:
+        wait(futures)                 # no unit may still write when this returns
+    for future in futures:
+        future.result()

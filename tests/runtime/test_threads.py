@@ -1,0 +1,51 @@
+"""The process-wide BLAS thread controller: a net built after a partitioned
+training step gets every BLAS thread, and no pass leaves the count lowered."""
+from threadpoolctl import threadpool_info, threadpool_limits
+
+import cct
+from cct.runtime import threads
+
+NET = """
+name: "small"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+  dummy_data_param { shape { dim: 8 dim: 2 dim: 6 dim: 6 } shape { dim: 8 }
+                     data_filler { type: "gaussian" } data_filler { type: "constant" value: 1 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+  convolution_param { num_output: 3 kernel_size: 3 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip"
+  inner_product_param { num_output: 2 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+def blas_count():
+    # the lowest count of the loaded BLAS libraries (numpy's and scipy's): the one a GEMM may be left with
+    return min(pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas")
+
+
+def test_nets_built_after_a_partitioned_step_get_every_blas_thread(tmp_path, monkeypatch):
+    (tmp_path / "net.prototxt").write_text(NET)
+    (tmp_path / "solver.prototxt").write_text(
+        'net: "net.prototxt" base_lr: 0.01 lr_policy: "fixed" max_iter: 10 display: 0 '
+        'test_iter: 1 test_interval: 100 test_initialization: false snapshot_after_train: false')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CCT_PARTITIONS", "2")        # the conv and relu run as 2 partitions of 1 BLAS thread
+    monkeypatch.setattr(threads, "_blas", None)     # a controller made below, under 2 threads
+    with threadpool_limits(limits=2, user_api="blas"):
+        solver = cct.SGDSolver("solver.prototxt")
+        train = solver.net
+        assert train.executor.partitions(train.layer_names.index("conv")) == 2
+        solver.step(2)
+        assert blas_count() == 2                     # the step gave the threads back
+        assert solver.test_nets[0].executor.threads == 2
+        later = cct.Net("net.prototxt", cct.TEST)
+        assert later.executor.threads == 2
+        later.forward()
+        assert blas_count() == 2
+        assert threads.blas() is later.executor.blas is train.executor.blas
+
+
+def test_partitions_of_every_net_share_the_process_workers():
+    first, second = threads.workers(3), threads.workers(2)
+    assert second == first[:len(second)]
