@@ -13,41 +13,30 @@ close to but not bit-equal with skimage's.
 """
 import numpy as np
 
-from cct.core.errors import DataError, ShapeError
+from cct.core.errors import DataError, ShapeError, WeightsError
+from cct.data import transformer
+from cct.formats.weights import array_to_blob_proto, blob_proto_to_array
 from cct.proto import caffe_pb2
-from cct.formats.weights import blob_proto_shape
 
 # --- proto / datum / ndarray conversion --------------------------------------------
+# Thin wrappers: the conversions live once, in cct.formats.weights (BlobProto) and
+# cct.data.transformer (Datum), where they return what Caffe's C++ holds (float32).
+# pycaffe's functions return float64 (np.array of the proto's Python floats), so
+# these widen; the values are the same float32 numbers.
 
 
 def blobproto_to_array(blob, return_diff=False):
     """The data (or diff) of a BlobProto as a float64 array, shaped by the legacy
-    num/channels/height/width when those are set, else by `shape.dim`."""
-    values = blob.diff if return_diff else blob.data
-    if return_diff and not len(values):
-        values = blob.double_diff
-    elif not return_diff and not len(values):
-        values = blob.double_data
-    array = np.array(values, dtype=np.float64)
-    shape = blob_proto_shape(blob)
-    if array.size != int(np.prod(shape)):
-        raise ShapeError(f"BlobProto holds {array.size} {'diff' if return_diff else 'data'} values "
-                         f"but its shape {shape} needs {int(np.prod(shape))}")
-    return array.reshape(shape)
+    num/channels/height/width when any is set, else by `shape.dim`."""
+    try:
+        return blob_proto_to_array(blob, diff=return_diff).astype(np.float64)
+    except WeightsError as error:
+        raise ShapeError(str(error)) from None          # pycaffe's reshape raises a ValueError
 
 
 def array_to_blobproto(arr, diff=None):
     """A BlobProto holding `arr` (shape in `shape.dim`), and `diff` if given."""
-    arr = np.asarray(arr)
-    blob = caffe_pb2.BlobProto()
-    blob.shape.dim.extend(arr.shape)
-    blob.data.extend(arr.astype(np.float32).flat)
-    if diff is not None:
-        diff = np.asarray(diff)
-        if diff.shape != arr.shape:
-            raise ShapeError(f"array_to_blobproto: diff shape {diff.shape} differs from data shape {arr.shape}")
-        blob.diff.extend(diff.astype(np.float32).flat)
-    return blob
+    return array_to_blob_proto(arr, diff)
 
 
 def arraylist_to_blobprotovector_str(arraylist):
@@ -69,47 +58,17 @@ def blobprotovector_str_to_arraylist(data):
 
 def array_to_datum(arr, label=None):
     """A Datum of a C x H x W array: uint8 arrays as bytes in `data`, others as `float_data`."""
-    arr = np.asarray(arr)
-    if arr.ndim != 3:
-        raise ShapeError(f"array_to_datum: need a 3-d (channels, height, width) array, got shape {arr.shape}")
-    datum = caffe_pb2.Datum()
-    datum.channels, datum.height, datum.width = arr.shape
-    if arr.dtype == np.uint8:
-        datum.data = arr.tobytes()
-    else:
-        datum.float_data.extend(arr.astype(np.float32).flat)
-    if label is not None:
-        datum.label = int(label)
-    return datum
+    return transformer.array_to_datum(arr, label)
 
 
 def datum_to_array(datum):
     """The C x H x W array of a Datum (uint8 for byte data, float64 for float_data).
     The label is datum.label. An encoded (JPEG/PNG) datum is decoded as Caffe's
     data layer would: BGR channels (or one gray channel), uint8."""
-    if datum.encoded:
-        return _decode_datum(datum)
-    shape = (datum.channels, datum.height, datum.width)
-    if len(datum.data):
-        if len(datum.data) != int(np.prod(shape)):
-            raise DataError(f"Datum has {len(datum.data)} bytes but channels x height x width = {shape}")
-        return np.frombuffer(datum.data, dtype=np.uint8).reshape(shape).copy()
-    return np.array(datum.float_data, dtype=np.float64).reshape(shape)
-
-
-def _decode_datum(datum):
-    import io as _io
-
-    from PIL import Image
-    try:
-        image = Image.open(_io.BytesIO(datum.data))
-        image.load()
-    except Exception as error:
-        raise DataError(f"encoded Datum: cannot decode image: {error}") from None
-    if image.mode in ("L", "I;16", "I", "F", "1"):
-        return np.asarray(image.convert("L"))[np.newaxis]
-    rgb = np.asarray(image.convert("RGB"))               # H x W x 3
-    return rgb[:, :, ::-1].transpose(2, 0, 1).copy()
+    array = transformer.datum_to_array(datum)
+    if array.dtype == np.float32:
+        return array.astype(np.float64)          # pycaffe: np.array(float_data).astype(float)
+    return array.copy()                          # writable, as pycaffe's np.fromstring copy
 
 
 # --- pre-processing ---------------------------------------------------------------

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from cct.core.workspace import Arena
+from cct.formats.prototxt import atomic_write
 
 from .type1 import batch_inner
 from .workspace import chunk_size, chunks, image_bytes
@@ -201,10 +202,7 @@ def _load_cache(path):
 def _save_cache(path, contents):
     """Write atomically; a read-only cache directory only loses the caching."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        temporary.write_text(json.dumps(contents, indent=1, sort_keys=True))
-        os.replace(temporary, path)
+        atomic_write(path, json.dumps(contents, indent=1, sort_keys=True).encode())
     except OSError:
         pass
 

@@ -13,7 +13,8 @@ from cct.data.transformer import load_mean_file
 from cct.core.errors import ConfigError, DataError
 from cct.testing.gradient_check import make_layer
 from cct.proto import caffe_pb2
-from cct.cli.datasets import compute_image_mean, convert_arrays_to_lmdb, convert_imageset, image_mean
+from cct.cli.datasets import compute_image_mean, convert_imageset, image_mean
+from cct.data.digits import convert_arrays_to_lmdb
 
 RNG = np.random.default_rng(9)
 

@@ -198,6 +198,7 @@ class _signal_effects:
 def test(args):
     from cct.core.layer import TEST
     from cct.core.net import Net
+    from cct.core.progress import Progress
     _require(args.model, "--model", "need a model definition to score")
     _require(args.weights, "--weights", "need model weights to score")
     _check_iterations(args.iterations)
@@ -207,15 +208,16 @@ def test(args):
         net.copy_from(path)
     log.info("Running for %d iterations.", args.iterations)
     scores, names, loss = None, [], 0.0
-    for batch in range(args.iterations):
-        loss += net._forward()
-        values, names = [], []
-        for name in net.outputs:
-            for value in net.blobs[name].data.ravel():
-                log.info("Batch %d, %s = %s", batch, name, _fmt(value))
-                values.append(float(value))
-                names.append(name)
-        scores = np.array(values) if scores is None else scores + values
+    with Progress("test", args.iterations, "batches") as shown:
+        for batch in shown.track(range(args.iterations)):
+            loss += net._forward()
+            values, names = [], []
+            for name in net.outputs:
+                for value in net.blobs[name].data.ravel():
+                    log.info("Batch %d, %s = %s", batch, name, _fmt(value))
+                    values.append(float(value))
+                    names.append(name)
+            scores = np.array(values) if scores is None else scores + values
     log.info("Loss: %s", _fmt(loss / args.iterations))
     for name, score in zip(names, scores / args.iterations):
         weight = net.blob_loss_weights.get(name, 0.0)

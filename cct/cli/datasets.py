@@ -9,7 +9,6 @@ that return an exit code and raise cct.core.errors.CctError on bad input:
         the mean image of a database -> a binaryproto. Flag: --backend.
 
 Boolean flags take gflags' forms: --gray, --gray=true, --gray=false.
-Also convert_arrays_to_lmdb(images, labels, path) for arrays already in memory.
 """
 import argparse
 import logging
@@ -19,7 +18,8 @@ import numpy as np
 
 from cct.core import rng as cct_rng
 from cct.data.transformer import array_to_datum, datum_to_array, encode_image, read_image, save_mean_file
-from cct.data.db import open_db, record_key
+from cct.core.progress import Progress
+from cct.data.db import LMDB, open_db, record_key
 from cct.core.errors import ConfigError, DataError
 from cct.proto import caffe_pb2
 
@@ -118,8 +118,10 @@ def convert_imageset(argv):
     is_color = not args.gray
     written = failed = 0
     data_size = None
-    with open_db(args.db_name, args.backend, "w") as db:
-        for line_id, (name, label, number) in enumerate(entries):
+    # A line each 1000 images in a log, as Caffe's "Processed 1000 files."
+    with open_db(args.db_name, args.backend, "w") as db, \
+            Progress("convert_imageset", len(entries), "images", every=1000) as shown:
+        for line_id, (name, label, number) in enumerate(shown.track(entries)):
             path = args.root_folder + name
             try:
                 datum = _image_to_datum(path, label, args, is_color, encoded)
@@ -137,8 +139,6 @@ def convert_imageset(argv):
                                     f"the first image has {data_size} (see --resize_width/--resize_height)")
             db.put(record_key(line_id, name), datum.SerializeToString())
             written += 1
-            if written % 1000 == 0:
-                log.info("convert_imageset: processed %d files", written)
     log.info("convert_imageset: wrote %d images to %s (%d skipped)", written, args.db_name, failed)
     if written == 0:
         raise DataError(f"convert_imageset: none of the {len(entries)} images in {args.list_file} "
@@ -204,8 +204,8 @@ def compute_image_mean(argv):
 def image_mean(path, backend="lmdb"):
     """The float32 (C, H, W) mean of every Datum in a database (summed in float64)."""
     total, count, shape = None, 0, None
-    with open_db(path, backend) as db:
-        for key, value in db.items():
+    with open_db(path, backend) as db, Progress("compute_image_mean", _record_count(db), "images") as shown:
+        for key, value in shown.track(db.items()):
             what = f"{path}: record '{bytes(key).decode(errors='replace')}'"
             try:
                 datum = caffe_pb2.Datum.FromString(value)
@@ -224,23 +224,7 @@ def image_mean(path, backend="lmdb"):
     return (total / count).astype(np.float32)
 
 
-# --- from arrays ------------------------------------------------------------------------
-def convert_arrays_to_lmdb(images, labels, path):
-    """uint8 (N, C, H, W) images and N integer labels -> a new LMDB of raw Datums
-    keyed %08d (what a Data layer reads). Returns the number of records."""
-    images = np.asarray(images)
-    labels = np.asarray(labels)
-    if images.ndim != 4:
-        raise DataError(f"{path}: images must be (N, C, H, W), got shape {images.shape}")
-    if labels.shape != (images.shape[0],):
-        raise DataError(f"{path}: need one label per image ({images.shape[0]}), got shape {labels.shape}")
-    if images.dtype != np.uint8:
-        raise DataError(f"{path}: images must be uint8, got {images.dtype}")
-    n, channels, height, width = images.shape
-    with open_db(path, "lmdb", "w") as db:
-        for index in range(n):
-            datum = caffe_pb2.Datum(channels=channels, height=height, width=width,
-                                    data=images[index].tobytes(), label=int(labels[index]))
-            db.put(record_key(index), datum.SerializeToString())
-    return n
-
+def _record_count(db):
+    """The number of records when it is cheap to know (LMDB keeps it; LevelDB
+    would read every key), else None."""
+    return len(db) if isinstance(db, LMDB) else None

@@ -16,6 +16,7 @@ import re
 from datetime import datetime, timedelta
 
 from cct.core.errors import ConfigError
+from cct.formats.prototxt import atomic_path, atomic_write
 
 _STAMP = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)(?:\.(\d+))?\s")
 _ITERATION = re.compile(r"Iteration (\d+)")
@@ -97,7 +98,6 @@ def columns_of(rows):
 
 def write_tables(log_path, output_dir, delimiter=","):
     """Write <output_dir>/<log name>.train and .test; returns their paths."""
-    from cct.formats.prototxt import atomic_write
     train, test = parse_log(log_path)
     base = os.path.join(output_dir, os.path.basename(log_path))
     paths = []
@@ -147,10 +147,10 @@ def plot_training_log(log_path, png_path, x="iters"):
         axes.grid(True, alpha=0.3)
     figure.suptitle(os.path.basename(log_path))
     figure.tight_layout()
-    folder = os.path.dirname(os.path.abspath(png_path))
-    os.makedirs(folder, exist_ok=True)
-    temp_path = png_path + ".tmp.png"
-    figure.savefig(temp_path, dpi=100)
-    plt.close(figure)
-    os.replace(temp_path, png_path)
+    try:
+        with atomic_path(png_path) as temp_path:
+            # format given: matplotlib would otherwise add ".png" to a name without an extension
+            figure.savefig(temp_path, dpi=100, format="png")
+    finally:
+        plt.close(figure)
     return png_path

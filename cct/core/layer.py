@@ -37,7 +37,9 @@ from cct.core.workspace import thread_arena
 
 TRAIN, TEST = 0, 1            # caffe.Phase values
 
-LAYER_TYPES = {}              # Caffe type name -> Layer subclass
+# Caffe type name -> Layer subclass. Filled by importing cct.layers, which
+# importing any part of cct does (cct/__init__.py imports it).
+LAYER_TYPES = {}
 
 
 def register(type_name):
@@ -53,26 +55,19 @@ def register(type_name):
 
 def layer_type_list():
     """Registered type names, sorted (pycaffe's caffe.layer_type_list())."""
-    _load_builtin_layers()
     return sorted(LAYER_TYPES)
 
 
 def create_layer(layer_param, phase=TRAIN, source=None):
-    _load_builtin_layers()
     check_layer_type(layer_param, source)
     return LAYER_TYPES[layer_param.type](layer_param, phase, source)
 
 
 def check_layer_type(layer_param, source=None):
     """An unknown type is an error that lists the known ones."""
-    _load_builtin_layers()
     if layer_param.type not in LAYER_TYPES:
         raise ConfigError(f"{layer_where(layer_param, source)}: type: unknown layer type "
                           f"{layer_param.type!r}; known types: {', '.join(sorted(LAYER_TYPES))}")
-
-
-def _load_builtin_layers():
-    from cct import layers  # noqa: F401  (importing registers every family)
 
 
 class Layer:

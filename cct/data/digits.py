@@ -10,11 +10,18 @@ images). Train and test images come from disjoint source images (a stratified
 80/20 split), so test accuracy measures generalization to unseen handwriting.
 
     make_digits_lmdb("examples_out")   # -> digits_train_lmdb, digits_test_lmdb
+
+convert_arrays_to_lmdb writes any uint8 image arrays already in memory the same way.
 """
-import os
 from pathlib import Path
 
 import numpy as np
+
+from cct.core.errors import DataError
+from cct.core.progress import Progress
+from cct.data.db import open_db, record_key
+from cct.formats.prototxt import atomic_path
+from cct.proto import caffe_pb2
 
 DATA_FILE = Path(__file__).with_name("digits.npz")
 TRAIN_LMDB, TEST_LMDB = "digits_train_lmdb", "digits_test_lmdb"
@@ -53,11 +60,12 @@ def _upsampled(images):
     return np.clip(big, 0.0, 1.0)
 
 
-def render(sources, labels, count, rng, strength=1.0, chunk=2000):
+def render(sources, labels, count, rng, strength=1.0, chunk=2000, what="digits"):
     """`count` 28x28 digits drawn from `sources` (K, 8, 8), classes balanced
     (count // 10 each, the remainder to the first classes), in random order;
-    `strength` scales every distortion (0: none). Returns images uint8
-    (count, 1, 28, 28) and labels uint8 (count,)."""
+    `strength` scales every distortion (0: none); progress is shown as `what`
+    (cct.core.progress). Returns images uint8 (count, 1, 28, 28) and labels
+    uint8 (count,)."""
     classes = np.arange(count) % 10
     rng.shuffle(classes)
     by_class = [np.flatnonzero(labels == digit) for digit in range(10)]
@@ -67,9 +75,11 @@ def render(sources, labels, count, rng, strength=1.0, chunk=2000):
         choice[slots] = rng.choice(by_class[digit], size=len(slots), replace=len(slots) > len(by_class[digit]))
     big = _upsampled(sources)
     images = np.empty((count, 1, SIZE, SIZE), np.uint8)
-    for start in range(0, count, chunk):
-        stop = min(start + chunk, count)
-        images[start:stop, 0] = _warp(big, choice[start:stop], rng, strength)
+    with Progress(what, count, "images") as shown:
+        for start in range(0, count, chunk):
+            stop = min(start + chunk, count)
+            images[start:stop, 0] = _warp(big, choice[start:stop], rng, strength)
+            shown.update(stop - start)
     return images, labels[choice].astype(np.uint8)
 
 
@@ -118,9 +128,10 @@ def make_digits(train_count=10000, test_count=2000, seed=0):
     sources, labels = load_source_digits()
     train_index, test_index = split_sources(labels, seed=seed)
     rng = np.random.default_rng(seed + 1)
-    train = render(sources[train_index], labels[train_index], train_count, rng)
+    train = render(sources[train_index], labels[train_index], train_count, rng, what="digits: train")
     # Test digits are milder distortions of unseen writers, as MNIST's test set is undistorted.
-    test = render(sources[test_index], labels[test_index], test_count, rng, strength=TEST_STRENGTH)
+    test = render(sources[test_index], labels[test_index], test_count, rng, strength=TEST_STRENGTH,
+                  what="digits: test")
     return train + test
 
 
@@ -129,19 +140,35 @@ def make_digits_lmdb(out_dir, train_count=10000, test_count=2000, seed=0, overwr
     Datums, keys %08d) for models/lenet. Existing ones are kept unless
     overwrite. Returns the two paths."""
     import shutil
-    from cct.cli.datasets import convert_arrays_to_lmdb
     out_dir = Path(out_dir)
     paths = out_dir / TRAIN_LMDB, out_dir / TEST_LMDB
     if not overwrite and all((p / "data.mdb").exists() for p in paths):
         return tuple(str(p) for p in paths)
     train_x, train_y, test_x, test_y = make_digits(train_count, test_count, seed)
-    out_dir.mkdir(parents=True, exist_ok=True)
     for path, images, labels in zip(paths, (train_x, test_x), (train_y, test_y)):
-        if path.exists():
-            shutil.rmtree(path)
-        tmp = Path(str(path) + ".partial")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        convert_arrays_to_lmdb(images, labels, tmp)      # then rename: no half-written db is left
-        os.replace(tmp, path)
+        # Written aside and renamed into place: a crash leaves no half-written database.
+        with atomic_path(path) as temp_path:
+            convert_arrays_to_lmdb(images, labels, temp_path)
+            if path.exists():
+                shutil.rmtree(path)     # a rename cannot replace a folder; the old one goes only now
     return tuple(str(p) for p in paths)
+
+
+def convert_arrays_to_lmdb(images, labels, path):
+    """uint8 (N, C, H, W) images and N integer labels -> a new LMDB of raw Datums
+    keyed %08d (what a Data layer reads). Returns the number of records."""
+    images = np.asarray(images)
+    labels = np.asarray(labels)
+    if images.ndim != 4:
+        raise DataError(f"{path}: images must be (N, C, H, W), got shape {images.shape}")
+    if labels.shape != (images.shape[0],):
+        raise DataError(f"{path}: need one label per image ({images.shape[0]}), got shape {labels.shape}")
+    if images.dtype != np.uint8:
+        raise DataError(f"{path}: images must be uint8, got {images.dtype}")
+    n, channels, height, width = images.shape
+    with open_db(path, "lmdb", "w") as db:
+        for index in range(n):
+            datum = caffe_pb2.Datum(channels=channels, height=height, width=width,
+                                    data=images[index].tobytes(), label=int(labels[index]))
+            db.put(record_key(index), datum.SerializeToString())
+    return n

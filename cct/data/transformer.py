@@ -25,8 +25,9 @@ import os
 
 import numpy as np
 
-from cct.core.errors import ConfigError, DataError
+from cct.core.errors import ConfigError, DataError, ShapeError
 from cct.core.layer import TRAIN
+from cct.formats.prototxt import atomic_write
 from cct.proto import caffe_pb2
 
 
@@ -118,7 +119,7 @@ def array_to_datum(array, label=None):
     (pycaffe's caffe.io.array_to_datum)."""
     array = np.asarray(array)
     if array.ndim != 3:
-        raise DataError(f"array_to_datum: need a (channels, height, width) array, got shape {array.shape}")
+        raise ShapeError(f"array_to_datum: need a (channels, height, width) array, got shape {array.shape}")
     datum = caffe_pb2.Datum(channels=array.shape[0], height=array.shape[1], width=array.shape[2])
     if array.dtype == np.uint8:
         datum.data = array.tobytes()
@@ -157,8 +158,7 @@ def save_mean_file(mean, path):
     mean = np.asarray(mean, dtype=np.float32)
     proto = caffe_pb2.BlobProto(num=1, channels=mean.shape[0], height=mean.shape[1], width=mean.shape[2])
     proto.data.extend(mean.ravel().tolist())
-    with open(os.fspath(path), "wb") as handle:
-        handle.write(proto.SerializeToString())
+    atomic_write(path, proto.SerializeToString())
 
 
 # --- the transformer ------------------------------------------------------------------

@@ -3,8 +3,11 @@
 Parse errors carry the file, line and column; an unknown field is an error,
 as in Caffe (text_format rejects it), never skipped.
 """
+import contextlib
+import errno
 import os
 import re
+import shutil
 import tempfile
 
 from google.protobuf import text_format
@@ -83,20 +86,62 @@ def write_binary(message, path):
 def atomic_write(path, payload):
     """Write bytes so that `path` is either the old file or the whole new one:
     a crash or kill mid-write never leaves a truncated snapshot."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    handle, temp_path = tempfile.mkstemp(dir=folder, prefix=".tmp-" + os.path.basename(path))
-    try:
-        with os.fdopen(handle, "wb") as out:
+    with atomic_path(path) as temp_path:
+        with open(temp_path, "wb") as out:
             out.write(payload)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temp_path, path)
-    except BaseException:
-        if os.path.exists(temp_path):
-            os.unlink(temp_path)
-        raise
+
+
+@contextlib.contextmanager
+def atomic_path(path):
+    """Yield a temporary path in `path`'s folder for writers that need a file
+    name (h5py, matplotlib, LMDB); it ends in the same name, so a writer that
+    picks its format from the extension picks the right one. When the block
+    ends without an exception, what was written there (a file, or a folder such
+    as an LMDB) is flushed to disk, renamed over `path`, and the folder's entry
+    is flushed too: after a crash, `path` holds the old contents or the whole
+    new ones. On an exception the temporary is removed and `path` is untouched.
+
+        with atomic_path("net.caffemodel.h5") as temp_path:
+            with h5py.File(temp_path, "w") as out: ...
+    """
+    target = os.path.abspath(os.fspath(path))
+    folder, name = os.path.split(target)
+    os.makedirs(folder, exist_ok=True)
+    # A private folder, not a temporary file: the writer creates its own file
+    # or folder under the final name, and a failure removes one thing.
+    scratch = tempfile.mkdtemp(dir=folder, prefix=f".tmp-{name}-")
+    temp_path = os.path.join(scratch, name)
+    try:
+        yield temp_path
+        if not os.path.lexists(temp_path):
+            raise FileNotFoundError(errno.ENOENT, f"nothing was written for {path}", temp_path)
+        _fsync_written(temp_path)
+        os.replace(temp_path, target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    # The rename (and the scratch folder's removal) last only once the folder is on disk.
+    _fsync(folder)
+
+
+def _fsync_written(path):
+    """Flush a written file, or every file in a written folder and the folder itself."""
+    if not os.path.isdir(path):
+        _fsync(path)
+        return
+    for root, _, files in os.walk(path):
+        for file_name in files:
+            _fsync(os.path.join(root, file_name))
+        _fsync(root)
+
+
+def _fsync(path):
+    if os.name == "nt" and os.path.isdir(path):
+        return                       # Windows cannot open a folder to flush it
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
 
 
 def _read(path, mode):

@@ -9,8 +9,8 @@ import os
 
 import numpy as np
 
-from cct.core.errors import WeightsError
-from cct.formats.prototxt import atomic_write, read_binary
+from cct.core.errors import ShapeError, WeightsError
+from cct.formats.prototxt import atomic_path, atomic_write, read_binary
 from cct.proto import caffe_pb2
 
 _PACKED_DATA_TAG = (5 << 3) | 2          # BlobProto.data = 5, length-delimited (packed)
@@ -18,16 +18,22 @@ _PACKED_DIFF_TAG = (6 << 3) | 2          # BlobProto.diff = 6
 
 
 def blob_proto_shape(blob_proto):
-    """The shape a BlobProto describes: `shape.dim`, else legacy num/channels/height/width."""
+    """The shape a BlobProto describes: legacy num/channels/height/width when any
+    is set (Caffe's Blob::FromProto looks at them first), else `shape.dim`."""
+    if _has_legacy_shape(blob_proto):
+        return (blob_proto.num, blob_proto.channels, blob_proto.height, blob_proto.width)
     if blob_proto.HasField("shape"):
         return tuple(blob_proto.shape.dim)
-    if any(blob_proto.HasField(f) for f in ("num", "channels", "height", "width")):
-        return (blob_proto.num, blob_proto.channels, blob_proto.height, blob_proto.width)
     return (len(blob_proto.double_data) or len(blob_proto.data),)
 
 
+def _has_legacy_shape(blob_proto):
+    return any(blob_proto.HasField(f) for f in ("num", "channels", "height", "width"))
+
+
 def blob_proto_to_array(blob_proto, diff=False):
-    """A float32 array of the BlobProto's data (or diff), shaped as it says."""
+    """A float32 array of the BlobProto's data (or diff), shaped as it says;
+    `double_data` (`double_diff`) is read in preference to `data`, as Caffe does."""
     values = (blob_proto.double_diff or blob_proto.diff) if diff else (blob_proto.double_data or blob_proto.data)
     array = np.array(values, dtype=np.float32)
     shape = blob_proto_shape(blob_proto)
@@ -37,8 +43,11 @@ def blob_proto_to_array(blob_proto, diff=False):
 
 
 def array_to_blob_proto(array, diff=None):
-    """A BlobProto with `array` as data (and `diff`), its shape in `shape.dim`."""
+    """A BlobProto with `array` as data (and `diff`, of the same shape), its shape
+    in `shape.dim`; values are stored as float32, the type of BlobProto.data."""
     array = np.asarray(array)
+    if diff is not None and np.shape(diff) != array.shape:
+        raise ShapeError(f"BlobProto: diff shape {np.shape(diff)} differs from data shape {array.shape}")
     head = caffe_pb2.BlobProto()
     head.shape.dim.extend(array.shape)
     payload = head.SerializeToString() + _packed_floats(_PACKED_DATA_TAG, array)
@@ -66,8 +75,9 @@ def _varint(value):
 
 def legacy_shape_matches(blob_shape, proto):
     """Caffe's Blob::ShapeEquals: a legacy 4-d proto matches a blob of <= 4 axes
-    whose shape, padded with leading 1s, equals (num, channels, height, width)."""
-    if proto.HasField("shape"):
+    whose shape, padded with leading 1s, equals (num, channels, height, width);
+    a proto without legacy dims matches on `shape.dim`."""
+    if not _has_legacy_shape(proto):
         return tuple(blob_shape) == tuple(proto.shape.dim)
     if len(blob_shape) > 4:
         return False
@@ -142,8 +152,7 @@ def save_hdf5(net, path, write_diff=False):
     by their owner), `diff/<layer>/<i>` for all; a group for every layer."""
     import h5py
     owns = _owns_param(net)
-    temp_path = f"{path}.tmp-{os.getpid()}"
-    with h5py.File(temp_path, "w") as out:
+    with atomic_path(path) as temp_path, h5py.File(temp_path, "w") as out:
         data = out.create_group("data")
         diff = out.create_group("diff") if write_diff else None
         for layer_index, layer in enumerate(net.layers):
@@ -154,7 +163,6 @@ def save_hdf5(net, path, write_diff=False):
                     data_group.create_dataset(str(index), data=blob.data)
                 if write_diff:
                     diff_group.create_dataset(str(index), data=blob.diff)
-    os.replace(temp_path, path)
 
 
 def copy_layers_from_hdf5(net, path):

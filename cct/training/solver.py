@@ -32,7 +32,7 @@ from cct.devices.jit import kernel
 from cct.core.layer import TEST, TRAIN
 from cct.training.lr_policy import check_policy, learning_rate
 from cct.core.net import Net
-from cct.formats.prototxt import atomic_write, read_binary, read_net, read_solver
+from cct.formats.prototxt import atomic_path, atomic_write, read_binary, read_net, read_solver
 from cct.proto import caffe_pb2
 from cct.core.rng import set_random_seed
 from cct.formats.upgrade import upgrade_solver
@@ -559,15 +559,13 @@ class Solver:
 
     def _write_state_hdf5(self, path, model):
         import h5py
-        temp_path = f"{path}.tmp-{os.getpid()}"
-        with h5py.File(temp_path, "w") as out:
+        with atomic_path(path) as temp_path, h5py.File(temp_path, "w") as out:
             out.create_dataset("iter", data=np.array([self.iter], np.int32))
             out.create_dataset("learned_net", data=np.bytes_(model.encode()))
             out.create_dataset("current_step", data=np.array([self.current_step], np.int32))
             group = out.create_group("history")
             for index, history in enumerate(self.history):
                 group.create_dataset(str(index), data=history)
-        os.replace(temp_path, path)
 
     def restore(self, state_file):
         """Continue from a .solverstate(.h5): iteration, step counter, history and

@@ -66,6 +66,29 @@ def test_datum_round_trips():
         cio.array_to_datum(pixels[0])
 
 
+def test_pycaffe_dtypes_over_the_float32_core():
+    """pycaffe returns float64 (np.array of the proto's Python floats); the core
+    conversions that cct.io wraps return Caffe's float32. Same values."""
+    from cct.data import transformer
+    from cct.formats import weights
+    values = rng.standard_normal((2, 3)).astype(np.float32)
+    proto = cio.array_to_blobproto(values)
+    assert weights.blob_proto_to_array(proto).dtype == np.float32
+    assert cio.blobproto_to_array(proto).dtype == np.float64
+    np.testing.assert_array_equal(cio.blobproto_to_array(proto), values)
+    datum = cio.array_to_datum(values[None])
+    assert transformer.datum_to_array(datum).dtype == np.float32
+    assert cio.datum_to_array(datum).dtype == np.float64
+    pixels = cio.datum_to_array(cio.array_to_datum(np.zeros((1, 2, 2), np.uint8)))
+    pixels[0, 0, 0] = 1                                  # writable, as pycaffe's copy
+
+
+def test_blobproto_legacy_dims_win_over_shape_as_in_caffe():
+    proto = caffe_pb2.BlobProto(num=1, channels=1, height=2, width=3, data=range(6))
+    proto.shape.dim.extend([6])
+    assert cio.blobproto_to_array(proto).shape == (1, 1, 2, 3)
+
+
 def test_encoded_datum_decodes_to_bgr_chw():
     rgb = rng.integers(0, 256, (4, 6, 3), dtype=np.uint8)
     buffer = pyio.BytesIO()
