@@ -13,8 +13,9 @@ from cct.detector import Detector
 # pycaffe's `layers as L` is cct.layers itself: the subpackage of layer families
 # resolves capitalized names to NetSpec layer factories (see layers/__init__.py).
 from cct.net_spec import params, NetSpec, to_proto
-from cct.training.solver import (get_solver, SGDSolver, NesterovSolver, AdaGradSolver, RMSPropSolver,
-                     AdaDeltaSolver, AdamSolver)
+from cct.training.solver import get_solver
+from cct.training.updates import (SGDSolver, NesterovSolver, AdaGradSolver, RMSPropSolver, AdaDeltaSolver,
+                                  AdamSolver)
 from cct import layers  # noqa: E402  (registers every layer type)
 
 __version__ = "0.1.0"

@@ -228,16 +228,16 @@ def test_lr_schedule_reaches_every_rule(kind):
 
 def test_solver_classes_by_name_and_deprecated_enum():
     for kind in SOLVER_CASES:
-        cls = getattr(cct.training.solver, f"{kind}Solver")
+        cls = getattr(cct, f"{kind}Solver")
         assert solver_module.SOLVER_TYPES[kind] is cls
     param = solver_param('solver_type: ADAM base_lr: 0.1 lr_policy: "fixed"')
-    assert isinstance(solver_module.get_solver(param), solver_module.AdamSolver)
+    assert isinstance(solver_module.get_solver(param), cct.AdamSolver)
     with pytest.raises(ConfigError, match="type: unknown solver type 'Adamm'; known types: AdaDelta"):
         solver_module.get_solver(solver_param('type: "Adamm" base_lr: 0.1 lr_policy: "fixed"'))
 
 
 def test_class_constructors_take_a_parameter():
-    solver = solver_module.NesterovSolver(solver_param('base_lr: 0.1 lr_policy: "fixed" momentum: 0.5'))
+    solver = cct.NesterovSolver(solver_param('base_lr: 0.1 lr_policy: "fixed" momentum: 0.5'))
     set_weights(solver.net)
     solver.step(3)
     assert_params(solver.net, reference_run("Nesterov", 3, lr=0.1, momentum=0.5))

@@ -1,4 +1,7 @@
-"""Solvers: Caffe's Solver / SGDSolver and its subclasses, with pycaffe's surface.
+"""The solver: Caffe's Solver, with pycaffe's surface: the training loop,
+test passes, display, and the update's template method. The six update rules
+are its subclasses (cct.training.updates); snapshots and restore live in
+cct.training.snapshot.
 
 The update is a template method (Caffe's sgd_solver.cpp):
 
@@ -24,19 +27,18 @@ import time
 
 import numpy as np
 
-from cct.runtime import settings as run_config
-from cct.runtime import memory
-from cct.core.errors import ConfigError, WeightsError
-from cct.runtime.threads import run_all
-from cct.devices.jit import kernel
+from cct.core.errors import ConfigError
 from cct.core.layer import TEST, TRAIN
-from cct.training.lr_policy import check_policy, learning_rate
 from cct.core.net import Net
-from cct.formats.prototxt import atomic_path, atomic_write, read_binary, read_net, read_solver
-from cct.proto import caffe_pb2
 from cct.core.rng import set_random_seed
+from cct.formats.prototxt import read_net, read_solver
 from cct.formats.upgrade import upgrade_solver
-from cct.formats.weights import array_to_blob_proto, blob_proto_to_array
+from cct.proto import caffe_pb2
+from cct.runtime import memory
+from cct.runtime import settings as run_config
+from cct.runtime.threads import run_all
+from cct.training import snapshot
+from cct.training.lr_policy import check_policy, learning_rate
 
 log = logging.getLogger("cct.training.solver")
 
@@ -148,7 +150,7 @@ class Solver:
         if not self.param.snapshot_prefix:
             raise ConfigError(f"{self.source}: snapshot_prefix: snapshot is {self.param.snapshot} "
                               "but no snapshot_prefix is given")
-        probe = self._snapshot_filename(".tempfile")
+        probe = snapshot.filename(self, ".tempfile")
         try:
             with open(probe, "w"):
                 pass
@@ -434,7 +436,7 @@ class Solver:
 
     def apply_update(self):
         """One parameter update from the gradients in the net's param diffs."""
-        param, net = self.param, self.net
+        param = self.param
         rate = self.get_learning_rate()
         if param.display and self.iter % param.display == 0:
             log.info("Iteration %d, lr = %s", self.iter, _fmt(rate))
@@ -528,295 +530,17 @@ class Solver:
         """Turn the param's regularized gradient (diff) into the step to subtract."""
         raise NotImplementedError
 
-    # --- snapshots ---------------------------------------------------------------
-    def _snapshot_filename(self, extension):
-        return f"{self.param.snapshot_prefix}_iter_{self.iter}{extension}"
-
+    # --- snapshots (cct.training.snapshot) ---------------------------------------------
     def snapshot(self):
         """Write the weights and the solver state; returns the state's path."""
-        param = self.param
-        if not param.snapshot_prefix:
-            raise ConfigError(f"{self.source}: snapshot_prefix: needed to write a snapshot")
-        hdf5 = param.snapshot_format == caffe_pb2.SolverParameter.HDF5
-        if hdf5:
-            model = self._snapshot_filename(".caffemodel.h5")
-            log.info("Snapshotting to HDF5 file %s", model)
-            self.net.save_hdf5(model, write_diff=param.snapshot_diff)
-            state_path = self._snapshot_filename(".solverstate.h5")
-            log.info("Snapshotting solver state to HDF5 file %s", state_path)
-            self._write_state_hdf5(state_path, model)
-        else:
-            model = self._snapshot_filename(".caffemodel")
-            log.info("Snapshotting to binary proto file %s", model)
-            self.net.save(model, write_diff=param.snapshot_diff)
-            state_path = self._snapshot_filename(".solverstate")
-            log.info("Snapshotting solver state to binary proto file %s", state_path)
-            state = caffe_pb2.SolverState(iter=self.iter, learned_net=model, current_step=self.current_step)
-            for history in self.history:
-                state.history.add().CopyFrom(array_to_blob_proto(history))
-            atomic_write(state_path, state.SerializeToString())
-        return state_path
-
-    def _write_state_hdf5(self, path, model):
-        import h5py
-        with atomic_path(path) as temp_path, h5py.File(temp_path, "w") as out:
-            out.create_dataset("iter", data=np.array([self.iter], np.int32))
-            out.create_dataset("learned_net", data=np.bytes_(model.encode()))
-            out.create_dataset("current_step", data=np.array([self.current_step], np.int32))
-            group = out.create_group("history")
-            for index, history in enumerate(self.history):
-                group.create_dataset(str(index), data=history)
+        return snapshot.write(self)
 
     def restore(self, state_file):
         """Continue from a .solverstate(.h5): iteration, step counter, history and
         the weights file it names (Caffe's Solver::Restore)."""
-        state_file = os.fspath(state_file)
-        if not os.path.isfile(state_file):
-            raise ConfigError(f"{state_file}: solver state file not found")
-        if state_file.endswith(".h5"):
-            iteration, model, current_step, histories = self._read_state_hdf5(state_file)
-        else:
-            state = read_binary(state_file, caffe_pb2.SolverState())
-            iteration, current_step = state.iter, state.current_step
-            model = state.learned_net if state.HasField("learned_net") else None
-            try:
-                histories = [blob_proto_to_array(h) for h in state.history]
-            except WeightsError as error:
-                raise ConfigError(f"{state_file}: history: {error}") from None
-        if len(histories) != len(self.history):
-            raise ConfigError(f"{state_file}: has {len(histories)} history blobs, a {self.type} solver "
-                              f"on this net needs {len(self.history)} (a state from another solver "
-                              "type or net?)")
-        for index, (ours, theirs) in enumerate(zip(self.history, histories)):
-            if theirs.size != ours.size:
-                raise ConfigError(f"{state_file}: history[{index}] has shape {theirs.shape}, the "
-                                  f"parameter has shape {ours.shape}")
-        if model:
-            self.net.copy_from(self._locate_learned_net(model, state_file))
-        for ours, theirs in zip(self.history, histories):
-            ours[...] = theirs.reshape(ours.shape)
-        self.iter, self.current_step = int(iteration), int(current_step)
-
-    @staticmethod
-    def _locate_learned_net(model, state_file):
-        """As written (relative to the working folder, as Caffe reads it), else
-        beside the state file: a run moved to another folder still resumes."""
-        if os.path.exists(model):
-            return model
-        beside = os.path.join(os.path.dirname(state_file), os.path.basename(model))
-        if os.path.exists(beside):
-            return beside
-        raise ConfigError(f"{state_file}: learned_net: weight file '{model}' not found "
-                          f"(nor beside the state file)")
-
-    @staticmethod
-    def _read_state_hdf5(path):
-        import h5py
-        try:
-            with h5py.File(path, "r") as state:
-                iteration = int(np.asarray(state["iter"][()]).ravel()[0])
-                current_step = (int(np.asarray(state["current_step"][()]).ravel()[0])
-                                if "current_step" in state else 0)
-                model = None
-                if "learned_net" in state:
-                    model = state["learned_net"][()]
-                    model = model.decode() if isinstance(model, bytes) else str(model)
-                group = state["history"]
-                histories = [np.asarray(group[str(i)][...], np.float32) for i in range(len(group))]
-        except (OSError, KeyError) as error:
-            raise ConfigError(f"{path}: not a readable HDF5 solver state: {error}") from None
-        return iteration, model, current_step, histories
+        snapshot.restore(self, state_file)
 
 
 def _duration(seconds):
     seconds = int(round(seconds))
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
-# --- the update rules ----------------------------------------------------------------
-@kernel
-def _sgd_pieces(data, diff, history, regularize, decay, local_rate, momentum):
-    """SGD with L2 decay on one piece, in one pass: diff += decay * data;
-    history = momentum * history + local_rate * diff; data -= history (and
-    diff = history, as Caffe leaves it). Scalars in the arrays' dtype, each
-    product rounded before its sum (numba fuses no multiply-add), as numpy does."""
-    for i in range(data.shape[0]):
-        gradient = diff[i] + data[i] * decay if regularize else diff[i]
-        step = history[i] * momentum + gradient * local_rate
-        history[i] = step
-        diff[i] = step
-        data[i] -= step
-
-
-
-# Each rule runs over pieces of the parameter (Solver._pieces): element-wise,
-# so the numbers are those of whole-array passes.
-@register_solver("SGD")
-class SGDSolver(Solver):
-    """history = momentum * history + local_rate * grad; step = history.
-
-    With L2 decay (or none) and iter_size 1, a parameter's regularize, update
-    value and Blob::Update run as one compiled pass per piece (_sgd_pieces):
-    the same operations in the same order and precision as the numpy passes,
-    so the same numbers, reading and writing each array once instead of ~4
-    times (CaffeNet's 61M parameters: 108 -> 48 ms an iteration on one thread, 37
-    striped over two)."""
-
-    fused = True                     # False: the numpy passes (tests compare the two)
-
-    def _update_params(self, rate):
-        if not self._can_fuse():
-            return super()._update_params(rate)
-        for index, blob in enumerate(self.net.learnable_params):
-            decay = self.param.weight_decay * self.net.params_weight_decay[index]
-            cast = blob.dtype.type
-            for data, diff, history in self._pieces(blob.data, blob.diff, self.history[index], temps=0):
-                _sgd_pieces(data, diff, history, bool(decay), cast(decay),
-                            cast(rate * self.net.params_lr[index]), cast(self.param.momentum))
-
-    def _can_fuse(self):
-        """The one-pass update applies: plain SGD steps (no subclass overrides
-        them), L2 decay or none, no averaging over iter_size."""
-        cls = type(self)
-        return (self.fused and self.param.iter_size == 1
-                and (self.param.regularization_type == "L2" or not self.param.weight_decay)
-                and cls.compute_update_value is SGDSolver.compute_update_value
-                and cls.regularize is Solver.regularize and cls.normalize is Solver.normalize
-                and cls._apply_step is Solver._apply_step)
-
-    def compute_update_value(self, index, rate):
-        local_rate = rate * self.net.params_lr[index]
-        momentum = self.param.momentum
-        for diff, history, temp in self._pieces(self.net.learnable_params[index].diff, self.history[index]):
-            history *= momentum
-            np.multiply(diff, local_rate, out=temp)
-            history += temp
-            diff[...] = history
-
-
-@register_solver("Nesterov")
-class NesterovSolver(Solver):
-    """history' = momentum * history + local_rate * grad;
-    step = (1 + momentum) * history' - momentum * history."""
-
-    def compute_update_value(self, index, rate):
-        momentum = self.param.momentum
-        local_rate = rate * self.net.params_lr[index]
-        for diff, history, previous in self._pieces(self.net.learnable_params[index].diff, self.history[index]):
-            previous[...] = history
-            history *= momentum
-            history += local_rate * diff
-            np.multiply(history, 1.0 + momentum, out=diff)
-            previous *= momentum
-            diff -= previous
-
-
-def _require_no_momentum(solver):
-    if solver.param.momentum != 0:
-        raise ConfigError(f"{solver.source}: momentum: cannot be used with {solver.type}, "
-                          f"got {solver.param.momentum}")
-
-
-def _divide_by_root(diff, history, delta, local_rate, temp):
-    """diff = local_rate * diff / (sqrt(history) + delta), AdaGrad's and RMSProp's step."""
-    np.sqrt(history, out=temp)
-    temp += delta
-    np.divide(diff, temp, out=diff)
-    diff *= local_rate
-
-
-@register_solver("AdaGrad")
-class AdaGradSolver(Solver):
-    """history += grad^2; step = local_rate * grad / (sqrt(history) + delta)."""
-
-    def pre_solve(self):
-        _require_no_momentum(self)
-
-    def compute_update_value(self, index, rate):
-        local_rate = rate * self.net.params_lr[index]
-        for diff, history, temp in self._pieces(self.net.learnable_params[index].diff, self.history[index]):
-            history += np.square(diff, out=temp)
-            _divide_by_root(diff, history, self.param.delta, local_rate, temp)
-
-
-@register_solver("RMSProp")
-class RMSPropSolver(Solver):
-    """history = rms_decay * history + (1 - rms_decay) * grad^2;
-    step = local_rate * grad / (sqrt(history) + delta)."""
-
-    def pre_solve(self):
-        _require_no_momentum(self)
-        decay = self.param.rms_decay
-        if not 0 <= decay < 1:
-            raise ConfigError(f"{self.source}: rms_decay: must be in [0, 1), got {decay}")
-
-    def compute_update_value(self, index, rate):
-        decay = self.param.rms_decay
-        local_rate = rate * self.net.params_lr[index]
-        for diff, history, temp in self._pieces(self.net.learnable_params[index].diff, self.history[index]):
-            np.square(diff, out=temp)
-            temp *= 1.0 - decay
-            history *= decay
-            history += temp
-            _divide_by_root(diff, history, self.param.delta, local_rate, temp)
-
-
-@register_solver("AdaDelta")
-class AdaDeltaSolver(Solver):
-    """Two running averages (momentum as the decay): g2 of squared gradients and
-    u2 of squared steps (history[n + i]).
-        g2 = momentum * g2 + (1 - momentum) * grad^2
-        step = grad * sqrt((u2 + delta) / (g2 + delta))
-        u2 = momentum * u2 + (1 - momentum) * step^2
-    and then, unlike the paper (which has no learning rate), Caffe scales the
-    step by local_rate = lr(iter) * lr_mult AFTER u2 is updated: u2 tracks the
-    unscaled step, so the schedule changes the update but not the history.
-    Caffe's examples use base_lr: 1 with lr_policy: "fixed"."""
-
-    def pre_solve(self):
-        self.history += [np.zeros(p.shape, p.dtype) for p in self.net.learnable_params]
-
-    def compute_update_value(self, index, rate):
-        momentum, delta = self.param.momentum, self.param.delta
-        local_rate = rate * self.net.params_lr[index]
-        pieces = self._pieces(self.net.learnable_params[index].diff, self.history[index],
-                              self.history[len(self.net.learnable_params) + index], temps=2)
-        for diff, gradients_sq, updates_sq, temp, ratio in pieces:
-            gradients_sq *= momentum
-            gradients_sq += (1.0 - momentum) * np.square(diff, out=temp)
-            np.add(updates_sq, delta, out=ratio)
-            np.add(gradients_sq, delta, out=temp)
-            ratio /= temp
-            np.sqrt(ratio, out=ratio)
-            diff *= ratio
-            updates_sq *= momentum
-            updates_sq += (1.0 - momentum) * np.square(diff, out=temp)
-            diff *= local_rate
-
-
-@register_solver("Adam")
-class AdamSolver(Solver):
-    """m = beta1 * m + (1 - beta1) * grad; v = beta2 * v + (1 - beta2) * grad^2
-    (beta1 = momentum, beta2 = momentum2, v in history[n + i]);
-    step = local_rate * sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + delta),
-    with t = iter + 1."""
-
-    def pre_solve(self):
-        self.history += [np.zeros(p.shape, p.dtype) for p in self.net.learnable_params]
-
-    def compute_update_value(self, index, rate):
-        beta1, beta2 = self.param.momentum, self.param.momentum2
-        local_rate = rate * self.net.params_lr[index]
-        t = self.iter + 1
-        correction = np.sqrt(1.0 - beta2 ** t) / (1.0 - beta1 ** t)
-        pieces = self._pieces(self.net.learnable_params[index].diff, self.history[index],
-                              self.history[len(self.net.learnable_params) + index])
-        for diff, first, second, temp in pieces:
-            first *= beta1
-            first += (1.0 - beta1) * diff
-            second *= beta2
-            second += (1.0 - beta2) * np.square(diff, out=temp)
-            np.sqrt(second, out=temp)
-            temp += self.param.delta
-            np.divide(first, temp, out=diff)
-            diff *= local_rate * correction

@@ -44,7 +44,6 @@ def separable_batch(rng, batch_size):
 
 
 def test_lenet_notebook_flow(tmp_path):
-    solver_module = pytest.importorskip("cct.training.solver", reason="cct.training.solver (SGDSolver) not available yet")
     (tmp_path / "train.prototxt").write_text(str(small_lenet(16, False)))
     (tmp_path / "test.prototxt").write_text(str(small_lenet(32, True)))
     (tmp_path / "solver.prototxt").write_text(textwrap.dedent(f"""\
@@ -54,7 +53,7 @@ def test_lenet_notebook_flow(tmp_path):
         base_lr: 0.05 momentum: 0.9 weight_decay: 0.0005 lr_policy: "fixed"
         display: 0 max_iter: 1000 random_seed: 3 snapshot_prefix: "{tmp_path / 'lenet'}"
         """))
-    solver = solver_module.SGDSolver(str(tmp_path / "solver.prototxt"))
+    solver = cct.SGDSolver(str(tmp_path / "solver.prototxt"))
     assert [(k, v[0].data.shape) for k, v in solver.net.params.items()] == [
         ("conv1", (4, 1, 3, 3)), ("fc1", (16, 100)), ("score", (2, 16))]
     rng = np.random.default_rng(0)

@@ -167,7 +167,6 @@ layer {{ name: "loss" type: "Python" bottom: "out2" bottom: "target" top: "loss"
 
 
 def test_python_layers_train_in_a_net(py_module, tmp_path):
-    solver_module = pytest.importorskip("cct.training.solver", reason="cct.training.solver (SGDSolver) not available yet")
     (tmp_path / "net.prototxt").write_text(NET.format(module=MODULE))
     (tmp_path / "solver.prototxt").write_text(textwrap.dedent(f"""\
         net: "{tmp_path / 'net.prototxt'}"
@@ -175,7 +174,7 @@ def test_python_layers_train_in_a_net(py_module, tmp_path):
         snapshot_prefix: "{tmp_path / 'snap'}" random_seed: 1
         """))
     py_module.RECORDED.clear()
-    solver = solver_module.SGDSolver(str(tmp_path / "solver.prototxt"))
+    solver = cct.SGDSolver(str(tmp_path / "solver.prototxt"))
     net = solver.net
     assert py_module.RECORDED == [("in net", cct.TRAIN, "Python")]
     assert list(net.params) == ["affine"] and len(net.params["affine"]) == 2
