@@ -1,0 +1,66 @@
+"""The command table: `@command` registers a subcommand, `@arguments` its
+flags (argparse specs made by `flag`); the flags and helpers several commands
+share live here too."""
+import logging
+
+from cct.core.errors import ConfigError
+
+log = logging.getLogger("cct.cli")
+
+COMMANDS = {}          # name -> (function, help, argparse specs, or None for a pass-through tool)
+
+
+def command(name, help_text, passthrough=False):
+    """Register `function(args)` (or `function(argv)` for a pass-through tool)."""
+    def add(function):
+        COMMANDS[name] = (function, help_text, None if passthrough else getattr(function, "arguments", ()))
+        return function
+    return add
+
+
+def arguments(*specs):
+    """Attach argparse specs: each spec is (flags tuple, kwargs)."""
+    def attach(function):
+        function.arguments = specs
+        return function
+    return attach
+
+
+def flag(*names, **kwargs):
+    return names, kwargs
+
+
+LEVEL = flag("--level", type=int, default=0, help="net state level: layers' min_level/max_level rules")
+STAGE = flag("--stage", default="", help="net state stages, comma separated: layers' stage/not_stage rules")
+GPU = flag("--gpu", default=None, help="accepted for Caffe scripts; cct runs on the CPU")
+PHASE = flag("--phase", default="", choices=("", "TRAIN", "TEST"),
+             help="the phase to build the net in (default: TEST for test, TRAIN for time)")
+EFFECTS = ("stop", "snapshot", "none")
+
+
+def stages(text):
+    return [stage for stage in (text or "").split(",") if stage]
+
+
+def note_gpu(args):
+    if getattr(args, "gpu", None) not in (None, "", "cpu"):
+        log.info("--gpu=%s: cct runs on the CPU; the flag is ignored", args.gpu)
+
+
+def phase(args, default):
+    from cct.core.layer import TEST, TRAIN
+    return {"TRAIN": TRAIN, "TEST": TEST}.get(args.phase, default)
+
+
+def require(value, flag_name, message):
+    if not value:
+        raise ConfigError(f"{flag_name}: {message}")
+
+
+def fmt(value):
+    return f"{value:.6g}"
+
+
+def check_iterations(iterations):
+    if iterations <= 0:
+        raise ConfigError(f"--iterations: must be > 0, got {iterations}")

@@ -1,0 +1,126 @@
+"""`cct time`: Caffe's per-layer forward and backward timings, then cct's
+profile table (GFLOP/s, share of the GEMM peak, lowering type, partitions)."""
+import logging
+import time
+
+import numpy as np
+
+from cct.core.errors import ConfigError
+from cct.cli.commands import (GPU, LEVEL, PHASE, STAGE, arguments, check_iterations, command, flag, fmt, note_gpu,
+                              phase, require, stages)
+
+log = logging.getLogger("cct.cli")
+
+
+# --- time --------------------------------------------------------------------------------------
+@command("time", "benchmark a model's forward and backward, layer by layer")
+@arguments(
+    flag("--model", default="", help="the net definition (prototxt)"),
+    flag("--weights", default="", help="optional weights, comma separated"),
+    flag("--iterations", type=int, default=50, help="number of forward-backward passes to time"),
+    flag("--tune", action="store_true",
+         help="first choose each layer's batch partitions by measurement (net.executor.tune())"),
+    flag("--peak_size", type=int, default=2048,
+         help="square sgemm size for the GEMM peak measured at the start (0: skip it)"),
+    PHASE, LEVEL, STAGE, GPU,
+)
+def time_command(args):
+    from cct.runtime import profile
+    from cct.core.layer import TRAIN
+    from cct.core.net import Net
+    require(args.model, "--model", "need a model definition to time")
+    check_iterations(args.iterations)
+    if args.peak_size < 0:
+        raise ConfigError(f"--peak_size: must be >= 0, got {args.peak_size}")
+    note_gpu(args)
+    net = Net(args.model, phase(args, TRAIN), level=args.level, stages=stages(args.stage))
+    for path in stages(args.weights):
+        net.copy_from(path)
+    peak = None
+    if args.peak_size:
+        net.executor.finish()                   # all BLAS threads, as the layers get them
+        peak = profile.gemm_peak(args.peak_size, repeats=3)
+        log.info("GEMM peak: %.1f GFLOP/s (sgemm %d, %d BLAS threads)", peak, args.peak_size,
+                 net.executor.threads)
+    if args.tune:
+        log.info("Tuning batch partitions")
+        plan = net.executor.tune()
+        log.info("Partitions: %s", ", ".join(f"{name}={p}" for name, p in plan.items()) or "no layer")
+    log.info("Performing Forward")
+    log.info("Initial loss: %s", fmt(net._forward()))
+    log.info("Performing Backward")
+    net._backward()
+    count = len(net.layers)
+    forward_ms, backward_ms = np.zeros(count), np.zeros(count)
+    log.info("*** Benchmark begins ***")
+    log.info("Testing for %d iterations.", args.iterations)
+    clock = time.perf_counter
+    total_start = clock()
+    for iteration in range(args.iterations):
+        iteration_start = clock()
+        for i in range(count):
+            start = clock()
+            net.executor.forward(i)
+            forward_ms[i] += (clock() - start) * 1e3
+        for i in reversed(range(count)):
+            start = clock()
+            # Caffe times every layer's Backward, needed or not (weight gradients of a
+            # deploy net still count); bottoms that need no gradient still get none.
+            net.executor.backward(i, force=True)
+            backward_ms[i] += (clock() - start) * 1e3
+        log.info("Iteration: %d forward-backward time: %s ms.", iteration + 1,
+                 fmt((clock() - iteration_start) * 1e3))
+    total_ms = (clock() - total_start) * 1e3
+    net.executor.finish()
+    forward_ms /= args.iterations
+    backward_ms /= args.iterations
+    log.info("Average time per layer: ")
+    for layer, fwd, bwd in zip(net.layers, forward_ms, backward_ms):
+        for label, value in (("forward", fwd), ("backward", bwd)):
+            log.info("%10s\t%s: %s ms.", layer.name, label, fmt(value))
+    log.info("Average Forward pass: %s ms.", fmt(forward_ms.sum()))
+    log.info("Average Backward pass: %s ms.", fmt(backward_ms.sum()))
+    log.info("Average Forward-Backward: %s ms.", fmt(total_ms / args.iterations))
+    log.info("Total Time: %s ms.", fmt(total_ms))
+    for line in profile_table(net, forward_ms, backward_ms, peak):
+        log.info("%s", line)
+    log.info("*** Benchmark ends ***")
+    return 0
+
+
+PROFILE_HEADER = ("layer", "type", "fwd ms", "bwd ms", "fwd GFLOP/s", "bwd GFLOP/s", "% peak",
+                  "lowering", "partitions")
+
+
+def profile_table(net, forward_ms, backward_ms, peak):
+    """`cct time`'s profile: per layer its times, achieved GFLOP/s (cct.runtime.profile's
+    counts), the share of the GEMM peak (forward and backward together), the
+    lowering type of convolutions and the batch partitions; then the net's total."""
+    from cct.runtime import profile
+    flops = profile.net_flops(net, every_backward=True)
+
+    def rate(count, ms):
+        return count / ms / 1e6 if count and ms > 0 else None
+
+    def cell(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    rows = [PROFILE_HEADER]
+    for i, layer in enumerate(net.layers):
+        (fwd_flops, bwd_flops), fwd, bwd = flops[i], forward_ms[i], backward_ms[i]
+        both = rate(fwd_flops + bwd_flops, fwd + bwd)
+        rows.append((layer.name, layer.type, f"{fwd:.3f}", f"{bwd:.3f}", cell(rate(fwd_flops, fwd), ".1f"),
+                     cell(rate(bwd_flops, bwd), ".1f"),
+                     cell(100 * both / peak if both is not None and peak else None, ".0f"),
+                     str(getattr(layer, "lowering_type", "-")), str(net.executor.partitions(i))))
+    total_flops = sum(f + b for f, b in flops)
+    total_ms = float(np.sum(forward_ms) + np.sum(backward_ms))
+    total = rate(total_flops, total_ms)
+    widths = [max(len(row[k]) for row in rows) for k in range(len(PROFILE_HEADER))]
+    lines = ["Profile per layer" + (f" (GEMM peak {peak:.1f} GFLOP/s):" if peak else ":")]
+    lines += ["  ".join(text.rjust(width) if k > 1 else text.ljust(width)
+                        for k, (text, width) in enumerate(zip(row, widths))).rstrip() for row in rows]
+    lines.append(f"Net: {total_flops / 1e9:.4g} GFLOP per forward-backward, "
+                 + (f"{total:.1f} GFLOP/s" if total is not None else "- GFLOP/s")
+                 + (f" = {100 * total / peak:.0f}% of the GEMM peak" if total is not None and peak else ""))
+    return lines
