@@ -21,6 +21,7 @@ layer forward(i) or backward(i) runs (pycaffe's Net.before_forward & co.).
 """
 import time
 
+from cct.core.progress import Progress
 from cct.runtime import settings
 from cct.runtime import threads as threads_module
 from cct.runtime.partition import PartitionedLayer
@@ -192,23 +193,27 @@ class Executor:
         candidates = candidates or sorted({1, self.threads, 2 * self.threads})
         net.forward()                             # blobs hold real shapes and values
         chosen = {}
-        for index in range(len(net.layers)):
-            if not self.partitionable(index):
-                continue
-            best = None
-            most = min(net.bottom_vecs[index][0].shape[0], self._most_partitions(index))
-            for partitions in candidates:
-                if partitions > most:
-                    continue
-                self.set_partitions(index, partitions)
-                elapsed = self._time_layer(index, repeats)
-                if best is None or elapsed < best[0]:
-                    best = (elapsed, partitions)
-            self.set_partitions(index, best[1])
-            chosen[net.layers[index].name] = best[1]
+        tunable = [index for index in range(len(net.layers)) if self.partitionable(index)]
+        with Progress("tune partitions", total=len(tunable), unit="layers") as progress:
+            for index in progress.track(tunable):
+                chosen[net.layers[index].name] = self._tune_layer(index, candidates, repeats)
         net.clear_param_diffs()
         self.finish()
         return chosen
+
+    def _tune_layer(self, index, candidates, repeats):
+        """The fastest candidate p for layer `index`, set in the plan and returned."""
+        best = None
+        most = min(self.net.bottom_vecs[index][0].shape[0], self._most_partitions(index))
+        for partitions in candidates:
+            if partitions > most:
+                continue
+            self.set_partitions(index, partitions)
+            elapsed = self._time_layer(index, repeats)
+            if best is None or elapsed < best[0]:
+                best = (elapsed, partitions)
+        self.set_partitions(index, best[1])
+        return best[1]
 
     def _time_layer(self, index, repeats):
         self.forward(index)                       # warm: buffers allocated, clones built
