@@ -66,9 +66,15 @@ CACHE_ENV = "CCT_CACHE_DIR"
 TOP_KEYS = ("layers", "default", "share_diffs")
 KEYS = ("lowering", "measure", "lowering_budget_mb", "partitions")
 
+
+def _env(name):
+    """The variable's value, stripped; "" when unset."""
+    return os.environ.get(name, "").strip()
+
+
 # The chooser (below the runtime) is told where to cache; set on import, since
 # convolutions choose while the net is built, before any executor exists.
-chooser.cache_dir = os.environ.get(CACHE_ENV, "").strip() or None
+chooser.cache_dir = _env(CACHE_ENV) or None
 
 
 def _check_value(source, where, key, value):
@@ -168,7 +174,7 @@ def active():
     global _from_env
     if _loaded is not None:
         return _loaded
-    path = os.environ.get(CONFIG_ENV, "").strip()
+    path = _env(CONFIG_ENV)
     if not path:
         return None
     if _from_env[0] != path:
@@ -180,7 +186,7 @@ def share_diffs_enabled(config=None, default=False):
     """Whether the solver shares its train net's diffs (cct.runtime.memory):
     CCT_SHARE_DIFFS when set (1/true/yes/on or 0/false/no/off), else the
     configuration's "share_diffs" when it has one, else `default`."""
-    given = os.environ.get(SHARE_DIFFS_ENV, "").strip()
+    given = _env(SHARE_DIFFS_ENV)
     if given:
         if given.lower() in ("1", "true", "yes", "on"):
             return True
@@ -191,10 +197,6 @@ def share_diffs_enabled(config=None, default=False):
     if config is None or config.share_diffs is None:
         return default
     return config.share_diffs
-
-
-def _env(name):
-    return os.environ.get(name, "").strip()
 
 
 def _env_int(name, least):
