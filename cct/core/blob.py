@@ -121,6 +121,14 @@ class Blob:
         self._diff_store = other._diff_store
         self._make_views()
 
+    def use_diff_storage(self, store):
+        """Keep the diff in `store`, a flat array of the data's capacity (diff
+        sharing hands out slices of shared arenas, cct.runtime.memory); None: in
+        a store of its own, made on first use."""
+        with _ALLOCATION_LOCK:                     # no lazy allocation racing the swap
+            self._diff_store = store
+            self._make_views()
+
     def _check_same_count(self, other):
         if other.count != self.count:
             raise ShapeError(f"cannot share a blob of count {other.count} into one of count {self.count}")

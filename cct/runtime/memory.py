@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cct.core import blob as blob_module
 
 _summaries = weakref.WeakKeyDictionary()      # net -> its ShareSummary, for a later call
 _lock = threading.Lock()
@@ -171,7 +170,7 @@ def share_diffs(net):
         if previous is not None:              # start over from private (lazy) diffs
             for names in previous.arenas:
                 for name in names:
-                    _set_store(net.blobs[name], None)
+                    net.blobs[name].use_diff_storage(None)
         net.reshape()                         # Flatten/Reshape re-link their diffs now
         intervals, excluded = diff_intervals(net)
         blobs = net.blobs
@@ -183,16 +182,9 @@ def share_diffs(net):
             dtype = dtypes[names[0]]
             arena = np.zeros(max(sizes[name] for name in names), dtype)
             for name in names:
-                _set_store(blobs[name], arena[:sizes[name]])
+                blobs[name].use_diff_storage(arena[:sizes[name]])
             result.arenas.append(names)
             result.arena_bytes += arena.nbytes
             result.unshared_bytes += sum(sizes[name] for name in names) * dtype.itemsize
         _summaries[net] = result
         return result
-
-
-def _set_store(blob, store):
-    """Point the blob's diff at `store` (None: its own, made on first use)."""
-    with blob_module._ALLOCATION_LOCK:        # no lazy allocation racing the swap
-        blob._diff_store = store
-        blob._make_views()
