@@ -1,16 +1,28 @@
-"""Test-wide settings. pytest runs with -n 2 on a 2-core machine: one BLAS
-thread per worker, so two workers' GEMMs do not oversubscribe the cores
-(OpenBLAS threads busy-wait, and a preempted one stalls the whole GEMM).
-The lowering chooser's cache goes to a temporary folder, and this folder is
-on sys.path for tests/siblings.py."""
+"""Test-wide settings and fixtures. pytest runs with -n 2 on a 2-core machine:
+one BLAS thread per worker, so two workers' GEMMs do not oversubscribe the
+cores (OpenBLAS threads busy-wait, and a preempted one stalls the whole GEMM).
+The lowering chooser's cache goes to a temporary folder. This folder is put on
+sys.path so that test files can import the shared code in tests/helpers
+(`from helpers.linreg import make_solver`); test files never import each other."""
 import os
 import sys
 import tempfile
 
+import pytest
 from threadpoolctl import threadpool_limits
 
 threadpool_limits(limits=1, user_api="blas")
 # The lowering chooser caches machine constants; keep tests off ~/.cache.
 os.environ.setdefault("CCT_CACHE_DIR", tempfile.mkdtemp(prefix="cct-cache-"))
-# Test files share helpers through tests/siblings.py (see its docstring).
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(params=[1, 2], ids=lambda p: f"partitions{p}")
+def partitions(request, monkeypatch):
+    """Batch partitioning of the nets the test builds, through CCT_PARTITIONS:
+    at p > 1 every layer that allows it runs as p batch partitions in parallel,
+    at 1 every layer runs whole. A test asking for this fixture runs at 1 and 2;
+    `@pytest.mark.parametrize("partitions", [p], indirect=True)` picks others."""
+    from cct.runtime.settings import PARTITIONS_ENV
+    monkeypatch.setenv(PARTITIONS_ENV, str(request.param))
+    return request.param

@@ -1,14 +1,13 @@
 """Convolution, Deconvolution and Im2col (layers/conv.py): gradients under every
 lowering type, forward against naive loops, Caffe's parameter checks, and the
 BVLC reference cases run with each lowering forced."""
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from cct.core.errors import ConfigError, ShapeError
 from cct.testing.gradient_check import check_layer_gradient, make_layer, setup_layer
+from helpers.layers import run_layer
+from helpers.reference import assert_matches_caffe, run_case
 
 RNG = np.random.default_rng(3)
 TYPES = (1, 2, 3)
@@ -24,13 +23,6 @@ def conv_text(kind="Convolution", **fields):
     filler = 'weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 }'
     body = " ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items())
     return f'type: "{kind}" convolution_param {{ {body} {filler} }}'
-
-
-def run_forward(prototxt, *xs):
-    layer = make_layer(prototxt)
-    bottoms, tops = setup_layer(layer, list(xs), num_tops=len(xs))
-    layer.forward(bottoms, tops)
-    return layer, bottoms, tops
 
 
 # --- naive references ---------------------------------------------------------------
@@ -124,7 +116,7 @@ OVERRUN_CASES = [
 @pytest.mark.parametrize("fields,shape,stride,pad,dilation,group", CONV_CASES + OVERRUN_CASES)
 def test_convolution_forward_matches_naive(lowering_type, fields, shape, stride, pad, dilation, group):
     x = RNG.standard_normal(shape)
-    layer, _, tops = run_forward(conv_text(**fields), x)
+    layer, _, tops = run_layer(conv_text(**fields), [x])
     assert layer.lowering_type == lowering_type
     w, b = layer.blobs[0].data, layer.blobs[1].data
     np.testing.assert_allclose(tops[0].data, naive_conv(x, w, b, stride, pad, dilation, group), atol=1e-10)
@@ -137,7 +129,7 @@ def test_convolution_forward_matches_naive(lowering_type, fields, shape, stride,
 ])
 def test_deconvolution_forward_matches_naive(lowering_type, fields, shape, stride, pad, dilation, group):
     x = RNG.standard_normal(shape)
-    layer, _, tops = run_forward(conv_text("Deconvolution", **fields), x)
+    layer, _, tops = run_layer(conv_text("Deconvolution", **fields), [x])
     w, b = layer.blobs[0].data, layer.blobs[1].data
     assert w.shape[:2] == (shape[1], fields["num_output"] // group)
     np.testing.assert_allclose(tops[0].data, naive_deconv(x, w, b, stride, pad, dilation, group), atol=1e-10)
@@ -153,7 +145,7 @@ def test_deconvolution_forward_matches_naive(lowering_type, fields, shape, strid
 def test_im2col_forward_matches_naive(fields, kernel, stride, pad, dilation):
     x = RNG.standard_normal((2, 3, 5, 6))
     body = " ".join(f"{k}: {v}" for k, v in fields.items())
-    _, _, tops = run_forward(f'type: "Im2col" convolution_param {{ {body} }}', x)
+    _, _, tops = run_layer(f'type: "Im2col" convolution_param {{ {body} }}', [x])
     np.testing.assert_array_equal(tops[0].data, naive_im2col(x, kernel, stride, pad, dilation))
 
 
@@ -219,7 +211,7 @@ def test_kernel_3_stride_2_on_2x2_input(lowering_type):
 
 def test_im2col_kernel_3_stride_2_on_2x2_input():
     x = np.array([[[[1.0, 2.0], [3.0, 4.0]]]])
-    _, _, tops = run_forward('type: "Im2col" convolution_param { kernel_size: 3 stride: 2 }', x)
+    _, _, tops = run_layer('type: "Im2col" convolution_param { kernel_size: 3 stride: 2 }', [x])
     assert tops[0].shape == (1, 9, 1, 1)
     np.testing.assert_array_equal(tops[0].data.ravel(), [1, 2, 0, 3, 4, 0, 0, 0, 0])
 
@@ -240,20 +232,20 @@ def test_param_diffs_accumulate_and_bottom_diff_is_set(lowering_type):
 
 
 def test_shapes_and_params():
-    layer, _, tops = run_forward(conv_text(num_output=8, kernel_size=5, pad=2, group=2), np.zeros((2, 4, 27, 27)))
+    layer, _, tops = run_layer(conv_text(num_output=8, kernel_size=5, pad=2, group=2), [np.zeros((2, 4, 27, 27))])
     assert tops[0].shape == (2, 8, 27, 27)
     assert [b.shape for b in layer.blobs] == [(8, 2, 5, 5), (8,)]
-    layer, _, tops = run_forward(conv_text(num_output=5, kernel_size=2, bias_term=False), np.zeros((1, 3, 4, 4)))
+    layer, _, tops = run_layer(conv_text(num_output=5, kernel_size=2, bias_term=False), [np.zeros((1, 3, 4, 4))])
     assert len(layer.blobs) == 1 and tops[0].shape == (1, 5, 3, 3)
-    layer, _, tops = run_forward(conv_text("Deconvolution", num_output=4, kernel_size=4, stride=2, pad=1),
-                                 np.zeros((1, 6, 5, 5)))
+    layer, _, tops = run_layer(conv_text("Deconvolution", num_output=4, kernel_size=4, stride=2, pad=1),
+                               [np.zeros((1, 6, 5, 5))])
     assert tops[0].shape == (1, 4, 10, 10) and layer.blobs[0].shape == (6, 4, 4, 4)
 
 
 def test_lowering_type_attribute_overrides(monkeypatch):
     monkeypatch.delenv("CCT_LOWERING", raising=False)
     x = RNG.standard_normal((2, 3, 6, 6))
-    layer, bottoms, tops = run_forward(conv_text(num_output=4, kernel_size=3, pad=1, stride=2), x)
+    layer, bottoms, tops = run_layer(conv_text(num_output=4, kernel_size=3, pad=1, stride=2), [x])
     assert layer.lowering_type == 1
     first = tops[0].data.copy()
     for kind in (2, 3):
@@ -285,7 +277,7 @@ def test_config_errors(fields, message):
 def test_force_nd_im2col_gives_the_same_numbers():
     """It only selects Caffe's N-d im2col routine; 2-d results are unchanged."""
     x = RNG.standard_normal((2, 4, 6, 6))
-    plain, _, plain_tops = run_forward(conv_text(num_output=3, kernel_size=3), x)
+    plain, _, plain_tops = run_layer(conv_text(num_output=3, kernel_size=3), [x])
     forced = make_layer(conv_text(num_output=3, kernel_size=3, force_nd_im2col=True))
     bottoms, tops = setup_layer(forced, [x])
     for ours, theirs in zip(forced.blobs, plain.blobs):
@@ -311,22 +303,10 @@ def test_bad_environment_and_shapes(monkeypatch):
 
 
 # --- the BVLC reference cases under each lowering type --------------------------------------
-def _reference_module():
-    path = Path(__file__).resolve().parents[1] / "reference" / "test_reference_cases.py"
-    spec = importlib.util.spec_from_file_location("reference_cases_for_conv", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 CONV_REFERENCE_CASES = ["conv_basic", "conv_few_in_many_out", "conv_group_dilation", "conv_many_in_few_out",
                         "conv_no_bias", "conv_stride_pad_rect", "deconv"]
 
 
 @pytest.mark.parametrize("name", CONV_REFERENCE_CASES)
 def test_reference_cases_under_every_lowering(lowering_type, name):
-    cases = _reference_module()
-    net = cases.run_case(name)
-    folder = cases.CASES / name
-    assert cases.mismatches(net, np.load(folder / "forward.npz"), "data") == {}
-    assert cases.mismatches(net, np.load(folder / "backward.npz"), "diff") == {}
+    assert_matches_caffe(run_case(name), name)

@@ -1,13 +1,11 @@
 """Data layers (layers/data.py) and the DataTransformer, on small files made
-here: an LMDB of raw, float and encoded Datums, PNG folders with list files,
+by helpers.data: an LMDB of raw, float and encoded Datums, PNG folders with list files,
 HDF5 files with their list, window files. Expected values come from numpy /
 Pillow written in the test, never from the code under test."""
 import gc
-import io
 import threading
 
 import h5py
-import lmdb
 import numpy as np
 import pytest
 from PIL import Image
@@ -17,58 +15,10 @@ from cct.core.blob import Blob
 from cct.core.errors import ConfigError, DataError
 from cct.testing.gradient_check import make_layer
 from cct.proto import caffe_pb2
+from helpers.data import (data_layer, forward, images, png_bytes, raw_datum, start, write_hdf5_list,
+                          write_image_list, write_lmdb, write_window_file)
 
 RNG = np.random.default_rng(5)
-
-
-# --- helpers ----------------------------------------------------------------------------
-def raw_datum(image, label):
-    c, h, w = image.shape
-    return caffe_pb2.Datum(channels=c, height=h, width=w, data=image.astype(np.uint8).tobytes(), label=label)
-
-
-def png_bytes(image_chw):
-    """Encode a (C, H, W) BGR/gray uint8 image as PNG (RGB on disk, as OpenCV writes)."""
-    if image_chw.shape[0] == 1:
-        pil = Image.fromarray(image_chw[0], "L")
-    else:
-        pil = Image.fromarray(np.ascontiguousarray(image_chw[::-1].transpose(1, 2, 0)), "RGB")
-    buffer = io.BytesIO()
-    pil.save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def write_lmdb(path, datums, keys=None):
-    env = lmdb.open(str(path), map_size=1 << 26)
-    with env.begin(write=True) as txn:
-        for index, datum in enumerate(datums):
-            key = keys[index] if keys else f"{index:08d}"
-            txn.put(key.encode(), datum if isinstance(datum, bytes) else datum.SerializeToString())
-    env.close()
-    return str(path)
-
-
-def images(n, c=3, h=6, w=7):
-    return RNG.integers(0, 256, (n, c, h, w)).astype(np.uint8)
-
-
-def data_layer(source, batch, extra="", transform="", phase=cct.TRAIN, backend="LMDB"):
-    return make_layer(f'name: "d" type: "Data" transform_param {{ {transform} }} '
-                      f'data_param {{ source: "{source}" batch_size: {batch} backend: {backend} {extra} }}', phase)
-
-
-def start(layer, num_tops=2):
-    tops = [Blob() for _ in range(num_tops)]
-    layer.check_blob_counts([], tops)
-    layer.setup([], tops)
-    layer.reshape([], tops)
-    return tops
-
-
-def forward(layer, tops):
-    layer.reshape([], tops)
-    layer.forward([], tops)
-    return [t.data.copy() for t in tops]
 
 
 @pytest.fixture
@@ -365,17 +315,10 @@ def test_net_with_data_layer(raw_db, tmp_path):
 # --- ImageData ---------------------------------------------------------------------------------
 @pytest.fixture
 def png_folder(tmp_path):
-    root = tmp_path / "imgs"
-    (root / "sub").mkdir(parents=True)
     pixels = images(5, 3, 8, 6)
-    lines = []
-    for index, image in enumerate(pixels):
-        name = f"sub/im {index}.png"           # a space in the name: split at the last space
-        (root / name).write_bytes(png_bytes(image))
-        lines.append(f"{name} {index * 10}")
-    listing = tmp_path / "list.txt"
-    listing.write_text("\n".join(lines) + "\n")
-    return str(root) + "/", str(listing), pixels
+    names = [f"sub/im {index}.png" for index in range(5)]        # a space in the name: split at the last space
+    root, listing = write_image_list(tmp_path, pixels, [index * 10 for index in range(5)], names)
+    return root, listing, pixels
 
 
 def image_layer(listing, root, batch, extra="", transform="", phase=cct.TRAIN):
@@ -438,7 +381,7 @@ def test_image_data_errors(png_folder, tmp_path):
     bad.write_text("sub/im 0.png zero\n")
     with pytest.raises(DataError, match="bad.txt:1: expected 'path label'"):
         start(image_layer(bad, root, 1))
-    (tmp_path / "imgs" / "junk.png").write_bytes(b"junk")
+    (tmp_path / "images" / "junk.png").write_bytes(b"junk")
     junk = tmp_path / "junk.txt"
     junk.write_text("junk.png 3\n")
     with pytest.raises(DataError, match="junk.txt:1: .*junk.png: cannot decode image"):
@@ -449,19 +392,13 @@ def test_image_data_errors(png_folder, tmp_path):
 @pytest.fixture
 def h5_files(tmp_path):
     arrays = []
-    names = []
     for index, rows in enumerate((4, 3)):
         data = RNG.standard_normal((rows, 2, 3)).astype(np.float32)
         label = np.arange(rows, dtype=np.float32) + 100 * index
-        path = tmp_path / f"part{index}.h5"
-        with h5py.File(path, "w") as handle:
-            handle["data"] = data
-            handle["label"] = label.astype(np.int64)       # read as float, as Caffe does
         arrays.append((data, label))
-        names.append(str(path))
-    listing = tmp_path / "h5list.txt"
-    listing.write_text("\n".join(names) + "\n")
-    return str(listing), arrays
+    # labels stored as int64 and read as float, as Caffe does
+    listing = write_hdf5_list(tmp_path, [{"data": data, "label": label.astype(np.int64)} for data, label in arrays])
+    return listing, arrays
 
 
 def hdf5_layer(listing, batch, extra=""):
@@ -547,12 +484,11 @@ def test_hdf5_output_writes_data_and_label(tmp_path):
 def window_setup(tmp_path):
     image = images(1, 3, 40, 40)[0]
     (tmp_path / "scene.png").write_bytes(png_bytes(image))
-    windows = tmp_path / "windows.txt"
-    windows.write_text("# 0\nscene.png\n3\n40\n40\n3\n"
-                       "2 0.9 10 10 19 29\n"          # foreground, label 2
-                       "5 0.1 0 0 9 9\n"              # background: label forced to 0
-                       "7 0.3 5 5 30 30\n")           # background too (overlap < 0.5)
-    return image, str(windows), str(tmp_path) + "/"
+    windows = write_window_file(tmp_path / "windows.txt", "scene.png", (3, 40, 40), [
+        (2, 0.9, 10, 10, 19, 29),          # foreground, label 2
+        (5, 0.1, 0, 0, 9, 9),              # background: label forced to 0
+        (7, 0.3, 5, 5, 30, 30)])           # background too (overlap < 0.5)
+    return image, windows, str(tmp_path) + "/"
 
 
 def window_layer(windows, root, batch, window_extra="", transform="crop_size: 16", fg_fraction=0.5):

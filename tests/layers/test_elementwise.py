@@ -7,20 +7,13 @@ import pytest
 
 from cct.core.errors import ConfigError, ShapeError
 from cct.testing.gradient_check import check_layer_gradient, make_layer, setup_layer
+from helpers.layers import run_layer
 
 RNG = np.random.default_rng(23)
 
 
 def rand(*shape):
     return RNG.standard_normal(shape)
-
-
-def run(prototxt, arrays, layer=None):
-    layer = layer or make_layer(prototxt)
-    bottoms, tops = setup_layer(layer, arrays)
-    layer.reshape(bottoms, tops)
-    layer.forward(bottoms, tops)
-    return layer, bottoms, tops
 
 
 def every_index(shape):
@@ -50,7 +43,7 @@ def test_eltwise_forward_and_gradient(op, coeffs, count, extra):
     arrays = [rand(2, 3, 2, 2) for _ in range(count)]
     coeff_text = " ".join(f"coeff: {c}" for c in coeffs)
     prototxt = f'type: "Eltwise" eltwise_param {{ operation: {op} {coeff_text} {extra} }}'
-    _, _, tops = run(prototxt, arrays)
+    _, _, tops = run_layer(prototxt, arrays)
     np.testing.assert_allclose(tops[0].data, naive_eltwise(op, arrays, coeffs or [1] * count), rtol=1e-12)
     check_layer_gradient(make_layer(prototxt), arrays)
 
@@ -60,7 +53,7 @@ def test_eltwise_max_ties_go_like_caffe():
     a = np.array([1.0, 2.0, 0.0])
     b = np.array([1.0, 1.0, 0.0])
     c = np.array([0.0, 2.0, 0.0])
-    layer, bottoms, tops = run('type: "Eltwise" eltwise_param { operation: MAX }', [a, b, c])
+    layer, bottoms, tops = run_layer('type: "Eltwise" eltwise_param { operation: MAX }', [a, b, c])
     tops[0].diff[...] = 1
     layer.backward(tops, [True] * 3, bottoms)
     np.testing.assert_array_equal(bottoms[0].diff, [0, 1, 0])
@@ -84,19 +77,19 @@ def test_eltwise_sum_in_place():
 def test_eltwise_max_ignores_coefficients():
     """Caffe's MAX accepts coeff and takes the plain maximum."""
     a, b = rand(2, 3), rand(2, 3)
-    _, _, tops = run('type: "Eltwise" eltwise_param { operation: MAX coeff: 1 coeff: -1 }', [a, b])
+    _, _, tops = run_layer('type: "Eltwise" eltwise_param { operation: MAX coeff: 1 coeff: -1 }', [a, b])
     np.testing.assert_array_equal(tops[0].data, np.maximum(a, b))
 
 
 def test_eltwise_errors():
     with pytest.raises(ConfigError, match="eltwise_param.coeff.*one coefficient per bottom \\(2\\), got 3"):
-        run('type: "Eltwise" eltwise_param { coeff: 1 coeff: 2 coeff: 3 }', [rand(2), rand(2)])
+        run_layer('type: "Eltwise" eltwise_param { coeff: 1 coeff: 2 coeff: 3 }', [rand(2), rand(2)])
     with pytest.raises(ConfigError, match="PROD operation takes no coefficients"):
-        run('type: "Eltwise" eltwise_param { operation: PROD coeff: 1 coeff: 2 }', [rand(2), rand(2)])
+        run_layer('type: "Eltwise" eltwise_param { operation: PROD coeff: 1 coeff: 2 }', [rand(2), rand(2)])
     with pytest.raises(ShapeError, match=r"bottom\[1\] has shape \(3,\)"):
-        run('type: "Eltwise"', [rand(2), rand(3)])
+        run_layer('type: "Eltwise"', [rand(2), rand(3)])
     with pytest.raises(ConfigError, match="at least 2 bottom"):
-        run('type: "Eltwise"', [rand(2)])
+        run_layer('type: "Eltwise"', [rand(2)])
 
 
 # --- Reduction -----------------------------------------------------------------------
@@ -116,7 +109,7 @@ def naive_reduction(op, x, axis, coeff):
 def test_reduction_forward_and_gradient(op, axis, coeff):
     x = rand(2, 3, 4)
     prototxt = f'type: "Reduction" reduction_param {{ operation: {op} axis: {axis} coeff: {coeff} }}'
-    _, _, tops = run(prototxt, [x])
+    _, _, tops = run_layer(prototxt, [x])
     canonical = axis % 3
     assert tops[0].shape == x.shape[:canonical]
     np.testing.assert_allclose(tops[0].data, naive_reduction(op, x, canonical, coeff), rtol=1e-12)
@@ -125,7 +118,7 @@ def test_reduction_forward_and_gradient(op, axis, coeff):
 
 def test_reduction_axis_error():
     with pytest.raises(ConfigError, match="reduction_param.axis"):
-        run('type: "Reduction" reduction_param { axis: 3 }', [rand(2, 3, 4)])
+        run_layer('type: "Reduction" reduction_param { axis: 3 }', [rand(2, 3, 4)])
 
 
 # --- Scale ---------------------------------------------------------------------------
@@ -153,7 +146,7 @@ def test_scale_learned(params, shape, axis, bias):
     x = rand(2, 3, 4, 2)
     bias_text = 'bias_term: true bias_filler { type: "gaussian" }' if bias else ""
     prototxt = f'type: "Scale" scale_param {{ {params} filler {{ type: "uniform" min: -2 max: 2 }} {bias_text} }}'
-    layer, _, tops = run(prototxt, [x])
+    layer, _, tops = run_layer(prototxt, [x])
     assert [b.shape for b in layer.blobs] == [shape] * (2 if bias else 1)
     expected = naive_broadcast(x, layer.blobs[0].data, axis, lambda v, s: v * s)
     if bias:
@@ -171,7 +164,7 @@ def test_scale_second_bottom(scale_shape, params, axis, bias):
     x, scale = rand(2, 3, 4, 2), rand(*scale_shape)
     prototxt = f'type: "Scale" scale_param {{ {params} bias_term: {str(bias).lower()} ' \
                'bias_filler { type: "uniform" min: -1 max: 1 } }'
-    layer, _, tops = run(prototxt, [x, scale])
+    layer, _, tops = run_layer(prototxt, [x, scale])
     assert [b.shape for b in layer.blobs] == ([scale_shape] if bias else [])
     expected = naive_broadcast(x, scale, axis, lambda v, s: v * s)
     if bias:
@@ -181,7 +174,7 @@ def test_scale_second_bottom(scale_shape, params, axis, bias):
 
 
 def test_scale_default_fillers_are_identity():
-    layer, _, tops = run('type: "Scale" scale_param { bias_term: true }', [rand(2, 3)])
+    layer, _, tops = run_layer('type: "Scale" scale_param { bias_term: true }', [rand(2, 3)])
     assert np.all(layer.blobs[0].data == 1) and np.all(layer.blobs[1].data == 0)
 
 
@@ -207,7 +200,7 @@ def test_scale_in_place_matches_out_of_place():
 
 
 def test_scale_param_diffs_accumulate():
-    layer, bottoms, tops = run('type: "Scale"', [rand(2, 3, 4)])
+    layer, bottoms, tops = run_layer('type: "Scale"', [rand(2, 3, 4)])
     tops[0].diff[...] = 1
     layer.backward(tops, [False], bottoms)
     once = layer.blobs[0].diff.copy()
@@ -217,13 +210,13 @@ def test_scale_param_diffs_accumulate():
 
 def test_scale_errors():
     with pytest.raises(ShapeError, match=r"\(4,\) does not match bottom\[0\] \(2, 3, 4\) from axis 1"):
-        run('type: "Scale"', [rand(2, 3, 4), rand(4)])
+        run_layer('type: "Scale"', [rand(2, 3, 4), rand(4)])
     with pytest.raises(ConfigError, match="scale_param.num_axes.*>= 0"):
-        run('type: "Scale" scale_param { num_axes: -2 }', [rand(2, 3)])
+        run_layer('type: "Scale" scale_param { num_axes: -2 }', [rand(2, 3)])
     with pytest.raises(ConfigError, match="scale_param.num_axes.*goes past"):
-        run('type: "Scale" scale_param { axis: 1 num_axes: 3 }', [rand(2, 3)])
+        run_layer('type: "Scale" scale_param { axis: 1 num_axes: 3 }', [rand(2, 3)])
     with pytest.raises(ConfigError, match="scale_param.axis"):
-        run('type: "Scale" scale_param { axis: 2 }', [rand(2, 3)])
+        run_layer('type: "Scale" scale_param { axis: 2 }', [rand(2, 3)])
 
 
 # --- Bias ----------------------------------------------------------------------------
@@ -231,7 +224,7 @@ def test_scale_errors():
 def test_bias_learned(params, shape, axis):
     x = rand(2, 3, 4, 2)
     prototxt = f'type: "Bias" bias_param {{ {params} filler {{ type: "gaussian" }} }}'
-    layer, _, tops = run(prototxt, [x])
+    layer, _, tops = run_layer(prototxt, [x])
     assert layer.blobs[0].shape == shape
     np.testing.assert_allclose(tops[0].data, naive_broadcast(x, layer.blobs[0].data, axis, lambda v, b: v + b),
                                rtol=1e-12)
@@ -244,7 +237,7 @@ def test_bias_learned(params, shape, axis):
 def test_bias_second_bottom(bias_shape, params, axis):
     x, bias = rand(2, 3, 4, 2), rand(*bias_shape)
     prototxt = f'type: "Bias" bias_param {{ {params} }}'
-    layer, _, tops = run(prototxt, [x, bias])
+    layer, _, tops = run_layer(prototxt, [x, bias])
     assert layer.blobs == []
     np.testing.assert_allclose(tops[0].data, naive_broadcast(x, bias, axis, lambda v, b: v + b), rtol=1e-12)
     check_layer_gradient(make_layer(prototxt), [x, bias])
@@ -267,9 +260,9 @@ def test_bias_default_filler_zero_and_in_place():
 
 def test_bias_errors():
     with pytest.raises(ShapeError, match="does not match bottom"):
-        run('type: "Bias"', [rand(2, 3), rand(2)])
+        run_layer('type: "Bias"', [rand(2, 3), rand(2)])
     with pytest.raises(ConfigError, match="bias_param.num_axes"):
-        run('type: "Bias" bias_param { num_axes: 2 }', [rand(2, 3)])
+        run_layer('type: "Bias" bias_param { num_axes: 2 }', [rand(2, 3)])
 
 
 # --- Embed ---------------------------------------------------------------------------
@@ -280,7 +273,7 @@ def test_embed_forward_and_gradient(bias, index_shape):
     indices.reshape(-1)[:2] = 3            # a repeated index: its weight diff accumulates
     prototxt = (f'type: "Embed" embed_param {{ num_output: 3 input_dim: 4 bias_term: {str(bias).lower()} '
                 'weight_filler { type: "gaussian" } bias_filler { type: "gaussian" } }')
-    layer, _, tops = run(prototxt, [indices])
+    layer, _, tops = run_layer(prototxt, [indices])
     assert tops[0].shape == index_shape + (3,)
     weight = layer.blobs[0].data
     for index in every_index(index_shape):
@@ -292,15 +285,15 @@ def test_embed_forward_and_gradient(bias, index_shape):
 def test_embed_errors():
     prototxt = 'type: "Embed" embed_param { num_output: 2 input_dim: 3 }'
     with pytest.raises(ShapeError, match=r"integers in \[0, 3\).*3\.0"):
-        run(prototxt, [np.array([0.0, 3.0])])
+        run_layer(prototxt, [np.array([0.0, 3.0])])
     with pytest.raises(ShapeError, match=r"integers in \[0, 3\)"):
-        run(prototxt, [np.array([-1.0])])
+        run_layer(prototxt, [np.array([-1.0])])
     with pytest.raises(ShapeError, match=r"1\.5"):
-        run(prototxt, [np.array([1.5])])
+        run_layer(prototxt, [np.array([1.5])])
     with pytest.raises(ConfigError, match="embed_param.num_output"):
-        run('type: "Embed" embed_param { input_dim: 3 }', [np.array([0.0])])
+        run_layer('type: "Embed" embed_param { input_dim: 3 }', [np.array([0.0])])
     with pytest.raises(ConfigError, match="embed_param.input_dim"):
-        run('type: "Embed" embed_param { num_output: 3 }', [np.array([0.0])])
-    layer, bottoms, tops = run(prototxt, [np.array([1.0])])
+        run_layer('type: "Embed" embed_param { num_output: 3 }', [np.array([0.0])])
+    layer, bottoms, tops = run_layer(prototxt, [np.array([1.0])])
     with pytest.raises(ConfigError, match="cannot backpropagate"):
         layer.backward(tops, [True], bottoms)

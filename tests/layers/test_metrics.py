@@ -1,20 +1,18 @@
 """Accuracy and ArgMax (layers/metrics.py) against naive loops, Caffe's tie
 rules, ignore_label, and their refusal to backpropagate."""
+from functools import partial
+
 import numpy as np
 import pytest
 
 import cct
 from cct.core.errors import ConfigError, DataError
-from cct.testing.gradient_check import make_layer, setup_layer
+from helpers.layers import run_layer
 
 RNG = np.random.default_rng(13)
 
 
-def forward(prototxt, arrays, num_tops=1):
-    layer = make_layer(prototxt, cct.TEST)
-    bottoms, tops = setup_layer(layer, arrays, num_tops)
-    layer.forward(bottoms, tops)
-    return layer, bottoms, tops
+forward = partial(run_layer, phase=cct.TEST)        # as in a TEST net, where metrics run
 
 
 # --- Accuracy ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import pytest
 import cct
 from cct.core.errors import ConfigError
 from cct.testing.gradient_check import check_layer_gradient, make_layer, setup_layer
+from helpers.layers import run_layer
 
 RNG = np.random.default_rng(5)
 
@@ -17,10 +18,8 @@ def uniform(low, high, shape=(2, 3, 4, 5)):
 
 
 def forward(prototxt, x, phase=cct.TRAIN):
-    layer = make_layer(prototxt, phase)
-    bottoms, tops = setup_layer(layer, [x])
-    layer.forward(bottoms, tops)
-    return tops[0].data.copy()
+    """The top's data after one forward on x."""
+    return run_layer(prototxt, [x], phase=phase)[2][0].data.copy()
 
 
 def naive(function, x):

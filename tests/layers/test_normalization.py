@@ -8,6 +8,7 @@ from cct.layers.normalization import LRN
 from cct.core.blob import Blob
 from cct.core.errors import ConfigError, ShapeError
 from cct.testing.gradient_check import check_layer_gradient, make_layer, setup_layer
+from helpers.layers import run_layer
 
 
 def f32(value):
@@ -17,13 +18,6 @@ def f32(value):
 
 def random(shape, seed=0):
     return np.random.default_rng(seed).standard_normal(shape)
-
-
-def run_forward(prototxt, x, phase=cct.TRAIN):
-    layer = make_layer(prototxt, phase)
-    bottoms, tops = setup_layer(layer, [x])
-    layer.forward(bottoms, tops)
-    return layer, bottoms, tops
 
 
 # --- naive references -------------------------------------------------------------
@@ -79,8 +73,8 @@ LRN_ACROSS = [(3, 1.0, 0.75, 1.0), (5, 0.5, 0.75, 2.0), (1, 2.0, 0.5, 1.0), (7, 
 @pytest.mark.parametrize("size,alpha,beta,k", LRN_ACROSS)
 def test_lrn_across_forward_matches_naive(size, alpha, beta, k):
     x = random((2, 6, 3, 4))
-    _, _, tops = run_forward(f'type: "LRN" lrn_param {{ local_size: {size} alpha: {alpha} '
-                             f'beta: {beta} k: {k} }}', x)
+    _, _, tops = run_layer(f'type: "LRN" lrn_param {{ local_size: {size} alpha: {alpha} '
+                           f'beta: {beta} k: {k} }}', [x])
     np.testing.assert_allclose(tops[0].data, naive_lrn_across(x, size, f32(alpha), f32(beta), f32(k)), rtol=1e-10)
 
 
@@ -93,8 +87,8 @@ def test_lrn_across_gradient(size, alpha, beta, k):
 @pytest.mark.parametrize("size,alpha,beta", [(3, 0.5, 0.75), (5, 1.0, 0.75), (1, 2.0, 1.5)])
 def test_lrn_within_forward_matches_naive(size, alpha, beta):
     x = random((2, 2, 5, 6))
-    _, _, tops = run_forward(f'type: "LRN" lrn_param {{ local_size: {size} alpha: {alpha} beta: {beta} '
-                             'norm_region: WITHIN_CHANNEL k: 7 }', x)   # k is not used within a channel
+    _, _, tops = run_layer(f'type: "LRN" lrn_param {{ local_size: {size} alpha: {alpha} beta: {beta} '
+                           'norm_region: WITHIN_CHANNEL k: 7 }', [x])   # k is not used within a channel
     np.testing.assert_allclose(tops[0].data, naive_lrn_within(x, size, f32(alpha), f32(beta)), rtol=1e-10)
 
 
@@ -124,7 +118,7 @@ def test_mvn_forward_matches_naive(normalize_variance, across_channels):
     x = random((2, 3, 4, 5)) * 3 + 1
     text = (f'type: "MVN" mvn_param {{ normalize_variance: {str(normalize_variance).lower()} '
             f'across_channels: {str(across_channels).lower()} eps: 0.01 }}')
-    _, _, tops = run_forward(text, x)
+    _, _, tops = run_layer(text, [x])
     np.testing.assert_allclose(tops[0].data, naive_mvn(x, normalize_variance, across_channels, f32(0.01)),
                                rtol=1e-10, atol=1e-12)
 
@@ -139,19 +133,19 @@ def test_mvn_gradient(normalize_variance, across_channels):
 
 def test_mvn_eps_is_added_to_the_std():
     x = np.array([[[[1.0, 3.0]]]])          # std 1
-    _, _, tops = run_forward('type: "MVN" mvn_param { eps: 1 }', x)
+    _, _, tops = run_layer('type: "MVN" mvn_param { eps: 1 }', [x])
     np.testing.assert_allclose(tops[0].data.ravel(), [-0.5, 0.5])
 
 
 def test_mvn_reshapes_top_to_four_axes_as_caffe():
-    _, _, tops = run_forward('type: "MVN"', random((3, 4)))
+    _, _, tops = run_layer('type: "MVN"', [random((3, 4))])
     assert tops[0].shape == (3, 4, 1, 1)
 
 
 # --- BatchNorm --------------------------------------------------------------------
 def test_batch_norm_train_forward_and_running_stats():
     x = random((4, 3, 2, 5)) * 2 + 0.5
-    layer, bottoms, tops = run_forward('type: "BatchNorm" batch_norm_param { moving_average_fraction: 0.9 }', x)
+    layer, bottoms, tops = run_layer('type: "BatchNorm" batch_norm_param { moving_average_fraction: 0.9 }', [x])
     mean = x.mean(axis=(0, 2, 3))
     variance = x.var(axis=(0, 2, 3))
     np.testing.assert_allclose(tops[0].data, naive_batch_norm(x, mean, variance, f32(1e-5)), rtol=1e-8)
@@ -248,7 +242,7 @@ def test_batch_norm_channel_mismatch_on_reshape():
 def test_in_place_matches_out_of_place(text, phase):
     x = random((2, 5, 4, 4), seed=3)
     g = random((2, 5, 4, 4), seed=4)
-    layer, bottoms, tops = run_forward(text, x, phase)
+    layer, bottoms, tops = run_layer(text, [x], phase=phase)
     tops[0].diff[...] = g
     layer.backward(tops, [True], bottoms)
 
@@ -302,7 +296,7 @@ def test_lrn_batch_chunks_give_the_unchunked_numbers(monkeypatch, text, in_place
 def test_lrn_keeps_no_blob_sized_scale():
     """s is recomputed in backward: forward leaves nothing of the blob's size
     behind when not in place."""
-    layer, _, _ = run_forward('type: "LRN" lrn_param { local_size: 3 }', random((4, 6, 5, 5)))
+    layer, _, _ = run_layer('type: "LRN" lrn_param { local_size: 3 }', [random((4, 6, 5, 5))])
     kept = [value for value in vars(layer).values() if isinstance(value, np.ndarray) and value.size >= 4 * 6 * 25]
     assert not kept and not hasattr(layer, "scale")
 

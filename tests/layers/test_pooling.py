@@ -9,6 +9,7 @@ import pytest
 import cct
 from cct.core.errors import ConfigError, ShapeError
 from cct.testing.gradient_check import check_layer_gradient, make_layer, setup_layer
+from helpers.layers import run_layer
 
 RNG = np.random.default_rng(7)
 FLT_MAX = float(np.finfo(np.float32).max)
@@ -17,13 +18,6 @@ FLT_MAX = float(np.finfo(np.float32).max)
 def distinct(shape, scale=0.1):
     """Values far apart (no ties, no argmax flips under the checker's step)."""
     return RNG.permutation(int(np.prod(shape))).reshape(shape) * scale - 1.0
-
-
-def run(prototxt, x, num_tops=1, phase=cct.TRAIN):
-    layer = make_layer(prototxt, phase)
-    bottoms, tops = setup_layer(layer, [x], num_tops=num_tops)
-    layer.forward(bottoms, tops)
-    return layer, bottoms, tops
 
 
 def naive_pool(x, method, kernel, stride, pad, ceil=True):
@@ -78,7 +72,7 @@ CASES = [   # (prototxt fields, kernel, stride, pad, input shape)
 @pytest.mark.parametrize("fields,kernel,stride,pad,shape", CASES)
 def test_forward_matches_naive(method, fields, kernel, stride, pad, shape):
     x = RNG.standard_normal(shape)
-    _, _, tops = run(f'type: "Pooling" pooling_param {{ pool: {method} {fields} }}', x)
+    _, _, tops = run_layer(f'type: "Pooling" pooling_param {{ pool: {method} {fields} }}', [x])
     expected, _ = naive_pool(x, method, kernel, stride, pad)
     np.testing.assert_allclose(tops[0].data, expected, rtol=1e-12, atol=1e-12)
 
@@ -86,8 +80,8 @@ def test_forward_matches_naive(method, fields, kernel, stride, pad, shape):
 @pytest.mark.parametrize("method", ["MAX", "AVE"])
 def test_floor_round_mode(method):
     x = RNG.standard_normal((2, 2, 7, 8))
-    _, _, tops = run(f'type: "Pooling" pooling_param {{ pool: {method} kernel_size: 3 stride: 2 '
-                     f'round_mode: FLOOR }}', x)
+    _, _, tops = run_layer(f'type: "Pooling" pooling_param {{ pool: {method} kernel_size: 3 stride: 2 '
+                           f'round_mode: FLOOR }}', [x])
     expected, _ = naive_pool(x, method, (3, 3), (2, 2), (0, 0), ceil=False)
     assert tops[0].shape == (2, 2, 3, 3)
     np.testing.assert_allclose(tops[0].data, expected, rtol=1e-12)
@@ -97,7 +91,7 @@ def test_max_mask_and_first_maximum_on_ties():
     x = np.zeros((1, 1, 4, 4))
     x[0, 0, 1, 1] = x[0, 0, 1, 2] = x[0, 0, 2, 1] = 5.0       # three tied maxima
     x[0, 0, 3, 3] = -2.0
-    _, _, tops = run('type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 1 }', x, num_tops=2)
+    _, _, tops = run_layer('type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 1 }', [x], num_tops=2)
     expected, mask = naive_pool(x, "MAX", (3, 3), (1, 1), (0, 0))
     np.testing.assert_array_equal(tops[0].data, expected)
     np.testing.assert_array_equal(tops[1].data, mask)
@@ -106,7 +100,8 @@ def test_max_mask_and_first_maximum_on_ties():
 
 def test_max_backward_routes_to_argmax_and_sums_overlaps():
     x = RNG.standard_normal((2, 3, 6, 5))
-    layer, bottoms, tops = run('type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 1 pad: 1 }', x)
+    layer, bottoms, tops = run_layer('type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 1 pad: 1 }',
+                                     [x])
     tops[0].diff[...] = RNG.standard_normal(tops[0].shape)
     layer.backward(tops, [True], bottoms)
     _, mask = naive_pool(x, "MAX", (3, 3), (1, 1), (1, 1))
@@ -120,8 +115,8 @@ def test_max_backward_routes_to_argmax_and_sums_overlaps():
 def test_empty_max_window_keeps_caffe_initial_value():
     # kernel 1, stride 4 on 5 columns: ceil rounding adds a window past the image.
     x = RNG.standard_normal((1, 1, 1, 5))
-    _, _, tops = run('type: "Pooling" pooling_param { pool: MAX kernel_h: 1 kernel_w: 1 stride_h: 1 stride_w: 6 }',
-                     x, num_tops=2)
+    _, _, tops = run_layer('type: "Pooling" pooling_param { pool: MAX kernel_h: 1 kernel_w: 1 '
+                           'stride_h: 1 stride_w: 6 }', [x], num_tops=2)
     expected, mask = naive_pool(x, "MAX", (1, 1), (1, 6), (0, 0))
     np.testing.assert_array_equal(tops[0].data, expected)
     np.testing.assert_array_equal(tops[1].data, mask)
@@ -130,7 +125,7 @@ def test_empty_max_window_keeps_caffe_initial_value():
 @pytest.mark.parametrize("method", ["MAX", "AVE"])
 def test_global_pooling(method):
     x = RNG.standard_normal((2, 3, 5, 4))
-    _, _, tops = run(f'type: "Pooling" pooling_param {{ pool: {method} global_pooling: true }}', x)
+    _, _, tops = run_layer(f'type: "Pooling" pooling_param {{ pool: {method} global_pooling: true }}', [x])
     expected = x.max(axis=(2, 3)) if method == "MAX" else x.mean(axis=(2, 3))
     np.testing.assert_allclose(tops[0].data.reshape(2, 3), expected, rtol=1e-12)
 
@@ -138,8 +133,8 @@ def test_global_pooling(method):
 # --- stochastic ---------------------------------------------------------------------------
 def test_stochastic_test_phase_is_weighted_average():
     x = RNG.uniform(0, 1, (2, 2, 5, 5))
-    _, _, tops = run('type: "Pooling" pooling_param { pool: STOCHASTIC kernel_size: 3 stride: 2 }', x,
-                     phase=cct.TEST)
+    _, _, tops = run_layer('type: "Pooling" pooling_param { pool: STOCHASTIC kernel_size: 3 stride: 2 }', [x],
+                           phase=cct.TEST)
     expected = np.zeros((2, 2, 2, 2))
     for i in range(2):
         for j in range(2):
@@ -152,7 +147,7 @@ def test_stochastic_train_samples_by_probability():
     window = np.array([[1.0, 0.0], [3.0, 4.0]])
     x = np.broadcast_to(window, (4000, 1, 2, 2)).copy()
     cct.set_random_seed(3)
-    layer, bottoms, tops = run('type: "Pooling" pooling_param { pool: STOCHASTIC kernel_size: 2 }', x)
+    layer, bottoms, tops = run_layer('type: "Pooling" pooling_param { pool: STOCHASTIC kernel_size: 2 }', [x])
     values, counts = np.unique(tops[0].data, return_counts=True)
     assert set(values) <= {1.0, 3.0, 4.0}
     np.testing.assert_allclose(counts / 4000, [0.125, 0.375, 0.5], atol=0.03)
@@ -200,7 +195,7 @@ def naive_spp(x, height, method):
 @pytest.mark.parametrize("method", ["MAX", "AVE"])
 def test_spp_forward_and_gradient(method):
     x = distinct((2, 3, 8, 9))
-    _, _, tops = run(f'type: "SPP" spp_param {{ pyramid_height: 3 pool: {method} }}', x)
+    _, _, tops = run_layer(f'type: "SPP" spp_param {{ pyramid_height: 3 pool: {method} }}', [x])
     assert tops[0].shape == (2, 3 * (1 + 4 + 16))
     np.testing.assert_allclose(tops[0].data, naive_spp(x, 3, method), rtol=1e-12)
     check_layer_gradient(make_layer(f'type: "SPP" spp_param {{ pyramid_height: 2 pool: {method} }}'),
@@ -209,7 +204,7 @@ def test_spp_forward_and_gradient(method):
 
 def test_spp_height_one_is_a_single_pooling():
     x = RNG.standard_normal((2, 3, 5, 4))
-    layer, bottoms, tops = run('type: "SPP" spp_param { pyramid_height: 1 }', x)
+    layer, bottoms, tops = run_layer('type: "SPP" spp_param { pyramid_height: 1 }', [x])
     assert tops[0].shape == (2, 3, 1, 1)
     np.testing.assert_allclose(tops[0].data[..., 0, 0], x.max(axis=(2, 3)))
     # A new image size rebuilds the levels.
@@ -318,7 +313,7 @@ def test_batch_chunks_give_the_unchunked_numbers(monkeypatch, text):
     """CHUNK_ELEMENTS below one image's output: every image is its own chunk."""
     x = distinct((5, 3, 9, 9))
     prototxt = f'type: "Pooling" pooling_param {{ {text} }}'
-    dy = RNG.standard_normal(run(prototxt, x)[2][0].shape)
+    dy = RNG.standard_normal(run_layer(prototxt, [x])[2][0].shape)
     whole = forward_backward(prototxt, x, dy)
     monkeypatch.setattr("cct.layers.pooling.CHUNK_ELEMENTS", 7)
     chunked = forward_backward(prototxt, x, dy)
@@ -328,8 +323,10 @@ def test_batch_chunks_give_the_unchunked_numbers(monkeypatch, text):
 
 def test_max_winner_offsets_fit_the_kernel():
     """The kept winner offsets are bytes for small kernels, wider for big ones."""
-    small = run('type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 2 }', distinct((1, 1, 7, 7)))[0]
-    big = run('type: "Pooling" pooling_param { pool: MAX kernel_size: 12 stride: 1 }', distinct((1, 1, 13, 13)))[0]
+    small = run_layer('type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 2 }',
+                      [distinct((1, 1, 7, 7))])[0]
+    big = run_layer('type: "Pooling" pooling_param { pool: MAX kernel_size: 12 stride: 1 }',
+                    [distinct((1, 1, 13, 13))])[0]
     assert small.winner.dtype == np.int8 and big.winner.dtype == np.int16
 
 
@@ -337,7 +334,7 @@ def test_max_with_empty_windows_after_chunks():
     """A window with nothing above -FLT_MAX keeps -FLT_MAX and gets no gradient."""
     x = np.full((2, 1, 4, 4), -np.inf)
     x[0] = distinct((1, 4, 4))
-    layer, bottoms, tops = run('type: "Pooling" pooling_param { pool: MAX kernel_size: 2 stride: 2 }', x)
+    layer, bottoms, tops = run_layer('type: "Pooling" pooling_param { pool: MAX kernel_size: 2 stride: 2 }', [x])
     assert (tops[0].data[1] == -FLT_MAX).all() and (tops[0].data[0] > -FLT_MAX).all()
     tops[0].diff[...] = 1
     layer.backward(tops, [True], bottoms)
@@ -348,7 +345,7 @@ def test_max_whole_image_window_wider_than_the_image_routes_to_its_maximum():
     """Kernel 3, stride 2 on a 2 x 2 map: one window past the image; its winner
     is a flat index of the 2-wide image, not of the 3-wide kernel."""
     x = np.array([[[[1.0, 2.0], [3.0, 4.0]]]])
-    layer, bottoms, tops = run('type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 2 }', x)
+    layer, bottoms, tops = run_layer('type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 2 }', [x])
     assert tops[0].data.ravel().tolist() == [4.0]
     tops[0].diff[...] = 1
     layer.backward(tops, [True], bottoms)
@@ -356,8 +353,8 @@ def test_max_whole_image_window_wider_than_the_image_routes_to_its_maximum():
 
 
 def test_max_backward_after_a_reshape_without_forward_is_an_error():
-    layer, bottoms, tops = run('type: "Pooling" pooling_param { pool: MAX kernel_size: 2 stride: 2 }',
-                               distinct((2, 1, 4, 4)))
+    layer, bottoms, tops = run_layer('type: "Pooling" pooling_param { pool: MAX kernel_size: 2 stride: 2 }',
+                                     [distinct((2, 1, 4, 4))])
     bottoms[0].reshape(3, 1, 4, 4)
     layer.reshape(bottoms, tops)
     with pytest.raises(ShapeError, match="backward needs a forward"):

@@ -8,20 +8,13 @@ import pytest
 import cct
 from cct.core.errors import ConfigError, ShapeError
 from cct.testing.gradient_check import check_layer_gradient, make_layer, setup_layer
+from helpers.layers import run_layer
 
 RNG = np.random.default_rng(11)
 
 
 def rand(*shape):
     return RNG.standard_normal(shape)
-
-
-def run(prototxt, arrays, num_tops=1):
-    layer = make_layer(prototxt)
-    bottoms, tops = setup_layer(layer, arrays, num_tops)
-    layer.reshape(bottoms, tops)          # the contract: reshape before every forward
-    layer.forward(bottoms, tops)
-    return layer, bottoms, tops
 
 
 def every_index(shape):
@@ -32,7 +25,7 @@ def every_index(shape):
 def test_split_copies_and_sums_diffs():
     x = rand(2, 3)
     check_layer_gradient(make_layer('type: "Split"'), [x], num_tops=3)
-    _, _, tops = run('type: "Split"', [x], num_tops=2)
+    _, _, tops = run_layer('type: "Split"', [x], num_tops=2)
     for top in tops:
         np.testing.assert_array_equal(top.data, x)
 
@@ -64,29 +57,29 @@ def test_concat_forward_and_gradient(axis):
         shape[canonical] = size
         arrays.append(rand(*shape))
     prototxt = f'type: "Concat" concat_param {{ axis: {axis} }}'
-    _, _, tops = run(prototxt, arrays)
+    _, _, tops = run_layer(prototxt, arrays)
     np.testing.assert_array_equal(tops[0].data, naive_concat(arrays, canonical))
     check_layer_gradient(make_layer(prototxt), arrays)
 
 
 def test_concat_legacy_concat_dim_and_single_bottom():
     a, b = rand(2, 2, 3), rand(2, 2, 1)
-    _, _, tops = run('type: "Concat" concat_param { concat_dim: 2 }', [a, b])
+    _, _, tops = run_layer('type: "Concat" concat_param { concat_dim: 2 }', [a, b])
     np.testing.assert_array_equal(tops[0].data, naive_concat([a, b], 2))
-    _, _, tops = run('type: "Concat"', [a])
+    _, _, tops = run_layer('type: "Concat"', [a])
     np.testing.assert_array_equal(tops[0].data, a)
     check_layer_gradient(make_layer('type: "Concat"'), [a])
 
 
 def test_concat_errors():
     with pytest.raises(ShapeError, match=r"bottom\[1\].*\(2, 3, 5\)"):
-        run('type: "Concat" concat_param { axis: 1 }', [rand(2, 2, 4), rand(2, 3, 5)])
+        run_layer('type: "Concat" concat_param { axis: 1 }', [rand(2, 2, 4), rand(2, 3, 5)])
     with pytest.raises(ShapeError, match=r"bottom\[1\]"):
-        run('type: "Concat"', [rand(2, 2, 4), rand(2, 3)])
+        run_layer('type: "Concat"', [rand(2, 2, 4), rand(2, 3)])
     with pytest.raises(ConfigError, match="concat_dim.*not both"):
-        run('type: "Concat" concat_param { axis: 1 concat_dim: 1 }', [rand(2, 2), rand(2, 2)])
+        run_layer('type: "Concat" concat_param { axis: 1 concat_dim: 1 }', [rand(2, 2), rand(2, 2)])
     with pytest.raises(ConfigError, match="concat_param.axis"):
-        run('type: "Concat" concat_param { axis: 3 }', [rand(2, 2), rand(2, 2)])
+        run_layer('type: "Concat" concat_param { axis: 3 }', [rand(2, 2), rand(2, 2)])
 
 
 # --- Slice ---------------------------------------------------------------------------
@@ -114,7 +107,7 @@ def test_slice_forward_and_gradient(axis, points, num_tops):
     point_text = " ".join(f"slice_point: {p}" for p in points)
     prototxt = f'type: "Slice" slice_param {{ axis: {axis} {point_text} }}'
     expected_points = points or [x.shape[canonical] // num_tops * k for k in range(1, num_tops)]
-    _, _, tops = run(prototxt, [x], num_tops)
+    _, _, tops = run_layer(prototxt, [x], num_tops)
     for top, piece in zip(tops, naive_slice(x, canonical, expected_points)):
         np.testing.assert_array_equal(top.data, piece)
     check_layer_gradient(make_layer(prototxt), [x], num_tops=num_tops)
@@ -122,22 +115,22 @@ def test_slice_forward_and_gradient(axis, points, num_tops):
 
 def test_slice_legacy_slice_dim():
     x = rand(2, 4, 3)
-    _, _, tops = run('type: "Slice" slice_param { slice_dim: 2 slice_point: 1 }', [x], 2)
+    _, _, tops = run_layer('type: "Slice" slice_param { slice_dim: 2 slice_point: 1 }', [x], 2)
     np.testing.assert_array_equal(tops[1].data, x[:, :, 1:])
 
 
 def test_slice_errors():
     x = rand(2, 6, 3)
     with pytest.raises(ConfigError, match="slice_point.*2 for 3 tops.*got 1"):
-        run('type: "Slice" slice_param { slice_point: 2 }', [x], 3)
+        run_layer('type: "Slice" slice_param { slice_point: 2 }', [x], 3)
     with pytest.raises(ConfigError, match="4 tops do not evenly divide"):
-        run('type: "Slice"', [x], 4)
+        run_layer('type: "Slice"', [x], 4)
     with pytest.raises(ConfigError, match="increase strictly"):
-        run('type: "Slice" slice_param { slice_point: 3 slice_point: 2 }', [x], 3)
+        run_layer('type: "Slice" slice_param { slice_point: 3 slice_point: 2 }', [x], 3)
     with pytest.raises(ConfigError, match="increase strictly"):
-        run('type: "Slice" slice_param { slice_point: 6 }', [x], 2)
+        run_layer('type: "Slice" slice_param { slice_point: 6 }', [x], 2)
     with pytest.raises(ConfigError, match="slice_dim.*not both"):
-        run('type: "Slice" slice_param { axis: 1 slice_dim: 1 }', [x], 2)
+        run_layer('type: "Slice" slice_param { axis: 1 slice_dim: 1 }', [x], 2)
 
 
 # --- Flatten -------------------------------------------------------------------------
@@ -148,7 +141,7 @@ def test_slice_errors():
 def test_flatten_shapes_values_and_gradient(params, expected):
     x = rand(2, 3, 4, 5)
     prototxt = f'type: "Flatten" flatten_param {{ {params} }}'
-    _, _, tops = run(prototxt, [x])
+    _, _, tops = run_layer(prototxt, [x])
     assert tops[0].shape == expected
     # Row-major order is kept: the i-th element in C order is the same.
     np.testing.assert_array_equal(tops[0].data.reshape(-1), [x[i] for i in every_index(x.shape)])
@@ -178,7 +171,7 @@ def test_flatten_not_in_place():
 def test_reshape_rules_values_and_gradient(params, expected):
     x = rand(2, 3, 5, 8)
     prototxt = f'type: "Reshape" reshape_param {{ {params} }}'
-    _, _, tops = run(prototxt, [x])
+    _, _, tops = run_layer(prototxt, [x])
     assert tops[0].shape == expected
     np.testing.assert_array_equal(tops[0].data.reshape(-1), [x[i] for i in every_index(x.shape)])
     check_layer_gradient(make_layer(prototxt), [x])
@@ -207,7 +200,7 @@ def test_reshape_follows_the_bottom_when_it_changes():
 ])
 def test_reshape_errors(params, error, message):
     with pytest.raises(error, match=message):
-        run(f'type: "Reshape" reshape_param {{ {params} }}', [rand(2, 3, 4)])
+        run_layer(f'type: "Reshape" reshape_param {{ {params} }}', [rand(2, 3, 4)])
 
 
 # --- Crop ----------------------------------------------------------------------------
@@ -229,16 +222,16 @@ def naive_crop(x, shape, offsets):
 def test_crop_forward_and_gradient(params, ref_shape, offsets):
     x, ref = rand(2, 3, 6, 6), rand(*ref_shape)
     prototxt = f'type: "Crop" crop_param {{ {params} }}'
-    _, _, tops = run(prototxt, [x, ref])
+    _, _, tops = run_layer(prototxt, [x, ref])
     np.testing.assert_array_equal(tops[0].data, naive_crop(x, ref_shape, offsets))
     check_layer_gradient(make_layer(prototxt), [x, ref])
 
 
 def test_crop_errors():
     with pytest.raises(ShapeError, match="out of bounds.*offset 3"):
-        run('type: "Crop" crop_param { offset: 3 }', [rand(1, 1, 6, 6), rand(1, 1, 4, 4)])
+        run_layer('type: "Crop" crop_param { offset: 3 }', [rand(1, 1, 6, 6), rand(1, 1, 4, 4)])
     with pytest.raises(ConfigError, match="crop_param.offset.*one per cropped axis \\(2"):
-        run('type: "Crop" crop_param { offset: 1 offset: 1 offset: 1 }', [rand(1, 1, 6, 6), rand(1, 1, 4, 4)])
+        run_layer('type: "Crop" crop_param { offset: 1 offset: 1 offset: 1 }', [rand(1, 1, 6, 6), rand(1, 1, 4, 4)])
 
 
 # --- Tile ----------------------------------------------------------------------------
@@ -247,7 +240,7 @@ def test_tile_forward_and_gradient(axis, tiles):
     x = rand(2, 3, 2, 2)
     canonical = axis % 4
     prototxt = f'type: "Tile" tile_param {{ axis: {axis} tiles: {tiles} }}'
-    _, _, tops = run(prototxt, [x])
+    _, _, tops = run_layer(prototxt, [x])
     # Each tile is a full copy of the bottom's trailing block from `axis` on.
     for index in every_index(tops[0].shape):
         source = list(index)
@@ -258,14 +251,14 @@ def test_tile_forward_and_gradient(axis, tiles):
 
 def test_tile_errors():
     with pytest.raises(ConfigError, match="tile_param.tiles.*missing"):
-        run('type: "Tile"', [rand(2, 2)])
+        run_layer('type: "Tile"', [rand(2, 2)])
     with pytest.raises(ConfigError, match="tile_param.tiles.*> 0"):
-        run('type: "Tile" tile_param { tiles: 0 }', [rand(2, 2)])
+        run_layer('type: "Tile" tile_param { tiles: 0 }', [rand(2, 2)])
 
 
 # --- Silence -------------------------------------------------------------------------
 def test_silence_zeroes_bottom_diffs():
-    layer, bottoms, tops = run('type: "Silence"', [rand(2, 3), rand(4)], num_tops=0)
+    layer, bottoms, tops = run_layer('type: "Silence"', [rand(2, 3), rand(4)], num_tops=0)
     for blob in bottoms:
         blob.diff[...] = 5
     layer.backward(tops, [True, False], bottoms)
@@ -276,11 +269,11 @@ def test_silence_zeroes_bottom_diffs():
 def test_batch_reindex_forward_and_gradient():
     x = rand(4, 3, 2)
     index = np.array([2, 0, 2, 3, 3, 3])
-    _, _, tops = run('type: "BatchReindex"', [x, index])
+    _, _, tops = run_layer('type: "BatchReindex"', [x, index])
     for i, source in enumerate(index):
         np.testing.assert_array_equal(tops[0].data[i], x[source])
     check_layer_gradient(make_layer('type: "BatchReindex"'), [x, index], check_bottoms=[0])
-    layer, bottoms, tops = run('type: "BatchReindex"', [x, index])
+    layer, bottoms, tops = run_layer('type: "BatchReindex"', [x, index])
     tops[0].diff[...] = 1
     layer.backward(tops, [True, False], bottoms)
     np.testing.assert_array_equal(bottoms[0].diff[:, 0, 0], [1, 0, 2, 3])   # counts of each index
@@ -288,10 +281,10 @@ def test_batch_reindex_forward_and_gradient():
 
 def test_batch_reindex_errors():
     with pytest.raises(ShapeError, match=r"\[0, 4\)"):
-        run('type: "BatchReindex"', [rand(4, 2), np.array([0, 4])])
+        run_layer('type: "BatchReindex"', [rand(4, 2), np.array([0, 4])])
     with pytest.raises(ShapeError, match=r"\[0, 4\)"):
-        run('type: "BatchReindex"', [rand(4, 2), np.array([-1, 0])])
-    layer, bottoms, tops = run('type: "BatchReindex"', [rand(4, 2), np.array([1, 0])])
+        run_layer('type: "BatchReindex"', [rand(4, 2), np.array([-1, 0])])
+    layer, bottoms, tops = run_layer('type: "BatchReindex"', [rand(4, 2), np.array([1, 0])])
     with pytest.raises(ConfigError, match="cannot backpropagate to its index"):
         layer.backward(tops, [True, True], bottoms)
 
@@ -300,7 +293,7 @@ def test_batch_reindex_errors():
 def test_filter_forward_and_gradient():
     a, b = rand(5, 3), rand(5, 2, 2)
     selector = np.array([0, 1, 0, 1, 1.0]).reshape(5, 1)
-    layer, bottoms, tops = run('type: "Filter"', [a, b, selector], num_tops=2)
+    layer, bottoms, tops = run_layer('type: "Filter"', [a, b, selector], num_tops=2)
     kept = [i for i in range(5) if selector[i, 0] != 0]
     np.testing.assert_array_equal(tops[0].data, np.array([a[i] for i in kept]))
     np.testing.assert_array_equal(tops[1].data, np.array([b[i] for i in kept]))
@@ -324,12 +317,12 @@ def test_filter_first_reshape_is_full_batch_then_follows_selector():
 
 def test_filter_errors():
     with pytest.raises(ConfigError, match="one top per filtered bottom"):
-        run('type: "Filter"', [rand(3, 2), rand(3)], num_tops=2)
+        run_layer('type: "Filter"', [rand(3, 2), rand(3)], num_tops=2)
     with pytest.raises(ShapeError, match="selector.*shape"):
-        run('type: "Filter"', [rand(3, 2), rand(3, 2)])
+        run_layer('type: "Filter"', [rand(3, 2), rand(3, 2)])
     with pytest.raises(ShapeError, match="first dimension 3"):
-        run('type: "Filter"', [rand(4, 2), rand(3)])
-    layer, bottoms, tops = run('type: "Filter"', [rand(3, 2), np.ones(3)])
+        run_layer('type: "Filter"', [rand(4, 2), rand(3)])
+    layer, bottoms, tops = run_layer('type: "Filter"', [rand(3, 2), np.ones(3)])
     with pytest.raises(ConfigError, match="cannot backpropagate to its index"):
         layer.backward(tops, [True, True], bottoms)
 

@@ -243,8 +243,6 @@ def test_set_input_arrays_needs_a_memory_data_first_layer(tmp_path):
 
 
 def test_set_input_arrays_feeds_memory_data(tmp_path):
-    if "MemoryData" not in cct.layer_type_list():
-        pytest.skip("the MemoryData layer is not registered yet")
     (tmp_path / "mem.prototxt").write_text(
         'layer { name: "data" type: "MemoryData" top: "data" top: "label" '
         'memory_data_param { batch_size: 2 channels: 1 height: 2 width: 2 } }')

@@ -1,9 +1,11 @@
 """The process-wide BLAS thread controller: a net built after a partitioned
 training step gets every BLAS thread, and no pass leaves the count lowered."""
+import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
 import cct
 from cct.runtime import threads
+from cct.runtime.threads import BlasThreads
 
 NET = """
 name: "small"
@@ -24,13 +26,13 @@ def blas_count():
     return min(pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas")
 
 
-def test_nets_built_after_a_partitioned_step_get_every_blas_thread(tmp_path, monkeypatch):
+@pytest.mark.parametrize("partitions", [2], indirect=True)    # conv and relu: 2 partitions of 1 BLAS thread
+def test_nets_built_after_a_partitioned_step_get_every_blas_thread(partitions, tmp_path, monkeypatch):
     (tmp_path / "net.prototxt").write_text(NET)
     (tmp_path / "solver.prototxt").write_text(
         'net: "net.prototxt" base_lr: 0.01 lr_policy: "fixed" max_iter: 10 display: 0 '
         'test_iter: 1 test_interval: 100 test_initialization: false snapshot_after_train: false')
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("CCT_PARTITIONS", "2")        # the conv and relu run as 2 partitions of 1 BLAS thread
     monkeypatch.setattr(threads, "_blas", None)     # a controller made below, under 2 threads
     with threadpool_limits(limits=2, user_api="blas"):
         solver = cct.SGDSolver("solver.prototxt")
@@ -49,3 +51,10 @@ def test_nets_built_after_a_partitioned_step_get_every_blas_thread(tmp_path, mon
 def test_partitions_of_every_net_share_the_process_workers():
     first, second = threads.workers(3), threads.workers(2)
     assert second == first[:len(second)]
+
+
+def test_blas_thread_count_is_restored():
+    blas = BlasThreads()
+    blas.set(1)
+    blas.set(blas.default)
+    assert blas.current == blas.default

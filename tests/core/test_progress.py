@@ -10,9 +10,7 @@ from PIL import Image
 import cct
 from cct import cli
 from cct.core.progress import Progress
-from siblings import load_sibling
-
-solver_helpers = load_sibling("test_solver")
+from helpers.linreg import net_text
 
 
 class Terminal(io.StringIO):
@@ -120,7 +118,7 @@ def test_digits_logs_progress(caplog):
 
 def test_cct_test_logs_progress(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "net.prototxt").write_text(solver_helpers.net_text())
+    (tmp_path / "net.prototxt").write_text(net_text())
     net = cct.Net("net.prototxt", cct.TEST)
     net.save("net.caffemodel")
     code = cli.main(["test", "--model=net.prototxt", "--weights=net.caffemodel", "--iterations=20"])

@@ -1,10 +1,10 @@
-"""Batch partitioning gives the same numbers as running each layer whole."""
+"""The executor (cct.runtime.executor): batch partitioning gives the same
+numbers as running each layer whole; which layers its default plan, a plan
+entry, the tuner and CCT_PARTITIONS split; clones and their budgets."""
 import numpy as np
 import pytest
 
 import cct
-from cct.runtime.partition import BlobSlice
-from cct.runtime.threads import BlasThreads
 
 NET = '''name: "partitioned"
 layer { name: "data" type: "Input" top: "data" top: "label"
@@ -54,23 +54,6 @@ def test_loss_and_label_layers_are_not_partitioned():
     net = run(1)
     names = [layer.name for i, layer in enumerate(net.layers) if net.executor.partitionable(i)]
     assert names == ["conv1", "relu1", "prelu", "pool1", "norm1", "ip1"]
-
-
-def test_blob_slice_is_a_fixed_view():
-    blob = cct.Blob((4, 2))
-    view = BlobSlice(blob, 1, 3)
-    view.data[...] = 5
-    assert blob.data[1:3].tolist() == [[5, 5], [5, 5]] and blob.data[0].tolist() == [0, 0]
-    view.reshape(2, 2)
-    with pytest.raises(cct.ShapeError):
-        view.reshape(4, 2)
-
-
-def test_blas_thread_count_is_restored():
-    blas = BlasThreads()
-    blas.set(1)
-    blas.set(blas.default)
-    assert blas.current == blas.default
 
 
 def test_partition_k_always_runs_on_the_same_thread():

@@ -3,7 +3,6 @@ eltwise, shared weights, loss weights) must give d(loss)/d(input) and parameter
 gradients equal to central differences of the net's own loss. Float32 nets, so
 smooth layers, a larger step and a looser tolerance than the per-layer checker."""
 import numpy as np
-import pytest
 
 import cct
 
@@ -58,9 +57,7 @@ def numeric(net, array, index, step=1e-2):
     return (plus - minus) / (2 * step)
 
 
-@pytest.mark.parametrize("partitions", [1, 2])
-def test_net_gradients_match_central_differences(partitions, monkeypatch):
-    monkeypatch.setenv("CCT_PARTITIONS", str(partitions))
+def test_net_gradients_match_central_differences(partitions):
     net = build()
     assert "a_tanh_a_0_split" in net.layer_dict            # fan-out of an in-place top
     net.clear_param_diffs()

@@ -1,26 +1,20 @@
-"""Dataset tools (cct/tools.py) and the database layer (cct/db.py): round trips
-through a Data layer, means against numpy, flags and the errors for bad input."""
-
+"""The dataset tools (cct.cli.datasets): convert_imageset and
+compute_image_mean, round trips through a Data layer, means against numpy,
+flags and the errors for bad input."""
 import lmdb
 import numpy as np
 import pytest
 from PIL import Image
 
 import cct
-from cct.data import db as cct_db
-from cct.core.blob import Blob
-from cct.data.transformer import load_mean_file
-from cct.core.errors import ConfigError, DataError
-from cct.testing.gradient_check import make_layer
-from cct.proto import caffe_pb2
 from cct.cli.datasets import compute_image_mean, convert_imageset, image_mean
+from cct.core.errors import ConfigError, DataError
 from cct.data.digits import convert_arrays_to_lmdb
+from cct.data.transformer import load_mean_file
+from cct.proto import caffe_pb2
+from helpers.data import read_db, read_with_data_layer, rgb_to_bgr_chw
 
 RNG = np.random.default_rng(9)
-
-
-def rgb_to_bgr_chw(rgb):
-    return np.ascontiguousarray(rgb[:, :, ::-1].transpose(2, 0, 1))
 
 
 @pytest.fixture
@@ -38,26 +32,6 @@ def image_set(tmp_path):
     listing = tmp_path / "list.txt"
     listing.write_text("\n".join(lines) + "\n")
     return str(root) + "/", str(listing), np.stack(pixels)
-
-
-def read_db(path):
-    """(keys, datums) straight from LMDB, independent of cct.data.db."""
-    env = lmdb.open(str(path), readonly=True, lock=False)
-    with env.begin() as txn:
-        items = [(k.decode(), caffe_pb2.Datum.FromString(v)) for k, v in txn.cursor()]
-    env.close()
-    return [k for k, _ in items], [d for _, d in items]
-
-
-def read_with_data_layer(path, batch, transform="", backend="LMDB"):
-    layer = make_layer(f'name: "d" type: "Data" transform_param {{ {transform} }} '
-                       f'data_param {{ source: "{path}" batch_size: {batch} backend: {backend} }}', cct.TEST)
-    tops = [Blob(), Blob()]
-    layer.setup([], tops)
-    layer.reshape([], tops)
-    layer.forward([], tops)
-    layer.close()
-    return tops[0].data.copy(), tops[1].data.copy()
 
 
 # --- convert_imageset ------------------------------------------------------------------------
@@ -209,41 +183,3 @@ def test_compute_image_mean_errors(tmp_path):
         txn.put(b"00000001", caffe_pb2.Datum(channels=1, height=3, width=3, data=bytes(9)).SerializeToString())
     with pytest.raises(DataError, match="record '00000001': incorrect data field size"):
         image_mean(tmp_path / "one")
-
-
-# --- convert_arrays_to_lmdb and cct.data.db -------------------------------------------------------------
-def test_convert_arrays_to_lmdb_round_trip(tmp_path):
-    pixels = RNG.integers(0, 256, (7, 2, 3, 4)).astype(np.uint8)
-    labels = RNG.integers(0, 10, 7)
-    assert convert_arrays_to_lmdb(pixels, labels, tmp_path / "arr") == 7
-    keys, _ = read_db(tmp_path / "arr")
-    assert keys == [f"{i:08d}" for i in range(7)]
-    data, got = read_with_data_layer(tmp_path / "arr", 7)
-    np.testing.assert_array_equal(data, pixels)
-    np.testing.assert_array_equal(got, labels)
-    with pytest.raises(DataError, match="one label per image"):
-        convert_arrays_to_lmdb(pixels, labels[:3], tmp_path / "bad")
-    with pytest.raises(DataError, match="must be uint8"):
-        convert_arrays_to_lmdb(pixels.astype(np.float32), labels, tmp_path / "bad2")
-
-
-def test_db_cursor_wraps_and_lmdb_grows(tmp_path):
-    path = tmp_path / "big"
-    payload = bytes(10_000)
-    with cct_db.LMDB(str(path), "w", commit_every=100, map_size=256 << 10) as db:   # ~3 MB: the map must grow
-        for index in range(300):
-            db.put(cct_db.record_key(index, "x.png"), payload)
-    with cct_db.open_db(path, "lmdb") as db:
-        assert len(db) == 300
-        cursor = db.cursor()
-        first = cursor.next()[0]
-        assert first == b"00000000_x.png"
-        cursor.skip(299)
-        assert cursor.next()[0] == first and cursor.wrapped == 1
-    assert cct_db.record_key(12) == "00000012"
-
-
-def test_db_backend_names(tmp_path):
-    assert cct_db.backend_name(1) == "lmdb" and cct_db.backend_name("LEVELDB") == "leveldb"
-    with pytest.raises(DataError, match="unknown database backend 'rocks'"):
-        cct_db.open_db(tmp_path, "rocks")

@@ -1,5 +1,5 @@
-"""The embedded digits dataset (cct/digits.py, cct/data/digits.npz) and the
-LeNet model files that read it."""
+"""The embedded digits dataset (cct.data.digits, cct/data/digits.npz), its
+LMDB writer, and the LeNet model files that read it."""
 from pathlib import Path
 
 import numpy as np
@@ -7,10 +7,15 @@ import pytest
 from google.protobuf import text_format
 
 import cct
+from cct.core.errors import DataError
 from cct.data import digits
+from cct.data.digits import convert_arrays_to_lmdb
 from cct.proto import caffe_pb2
+from helpers.data import read_db, read_with_data_layer
+from helpers.paths import MODELS
 
-MODELS = Path(__file__).resolve().parent.parent / "models" / "lenet"
+LENET = MODELS / "lenet"
+RNG = np.random.default_rng(9)
 
 
 def test_embedded_sources():
@@ -71,6 +76,21 @@ def test_same_class_images_differ_more_across_classes(small_set):
     assert np.mean(distances.argmin(axis=1) == test_y) > 0.5
 
 
+def test_convert_arrays_to_lmdb_round_trip(tmp_path):
+    pixels = RNG.integers(0, 256, (7, 2, 3, 4)).astype(np.uint8)
+    labels = RNG.integers(0, 10, 7)
+    assert convert_arrays_to_lmdb(pixels, labels, tmp_path / "arr") == 7
+    keys, _ = read_db(tmp_path / "arr")
+    assert keys == [f"{i:08d}" for i in range(7)]
+    data, got = read_with_data_layer(tmp_path / "arr", 7)
+    np.testing.assert_array_equal(data, pixels)
+    np.testing.assert_array_equal(got, labels)
+    with pytest.raises(DataError, match="one label per image"):
+        convert_arrays_to_lmdb(pixels, labels[:3], tmp_path / "bad")
+    with pytest.raises(DataError, match="must be uint8"):
+        convert_arrays_to_lmdb(pixels.astype(np.float32), labels, tmp_path / "bad2")
+
+
 def test_make_digits_lmdb_feeds_lenet(tmp_path, monkeypatch):
     train_path, test_path = digits.make_digits_lmdb(tmp_path / "examples_out", 120, 50, seed=1)
     assert Path(train_path).name == "digits_train_lmdb" and Path(test_path).name == "digits_test_lmdb"
@@ -81,7 +101,7 @@ def test_make_digits_lmdb_feeds_lenet(tmp_path, monkeypatch):
     train_x, train_y, test_x, test_y = digits.make_digits(120, 50, seed=1)
     # The LeNet prototxt's TEST data layer reads examples_out/digits_test_lmdb relative to the cwd.
     monkeypatch.chdir(tmp_path)
-    net_param = text_format.Parse((MODELS / "lenet_train_test.prototxt").read_text(), caffe_pb2.NetParameter())
+    net_param = text_format.Parse((LENET / "lenet_train_test.prototxt").read_text(), caffe_pb2.NetParameter())
     data_layers = [layer for layer in net_param.layer if layer.type == "Data"]
     assert [layer.data_param.source for layer in data_layers] == ["examples_out/digits_train_lmdb",
                                                                   "examples_out/digits_test_lmdb"]
@@ -97,8 +117,8 @@ def test_make_digits_lmdb_feeds_lenet(tmp_path, monkeypatch):
 
 def test_lenet_files_parse():
     for name in ("lenet_train_test.prototxt", "lenet.prototxt"):
-        net = text_format.Parse((MODELS / name).read_text(), caffe_pb2.NetParameter())
+        net = text_format.Parse((LENET / name).read_text(), caffe_pb2.NetParameter())
         types = [layer.type for layer in net.layer]
         assert types.count("Convolution") == 2 and types.count("InnerProduct") == 2
-    solver = text_format.Parse((MODELS / "lenet_solver.prototxt").read_text(), caffe_pb2.SolverParameter())
+    solver = text_format.Parse((LENET / "lenet_solver.prototxt").read_text(), caffe_pb2.SolverParameter())
     assert solver.net == "models/lenet/lenet_train_test.prototxt" and solver.test_iter == [20]

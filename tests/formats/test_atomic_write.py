@@ -10,9 +10,7 @@ import pytest
 
 import cct
 from cct.formats.prototxt import atomic_path, atomic_write
-from siblings import load_sibling
-
-solver_helpers = load_sibling("test_solver")
+from helpers.linreg import make_solver
 
 NET = '''layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 5 } } }
          layer { name: "fc" type: "InnerProduct" bottom: "data" top: "fc"
@@ -129,8 +127,8 @@ def test_weights_are_durable(net, write, name, tmp_path, disk_events):
     ("HDF5", (".caffemodel.h5", ".solverstate.h5")),
 ])
 def test_snapshots_are_durable(snapshot_format, extensions, tmp_path, disk_events):
-    solver = solver_helpers.make_solver(f'type: "SGD" base_lr: 0.01 lr_policy: "fixed" '
-                                        f'snapshot_prefix: "{tmp_path / "run"}" snapshot_format: {snapshot_format}')
+    solver = make_solver(f'type: "SGD" base_lr: 0.01 lr_policy: "fixed" '
+                         f'snapshot_prefix: "{tmp_path / "run"}" snapshot_format: {snapshot_format}')
     solver.step(1)
     solver.snapshot()
     names = [f"run_iter_1{extension}" for extension in extensions]

@@ -1,25 +1,16 @@
 """Net and solver upgrades, prototxt text in -> text out: V0 -> V1 -> V2,
 V1 -> V2, V1 data transforms, `input:` fields, old BatchNorm specs, solver_type."""
 import pytest
-from google.protobuf import text_format
 
 from cct.core.errors import ConfigError
 from cct.proto import caffe_pb2
 from cct.formats.upgrade import upgrade_net, upgrade_solver
 from cct.formats.upgrade_v0 import upgrade_v0_net
-
-
-def parse(text, message=None):
-    return text_format.Parse(text, message or caffe_pb2.NetParameter())
+from helpers.protos import assert_same, parse
 
 
 def upgraded(text):
     return upgrade_net(parse(text), source="old.prototxt")
-
-
-def assert_same(actual, expected_text):
-    expected = parse(expected_text, type(actual)())
-    assert text_format.MessageToString(actual) == text_format.MessageToString(expected)
 
 
 # --- V0 -----------------------------------------------------------------------------

@@ -6,10 +6,7 @@ from google.protobuf import text_format
 from cct.core.errors import ConfigError
 from cct.core.passes import filter_net, insert_splits, state_meets_rule
 from cct.proto import caffe_pb2
-
-
-def parse(text, message=None):
-    return text_format.Parse(text, message or caffe_pb2.NetParameter())
+from helpers.protos import assert_same, parse
 
 
 def state(text):
@@ -18,11 +15,6 @@ def state(text):
 
 def kept_layers(net_text, state_text):
     return [layer.name for layer in filter_net(parse(net_text), state(state_text), "net.prototxt").layer]
-
-
-def assert_same(actual, expected_text):
-    expected = parse(expected_text)
-    assert text_format.MessageToString(actual) == text_format.MessageToString(expected)
 
 
 # --- filter_net -----------------------------------------------------------------------

@@ -2,16 +2,14 @@
 fails with the perturbed layer first and exit status 1; single-file dumps;
 a reference computed by another interpreter's `import caffe`."""
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import cct
 from cct.cli.compare import compare, main
+from helpers.reference import CASE_NAMES, CASES
 
-CASES = Path(__file__).resolve().parents[1] / "reference" / "cases"
-CASE_NAMES = sorted(p.name for p in CASES.iterdir() if (p / "net.prototxt").exists())
 LENET = CASES / "lenet_sgd"
 
 

@@ -131,11 +131,8 @@ def arena_names(net):
 
 
 # --- training gives the same numbers -------------------------------------------------------
-@pytest.mark.parametrize("partitions", [1, 2])
 @pytest.mark.parametrize("kind", sorted(NETS))
 def test_training_with_shared_diffs_is_bitwise_equal(kind, partitions, monkeypatch):
-    if partitions > 1:
-        monkeypatch.setenv("CCT_PARTITIONS", str(partitions))
     plain = make_solver(NETS[kind], False, monkeypatch)
     shared = make_solver(NETS[kind], True, monkeypatch)
     assert memory.summary(plain.net) is None

@@ -9,10 +9,6 @@ import pytest
 import cct
 from cct.core.errors import ConfigError, WeightsError
 
-needs_inner_product = pytest.mark.skipif("InnerProduct" not in cct.layer_type_list(),
-                                         reason="InnerProduct is not written yet")
-
-
 def make_net(text, phase=cct.TRAIN, **kwargs):
     return cct.Net(text, phase, **kwargs)
 
@@ -186,8 +182,8 @@ def test_unknown_layer_type_lists_the_known_ones():
     with pytest.raises(ConfigError) as error:
         make_net(f'{input_layer()} layer {{ name: "odd" type: "Bogus" bottom: "data" top: "o" }}')
     message = str(error.value)
-    assert "layer 'odd' (Bogus): type: unknown layer type 'Bogus'" in message
-    assert all(known in message for known in ("BatchNorm", "Input", "LRN", "MVN", "Split"))
+    assert "layer 'odd' (Bogus): type: unknown layer type 'Bogus'; known types: " in message
+    assert message.split("known types: ", 1)[1].split(", ") == cct.layer_type_list()
 
 
 def test_unknown_prototxt_field_names_the_file_and_line(tmp_path):
@@ -281,8 +277,13 @@ def test_copy_from_ignores_layers_the_net_lacks(tmp_path):
     net = trained_norm_net()
     path = tmp_path / "w.caffemodel"
     net.save(str(path))
-    smaller = make_net(MVN_ONLY)
-    smaller.copy_from(str(path))          # 'bn' is not in this net: skipped, no error
+    # 'bn' is not in this net: its weights are skipped, without an error, and
+    # land nowhere else (not in 'other_bn', whose blobs have the same shapes).
+    smaller = make_net(MVN_ONLY + '\nlayer { name: "other_bn" type: "BatchNorm" bottom: "mvn" top: "other_bn" }')
+    smaller.copy_from(str(path))
+    assert list(smaller.params) == ["other_bn"]
+    assert net.params["bn"][2].data[0] == 1
+    assert not any(blob.data.any() for blob in smaller.params["other_bn"])
 
 
 @pytest.mark.parametrize("save", ["save", "save_hdf5"])
@@ -300,7 +301,7 @@ def test_copy_from_missing_file(tmp_path):
         make_net(NORM_NET).copy_from(str(tmp_path / "nope.caffemodel"))
 
 
-# --- nets with InnerProduct and losses (skipped until those layers exist) ---------------
+# --- nets with InnerProduct and losses ------------------------------------------------
 IP = ('layer {{ name: "{name}" type: "InnerProduct" bottom: "{bottom}" top: "{name}" {extra} '
       'inner_product_param {{ num_output: {n} weight_filler {{ type: "gaussian" std: 0.5 }} '
       'bias_filler {{ type: "constant" value: 0.1 }} }} }}\n')
@@ -314,7 +315,6 @@ def euclidean(a, b, extra=""):
     return f'layer {{ name: "loss" type: "EuclideanLoss" bottom: "{a}" bottom: "{b}" top: "loss" {extra} }}\n'
 
 
-@needs_inner_product
 def test_layers_not_under_a_loss_skip_backward():
     net = make_net(input_layer(shape=(4, 5), tops=["data"]) + input_layer("label", (4, 3))
                    + ip("ip1", "data") + ip("ip2", "ip1") + ip("ip3", "ip1") + euclidean("ip2", "label"))
@@ -331,7 +331,6 @@ def test_layers_not_under_a_loss_skip_backward():
     assert not net.params["ip3"][0].diff.any()
 
 
-@needs_inner_product
 def test_params_with_lr_mult_zero_do_not_make_a_layer_need_backward():
     frozen = 'param { lr_mult: 0 } param { lr_mult: 0 }'
     net = make_net(input_layer(shape=(4, 5)) + input_layer("label", (4, 3))
@@ -361,7 +360,6 @@ layer { name: "loss" type: "SigmoidCrossEntropyLoss" bottom: "innerproduct" bott
 """
 
 
-@needs_inner_product
 @pytest.mark.parametrize("propagate_label", [True, False])
 def test_propagate_down_as_caffes_skip_propagation_test(propagate_label):
     """Caffe's NetTest.TestSkipPropagateDown."""
@@ -375,7 +373,6 @@ def test_propagate_down_as_caffes_skip_propagation_test(propagate_label):
     assert need == expected
 
 
-@needs_inner_product
 def test_propagate_down_false_stops_gradients_below():
     net = make_net(input_layer(shape=(4, 5)) + input_layer("label", (4, 3))
                    + ip("ip1", "data") + ip("ip2", "ip1", extra="propagate_down: false")
@@ -385,7 +382,6 @@ def test_propagate_down_false_stops_gradients_below():
     assert net.bottom_need_backward[net.layer_names.index("ip2")] == [False]
 
 
-@needs_inner_product
 def test_propagate_down_true_forces_a_gradient_to_an_input():
     # Caffe's AppendBottom: a given propagate_down decides the bottom's flag by itself
     # ("if set to true for some inputs, backpropagation to those inputs is forced").
@@ -400,7 +396,6 @@ def test_propagate_down_true_forces_a_gradient_to_an_input():
     np.testing.assert_allclose(net.blobs["data"].diff, expected, rtol=1e-5)
 
 
-@needs_inner_product
 def test_shared_inner_product_weights_accumulate_both_gradients():
     shared = 'param { name: "w" } param { name: "b" }'
     net = make_net(input_layer(shape=(4, 5), tops=["x", "y"]) + input_layer("label", (4, 3))
@@ -422,14 +417,12 @@ def test_shared_inner_product_weights_accumulate_both_gradients():
     np.testing.assert_allclose(net.params["ip1"][1].diff, 2 * g.sum(axis=0), rtol=1e-4)
 
 
-@needs_inner_product
 def test_shared_inner_product_with_another_shape_is_an_error():
     with pytest.raises(ConfigError, match=r"layer 'ip2' \(InnerProduct\): param\[0\] 'w'"):
         make_net(input_layer(shape=(4, 5), tops=["x", "y"])
                  + ip("ip1", "x", extra='param { name: "w" }') + ip("ip2", "y", n=4, extra='param { name: "w" }'))
 
 
-@needs_inner_product
 def test_shared_params_with_conflicting_lr_mult():
     with pytest.raises(ConfigError, match=r"layer 'ip2'.*lr_mult"):
         make_net(input_layer(shape=(4, 5), tops=["x", "y"])
@@ -437,7 +430,6 @@ def test_shared_params_with_conflicting_lr_mult():
                  + ip("ip2", "y", extra='param { name: "w" lr_mult: 2 }'))
 
 
-@needs_inner_product
 def test_softmax_loss_gets_loss_weight_one_and_an_automatic_top():
     net = make_net(input_layer(shape=(4, 5)) + input_layer("label", (4,))
                    + ip("ip", "data")
@@ -448,7 +440,6 @@ def test_softmax_loss_gets_loss_weight_one_and_an_automatic_top():
     assert net.bottom_need_backward[loss_index] == [True, False]
 
 
-@needs_inner_product
 def test_copy_from_inner_product_shape_mismatch(tmp_path):
     net = make_net(input_layer(shape=(4, 5)) + ip("fc", "data"))
     path = tmp_path / "w.caffemodel"

@@ -1,0 +1,93 @@
+"""`cct time` (cct.cli.time): Caffe's per-layer and average lines, the phase
+flag, and the profile table it prints after them (FLOP rates, lowering,
+partitions; --tune's chosen partitions)."""
+import re
+
+from helpers.cli import assert_one_line_error, messages, run_cct
+from helpers.linreg import net_text
+from helpers.nets import PROFILE_NET, PROFILE_NET_LAYERS
+
+
+def test_time_output_format(run_folder, capsys):
+    code, _, err = run_cct(capsys, "time", "-model", "net.prototxt", "-iterations", "3")
+    assert code == 0, err
+    text = messages(err)
+    for name in ("data", "fc"):
+        assert any(re.fullmatch(rf" *{name}\tforward: [0-9.e+-]+ ms\.", m) for m in text), text
+        assert any(re.fullmatch(rf" *{name}\tbackward: [0-9.e+-]+ ms\.", m) for m in text), text
+    assert [m for m in text if m.startswith("      data\t")]              # names right-aligned in 10
+    for label in ("Average Forward pass", "Average Backward pass", "Average Forward-Backward", "Total Time"):
+        assert any(re.fullmatch(rf"{label}: [0-9.e+-]+ ms\.", m) for m in text), label
+    assert sum(m.startswith("Iteration: ") and "forward-backward time" in m for m in text) == 3
+    assert text.index("*** Benchmark begins ***") < text.index("*** Benchmark ends ***")
+
+
+def test_time_and_test_phase_flag(run_folder, capsys):
+    (run_folder / "net.prototxt").write_text(net_text() + """
+layer { name: "only_test" type: "TestLinReg" bottom: "x" bottom: "t" top: "loss2"
+        include { phase: TEST } inner_product_param { num_output: 2 } }
+""")
+    def timed_layers(*flags):
+        code, _, err = run_cct(capsys, "time", "-model", "net.prototxt", "-iterations", "1", *flags)
+        assert code == 0, err
+        return [m.split("\t")[0].strip() for m in messages(err) if "\tforward:" in m]
+    assert timed_layers() == ["data", "fc"]                     # caffe time builds in TRAIN
+    tested = timed_layers("-phase", "TEST")                      # Split layers join in, shared x and t
+    assert tested[0] == "data" and tested[-2:] == ["fc", "only_test"]
+
+
+def test_time_prints_caffes_per_layer_lines(run_folder, capsys):
+    code, _, err = run_cct(capsys, "time", "--model=net.prototxt", "--iterations=1")
+    assert code == 0
+    assert any(re.fullmatch(r" +fc\tforward: \S+ ms\.", m) for m in messages(err))
+    assert any(re.fullmatch(r" +fc\tbackward: \S+ ms\.", m) for m in messages(err))
+
+
+# --- the profile table -----------------------------------------------------------------------------
+def test_time_prints_the_profile_table(tmp_path, capsys):
+    path = tmp_path / "tiny.prototxt"
+    path.write_text(PROFILE_NET)
+    code, _, err = run_cct(capsys, "time", "--model", path, "--iterations", "2", "--peak_size", "64")
+    assert code == 0, err
+    text = messages(err)
+    # Caffe's own lines are untouched.
+    assert any(re.fullmatch(r" +conv\tforward: [0-9.e+-]+ ms\.", m) for m in text)
+    assert any(re.fullmatch(r"GEMM peak: [0-9.]+ GFLOP/s \(sgemm 64, \d+ BLAS threads\)", m) for m in text)
+    start = next(i for i, m in enumerate(text) if m.startswith("Profile per layer (GEMM peak"))
+    header = text[start + 1].split()
+    assert header[:4] == ["layer", "type", "fwd", "ms"] and header[-2:] == ["lowering", "partitions"]
+    rows = {m.split()[0]: m.split() for m in text[start + 2:start + 2 + len(PROFILE_NET_LAYERS)]}
+    assert list(rows) == PROFILE_NET_LAYERS
+    for name in ("conv", "pool", "norm", "deconv", "fc"):
+        layer_type, fwd_ms, bwd_ms, fwd_rate, bwd_rate, share, lowering, partitions = rows[name][1:]
+        assert float(fwd_ms) >= 0 and float(bwd_ms) >= 0
+        assert fwd_rate == "-" or float(fwd_rate) >= 0
+        assert share == "-" or float(share) >= 0
+        assert partitions == "1"
+    assert rows["conv"][7] in ("1", "2", "3") and rows["deconv"][7] in ("1", "2", "3")
+    assert rows["relu"][4:7] == ["-", "-", "-"] and rows["relu"][7] == "-"
+    assert any(re.fullmatch(r"Net: [0-9.e+-]+ GFLOP per forward-backward, [0-9.]+ GFLOP/s = \d+% of "
+                            r"the GEMM peak", m) for m in text)
+
+
+def test_time_tune_shows_the_chosen_partitions(tmp_path, capsys):
+    path = tmp_path / "tiny.prototxt"
+    path.write_text(PROFILE_NET)
+    code, _, err = run_cct(capsys, "time", "--model", path, "--iterations", "1", "--peak_size", "0", "--tune")
+    assert code == 0, err
+    text = messages(err)
+    plan_line = next(m for m in text if m.startswith("Partitions: "))
+    plan = dict(item.split("=") for item in plan_line[len("Partitions: "):].split(", "))
+    assert "conv" in plan and "fc" in plan
+    start = next(i for i, m in enumerate(text) if m == "Profile per layer:")
+    rows = {m.split()[0]: m.split() for m in text[start + 2:start + 2 + len(PROFILE_NET_LAYERS)]}
+    for name, partitions in plan.items():
+        assert rows[name][-1] == partitions
+    assert not any("GEMM peak" in m for m in text)
+
+
+def test_time_refuses_a_negative_peak_size(tmp_path, capsys):
+    path = tmp_path / "tiny.prototxt"
+    path.write_text(PROFILE_NET)
+    code, _, err = run_cct(capsys, "time", "--model", path, "--peak_size", "-1")
+    assert_one_line_error(code, err, "--peak_size: must be >= 0, got -1")

@@ -1,0 +1,28 @@
+"""cct.data.db: the LMDB writer growing its map, the cursor wrapping around,
+record keys, backend names."""
+import pytest
+
+from cct.core.errors import DataError
+from cct.data import db as cct_db
+
+
+def test_db_cursor_wraps_and_lmdb_grows(tmp_path):
+    path = tmp_path / "big"
+    payload = bytes(10_000)
+    with cct_db.LMDB(str(path), "w", commit_every=100, map_size=256 << 10) as db:   # ~3 MB: the map must grow
+        for index in range(300):
+            db.put(cct_db.record_key(index, "x.png"), payload)
+    with cct_db.open_db(path, "lmdb") as db:
+        assert len(db) == 300
+        cursor = db.cursor()
+        first = cursor.next()[0]
+        assert first == b"00000000_x.png"
+        cursor.skip(299)
+        assert cursor.next()[0] == first and cursor.wrapped == 1
+    assert cct_db.record_key(12) == "00000012"
+
+
+def test_db_backend_names(tmp_path):
+    assert cct_db.backend_name(1) == "lmdb" and cct_db.backend_name("LEVELDB") == "leveldb"
+    with pytest.raises(DataError, match="unknown database backend 'rocks'"):
+        cct_db.open_db(tmp_path, "rocks")
