@@ -69,8 +69,9 @@ def main():
     if not command:
         parser.error("name the benchmark after --, e.g. -- bench_lenet.py --iterations 200")
     script, script_args = command[0], command[1:]
-    metric, unit, larger_better = METRICS.get(script, (args.metric, "", True))
-    metric = args.metric or metric
+    metric, unit, larger_better = METRICS.get(script, (None, "", True))
+    if args.metric:                   # a figure of the user's: its unit and direction unknown
+        metric, unit = args.metric, ""
     if not metric:
         parser.error(f"no known figure for {script}: give --metric")
     with tempfile.TemporaryDirectory(prefix="cct-ab-") as scratch:

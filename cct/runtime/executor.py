@@ -57,7 +57,7 @@ class Executor:
         self.plan = {}
         self._partitioned = {}
         self._defaults = {}           # layer index -> (its top shape and settings, default partitions)
-        self._listeners = {kind: [] for kind in EVENTS}
+        self._listeners = {}          # kind -> callbacks; empty until a subscription, so the checks cost little
         # CCT_PARTITIONS=p partitions every layer that allows it (the conformance
         # suite runs with it to check partitioned results equal unpartitioned
         # ones); CCT_PARTITIONS=1 runs every layer whole.
@@ -71,14 +71,14 @@ class Executor:
     # --- events ---------------------------------------------------------------------
     def subscribe(self, kind, callback):
         """Call callback(layer_index) at every `kind` event (EVENTS)."""
-        if kind not in self._listeners:
+        if kind not in EVENTS:
             raise ValueError(f"unknown executor event {kind!r}; known: {', '.join(EVENTS)}")
         if not callable(callback):
             raise TypeError(f"{kind}(): the callback must be callable (fn(layer_index)), got {callback!r}")
-        self._listeners[kind].append(callback)
+        self._listeners.setdefault(kind, []).append(callback)
 
     def _emit(self, kind, index):
-        for callback in self._listeners[kind]:
+        for callback in self._listeners.get(kind, ()):
             callback(index)
 
     # --- which layers may be partitioned -----------------------------------------
@@ -150,7 +150,8 @@ class Executor:
         """Run layer `index` forward (reshape first, as Caffe's Layer::Forward),
         set its loss tops' diffs to their loss weights, and return its weighted
         loss."""
-        self._emit("before_forward", index)
+        if self._listeners:
+            self._emit("before_forward", index)
         layer, bottoms, tops = self._layer(index)
         layer.reshape(bottoms, tops)
         partitions = self.partitions(index)
@@ -161,13 +162,15 @@ class Executor:
             self.blas.set(max(1, self.threads // partitions))
             self._runner(index).forward(self.workers(partitions), bottoms, tops)
         loss = self.net.layer_loss(index)
-        self._emit("after_forward", index)
+        if self._listeners:
+            self._emit("after_forward", index)
         return loss
 
     def backward(self, index, force=False):
         """Run layer `index` backward if the net needs its backward (or `force`:
         `cct time` runs every layer's, as Caffe's does). The events fire either way."""
-        self._emit("before_backward", index)
+        if self._listeners:
+            self._emit("before_backward", index)
         if force or self.net.layer_need_backward[index]:
             layer, bottoms, tops = self._layer(index)
             propagate_down = self.net.bottom_need_backward[index]
@@ -178,7 +181,8 @@ class Executor:
             else:
                 self.blas.set(max(1, self.threads // partitions))
                 self._runner(index).backward(self.workers(partitions), tops, propagate_down, bottoms)
-        self._emit("after_backward", index)
+        if self._listeners:
+            self._emit("after_backward", index)
 
     def finish(self):
         """All BLAS threads again, for whatever runs after the net."""
