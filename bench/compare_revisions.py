@@ -71,7 +71,7 @@ def main():
     script, script_args = command[0], command[1:]
     metric, unit, larger_better = METRICS.get(script, (None, "", True))
     if args.metric:                   # a figure of the user's: its unit and direction unknown
-        metric, unit = args.metric, ""
+        metric, unit, larger_better = args.metric, "", None
     if not metric:
         parser.error(f"no known figure for {script}: give --metric")
     with tempfile.TemporaryDirectory(prefix="cct-ab-") as scratch:
@@ -86,7 +86,7 @@ def main():
     for name, values in figures.items():
         print(f"{name}: median {medians[name]:g} {unit} of {', '.join(f'{v:g}' for v in values)}")
     ratio = medians[args.b] / medians[args.a]
-    print(f"{args.b} / {args.a}: {ratio:.3f}" + ("" if larger_better else " (time: below 1 is faster)"))
+    print(f"{args.b} / {args.a}: {ratio:.3f}" + (" (time: below 1 is faster)" if larger_better is False else ""))
 
 
 if __name__ == "__main__":
