@@ -71,6 +71,7 @@ class _ConvolutionBase(Layer):
     min_tops = 1
     reverse = False               # Deconvolution: forward is the convolution's backward
     batch_independent = True
+    splits_backward = True
     run_settings = ("lowering", "measure", "lowering_budget_mb")
 
     def setup(self, bottom, top):
@@ -205,9 +206,8 @@ class _ConvolutionBase(Layer):
             y += self.blobs[1].data.reshape(1, -1, 1, 1)
 
     def _bias_gradient(self, top):
-        if self.bias_term and self.param_propagate_down[1]:
-            for blob in top:
-                self.blobs[1].diff[...] += blob.diff.sum(axis=(0, 2, 3))
+        for blob in top:
+            self.blobs[1].diff[...] += blob.diff.sum(axis=(0, 2, 3))
 
 
 @register("Convolution")
@@ -240,10 +240,14 @@ class Convolution(_ConvolutionBase):
                          bias=bias)
 
     def backward(self, top, propagate_down, bottom):
+        """The sub-tasks' numbers (backward_param, backward_data), with one
+        lowering call per bottom for both gradients: lowering types 2 and 3 then
+        lift the top's gradient once for the two."""
         kind = self._lowering()
         arena = thread_arena()
         need_weights = self.param_propagate_down[0]
-        self._bias_gradient(top)
+        if self.bias_term and self.param_propagate_down[1]:
+            self._bias_gradient(top)
         for t, down, b in zip(top, propagate_down, bottom):
             if not (down or need_weights):
                 continue
@@ -252,6 +256,23 @@ class Convolution(_ConvolutionBase):
                                   dx_out=b.diff if down else None)
             if need_weights:
                 self.blobs[0].diff[...] += dw
+
+    def backward_param(self, index, top, bottom):
+        if index == 1:
+            self._bias_gradient(top)
+            return
+        kind, arena = self._lowering(), thread_arena()
+        for t, b in zip(top, bottom):
+            _, dw = conv_backward(b.data, t.diff, self.blobs[0].data, self.geom, kind, data=False, weights=True,
+                                  ws=arena, chunk=self._chunk(kind, b.data))
+            self.blobs[0].diff[...] += dw
+
+    def backward_data(self, top, propagate_down, bottom):
+        kind, arena = self._lowering(), thread_arena()
+        for t, down, b in zip(top, propagate_down, bottom):
+            if down:
+                conv_backward(b.data, t.diff, self.blobs[0].data, self.geom, kind, data=True, weights=False,
+                              ws=arena, chunk=self._chunk(kind, b.data), dx_out=b.diff)
 
 
 @register("Deconvolution")
@@ -284,18 +305,22 @@ class Deconvolution(_ConvolutionBase):
                                chunk=self._chunk(kind, b.data))
             self._add_bias(t.data)
 
-    def backward(self, top, propagate_down, bottom):
-        kind = self._lowering()
-        arena = thread_arena()
-        need_weights = self.param_propagate_down[0]
-        self._bias_gradient(top)
+    # backward (Layer.backward): the weight gradient, the bias gradient, the data gradient
+    def backward_param(self, index, top, bottom):
+        if index == 1:
+            self._bias_gradient(top)
+            return
+        kind, arena = self._lowering(), thread_arena()
+        for t, b in zip(top, bottom):
+            self.blobs[0].diff[...] += conv_backward_weights(t.diff, b.data, self.geom, kind, ws=arena,
+                                                             chunk=self._chunk(kind, b.data))
+
+    def backward_data(self, top, propagate_down, bottom):
+        kind, arena = self._lowering(), thread_arena()
         for t, down, b in zip(top, propagate_down, bottom):
-            chunk = self._chunk(kind, b.data)
-            if need_weights:
-                self.blobs[0].diff[...] += conv_backward_weights(t.diff, b.data, self.geom, kind, ws=arena,
-                                                                 chunk=chunk)
             if down:
-                conv_forward(t.diff, self.blobs[0].data, self.geom, kind, out=b.diff, ws=arena, chunk=chunk)
+                conv_forward(t.diff, self.blobs[0].data, self.geom, kind, out=b.diff, ws=arena,
+                             chunk=self._chunk(kind, b.data))
 
 
 @register("Im2col")

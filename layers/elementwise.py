@@ -11,12 +11,6 @@ _ELTWISE = caffe_pb2.EltwiseParameter
 _REDUCTION = caffe_pb2.ReductionParameter
 
 
-def _param_wanted(layer, index):
-    """Whether param `index` needs its diff (true when nobody said otherwise)."""
-    flags = layer.param_propagate_down
-    return flags[index] if index < len(flags) else True
-
-
 @register("Eltwise")
 class Eltwise(Layer):
     """Combines same-shaped bottoms element by element.
@@ -188,6 +182,7 @@ class Scale(Layer):
     top = bottom[0] * scale (+ bias), broadcast; top shape = bottom[0] shape.
     Runs in place.
     """
+    splits_backward = True
     min_bottoms = 1
     max_bottoms = 2
     exact_tops = 1
@@ -220,22 +215,32 @@ class Scale(Layer):
         if self.layer_param.scale_param.bias_term:
             out += self.blobs[-1].data.reshape(1, dim, 1)
 
-    def backward(self, top, propagate_down, bottom):
-        outer, dim, inner = self._blocks
-        top_diff = top[0].diff.reshape(outer, dim, inner)
-        learned = len(bottom) == 1
-        if self.layer_param.scale_param.bias_term and _param_wanted(self, len(self.blobs) - 1):
+    # backward (Layer.backward): the learned scale's and bias's gradients, then
+    # the bottoms': a scale given as bottom[1] gets its gradient before bottom[0]'s
+    # is written, which in place is the top's
+    def backward_param(self, index, top, bottom):
+        top_diff = self._top_diff(top)
+        if self.layer_param.scale_param.bias_term and index == len(self.blobs) - 1:
             self.blobs[-1].diff += top_diff.sum(axis=(0, 2)).reshape(self.blobs[-1].shape)
-        scale = self._scale(bottom)
-        if (learned and _param_wanted(self, 0)) or (not learned and propagate_down[1]):
-            x = self._saved_input if self._saved_input is not None else bottom[0].data.reshape(outer, dim, inner)
-            grad = np.einsum("odi,odi->d", top_diff, x).reshape(scale.shape)
-            if learned:
-                scale.diff += grad
-            else:
-                scale.diff[...] = grad
+        else:
+            self.blobs[0].diff += self._scale_gradient(top_diff, bottom)
+
+    def backward_data(self, top, propagate_down, bottom):
+        top_diff = self._top_diff(top)
+        if len(bottom) > 1 and propagate_down[1]:
+            bottom[1].diff[...] = self._scale_gradient(top_diff, bottom)
         if propagate_down[0]:
-            np.multiply(top_diff, scale.data.reshape(1, dim, 1), out=bottom[0].diff.reshape(outer, dim, inner))
+            outer, dim, inner = self._blocks
+            np.multiply(top_diff, self._scale(bottom).data.reshape(1, dim, 1),
+                        out=bottom[0].diff.reshape(outer, dim, inner))
+
+    def _top_diff(self, top):
+        return top[0].diff.reshape(self._blocks)
+
+    def _scale_gradient(self, top_diff, bottom):
+        """d loss / d scale: the top's gradient times the input, summed over all but the scale's axes."""
+        x = self._saved_input if self._saved_input is not None else bottom[0].data.reshape(self._blocks)
+        return np.einsum("odi,odi->d", top_diff, x).reshape(self._scale(bottom).shape)
 
 
 @register("Bias")
@@ -247,6 +252,7 @@ class Bias(Layer):
     num_axes (default 1; -1: to the end; 0: a scalar), filler (default constant 0).
     top = bottom[0] + bias, broadcast; top shape = bottom[0] shape. Runs in place.
     """
+    splits_backward = True
     min_bottoms = 1
     max_bottoms = 2
     exact_tops = 1
@@ -269,19 +275,19 @@ class Bias(Layer):
         np.add(bottom[0].data.reshape(outer, dim, inner), self._bias(bottom).data.reshape(1, dim, 1),
                out=top[0].data.reshape(outer, dim, inner))
 
-    def backward(self, top, propagate_down, bottom):
-        outer, dim, inner = self._blocks
-        top_diff = top[0].diff.reshape(outer, dim, inner)
-        learned = len(bottom) == 1
-        if (learned and _param_wanted(self, 0)) or (not learned and propagate_down[1]):
-            bias = self._bias(bottom)
-            grad = top_diff.sum(axis=(0, 2)).reshape(bias.shape)
-            if learned:
-                bias.diff += grad
-            else:
-                bias.diff[...] = grad
+    # backward (Layer.backward): the learned bias's gradient, then the bottoms'
+    def backward_param(self, index, top, bottom):
+        self.blobs[0].diff += self._bias_gradient(top, self.blobs[0].shape)
+
+    def backward_data(self, top, propagate_down, bottom):
+        if len(bottom) > 1 and propagate_down[1]:
+            bottom[1].diff[...] = self._bias_gradient(top, bottom[1].shape)
         if propagate_down[0] and top[0] is not bottom[0]:
             bottom[0].diff[...] = top[0].diff
+
+    def _bias_gradient(self, top, shape):
+        """The top's gradient summed over all but the bias's axes, in the bias's shape."""
+        return top[0].diff.reshape(self._blocks).sum(axis=(0, 2)).reshape(shape)
 
 
 @register("Embed")
@@ -294,6 +300,7 @@ class Embed(Layer):
     as floats. top shape = bottom shape + (N,); top[..., :] = weight[index] + bias.
     The indices get no gradient.
     """
+    splits_backward = True
     exact_bottoms = 1
     exact_tops = 1
 
@@ -332,12 +339,15 @@ class Embed(Layer):
         if self.layer_param.embed_param.bias_term:
             out += self.blobs[1].data
 
-    def backward(self, top, propagate_down, bottom):
+    # backward (Layer.backward): the weight's and the bias's gradients; the indices get none
+    def backward_param(self, index, top, bottom):
+        top_diff = top[0].diff.reshape(-1, self.layer_param.embed_param.num_output)
+        if index == 0:
+            np.add.at(self.blobs[0].diff, self._indices(bottom), top_diff)
+        else:
+            self.blobs[1].diff += top_diff.sum(axis=0)
+
+    def backward_data(self, top, propagate_down, bottom):
         if propagate_down[0]:
             raise self.config_error("bottom[0]", "Embed cannot backpropagate to its index input; "
                                     "set propagate_down: false for it")
-        top_diff = top[0].diff.reshape(-1, self.layer_param.embed_param.num_output)
-        if _param_wanted(self, 0):
-            np.add.at(self.blobs[0].diff, self._indices(bottom), top_diff)
-        if self.layer_param.embed_param.bias_term and _param_wanted(self, 1):
-            self.blobs[1].diff += top_diff.sum(axis=0)

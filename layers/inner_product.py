@@ -22,6 +22,7 @@ class InnerProduct(Layer):
     exact_bottoms = 1
     exact_tops = 1
     batch_independent = True
+    splits_backward = True
     # one GEMM splits as well across BLAS threads, and twins would copy the weights' diffs
     split_by_default = False
 
@@ -77,14 +78,17 @@ class InnerProduct(Layer):
         if self.bias_term:
             y += self.blobs[1].data
 
-    def backward(self, top, propagate_down, bottom):
+    # backward (Layer.backward): the weight gradient, the bias gradient, the data gradient
+    def backward_param(self, index, top, bottom):
         dy = top[0].diff.reshape(self.m, self.num_output)
-        x = bottom[0].data.reshape(self.m, self.k)
-        if self.param_propagate_down[0]:
-            self._accumulate_weight_gradient(x, dy)
-        if self.bias_term and self.param_propagate_down[1]:
+        if index == 0:
+            self._accumulate_weight_gradient(bottom[0].data.reshape(self.m, self.k), dy)
+        else:
             self.blobs[1].diff[...] += dy.sum(axis=0)
+
+    def backward_data(self, top, propagate_down, bottom):
         if propagate_down[0]:
+            dy = top[0].diff.reshape(self.m, self.num_output)
             np.matmul(dy, self._weight_nk(dy.dtype), out=bottom[0].diff.reshape(self.m, self.k))
 
     def _accumulate_weight_gradient(self, x, dy):

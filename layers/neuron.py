@@ -103,6 +103,7 @@ class PReLU(Neuron):
     one slope per channel, blob shape (C,); true: one slope, blob shape ()).
     Bottom: (N, C, ...), at least 2 axes. Top: same shape."""
     needs_input = True
+    splits_backward = True
 
     def setup(self, bottom, top):
         param = self.layer_param.prelu_param
@@ -143,19 +144,26 @@ class PReLU(Neuron):
         y3 = np.where(x3 > 0, x3, x3 * self._slopes(x3))
         top[0].data[...] = y3.reshape(x.shape)
 
-    def backward(self, top, propagate_down, bottom):
+    # backward (Layer.backward): the slopes' gradient, then the input's (in
+    # place, the input's diff is the top's)
+    def backward_param(self, index, top, bottom):
+        x3, dy3 = self._input_and_top_diff(bottom, top)
+        # d/da_c = sum over batch and space of dy * x where x <= 0.
+        grad = np.einsum("ncs,ncs->c", dy3, np.where(x3 <= 0, x3, 0))
+        if self.channel_shared:
+            grad = grad.sum()
+        self.blobs[0].diff[...] += grad.reshape(self.blobs[0].shape)
+
+    def backward_data(self, top, propagate_down, bottom):
+        x3, dy3 = self._input_and_top_diff(bottom, top)
+        scale = np.where(x3 > 0, x3.dtype.type(1), self._slopes(x3))
+        bottom[0].diff[...] = (dy3 * scale).reshape(bottom[0].shape)
+
+    def _input_and_top_diff(self, bottom, top):
+        """x and dy viewed as (N, C, rest)."""
         x = self.input_of(bottom, top)
         x3 = x.reshape(x.shape[0], x.shape[1], -1)
-        dy3 = top[0].diff.reshape(x3.shape)
-        if self.param_propagate_down and self.param_propagate_down[0]:
-            # d/da_c = sum over batch and space of dy * x where x <= 0.
-            grad = np.einsum("ncs,ncs->c", dy3, np.where(x3 <= 0, x3, 0))
-            if self.channel_shared:
-                grad = grad.sum()
-            self.blobs[0].diff[...] += grad.reshape(self.blobs[0].shape)
-        if propagate_down[0]:
-            scale = np.where(x3 > 0, x.dtype.type(1), self._slopes(x3))
-            bottom[0].diff[...] = (dy3 * scale).reshape(x.shape)
+        return x3, top[0].diff.reshape(x3.shape)
 
 
 @register("ELU")

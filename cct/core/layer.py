@@ -17,6 +17,16 @@ What the runtime reads (declarations, never type names):
     flops(bottom, top)     (forward, backward_data, backward_params) FLOPs
     run_settings           the run-setting keys the layer takes; configure(settings) gets them
     clone(share)           a twin for one of `share` batch partitions run at once
+    splits_backward        backward is also offered as sub-tasks a scheduler may run apart:
+        backward_param(i, top, bottom)         parameter i's gradient, ACCUMULATED into
+                                               blobs[i].diff (reads top diffs, bottom data)
+        backward_data(top, propagate_down, bottom)
+                                               the bottom diffs propagate_down asks for, SET
+                                               (reads top diffs, parameter data)
+      backward() is then those sub-tasks in turn, parameters first: in place, the
+      bottom's diff is the top's, which the data gradient overwrites. A layer may
+      keep a backward of its own that shares work between them (a convolution's
+      lifted gradient), as long as the numbers are bitwise the sub-tasks' (tested).
 
 Work arrays: big temporaries are mmapped and page-faulted afresh on every
 allocation (tens of ms for CaffeNet's blobs), so hot paths reuse arrays:
@@ -81,6 +91,7 @@ class Layer:
     # True: every sample's outputs and gradients depend on that sample alone,
     # and forward draws no random numbers, so the runtime may split the batch.
     batch_independent = False
+    splits_backward = False       # True: backward_param and backward_data are implemented
     # False: the runtime's default plan keeps the layer whole even when it is
     # large (it may still be split by a plan or the tuner).
     split_by_default = True
@@ -112,8 +123,29 @@ class Layer:
         raise NotImplementedError(f"{self.where()}: forward not implemented")
 
     def backward(self, top, propagate_down, bottom):
-        if any(propagate_down):
+        if self.splits_backward:
+            for index in range(len(self.blobs)):
+                if self.param_wanted(index):
+                    self.backward_param(index, top, bottom)
+            if any(propagate_down):
+                self.backward_data(top, propagate_down, bottom)
+        elif any(propagate_down):
             raise NotImplementedError(f"{self.where()}: backward not implemented")
+
+    def param_wanted(self, index):
+        """Whether parameter `index` gets a gradient: param_propagate_down says,
+        and a parameter it does not cover (a layer used outside a net) does."""
+        flags = self.param_propagate_down
+        return bool(flags[index]) if index < len(flags) else True
+
+    # --- backward as sub-tasks (splits_backward) --------------------------------------
+    def backward_param(self, index, top, bottom):
+        """Accumulate parameter `index`'s gradient into blobs[index].diff."""
+        raise NotImplementedError(f"{self.where()}: backward_param not implemented")
+
+    def backward_data(self, top, propagate_down, bottom):
+        """Set the diffs of the bottoms propagate_down asks for."""
+        raise NotImplementedError(f"{self.where()}: backward_data not implemented")
 
     # --- what the runtime reads ---------------------------------------------------
     def can_partition(self, bottom, top):
