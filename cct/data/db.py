@@ -11,6 +11,7 @@ A cursor is used by one thread at a time (a Data layer reads the first record
 in setup, then hands the cursor to its prefetch thread).
 """
 import os
+import threading
 
 from cct.core.errors import DataError
 
@@ -80,9 +81,7 @@ class LMDB(_Database):
         self._lmdb = lmdb
         try:
             if mode == "r":
-                # lock=False: readers never write a lock file, so read-only folders work.
-                self.env = lmdb.open(path, readonly=True, lock=False, readahead=False,
-                                     max_readers=512, subdir=os.path.isdir(path))
+                self.env = _open_reader(lmdb, path)
             else:
                 os.makedirs(path, exist_ok=True)
                 self.env = lmdb.open(path, map_size=map_size, subdir=True)
@@ -124,8 +123,42 @@ class LMDB(_Database):
         if self.env is not None:
             if self.mode == "w":
                 self.commit()
-            self.env.close()
+                self.env.close()
+            else:
+                _close_reader(self.env)
             self.env = None
+
+
+# LMDB opens an environment once per process: a second open of the same folder
+# (a test net reading the train net's database, a second pycaffe Net, a solver
+# made again) raises "already open in this process". Readers therefore share
+# one read-only environment per folder, closed when the last of them closes.
+_readers = {}              # real path -> [environment, readers]
+_readers_lock = threading.Lock()
+
+
+def _open_reader(lmdb, path):
+    key = os.path.realpath(path)
+    with _readers_lock:
+        entry = _readers.get(key)
+        if entry is None:
+            # lock=False: readers never write a lock file, so read-only folders work.
+            env = lmdb.open(path, readonly=True, lock=False, readahead=False, max_readers=512,
+                            subdir=os.path.isdir(path))
+            entry = _readers[key] = [env, 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _close_reader(env):
+    with _readers_lock:
+        for key, entry in list(_readers.items()):
+            if entry[0] is env:
+                entry[1] -= 1
+                if not entry[1]:
+                    del _readers[key]
+                    env.close()
+                return
 
 
 class LevelDB(_Database):

@@ -26,3 +26,20 @@ def test_db_backend_names(tmp_path):
     assert cct_db.backend_name(1) == "lmdb" and cct_db.backend_name("LEVELDB") == "leveldb"
     with pytest.raises(DataError, match="unknown database backend 'rocks'"):
         cct_db.open_db(tmp_path, "rocks")
+
+
+def test_one_lmdb_read_by_several_readers_at_once(tmp_path):
+    """LMDB opens a folder once per process; readers share that environment (a
+    test net reading the train net's database, a solver made twice)."""
+    with cct_db.open_db(str(tmp_path / "db"), "lmdb", "w") as writer:
+        for index in range(3):
+            writer.put(cct_db.record_key(index), bytes([index]))
+    first = cct_db.open_db(str(tmp_path / "db"), "lmdb", "r")
+    second = cct_db.open_db(str(tmp_path / "db"), "lmdb", "r")
+    assert [value for _, value in first.items()] == [value for _, value in second.items()] == [b"\0", b"\1", b"\2"]
+    first.close()
+    assert len(second) == 3                   # still open for the other reader
+    second.close()
+    third = cct_db.open_db(str(tmp_path / "db"), "lmdb", "r")
+    assert len(third) == 3
+    third.close()
