@@ -350,6 +350,7 @@ class HDF5Data(Layer):
     Tops: one per dataset, (batch_size,) + the dataset's shape[1:], float32."""
     exact_bottoms = 0
     min_tops = 1
+    draws_random = True           # shuffle draws a new order at the end of every pass
 
     def setup(self, bottom, top):
         param = self.layer_param.hdf5_data_param

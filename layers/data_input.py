@@ -49,6 +49,7 @@ class DummyData(Layer):
     """
     exact_bottoms = 0
     min_tops = 1
+    draws_random = True           # the refilling fillers draw on every forward
 
     def setup(self, bottom, top):
         param = self.layer_param.dummy_data_param

@@ -429,6 +429,7 @@ class Dropout(Neuron):
     """TRAIN: y = x * m / (1 - ratio), m ~ Bernoulli(1 - ratio) drawn per element
     from cct.core.rng; TEST: y = x. Fields: dropout_param.dropout_ratio (0.5, in [0, 1))."""
     batch_independent = False     # one random stream, drawn in batch order
+    draws_random = True
 
     def setup(self, bottom, top):
         ratio = float(self.layer_param.dropout_param.dropout_ratio)

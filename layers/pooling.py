@@ -90,6 +90,7 @@ class Pooling(Layer):
     def setup(self, bottom, top):
         p = self.layer_param.pooling_param
         self.pool = p.pool
+        self.draws_random = self.pool == STOCHASTIC and self.phase == TRAIN
         if self.pool not in _POOL_NAMES:
             raise self.config_error("pooling_param.pool", f"unknown method {self.pool}")
         if len(top) > 1 and self.pool != MAX:

@@ -17,6 +17,7 @@ What the runtime reads (declarations, never type names):
     flops(bottom, top)     (forward, backward_data, backward_params) FLOPs
     run_settings           the run-setting keys the layer takes; configure(settings) gets them
     clone(share)           a twin for one of `share` batch partitions run at once
+    draws_random           forward draws from the process's random stream
     splits_backward        backward is also offered as sub-tasks a scheduler may run apart:
         backward_param(i, top, bottom)         parameter i's gradient, ACCUMULATED into
                                                blobs[i].diff (reads top diffs, bottom data)
@@ -92,6 +93,9 @@ class Layer:
     # and forward draws no random numbers, so the runtime may split the batch.
     batch_independent = False
     splits_backward = False       # True: backward_param and backward_data are implemented
+    # True: forward draws from the process's random stream (cct.core.rng), so the
+    # order of such forwards decides the numbers (cct.runtime.graph keeps it)
+    draws_random = False
     # False: the runtime's default plan keeps the layer whole even when it is
     # large (it may still be split by a plan or the tuner).
     split_by_default = True

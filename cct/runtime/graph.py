@@ -1,0 +1,215 @@
+"""A net's training iterations as a graph of sub-tasks, with the edges derived
+from what each sub-task reads and writes (TurboDL's sub-task split; the
+scheduler that runs the graph on streams comes with it, issue 11).
+
+Sub-tasks of one iteration, in the sequential reference order:
+
+    clear(p)                 a learnable parameter's diff set to 0
+    forward(i)               layer i forward (its loss tops' diffs set to their weights)
+    backward_param(i, k)     parameter k's gradient of layer i (Layer.splits_backward)
+    backward_data(i)         layer i's bottom gradients
+    backward(i)              both, for a layer that does not split its backward
+    update                   the solver's update of every learnable parameter
+
+What a sub-task touches is derived from its layer's blobs by one rule, never
+listed per layer type (`accesses`). A resource is a piece of memory: the
+ndarray a blob's data or diff is a view of, so in-place tops, Flatten and
+Reshape aliases, shared parameters and diffs sharing an arena are one resource
+each without being told; plus each layer's own state (saved inputs, argmax,
+data cursors) and the process's random stream for layers that draw from it
+(Layer.draws_random). Reading a resource orders a sub-task after its last
+writer; writing it orders a sub-task after the last writer and every reader
+since; accumulating (+=, a parameter's gradient) counts as reading and writing,
+so layers sharing a parameter add to its diff in the sequential order and the
+sums are bitwise the sequential ones.
+
+`build(net, iterations)` unrolls that many iterations, so the edges that cross
+the iteration boundary are there too: a deferred weight gradient of layer i
+reads layer i's bottom data, which the next iteration's forward of the layer
+below overwrites (a write-after-read edge), and the next forward of a layer
+reads parameters the update writes.
+"""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+CLEAR, FORWARD, BACKWARD_PARAM, BACKWARD_DATA, BACKWARD, UPDATE = (
+    "clear", "forward", "backward_param", "backward_data", "backward", "update")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One sub-task: `kind`, its layer (or parameter for clear), its parameter
+    index for backward_param, and the iteration it belongs to."""
+    kind: str
+    layer: int = -1
+    param: int = -1
+    iteration: int = 0
+
+    def __str__(self):
+        where = {CLEAR: f"param {self.param}", UPDATE: ""}.get(self.kind, f"layer {self.layer}")
+        extra = f".{self.param}" if self.kind == BACKWARD_PARAM else ""
+        return f"{self.kind}{extra}({where}) #{self.iteration}".replace("() ", " ")
+
+
+@dataclass
+class Access:
+    reads: set = field(default_factory=set)
+    writes: set = field(default_factory=set)
+
+
+@dataclass
+class Graph:
+    """tasks in the sequential order; edges[task] = the tasks it waits for."""
+    tasks: list
+    edges: dict
+
+    def successors(self):
+        following = {task: [] for task in self.tasks}
+        for task, before in self.edges.items():
+            for earlier in before:
+                following[earlier].append(task)
+        return following
+
+
+def _memory(array):
+    """The resource an ndarray is a view of: its base array's identity."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return ("memory", id(array))
+
+
+def _data(blob):
+    return _memory(blob.data)
+
+
+def _diff(blob):
+    return _memory(blob.diff)
+
+
+def accesses(net, task, solver_params=None):
+    """The resources `task` reads and writes (see the module docstring)."""
+    if task.kind == CLEAR:
+        return Access(writes={_diff(net.learnable_params[task.param])})
+    if task.kind == UPDATE:
+        touched = {_data(blob) for blob in net.learnable_params} | {_diff(blob) for blob in net.learnable_params}
+        return Access(reads=set(touched), writes=touched | {("solver",)})
+    i = task.layer
+    layer, bottoms, tops = net.layers[i], net.bottom_vecs[i], net.top_vecs[i]
+    state = ("state", i)
+    random = {("random",)} if getattr(layer, "draws_random", False) else set()
+    params = {_data(blob) for blob in layer.blobs}
+    if task.kind == FORWARD:
+        loss_tops = {_diff(top) for top, weight in zip(tops, layer.loss_weights) if weight}
+        # (params written too: BatchNorm's forward updates its running statistics)
+        return Access(reads={_data(b) for b in bottoms} | params | random,
+                      writes={_data(t) for t in tops} | loss_tops | params | {state} | random)
+    # a backward sub-task may read any of the layer's blobs' data, its tops' diffs and its state
+    reads = ({_data(b) for b in bottoms} | {_data(t) for t in tops} | {_diff(t) for t in tops}
+             | params | {state})
+    wanted = [k for k in range(len(layer.blobs)) if layer.param_wanted(k)]
+    data_writes = {_diff(b) for b, down in zip(bottoms, net.bottom_need_backward[i]) if down}
+    if task.kind == BACKWARD_PARAM:
+        gradient = {_diff(layer.blobs[task.param])}
+        return Access(reads=reads | gradient, writes=gradient)
+    if task.kind == BACKWARD_DATA:
+        return Access(reads=reads, writes=data_writes)
+    gradients = {_diff(layer.blobs[k]) for k in wanted}
+    return Access(reads=reads | gradients, writes=data_writes | gradients | {state})
+
+
+def iteration_tasks(net, iteration=0, update=True):
+    """The sub-tasks of one iteration in the sequential reference order."""
+    tasks = [Task(CLEAR, param=p, iteration=iteration) for p in range(len(net.learnable_params))] if update else []
+    tasks += [Task(FORWARD, i, iteration=iteration) for i in range(len(net.layers))]
+    for i in reversed(range(len(net.layers))):
+        if not net.layer_need_backward[i]:
+            continue
+        layer = net.layers[i]
+        if layer.splits_backward:
+            tasks += [Task(BACKWARD_PARAM, i, k, iteration) for k in range(len(layer.blobs))
+                      if layer.param_wanted(k)]
+            if any(net.bottom_need_backward[i]):
+                tasks.append(Task(BACKWARD_DATA, i, iteration=iteration))
+        else:
+            tasks.append(Task(BACKWARD, i, iteration=iteration))
+    if update:
+        tasks.append(Task(UPDATE, iteration=iteration))
+    return tasks
+
+
+def build(net, iterations=1, update=True, drop=()):
+    """The graph of `iterations` unrolled training iterations (update=False:
+    forward and backward only). `drop`: (earlier, later) edges to leave out,
+    for tests that show an edge matters."""
+    tasks = [task for k in range(iterations) for task in iteration_tasks(net, k, update)]
+    last_writer, readers = {}, {}
+    edges = {task: set() for task in tasks}
+    for task in tasks:
+        access = accesses(net, task)
+        for resource in access.reads:
+            if resource in last_writer:
+                edges[task].add(last_writer[resource])
+        for resource in access.writes:
+            if resource in last_writer:
+                edges[task].add(last_writer[resource])
+            edges[task].update(readers.get(resource, ()))
+        for resource in access.reads:
+            readers.setdefault(resource, set()).add(task)
+        for resource in access.writes:
+            last_writer[resource] = task
+            readers[resource] = set()
+        edges[task].discard(task)
+    for earlier, later in drop:
+        edges[later].discard(earlier)
+    return Graph(tasks, edges)
+
+
+class Runner:
+    """Runs sub-tasks on a net (and its solver, for clear and update) on the
+    calling thread: what a scheduler's streams call."""
+
+    def __init__(self, net, solver=None):
+        self.net = net
+        self.solver = solver
+
+    def __call__(self, task):
+        net = self.net
+        if task.kind == CLEAR:
+            net.learnable_params[task.param].diff[...] = 0
+        elif task.kind == FORWARD:
+            net.executor.forward(task.layer)
+        elif task.kind == UPDATE:
+            self.solver.apply_update()
+            self.solver.iter += 1
+        else:
+            i = task.layer
+            layer, bottoms, tops = net.layers[i], net.bottom_vecs[i], net.top_vecs[i]
+            if task.kind == BACKWARD_PARAM:
+                layer.backward_param(task.param, tops, bottoms)
+            elif task.kind == BACKWARD_DATA:
+                layer.backward_data(tops, net.bottom_need_backward[i], bottoms)
+            else:
+                net.executor.backward(i)
+
+
+def topological_order(graph, choose):
+    """The tasks in an order that keeps every edge, `choose(ready)` picking the
+    next among the ready ones (a list, in the sequential order)."""
+    following = graph.successors()
+    waiting = {task: len(before) for task, before in graph.edges.items()}
+    position = {task: index for index, task in enumerate(graph.tasks)}
+    ready = [task for task in graph.tasks if not waiting[task]]
+    order = []
+    while ready:
+        task = choose(ready)
+        ready.remove(task)
+        order.append(task)
+        for later in following[task]:
+            waiting[later] -= 1
+            if not waiting[later]:
+                ready.append(later)
+        ready.sort(key=position.get)
+    if len(order) != len(graph.tasks):
+        raise RuntimeError("the sub-task graph has a cycle")
+    return order

@@ -1,0 +1,152 @@
+"""The sub-task graph (cct.runtime.graph): edges derived from what sub-tasks
+read and write keep the numbers of the sequential order under any order that
+respects them, iterations overlapping included; and leaving out one derived
+edge lets some order change them (the negative control)."""
+import random
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+import cct
+from cct.proto import caffe_pb2
+from cct.runtime import graph
+from helpers.data import raw_datum, write_lmdb
+
+# An LMDB data layer (no random draws, a cursor that moves every forward), a
+# convolution whose weight gradient reads the data blob, an inception-like fork
+# joined by Concat, a residual block (BatchNorm, Scale and ReLU in place, an
+# Eltwise sum with the shortcut), shared InnerProduct weights and a loss.
+NET = """
+name: "graph"
+layer { name: "data" type: "Data" top: "data" top: "label"
+  data_param { source: "{source}" batch_size: 4 backend: LMDB } transform_param { scale: 0.0039 } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.2 }
+                      bias_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "branch_a" type: "Convolution" bottom: "conv1" top: "branch_a"
+  convolution_param { num_output: 3 kernel_size: 1 weight_filler { type: "gaussian" std: 0.2 } } }
+layer { name: "branch_b" type: "Convolution" bottom: "conv1" top: "branch_b"
+  convolution_param { num_output: 3 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.2 } } }
+layer { name: "concat" type: "Concat" bottom: "branch_a" bottom: "branch_b" top: "concat" }
+layer { name: "res" type: "Convolution" bottom: "concat" top: "res"
+  convolution_param { num_output: 6 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.2 } } }
+layer { name: "bn" type: "BatchNorm" bottom: "res" top: "res" }
+layer { name: "scale" type: "Scale" bottom: "res" top: "res" scale_param { bias_term: true } }
+layer { name: "relu2" type: "ReLU" bottom: "res" top: "res" }
+layer { name: "sum" type: "Eltwise" bottom: "res" bottom: "concat" top: "sum" }
+layer { name: "pool" type: "Pooling" bottom: "sum" top: "pool" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "ip_a" type: "InnerProduct" bottom: "pool" top: "ip_a" param { name: "shared_w" }
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "ip_b" type: "InnerProduct" bottom: "pool" top: "ip_b" param { name: "shared_w" }
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "logits" type: "Eltwise" bottom: "ip_a" bottom: "ip_b" top: "logits" }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "logits" bottom: "label" top: "loss" }
+"""
+ITERATIONS = 3
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    datums = [raw_datum(rng.integers(0, 256, (2, 6, 6), dtype=np.uint8), int(rng.integers(0, 5)))
+              for _ in range(10)]           # 10 records, batch 4: the cursor wraps within 3 iterations
+    return write_lmdb(tmp_path_factory.mktemp("graph") / "lmdb", datums)
+
+
+def make_solver(source):
+    net = text_format.Parse(NET.replace("{source}", source), caffe_pb2.NetParameter())
+    param = caffe_pb2.SolverParameter(base_lr=0.05, lr_policy="fixed", momentum=0.9, weight_decay=0.01,
+                                      display=0, snapshot_after_train=False, random_seed=3)
+    param.net_param.CopyFrom(net)
+    return cct.SGDSolver(param)
+
+
+def weights(solver):
+    return [blob.data.copy() for blob in solver.net.learnable_params]
+
+
+def run_in_random_order(solver, seed, drop=()):
+    unrolled = graph.build(solver.net, ITERATIONS, drop=drop)
+    chooser = random.Random(seed)
+    run = graph.Runner(solver.net, solver)
+    for task in graph.topological_order(unrolled, lambda ready: chooser.choice(ready)):
+        run(task)
+    return weights(solver)
+
+
+@pytest.fixture(scope="module")
+def sequential(source):
+    solver = make_solver(source)
+    solver.step(ITERATIONS)
+    return weights(solver)
+
+
+def assert_same(ours, theirs):
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        assert np.array_equal(a, b)
+
+
+def test_the_sequential_order_is_the_solvers(source, sequential):
+    solver = make_solver(source)
+    unrolled = graph.build(solver.net, ITERATIONS)
+    run = graph.Runner(solver.net, solver)
+    for task in unrolled.tasks:
+        run(task)
+    assert_same(weights(solver), sequential)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_any_order_the_edges_allow_gives_the_same_weights(source, sequential, seed):
+    assert_same(run_in_random_order(make_solver(source), seed), sequential)
+
+
+def test_iterations_overlap_in_the_random_orders(source):
+    """The orders tested are not iteration after iteration: in most of them the
+    data layer's next forward runs before the update of the iteration before."""
+    solver = make_solver(source)
+    unrolled = graph.build(solver.net, ITERATIONS)
+    overlapping = 0
+    for seed in range(20):
+        chooser = random.Random(seed)
+        order = graph.topological_order(unrolled, lambda ready: chooser.choice(ready))
+        position = {(task.kind, task.layer, task.iteration): index for index, task in enumerate(order)}
+        overlapping += position["forward", 0, 1] < position["update", -1, 0]
+    assert overlapping >= 10
+
+
+def test_the_graph_keeps_the_hazards(source):
+    solver = make_solver(source)
+    net = solver.net
+    unrolled = graph.build(net, 2)
+    index = {name: i for i, name in enumerate(net.layer_names)}
+    task = {(t.kind, t.layer, t.param, t.iteration): t for t in unrolled.tasks}
+    conv_weights = task["backward_param", index["conv1"], 0, 0]
+    # the weight gradient reads the data blob the next forward of the data layer overwrites
+    assert conv_weights in unrolled.edges[task["forward", index["data"], -1, 1]]
+    # in place: Scale's parameter gradients before its data gradient, which overwrites the top diff
+    for k in (0, 1):
+        assert task["backward_param", index["scale"], k, 0] in unrolled.edges[task["backward_data", index["scale"], -1, 0]]
+    # the shared InnerProduct weight: ip_b's gradient is added before ip_a's, as in the sequential order
+    assert task["backward_param", index["ip_b"], 0, 0] in unrolled.edges[task["backward_param", index["ip_a"], 0, 0]]
+    # the next forward of a layer waits for the update of its parameters
+    assert task["update", -1, -1, 0] in unrolled.edges[task["forward", index["conv1"], -1, 1]]
+    # the two branches' backward do not wait for each other
+    a, b = task["backward_data", index["branch_a"], -1, 0], task["backward_data", index["branch_b"], -1, 0]
+    assert a not in unrolled.edges[b] and b not in unrolled.edges[a]
+
+
+def test_without_one_derived_edge_some_order_differs(source, sequential):
+    """Negative control: the data layer's next forward may then overwrite the
+    batch before conv1's weight gradient of the iteration before has read it."""
+    solver = make_solver(source)
+    net = solver.net
+    unrolled = graph.build(net, ITERATIONS)
+    conv1, data = net.layer_names.index("conv1"), net.layer_names.index("data")
+    edge = next((earlier, later) for later, before in unrolled.edges.items() for earlier in before
+                if (earlier.kind, earlier.layer, earlier.iteration) == ("backward_param", conv1, 0)
+                and (later.kind, later.layer, later.iteration) == ("forward", data, 1))
+    results = [run_in_random_order(make_solver(source), seed, drop=[edge]) for seed in range(20)]
+    assert any(not all(np.array_equal(a, b) for a, b in zip(result, sequential)) for result in results)
