@@ -8,6 +8,8 @@ import os
 import sys
 import tempfile
 
+import numpy  # noqa: F401  (loads numpy's OpenBLAS: threadpoolctl limits only loaded libraries)
+import scipy.linalg  # noqa: F401  (and scipy's, which cct's image resizing loads later)
 import pytest
 from threadpoolctl import threadpool_limits
 

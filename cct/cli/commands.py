@@ -36,6 +36,16 @@ GPU = flag("--gpu", default=None, help="accepted for Caffe scripts; cct runs on 
 PHASE = flag("--phase", default="", choices=("", "TRAIN", "TEST"),
              help="the phase to build the net in (default: TEST for test, TRAIN for time)")
 EFFECTS = ("stop", "snapshot", "none")
+SCHEDULE = flag("--schedule", default="", choices=("", "sequential", "streams", "auto"),
+                help="how backward runs: layer after layer, as sub-tasks on concurrent streams, or the "
+                     "faster of the two as measured (default: CCT_SCHEDULE, the run configuration, sequential)")
+
+
+def apply_schedule(args):
+    """--schedule, when given, for every net made from now on."""
+    if args.schedule:
+        from cct.runtime import settings
+        settings.set_schedule(args.schedule)
 
 
 def stages(text):

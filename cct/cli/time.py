@@ -6,8 +6,8 @@ import time
 import numpy as np
 
 from cct.core.errors import ConfigError
-from cct.cli.commands import (GPU, LEVEL, PHASE, STAGE, arguments, check_iterations, command, flag, fmt, note_gpu,
-                              phase, require, stages)
+from cct.cli.commands import (GPU, LEVEL, PHASE, SCHEDULE, STAGE, apply_schedule, arguments,
+                              check_iterations, command, flag, fmt, note_gpu, phase, require, stages)
 
 log = logging.getLogger("cct.cli")
 
@@ -22,7 +22,7 @@ log = logging.getLogger("cct.cli")
          help="first choose each layer's batch partitions by measurement (net.executor.tune())"),
     flag("--peak_size", type=int, default=2048,
          help="square sgemm size for the GEMM peak measured at the start (0: skip it)"),
-    PHASE, LEVEL, STAGE, GPU,
+    PHASE, LEVEL, STAGE, GPU, SCHEDULE,
 )
 def time_command(args):
     from cct.runtime import profile
@@ -33,6 +33,7 @@ def time_command(args):
     if args.peak_size < 0:
         raise ConfigError(f"--peak_size: must be >= 0, got {args.peak_size}")
     note_gpu(args)
+    apply_schedule(args)
     net = Net(args.model, phase(args, TRAIN), level=args.level, stages=stages(args.stage))
     for path in stages(args.weights):
         net.copy_from(path)

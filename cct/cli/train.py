@@ -5,8 +5,8 @@ import signal
 import numpy as np
 
 from cct.core.errors import ConfigError
-from cct.cli.commands import (EFFECTS, GPU, LEVEL, PHASE, STAGE, arguments, check_iterations, command, flag, fmt,
-                              note_gpu, phase, require, stages)
+from cct.cli.commands import (EFFECTS, GPU, LEVEL, PHASE, SCHEDULE, STAGE, apply_schedule, arguments,
+                              check_iterations, command, flag, fmt, note_gpu, phase, require, stages)
 
 log = logging.getLogger("cct.cli")
 
@@ -18,7 +18,7 @@ log = logging.getLogger("cct.cli")
     flag("--weights", default="", help="weights to fine-tune from, comma separated .caffemodel/.h5 files; "
                                        "not with --snapshot"),
     flag("--snapshot", default="", help="a .solverstate(.h5) to resume training from; not with --weights"),
-    LEVEL, STAGE, GPU,
+    LEVEL, STAGE, GPU, SCHEDULE,
     flag("--sigint_effect", default="stop", choices=EFFECTS,
          help="what Ctrl-C (SIGINT) does: stop (and snapshot, if snapshot_after_train), snapshot, none"),
     flag("--sighup_effect", default="snapshot", choices=EFFECTS,
@@ -32,6 +32,7 @@ def train(args):
         raise ConfigError("--snapshot, --weights: give a snapshot to resume training or weights to "
                           "fine-tune, not both")
     note_gpu(args)
+    apply_schedule(args)
     param = load_solver_param(args.solver)
     param.train_state.level = args.level
     param.train_state.stage.extend(stages(args.stage))

@@ -302,6 +302,9 @@ class Net:
     def _backward(self, start=None, end=0):
         start = len(self.layers) - 1 if start is None else start
         executor = self.executor
+        if start == len(self.layers) - 1 and end == 0:
+            executor.backward_all()                 # the whole net: the executor's schedule decides
+            return
         for i in range(start, end - 1, -1):
             executor.backward(i)
         executor.finish()

@@ -19,9 +19,12 @@ Events: `subscribe(kind, callback)` with kind before_forward, after_forward,
 before_backward or after_backward calls callback(layer_index) around every
 layer forward(i) or backward(i) runs (pycaffe's Net.before_forward & co.).
 """
+import logging
+import statistics
 import time
 
 from cct.core.progress import Progress
+from cct.runtime import scheduler
 from cct.runtime import settings
 from cct.runtime import threads as threads_module
 from cct.runtime.partition import PartitionedLayer
@@ -39,6 +42,12 @@ DEFAULT_SPLIT_ELEMENTS = 1 << 20
 TUNE_PARAM_COPY_BYTES = 64 << 20
 
 EVENTS = ("before_forward", "after_forward", "before_backward", "after_backward")
+
+# "auto" times this many whole backward passes in each mode, alternating, then
+# keeps the faster (per net shape).
+AUTO_RUNS = 3
+
+log = logging.getLogger("cct.runtime.executor")
 
 
 class Executor:
@@ -58,6 +67,9 @@ class Executor:
         self._partitioned = {}
         self._defaults = {}           # layer index -> (its top shape and settings, default partitions)
         self._listeners = {}          # kind -> callbacks; empty until a subscription, so the checks cost little
+        self.schedule = settings.schedule()   # sequential, streams or auto (cct.runtime.scheduler)
+        self._streams = None          # (net shape, scheduler.Schedule) for the streams mode
+        self._auto = None             # (net shape, {mode: [seconds]}, chosen mode or None)
         # CCT_PARTITIONS=p partitions every layer that allows it (the conformance
         # suite runs with it to check partitioned results equal unpartitioned
         # ones); CCT_PARTITIONS=1 runs every layer whole.
@@ -172,21 +184,79 @@ class Executor:
         if self._listeners:
             self._emit("before_backward", index)
         if force or self.net.layer_need_backward[index]:
-            layer, bottoms, tops = self._layer(index)
-            propagate_down = self.net.bottom_need_backward[index]
             partitions = self.partitions(index)
-            if partitions == 1:
-                self.blas.set(self.threads)
-                layer.backward(tops, propagate_down, bottoms)
-            else:
-                self.blas.set(max(1, self.threads // partitions))
-                self._runner(index).backward(self.workers(partitions), tops, propagate_down, bottoms)
+            self.blas.set(self.threads if partitions == 1 else max(1, self.threads // partitions))
+            self.layer_backward(index)
         if self._listeners:
             self._emit("after_backward", index)
+
+    def layer_backward(self, index):
+        """Layer `index`'s whole backward in its batch partitions, the BLAS count
+        left as it is (a stream of cct.runtime.scheduler calls this)."""
+        layer, bottoms, tops = self._layer(index)
+        propagate_down = self.net.bottom_need_backward[index]
+        partitions = self.partitions(index)
+        if partitions == 1:
+            layer.backward(tops, propagate_down, bottoms)
+        else:
+            self._runner(index).backward(self.workers(partitions), tops, propagate_down, bottoms)
 
     def finish(self):
         """All BLAS threads again, for whatever runs after the net."""
         self.blas.set(self.threads)
+
+    # --- the whole backward, in the schedule's mode ----------------------------------
+    def backward_all(self):
+        """Every layer's backward: layer after layer (sequential), or as
+        sub-tasks on streams (cct.runtime.scheduler), or, with "auto", the
+        faster of the two as measured on this net and shape. Per-layer
+        callbacks see layers one at a time, so with a subscriber the mode is
+        sequential. The numbers are the same in every mode."""
+        if self._listeners or self.schedule != "auto":
+            self._backward_in("sequential" if self._listeners else self.schedule)
+            return
+        mode = self._auto_mode()
+        measuring = self._auto[2] is None
+        start = time.perf_counter()
+        self._backward_in(mode)
+        if measuring:
+            self._auto[1][mode].append(time.perf_counter() - start)
+
+    def _backward_in(self, mode):
+        if mode == "streams":
+            scheduler.run_backward(self.net, self.stream_schedule())
+            return
+        for index in reversed(range(len(self.net.layers))):
+            self.backward(index)
+        self.finish()
+
+    def stream_schedule(self):
+        """The streams mode's Schedule for the net's current shapes and batch
+        partitions (built once for each)."""
+        shape = (self._net_shape(), tuple(self.partitions(i) for i in range(len(self.net.layers))))
+        if self._streams is None or self._streams[0] != shape:
+            self._streams = (shape, scheduler.Schedule(self.net))
+        return self._streams[1]
+
+    def _net_shape(self):
+        return tuple(blob.shape for blob in self.net.blobs.values())
+
+    def _auto_mode(self):
+        """The mode "auto" runs now: alternating while it measures, then the faster."""
+        shape = self._net_shape()
+        if self._auto is None or self._auto[0] != shape:
+            self._auto = (shape, {"sequential": [], "streams": []}, None)
+        _, times, chosen = self._auto
+        if chosen is not None:
+            return chosen
+        if min(len(runs) for runs in times.values()) >= AUTO_RUNS:
+            medians = {mode: statistics.median(runs) for mode, runs in times.items()}
+            chosen = min(medians, key=medians.get)
+            log.info("schedule auto: %s (backward %s)", chosen,
+                     ", ".join(f"{mode} {1e3 * value:.2f} ms" for mode, value in medians.items()))
+            self._auto = (shape, times, chosen)
+            return chosen
+        return "sequential" if len(times["sequential"]) <= len(times["streams"]) else "streams"
 
     # --- choosing p per layer by measurement ---------------------------------------
     def tune(self, candidates=None, repeats=2):

@@ -118,15 +118,20 @@ def accesses(net, task, solver_params=None):
     return Access(reads=reads | gradients, writes=data_writes | gradients | {state})
 
 
-def iteration_tasks(net, iteration=0, update=True):
-    """The sub-tasks of one iteration in the sequential reference order."""
+def iteration_tasks(net, iteration=0, update=True, splits=None):
+    """The sub-tasks of one iteration in the sequential reference order.
+    `splits(i)`: whether layer i's backward runs as sub-tasks (default: the
+    layer's splits_backward, where it runs whole: a batch-partitioned layer
+    keeps its forward state in its partitions' twins, so its backward stays one
+    sub-task run in them)."""
+    splits = splits or (lambda i: net.layers[i].splits_backward and net.executor.partitions(i) == 1)
     tasks = [Task(CLEAR, param=p, iteration=iteration) for p in range(len(net.learnable_params))] if update else []
     tasks += [Task(FORWARD, i, iteration=iteration) for i in range(len(net.layers))]
     for i in reversed(range(len(net.layers))):
         if not net.layer_need_backward[i]:
             continue
         layer = net.layers[i]
-        if layer.splits_backward:
+        if splits(i):
             tasks += [Task(BACKWARD_PARAM, i, k, iteration) for k in range(len(layer.blobs))
                       if layer.param_wanted(k)]
             if any(net.bottom_need_backward[i]):
@@ -138,11 +143,11 @@ def iteration_tasks(net, iteration=0, update=True):
     return tasks
 
 
-def build(net, iterations=1, update=True, drop=()):
+def build(net, iterations=1, update=True, drop=(), splits=None):
     """The graph of `iterations` unrolled training iterations (update=False:
     forward and backward only). `drop`: (earlier, later) edges to leave out,
-    for tests that show an edge matters."""
-    tasks = [task for k in range(iterations) for task in iteration_tasks(net, k, update)]
+    for tests that show an edge matters; `splits` as in iteration_tasks."""
+    tasks = [task for k in range(iterations) for task in iteration_tasks(net, k, update, splits)]
     last_writer, readers = {}, {}
     edges = {task: set() for task in tasks}
     for task in tasks:
@@ -167,7 +172,10 @@ def build(net, iterations=1, update=True, drop=()):
 
 class Runner:
     """Runs sub-tasks on a net (and its solver, for clear and update) on the
-    calling thread: what a scheduler's streams call."""
+    calling thread: what a scheduler's streams call. A whole backward runs in
+    the layer's batch partitions; split sub-tasks run the layer whole (the
+    scheduler splits only layers that run whole); the BLAS thread count is
+    left to the caller."""
 
     def __init__(self, net, solver=None):
         self.net = net
@@ -190,7 +198,7 @@ class Runner:
             elif task.kind == BACKWARD_DATA:
                 layer.backward_data(tops, net.bottom_need_backward[i], bottoms)
             else:
-                net.executor.backward(i)
+                net.executor.layer_backward(i)
 
 
 def topological_order(graph, choose):

@@ -14,13 +14,15 @@ Environment variables:
     CCT_LOWERING_BUDGET_MB  largest lowering workspace, MB (default 64)
     CCT_SHARE_DIFFS         1 or 0: whether a solver's train net shares diffs
     CCT_CACHE_DIR           where the lowering chooser caches its measurements
+    CCT_SCHEDULE            sequential, streams or auto: how a net runs its
+                            backward (cct.runtime.scheduler)
 
 The run configuration, a JSON file named by CCT_CONFIG or loaded with
 `cct.runtime.settings.load(path)`:
 
     {"layers":  {"conv1": {"lowering": 3, "partitions": 2}},
      "default": {"lowering": "auto", "measure": false},
-     "share_diffs": false}
+     "share_diffs": false, "schedule": "sequential"}
 
 Keys, per layer (under "layers", by layer name) or for every layer ("default"):
 
@@ -43,6 +45,12 @@ Activation diffs then do not keep their values after backward. Left unset, it
 is on for `cct train` (which never shows an activation's diff) and off for a
 solver made from Python (pycaffe scripts read any blob's diff).
 
+Top-level "schedule": "sequential" (layer after layer), "streams" (backward
+sub-tasks on concurrent streams, cct.runtime.scheduler) or "auto" (each net
+times both on its first backward passes and keeps the faster). Precedence:
+set_schedule() (the CLI's --schedule), then CCT_SCHEDULE, then the
+configuration, then "sequential".
+
 Unknown keys and bad values are errors naming the file and the key. Layers a
 net does not have are ignored (a train and a test net share one file).
 Precedence for a convolution's lowering type: the layer's entry, then the
@@ -63,7 +71,9 @@ PARTITIONS_ENV = "CCT_PARTITIONS"
 LOWERING_ENV = "CCT_LOWERING"
 BUDGET_ENV = "CCT_LOWERING_BUDGET_MB"
 CACHE_ENV = "CCT_CACHE_DIR"
-TOP_KEYS = ("layers", "default", "share_diffs")
+TOP_KEYS = ("layers", "default", "share_diffs", "schedule")
+SCHEDULE_ENV = "CCT_SCHEDULE"
+SCHEDULES = ("sequential", "streams", "auto")
 KEYS = ("lowering", "measure", "lowering_budget_mb", "partitions")
 
 
@@ -120,6 +130,10 @@ class RunConfig:
         self.layers = {name: _check_settings(self.source, f"layers.{name}", settings)
                        for name, settings in layers.items()}
         self.default = _check_settings(self.source, "default", contents.get("default", {}))
+        self.schedule = contents.get("schedule")                 # None: not set here
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise ConfigError(f"{self.source}: schedule: must be one of {', '.join(SCHEDULES)}, "
+                              f"got {json.dumps(self.schedule)}")
         self.share_diffs = contents.get("share_diffs")           # None: the caller's default
         if "share_diffs" in contents and not isinstance(self.share_diffs, bool):
             raise ConfigError(f"{self.source}: share_diffs: must be true or false, "
@@ -180,6 +194,31 @@ def active():
     if _from_env[0] != path:
         _from_env = (path, read(path))
     return _from_env[1]
+
+
+_schedule = None            # set by set_schedule(); wins over CCT_SCHEDULE
+
+
+def set_schedule(mode):
+    """Make `mode` (sequential, streams, auto; None: back to the environment
+    and configuration) the schedule of nets whose executor is made from now on."""
+    global _schedule
+    if mode is not None and mode not in SCHEDULES:
+        raise ConfigError(f"schedule: must be one of {', '.join(SCHEDULES)}, got {mode!r}")
+    _schedule = mode
+
+
+def schedule(config=None):
+    """The schedule for a new executor, by the precedence in the module docstring."""
+    if _schedule is not None:
+        return _schedule
+    given = _env(SCHEDULE_ENV)
+    if given:
+        if given not in SCHEDULES:
+            raise ConfigError(f"{SCHEDULE_ENV}: must be one of {', '.join(SCHEDULES)}, got {given!r}")
+        return given
+    config = config or active()
+    return config.schedule if config is not None and config.schedule else "sequential"
 
 
 def share_diffs_enabled(config=None, default=False):

@@ -27,7 +27,9 @@ class BlasThreads:
 
     def __init__(self):
         self._libraries = ThreadpoolController().select(user_api="blas").lib_controllers
-        self.default = max([lib.num_threads for lib in self._libraries] or [1])
+        # the lowest count: a limit the user set (threadpool_limits) may have
+        # reached only the libraries loaded then (numpy's, not scipy's later one)
+        self.default = min([lib.num_threads for lib in self._libraries] or [1])
         self.current = self.default
 
     def set(self, count):

@@ -1,0 +1,151 @@
+"""Backward on streams (cct.runtime.scheduler): the same gradients, bitwise, as
+the sequential backward, whatever the timing; one stream per sub-task type
+whatever the depth; critical-path priorities that put the longest path first
+and parameter gradients behind data gradients."""
+import random
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+import cct
+from cct.proto import caffe_pb2
+from cct.runtime import graph, scheduler
+
+FILL = 'weight_filler { type: "gaussian" std: 0.2 } bias_filler { type: "gaussian" std: 0.1 }'
+# a chain, an inception-like fork (a long and a short branch joined by Concat),
+# a residual block with BatchNorm, Scale and ReLU in place, and an Eltwise sum
+NET = f"""
+name: "streams"
+layer {{ name: "data" type: "Input" top: "data" top: "label"
+  input_param {{ shape {{ dim: 4 dim: 3 dim: 8 dim: 8 }} shape {{ dim: 4 }} }} }}
+layer {{ name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param {{ num_output: 4 kernel_size: 3 pad: 1 {FILL} }} }}
+layer {{ name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }}
+layer {{ name: "short" type: "Convolution" bottom: "conv1" top: "short"
+  convolution_param {{ num_output: 2 kernel_size: 1 {FILL} }} }}
+layer {{ name: "long1" type: "Convolution" bottom: "conv1" top: "long1"
+  convolution_param {{ num_output: 6 kernel_size: 3 pad: 1 {FILL} }} }}
+layer {{ name: "long2" type: "Convolution" bottom: "long1" top: "long2"
+  convolution_param {{ num_output: 4 kernel_size: 3 pad: 1 {FILL} }} }}
+layer {{ name: "concat" type: "Concat" bottom: "short" bottom: "long2" top: "concat" }}
+layer {{ name: "res" type: "Convolution" bottom: "concat" top: "res"
+  convolution_param {{ num_output: 6 kernel_size: 3 pad: 1 {FILL} }} }}
+layer {{ name: "bn" type: "BatchNorm" bottom: "res" top: "res" }}
+layer {{ name: "scale" type: "Scale" bottom: "res" top: "res" scale_param {{ bias_term: true filler {{ type: "gaussian" }} }} }}
+layer {{ name: "relu2" type: "ReLU" bottom: "res" top: "res" }}
+layer {{ name: "sum" type: "Eltwise" bottom: "res" bottom: "concat" top: "sum" }}
+layer {{ name: "ip" type: "InnerProduct" bottom: "sum" top: "ip" inner_product_param {{ num_output: 5 {FILL} }} }}
+layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }}
+"""
+
+
+def make_net():
+    cct.set_random_seed(5)
+    net = cct.Net(text_format.Parse(NET, caffe_pb2.NetParameter()), cct.TRAIN)
+    rng = np.random.default_rng(2)
+    net.blobs["data"].data[...] = rng.standard_normal(net.blobs["data"].shape)
+    net.blobs["label"].data[...] = [0, 4, 2, 1]
+    net.forward()
+    return net
+
+
+def gradients(net):
+    return ([blob.diff.copy() for blob in net.learnable_params]
+            + [net.blobs[name].diff.copy() for name in net.blobs if name not in ("data", "label")])
+
+
+@pytest.fixture(autouse=True)
+def one_lowering_type(monkeypatch):
+    """Every convolution on lowering type 1: the chooser's pick can change
+    within a process (another test recalibrates it), and the types sum in
+    different orders; the comparisons here are of schedules, not lowerings."""
+    monkeypatch.setenv("CCT_LOWERING", "1")
+
+
+@pytest.fixture
+def sequential():
+    net = make_net()
+    net.backward()
+    return gradients(net)
+
+
+def assert_bitwise(ours, theirs):
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        assert np.array_equal(a, b)
+
+
+def test_streams_give_the_sequential_gradients(sequential):
+    net = make_net()
+    scheduler.run_backward(net, scheduler.Schedule(net))
+    assert_bitwise(gradients(net), sequential)
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_random_delays_on_every_stream_change_nothing(sequential, seed):
+    net = make_net()
+    shaker = random.Random(seed)
+    scheduler.Schedule(net).run(delay=lambda task: shaker.random() * 2e-4)
+    assert_bitwise(gradients(net), sequential)
+
+
+def test_without_one_derived_edge_some_timing_differs(sequential):
+    """Negative control: Scale runs in place, so its bias gradient must read
+    the top diff before its data gradient overwrites it; without that edge,
+    delaying the bias gradient changes it."""
+    net = make_net()
+    schedule = scheduler.Schedule(net)
+    scale = net.layer_names.index("scale")
+    bias_gradient = next(task for task in schedule.tasks if (task.kind, task.layer, task.param)
+                         == (graph.BACKWARD_PARAM, scale, 1))
+    data_gradient = next(task for task in schedule.tasks if (task.kind, task.layer) == (graph.BACKWARD_DATA, scale))
+    assert bias_gradient in schedule.edges[data_gradient]
+    schedule.edges[data_gradient].discard(bias_gradient)
+    schedule.following[bias_gradient].remove(data_gradient)
+    schedule.run(delay=lambda task: 2e-3 if task == bias_gradient else 0.0)
+    assert not all(np.array_equal(a, b) for a, b in zip(gradients(net), sequential))
+
+
+def test_one_stream_per_sub_task_type_whatever_the_depth():
+    net = make_net()
+    schedule = scheduler.Schedule(net)
+    used = {scheduler.stream_of(task) for task in schedule.tasks}
+    assert used == {scheduler.DATA_STREAM, scheduler.WEIGHT_STREAM, scheduler.OTHER_STREAM}
+    assert all(scheduler.stream_of(task) == scheduler.WEIGHT_STREAM
+               for task in schedule.tasks if task.kind == graph.BACKWARD_PARAM and task.param == 0)
+
+
+def test_priorities_follow_the_critical_path():
+    net = make_net()
+    index = {name: i for i, name in enumerate(net.layer_names)}
+    base = scheduler.Schedule(net)
+    times = {task: 1.0 for task in base.tasks}              # every sub-task 1 s: paths count sub-tasks
+    schedule = scheduler.Schedule(net, alpha=0.5, beta=1.0, times=times)
+
+    def task(kind, name, param=-1):
+        return next(t for t in schedule.tasks if (t.kind, t.layer, t.param) == (kind, index[name], param))
+    # the long branch (two convolutions) outranks the short one
+    assert (schedule.priority[task(graph.BACKWARD_DATA, "long2")]
+            > schedule.priority[task(graph.BACKWARD_DATA, "short")])
+    # within a layer: data gradient p, weight gradient below it, bias lower still
+    data = schedule.priority[task(graph.BACKWARD_DATA, "res")]
+    weight = schedule.priority[task(graph.BACKWARD_PARAM, "res", 0)]
+    bias = schedule.priority[task(graph.BACKWARD_PARAM, "ip", 1)]
+    assert data > weight and schedule.priority[task(graph.BACKWARD_PARAM, "ip", 0)] > bias
+    # a chain: priorities fall along the data-gradient chain towards the input
+    assert (schedule.priority[task(graph.BACKWARD_DATA, "ip")] > schedule.priority[task(graph.BACKWARD_DATA, "res")]
+            > schedule.priority[task(graph.BACKWARD_DATA, "long2")])
+
+
+def test_a_ready_sub_task_never_waits_behind_a_lower_priority_one():
+    """From the trace: a sub-task handed to its stream while a higher-priority
+    sub-task of the same stream was already ready is an inversion; there are none."""
+    net = make_net()
+    schedule = scheduler.Schedule(net)
+    shaker = random.Random(3)
+    schedule.run(delay=lambda task: shaker.random() * 3e-4)
+    inversions = [(span.task, other.task) for span in schedule.trace for other in schedule.trace
+                  if other.stream == span.stream and other.ready <= span.dispatched < other.dispatched
+                  and schedule.priority[other.task] > schedule.priority[span.task]]
+    assert len(schedule.trace) == len(schedule.tasks) and inversions == []

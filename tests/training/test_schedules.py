@@ -1,0 +1,135 @@
+"""Training in every schedule (cct.runtime.executor: sequential, streams,
+auto) gives bitwise the same weights: LeNet, and a net with an inception-like
+fork and a residual block (BatchNorm, Scale, Eltwise), at 1 and 2 batch
+partitions. The schedule comes from the run settings (CCT_SCHEDULE, the
+configuration's "schedule", settings.set_schedule)."""
+import numpy as np
+import pytest
+from google.protobuf import text_format
+from threadpoolctl import threadpool_limits
+
+import cct
+from cct.core.errors import ConfigError
+from cct.proto import caffe_pb2
+from cct.runtime import settings, threads
+from helpers.paths import REPO
+
+BLOCKS = """
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 8 dim: 3 dim: 8 dim: 8 } shape { dim: 8 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.2 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "a" type: "Convolution" bottom: "conv1" top: "a"
+  convolution_param { num_output: 2 kernel_size: 1 weight_filler { type: "gaussian" std: 0.2 } } }
+layer { name: "b1" type: "Convolution" bottom: "conv1" top: "b1"
+  convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.2 } } }
+layer { name: "b2" type: "Convolution" bottom: "b1" top: "b2"
+  convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.2 } } }
+layer { name: "concat" type: "Concat" bottom: "a" bottom: "b2" top: "concat" }
+layer { name: "res" type: "Convolution" bottom: "concat" top: "res"
+  convolution_param { num_output: 6 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.2 } } }
+layer { name: "bn" type: "BatchNorm" bottom: "res" top: "res" }
+layer { name: "scale" type: "Scale" bottom: "res" top: "res" scale_param { bias_term: true } }
+layer { name: "relu2" type: "ReLU" bottom: "res" top: "res" }
+layer { name: "sum" type: "Eltwise" bottom: "res" bottom: "concat" top: "sum" }
+layer { name: "ip" type: "InnerProduct" bottom: "sum" top: "ip"
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.fixture(autouse=True)
+def one_lowering_type(monkeypatch):
+    """Every convolution on lowering type 1: the chooser's pick can change
+    within a process (another test recalibrates it), and the types sum in
+    different orders; the comparisons here are of schedules, not lowerings."""
+    monkeypatch.setenv("CCT_LOWERING", "1")
+
+
+def lenet():
+    """models/lenet's train net with its Data layers replaced by an Input of batch 16."""
+    net = text_format.Parse((REPO / "models" / "lenet" / "lenet_train_test.prototxt").read_text(),
+                            caffe_pb2.NetParameter())
+    layers = [layer for layer in net.layer if layer.type != "Data" and layer.type != "Accuracy"]
+    del net.layer[:]
+    data = net.layer.add(name="data", type="Input", top=["data", "label"])
+    data.input_param.shape.add(dim=[16, 1, 28, 28])
+    data.input_param.shape.add(dim=[16])
+    net.layer.extend(layers)
+    return net
+
+
+NETS = {"lenet": lenet, "blocks": lambda: text_format.Parse(BLOCKS, caffe_pb2.NetParameter())}
+
+
+def train(net_param, iterations=10):
+    param = caffe_pb2.SolverParameter(base_lr=0.02, lr_policy="fixed", momentum=0.9, weight_decay=0.001,
+                                      display=0, snapshot_after_train=False, random_seed=7)
+    param.net_param.CopyFrom(net_param)
+    solver = cct.SGDSolver(param)
+    rng = np.random.default_rng(1)
+    data, label = solver.net.blobs["data"], solver.net.blobs["label"]
+    for _ in range(iterations):
+        data.data[...] = rng.standard_normal(data.shape)
+        label.data[...] = rng.integers(0, 5, label.shape)
+        solver.step(1)
+    return solver, [blob.data.copy() for blob in solver.net.learnable_params]
+
+
+def train_in_every_schedule(name, iterations=10):
+    """{mode: weights after training} for sequential, streams and auto."""
+    weights = {}
+    try:
+        for mode in ("sequential", "streams", "auto"):
+            settings.set_schedule(mode)
+            solver, weights[mode] = train(NETS[name](), iterations)
+            assert solver.net.executor.schedule == mode
+    finally:
+        settings.set_schedule(None)
+    return weights
+
+
+@pytest.mark.parametrize("name", sorted(NETS))
+def test_every_schedule_trains_to_the_same_weights(name, partitions):
+    """One BLAS thread (the suite's): each GEMM is the same call in every mode."""
+    weights = train_in_every_schedule(name)
+    for mode in ("streams", "auto"):
+        for ours, theirs in zip(weights[mode], weights["sequential"]):
+            assert np.array_equal(ours, theirs), mode
+
+
+def test_with_two_blas_threads_streams_differ_only_in_the_last_bits(monkeypatch):
+    """With 2 BLAS threads the streams mode gives each of its two GEMM streams
+    one thread, and OpenBLAS splits a GEMM's work differently for 1 and 2
+    threads (conv1's weight gradient sums its K = 9216 products in another
+    order): one update's weights then agree to float32 rounding, not bitwise
+    (and training amplifies the difference as any change of summation order does)."""
+    monkeypatch.setattr(threads, "_blas", None)          # a controller made under 2 threads
+    with threadpool_limits(limits=2, user_api="blas"):
+        weights = train_in_every_schedule("lenet", iterations=1)
+    for ours, theirs in zip(weights["streams"], weights["sequential"]):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_auto_measures_both_then_keeps_one():
+    settings.set_schedule("auto")
+    try:
+        solver, _ = train(NETS["blocks"](), iterations=8)
+    finally:
+        settings.set_schedule(None)
+    _, times, chosen = solver.net.executor._auto
+    assert chosen in ("sequential", "streams") and all(len(runs) >= 3 for runs in times.values())
+
+
+def test_schedule_from_the_environment_and_the_configuration(monkeypatch, tmp_path):
+    monkeypatch.setenv("CCT_SCHEDULE", "streams")
+    assert settings.schedule() == "streams"
+    monkeypatch.setenv("CCT_SCHEDULE", "fastest")
+    with pytest.raises(ConfigError, match="CCT_SCHEDULE: must be one of sequential, streams, auto"):
+        settings.schedule()
+    monkeypatch.delenv("CCT_SCHEDULE")
+    assert settings.schedule(settings.parse('{"schedule": "auto"}')) == "auto"
+    with pytest.raises(ConfigError, match="schedule: must be one of"):
+        settings.parse('{"schedule": 3}', "run.json")
+    assert settings.schedule() == "sequential"
