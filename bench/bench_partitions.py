@@ -1,7 +1,7 @@
 """CaffeNet training throughput against the number of batch partitions, as
 Fig. 3 of the Caffe con Troll paper: every partitionable layer at p in
 {1, 2, 4, 8} (each partition a worker thread with T/p BLAS threads, see
-cct/executor.py), then the per-layer plan net.executor.tune() picks.
+cct/runtime/executor.py), then the per-layer plan net.executor.tune() picks.
 
     python bench/bench_partitions.py [--batch 256] [--iterations 3] [--partitions 1,2,4,8]
 

@@ -13,9 +13,9 @@ close to but not bit-equal with skimage's.
 """
 import numpy as np
 
-from cct.core.errors import DataError, ShapeError, WeightsError
+from cct.core.errors import DataError, ShapeError
 from cct.data import transformer
-from cct.formats.weights import array_to_blob_proto, blob_proto_to_array
+from cct.formats.weights import array_to_blob_proto, blob_proto_shape
 from cct.proto import caffe_pb2
 
 # --- proto / datum / ndarray conversion --------------------------------------------
@@ -27,11 +27,16 @@ from cct.proto import caffe_pb2
 
 def blobproto_to_array(blob, return_diff=False):
     """The data (or diff) of a BlobProto as a float64 array, shaped by the legacy
-    num/channels/height/width when any is set, else by `shape.dim`."""
-    try:
-        return blob_proto_to_array(blob, diff=return_diff).astype(np.float64)
-    except WeightsError as error:
-        raise ShapeError(str(error)) from None          # pycaffe's reshape raises a ValueError
+    num/channels/height/width when any is set, else by `shape.dim`. As pycaffe,
+    from the float fields `data`/`diff`; a blob holding only `double_data`
+    (`double_diff`) gives those doubles, unrounded (pycaffe would fail)."""
+    floats, doubles = (blob.diff, blob.double_diff) if return_diff else (blob.data, blob.double_data)
+    values = np.array(floats if len(floats) or not len(doubles) else doubles, dtype=np.float64)
+    shape = blob_proto_shape(blob)
+    if values.size != int(np.prod(shape)):              # pycaffe's reshape raises a ValueError
+        raise ShapeError(f"BlobProto holds {values.size} values but its shape {shape} needs "
+                         f"{int(np.prod(shape))}")
+    return values.reshape(shape)
 
 
 def array_to_blobproto(arr, diff=None):

@@ -9,8 +9,8 @@ picked per geometry and batch at reshape (cached, so a reshape to the same
 shape costs a tuple comparison). A scheduler may set the attribute
 afterwards; that forces the type.
 
-Intermediates live in the running thread's workspace arena
-(cct.lowering.workspace), reused across iterations, and a batch whose largest
+Intermediates live in the running thread's arena (cct.core.workspace),
+reused across iterations, and a batch whose largest
 lowering matrix exceeds the budget (default 64 MB; set by the run settings'
 lowering_budget_mb) runs in chunks of images.
 """
@@ -100,7 +100,9 @@ class _ConvolutionBase(Layer):
         self._forced_type, self.measure_lowering = None, False
         self._lowering_budget = DEFAULT_BUDGET_MB * 2 ** 20
         self._auto_type = None
-        self._choice_key = None
+        self._choice_key = None       # the (geometry, batch, dtype) the chooser picked _auto_type for
+        self._shape_key = None        # the one of the last reshape
+        self._configured = False      # run settings received: reshape may choose now
         self._chunk_key = None
         # The convolution's own (input, output) channels; swapped for Deconvolution.
         conv_in, conv_out = ((self.num_output, self.channels) if self.reverse
@@ -127,11 +129,25 @@ class _ConvolutionBase(Layer):
             self._chunk_key = None
         for blob in top:
             blob.reshape(self._top_shape(shape[0]))
-        key = (self.geom, shape[0], bottom[0].data.dtype)
-        if self._owner is self and self._forced_type is None and key != self._choice_key:
-            self._auto_type = chooser.choose(self.geom, shape[0], measure=self.measure_lowering,
-                                             dtype=bottom[0].data.dtype, budget=self.lowering_budget)
-            self._choice_key = key
+        self._shape_key = (self.geom, shape[0], bottom[0].data.dtype)
+        if self._owner is self and self._configured:
+            self._choose()
+
+    def _choose(self):
+        """The chooser's type for the last reshape's shape (cached per shape);
+        not asked while a type is forced. A layer chooses at reshape once its
+        run settings arrived (configure), else at its first use: set_up's
+        reshape runs before the runtime pushes the settings, which may force a
+        type or ask for measuring, and calibrating the chooser for nothing
+        costs a GEMM benchmark."""
+        if self._forced_type or self._shape_key is None:
+            return self._forced_type or DEFAULT_LOWERING
+        if self._shape_key != self._choice_key:
+            geom, batch, dtype = self._shape_key
+            self._auto_type = chooser.choose(geom, batch, measure=self.measure_lowering, dtype=dtype,
+                                             budget=self.lowering_budget)
+            self._choice_key = self._shape_key
+        return self._auto_type
 
     def flops(self, bottom, top):
         # One GEMM per bottom, over the spatial size of the convolution's output:
@@ -147,7 +163,8 @@ class _ConvolutionBase(Layer):
         self.measure_lowering = bool(settings.get("measure", False))
         self.lowering_budget = int(settings.get("lowering_budget_mb", DEFAULT_BUDGET_MB) * 2 ** 20)
         if (self.measure_lowering, self.lowering_budget) != chooser_inputs:
-            self._choice_key = None           # choose again at the next reshape
+            self._choice_key = None           # choose again
+        self._configured = True
 
     def clone(self, share=1):
         twin = super().clone(share)
@@ -168,8 +185,7 @@ class _ConvolutionBase(Layer):
     @property
     def lowering_type(self):
         """The type in use: forced (configuration, CCT_LOWERING, assignment) or chosen."""
-        owner = self._owner
-        return owner._forced_type or owner._auto_type or DEFAULT_LOWERING
+        return self._owner._choose()
 
     @lowering_type.setter
     def lowering_type(self, value):

@@ -43,8 +43,9 @@ from cct.formats.prototxt import atomic_write
 from .type1 import batch_inner
 from .workspace import chunk_size, chunks, image_bytes
 
-# The cache folder; the runtime sets it from CCT_CACHE_DIR (cct.runtime.settings).
-cache_dir = None
+# fn() -> the cache folder or None (~/.cache/cct); the runtime sets it to read
+# CCT_CACHE_DIR on every use (cct.runtime.settings), as the chooser is below it.
+cache_folder = None
 CACHE_FILE = "lowering.json"
 CACHE_VERSION = 1
 TYPES = (1, 2, 3)
@@ -181,7 +182,7 @@ def machine_key():
 
 # --- the cache file --------------------------------------------------------------------------
 def cache_path():
-    directory = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "cct")
+    directory = (cache_folder() if cache_folder else None) or os.path.join(os.path.expanduser("~"), ".cache", "cct")
     return Path(directory) / CACHE_FILE
 
 

@@ -273,9 +273,11 @@ class Net:
         end = len(self.layers) - 1 if end is None else end
         executor = self.executor
         loss = 0.0
-        for i in range(start, end + 1):
-            loss += executor.forward(i)
-        executor.finish()
+        try:
+            for i in range(start, end + 1):
+                loss += executor.forward(i)
+        finally:
+            executor.finish()                       # a failing layer leaves no lowered BLAS count
         return loss
 
     @property
@@ -302,12 +304,14 @@ class Net:
     def _backward(self, start=None, end=0):
         start = len(self.layers) - 1 if start is None else start
         executor = self.executor
-        if start == len(self.layers) - 1 and end == 0:
-            executor.backward_all()                 # the whole net: the executor's schedule decides
-            return
-        for i in range(start, end - 1, -1):
-            executor.backward(i)
-        executor.finish()
+        try:
+            if start == len(self.layers) - 1 and end == 0:
+                executor.backward_all()             # the whole net: the executor's schedule decides
+                return
+            for i in range(start, end - 1, -1):
+                executor.backward(i)
+        finally:
+            executor.finish()
 
     def forward(self, blobs=None, start=None, end=None, **kwargs):
         """Forward from layer `start` to `end` (names, inclusive). Keyword arrays set

@@ -133,12 +133,19 @@ class LMDB(_Database):
 # (a test net reading the train net's database, a second pycaffe Net, a solver
 # made again) raises "already open in this process". Readers therefore share
 # one read-only environment per folder, closed when the last of them closes.
-_readers = {}              # real path -> [environment, readers]
+_readers = {}              # (real path, data file's device and inode) -> [environment, readers]
 _readers_lock = threading.Lock()
 
 
 def _open_reader(lmdb, path):
-    key = os.path.realpath(path)
+    # a folder written anew (cct digits --overwrite) is another database: its
+    # data file has another inode, so it gets an environment of its own
+    data_file = os.path.join(path, "data.mdb") if os.path.isdir(path) else path
+    try:
+        status = os.stat(data_file)
+        key = (os.path.realpath(path), status.st_dev, status.st_ino)
+    except OSError:
+        key = (os.path.realpath(path), None, None)
     with _readers_lock:
         entry = _readers.get(key)
         if entry is None:

@@ -139,7 +139,6 @@ def make_digits_lmdb(out_dir, train_count=10000, test_count=2000, seed=0, overwr
     """Write out_dir/digits_train_lmdb and out_dir/digits_test_lmdb (raw uint8
     Datums, keys %08d) for models/lenet. Existing ones are kept unless
     overwrite. Returns the two paths."""
-    import shutil
     out_dir = Path(out_dir)
     paths = out_dir / TRAIN_LMDB, out_dir / TEST_LMDB
     if not overwrite and all((p / "data.mdb").exists() for p in paths):
@@ -149,8 +148,6 @@ def make_digits_lmdb(out_dir, train_count=10000, test_count=2000, seed=0, overwr
         # Written aside and renamed into place: a crash leaves no half-written database.
         with atomic_path(path) as temp_path:
             convert_arrays_to_lmdb(images, labels, temp_path)
-            if path.exists():
-                shutil.rmtree(path)     # a rename cannot replace a folder; the old one goes only now
     return tuple(str(p) for p in paths)
 
 

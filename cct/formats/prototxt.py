@@ -100,6 +100,9 @@ def atomic_path(path):
     as an LMDB) is flushed to disk, renamed over `path`, and the folder's entry
     is flushed too: after a crash, `path` holds the old contents or the whole
     new ones. On an exception the temporary is removed and `path` is untouched.
+    A folder replacing a folder takes two renames (the old one aside, the new
+    one in: a rename cannot replace a non-empty folder); a crash between them
+    leaves the old folder in the hidden .tmp-NAME-* folder beside `path`.
 
         with atomic_path("net.caffemodel.h5") as temp_path:
             with h5py.File(temp_path, "w") as out: ...
@@ -116,6 +119,8 @@ def atomic_path(path):
         if not os.path.lexists(temp_path):
             raise FileNotFoundError(errno.ENOENT, f"nothing was written for {path}", temp_path)
         _fsync_written(temp_path)
+        if os.path.isdir(temp_path) and os.path.isdir(target) and not os.path.islink(target):
+            os.replace(target, os.path.join(scratch, ".old"))    # removed with the scratch folder
         os.replace(temp_path, target)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -1,3 +1,5 @@
-"""How a net runs: the executor (batch partitions on worker threads), the
-process-wide BLAS thread control, run settings, memory planning and FLOP
-counts. Layers and lowering never import it."""
+"""How a net runs: the executor (layers in batch partitions, partition.py, on
+the process's worker threads and BLAS thread control, threads.py), run
+settings (settings.py), the sub-task graph and the streams scheduler
+(graph.py, scheduler.py), diff sharing (memory.py) and FLOP counts
+(profile.py). Layers and lowering never import it."""

@@ -228,7 +228,6 @@ class Executor:
             return
         for index in reversed(range(len(self.net.layers))):
             self.backward(index)
-        self.finish()
 
     def stream_schedule(self):
         """The streams mode's Schedule for the net's current shapes and batch
@@ -268,11 +267,13 @@ class Executor:
         net.forward()                             # blobs hold real shapes and values
         chosen = {}
         tunable = [index for index in range(len(net.layers)) if self.partitionable(index)]
-        with Progress("tune partitions", total=len(tunable), unit="layers") as progress:
-            for index in progress.track(tunable):
-                chosen[net.layers[index].name] = self._tune_layer(index, candidates, repeats)
+        try:
+            with Progress("tune partitions", total=len(tunable), unit="layers") as progress:
+                for index in progress.track(tunable):
+                    chosen[net.layers[index].name] = self._tune_layer(index, candidates, repeats)
+        finally:
+            self.finish()
         net.clear_param_diffs()
-        self.finish()
         return chosen
 
     def _tune_layer(self, index, candidates, repeats):

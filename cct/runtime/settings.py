@@ -82,9 +82,9 @@ def _env(name):
     return os.environ.get(name, "").strip()
 
 
-# The chooser (below the runtime) is told where to cache; set on import, since
-# convolutions choose while the net is built, before any executor exists.
-chooser.cache_dir = _env(CACHE_ENV) or None
+# The chooser (below the runtime) is told how to find its cache folder; set on
+# import, since a convolution may choose before any executor exists.
+chooser.cache_folder = lambda: _env(CACHE_ENV) or None
 
 
 def _check_value(source, where, key, value):

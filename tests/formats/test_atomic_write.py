@@ -194,3 +194,18 @@ def test_digits_lmdb_is_durable_and_a_failure_keeps_the_old_one(tmp_path, disk_e
     assert (tmp_path / digits.TRAIN_LMDB / "data.mdb").read_bytes() == before
     assert_only(tmp_path, digits.TRAIN_LMDB, digits.TEST_LMDB)
 
+
+
+def test_a_folder_replaces_a_folder(tmp_path):
+    """An LMDB written again: the old folder stays whole until the new one is
+    on disk, then only the new one is left, and no scratch folder."""
+    target = tmp_path / "db"
+    target.mkdir()
+    (target / "old.mdb").write_bytes(b"old")
+    with atomic_path(target) as temp_path:
+        os.makedirs(temp_path)
+        with open(os.path.join(temp_path, "data.mdb"), "wb") as out:
+            out.write(b"new")
+        assert (target / "old.mdb").read_bytes() == b"old"      # untouched while writing
+    assert sorted(os.listdir(target)) == ["data.mdb"] and (target / "data.mdb").read_bytes() == b"new"
+    assert os.listdir(tmp_path) == ["db"]

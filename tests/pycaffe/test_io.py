@@ -227,3 +227,16 @@ def test_oversample_corners_center_and_mirrors():
         for k, (y, x) in enumerate(windows):
             np.testing.assert_array_equal(crops[10 * n + k], im[y:y + 4, x:x + 4])
             np.testing.assert_array_equal(crops[10 * n + 5 + k], im[y:y + 4, x:x + 4][:, ::-1])
+
+
+def test_blobproto_to_array_reads_the_float_data_in_float64_as_pycaffe():
+    """pycaffe reads `data`/`diff` (np.array of the proto's floats); doubles
+    alone come back unrounded."""
+    blob = caffe_pb2.BlobProto(data=[1.5, 2.25], diff=[0.5, 1.0], double_data=[1e-300, 7.0])
+    blob.shape.dim.extend([2])
+    assert cio.blobproto_to_array(blob).dtype == np.float64
+    assert cio.blobproto_to_array(blob).tolist() == [1.5, 2.25]
+    assert cio.blobproto_to_array(blob, return_diff=True).tolist() == [0.5, 1.0]
+    tiny = caffe_pb2.BlobProto(double_data=[1e-300, 7.0])
+    tiny.shape.dim.extend([2])
+    assert cio.blobproto_to_array(tiny).tolist() == [1e-300, 7.0]

@@ -53,8 +53,10 @@ def test_partitions_of_every_net_share_the_process_workers():
     assert second == first[:len(second)]
 
 
-def test_blas_thread_count_is_restored():
-    blas = BlasThreads()
-    blas.set(1)
-    blas.set(blas.default)
-    assert blas.current == blas.default
+def test_blas_thread_count_is_set_and_restored():
+    with threadpool_limits(limits=2, user_api="blas"):
+        blas = BlasThreads()                         # its default: the 2 threads in force now
+        blas.set(1)
+        assert blas_count() == 1
+        blas.restore()
+        assert blas_count() == blas.default == 2
