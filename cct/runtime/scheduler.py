@@ -30,7 +30,6 @@ T / (streams that run GEMMs at once) threads (`blas_threads`), so two
 concurrent GEMMs do not oversubscribe the cores.
 """
 import heapq
-import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -162,54 +161,83 @@ class Schedule:
     # --- running --------------------------------------------------------------------
     def run(self, streams=None, delay=None):
         """One backward on the streams; returns once every sub-task is done.
-        `delay(task)`: seconds to sleep before a sub-task (tests shake timing)."""
+        `delay(task)`: seconds to sleep before a sub-task (tests shake timing).
+
+        Each stream's worker runs a loop (one submission per stream and run):
+        when idle it takes its stream's highest-priority ready sub-task; when
+        a sub-task ends, the worker that ran it counts down its successors'
+        inputs and makes the ready ones available. A worker that finishes a
+        sub-task goes straight on to its next one, with no hop through another
+        thread."""
         streams = streams or cpu_streams(3)
-        run = graph_module.Runner(self.net)
-        waiting = {task: len(self.edges[task]) for task in self.tasks}
-        ready = [[] for _ in streams]                       # per stream: heap of (-priority, order, task)
-        order = {task: index for index, task in enumerate(self.tasks)}
-        for task in self.tasks:
-            if not waiting[task]:
-                heapq.heappush(ready[stream_of(task)], (-self.priority[task], order[task], task))
-        finished = queue.SimpleQueue()
-        busy = [False] * len(streams)
-        left, clock, failure = len(self.tasks), time.perf_counter, None
-        became_ready = {task: clock() for task in self.tasks if not waiting[task]}
-        spans = {}
+        state = _RunState(self, len(streams), delay)
+        done = threading.Barrier(len(streams) + 1)
 
-        def start(index):
-            _, _, task = heapq.heappop(ready[index])
-            busy[index] = True
+        def serve(index):
+            try:
+                state.serve(index)
+            finally:
+                done.wait()
+        for index, stream in enumerate(streams):
+            stream.submit(lambda index=index: serve(index), lambda error: None)
+        done.wait()
+        self.trace = sorted(state.spans.values(), key=lambda span: span.start)
+        if state.failure is not None:
+            raise state.failure
+
+
+class _RunState:
+    """The counts, ready heaps and trace of one Schedule.run, shared by its
+    stream workers under one condition variable."""
+
+    def __init__(self, schedule, stream_count, delay):
+        self.schedule, self.delay = schedule, delay
+        self.runner = graph_module.Runner(schedule.net)
+        self.waiting = {task: len(schedule.edges[task]) for task in schedule.tasks}
+        self.order = {task: index for index, task in enumerate(schedule.tasks)}
+        self.ready = [[] for _ in range(stream_count)]    # per stream: heap of (-priority, order, task)
+        self.became_ready, self.spans = {}, {}
+        self.left, self.failure = len(schedule.tasks), None
+        self.condition = threading.Condition()
+        for task in schedule.tasks:
+            if not self.waiting[task]:
+                self._make_ready(task)
+
+    def _make_ready(self, task):
+        self.became_ready[task] = time.perf_counter()
+        heapq.heappush(self.ready[stream_of(task)], (-self.schedule.priority[task], self.order[task], task))
+
+    def serve(self, index):
+        clock, condition = time.perf_counter, self.condition
+        while True:
+            with condition:
+                while not self.ready[index] and self.left and self.failure is None:
+                    condition.wait()
+                if not self.left or self.failure is not None:
+                    return
+                _, _, task = heapq.heappop(self.ready[index])
             dispatched = clock()
-
-            def work(task=task, index=index):
-                if delay is not None:
-                    time.sleep(delay(task))
+            try:
+                if self.delay is not None:
+                    time.sleep(self.delay(task))
                 began = clock()
-                run(task)
-                spans[task] = Span(task, index, became_ready[task], dispatched, began, clock())
-            streams[index].submit(work, lambda error, task=task, index=index: finished.put((task, index, error)))
-
-        while left:
-            for index in range(len(streams)):
-                if not busy[index] and ready[index] and failure is None:
-                    start(index)
-            if not any(busy):
-                break                                        # a failure stopped new work
-            task, index, error = finished.get()
-            busy[index] = False
-            left -= 1
-            if error is not None and failure is None:
-                failure = error
-            for successor in self.following[task]:
-                waiting[successor] -= 1
-                if not waiting[successor]:
-                    became_ready[successor] = clock()
-                    heapq.heappush(ready[stream_of(successor)],
-                                   (-self.priority[successor], order[successor], successor))
-        self.trace = sorted(spans.values(), key=lambda span: span.start)
-        if failure is not None:
-            raise failure
+                self.runner(task)
+            except BaseException as error:          # re-raised by run(); the other workers stop
+                with condition:
+                    self.failure = self.failure or error
+                    condition.notify_all()
+                return
+            self.spans[task] = Span(task, index, self.became_ready[task], dispatched, began, clock())
+            with condition:
+                self.left -= 1
+                woken = False
+                for successor in self.schedule.following[task]:
+                    self.waiting[successor] -= 1
+                    if not self.waiting[successor]:
+                        self._make_ready(successor)
+                        woken = woken or stream_of(successor) != index
+                if woken or not self.left:
+                    condition.notify_all()
 
 
 def blas_threads(total, streams_running_gemms=2):
