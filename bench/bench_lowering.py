@@ -24,7 +24,7 @@ from threadpoolctl import threadpool_limits
 
 from cct.lowering import ConvGeometry, chooser, conv_backward, conv_forward
 from cct.core.workspace import Arena
-from cct.lowering.workspace import DEFAULT_BUDGET_MB, chunk_size
+from cct.lowering.chunking import DEFAULT_BUDGET_MB, chunk_size
 
 TOLERANCE = 0.05
 

@@ -20,7 +20,7 @@ from cct.core.layer import Layer, register
 from cct.lowering import (ConvGeometry, chooser, conv_backward, conv_backward_data, conv_backward_weights,
                           conv_forward, lowering, type1)
 from cct.core.workspace import thread_arena
-from cct.lowering.workspace import DEFAULT_BUDGET_MB, cache_chunk, chunk_size
+from cct.lowering.chunking import DEFAULT_BUDGET_MB, cache_chunk, chunk_size
 
 DEFAULT_LOWERING = 1          # before the first reshape, and where nothing decides
 

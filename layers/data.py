@@ -21,7 +21,7 @@ import weakref
 import numpy as np
 
 from cct.core import rng as cct_rng
-from cct.data.transformer import DataTransformer, decode_image, read_image
+from cct.data.transformer import DataTransformer, decode_image, read_image, read_image_list
 from cct.data.db import backend_name, open_db
 from cct.core.errors import CctError, DataError
 from cct.core.layer import Layer, register
@@ -243,31 +243,6 @@ class _DatumLoader:
 
 
 # --- ImageData ------------------------------------------------------------------------
-def read_image_list(path, what):
-    """Lines `path label` (split at the last space, so paths may hold spaces)
-    -> [(path, label, line number)]."""
-    try:
-        with open(path) as handle:
-            text = handle.read()
-    except FileNotFoundError:
-        raise DataError(f"{what}: image list {path!r} not found") from None
-    entries = []
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line:
-            continue
-        name, _, label = line.rpartition(" ")
-        try:
-            entries.append((name.strip(), int(label), number))
-        except ValueError:
-            raise DataError(f"{path}:{number}: expected 'path label', got {line!r}") from None
-        if not name.strip():
-            raise DataError(f"{path}:{number}: expected 'path label', got {line!r}")
-    if not entries:
-        raise DataError(f"{what}: image list {path!r} is empty")
-    return entries
-
-
 @register("ImageData")
 class ImageData(PrefetchingDataLayer):
     """Images named in a list file, each line `relative/path.jpg label`.

@@ -3,8 +3,7 @@ backward (Caffe's NOT_IMPLEMENTED); force_backward does not ask them for one."""
 import numpy as np
 
 from cct.core.errors import DataError
-from cct.core.layer import Layer, register
-from cct.layers.neuron import NoBackward
+from cct.core.layer import Layer, NoBackward, register
 
 
 @register("Accuracy")

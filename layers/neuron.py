@@ -9,7 +9,7 @@ import numpy as np
 
 from cct.core.blob import Blob
 from cct.core.fillers import fill
-from cct.core.layer import TRAIN, Layer, register
+from cct.core.layer import TRAIN, Layer, NoBackward, register
 from cct.proto import caffe_pb2
 from cct.core.rng import get_rng
 
@@ -44,19 +44,6 @@ class Neuron(Layer):
         if top[0] is bottom[0] and self.needs_input:
             return self._saved_input
         return bottom[0].data
-
-
-class NoBackward:
-    """Mixin for layers Caffe gives no backward (NOT_IMPLEMENTED): refuse a
-    requested gradient clearly, and keep force_backward from requesting one."""
-
-    def backward(self, top, propagate_down, bottom):
-        if any(propagate_down):
-            raise NotImplementedError(f"{self.where()}: {self.type} has no backward; "
-                                      "its bottoms cannot receive a gradient")
-
-    def allow_force_backward(self, bottom_index):
-        return False
 
 
 @register("ReLU")

@@ -20,7 +20,7 @@ from . import type1, type2, type3
 from .geometry import ConvGeometry
 from cct.core.workspace import FRESH
 
-from .workspace import chunks, slot_bytes
+from .chunking import chunks, slot_bytes
 
 LOWERINGS = {1: type1, 2: type2, 3: type3}
 
@@ -37,7 +37,7 @@ def _whole(batch, chunk):
 
 
 def _plan(ws, geom, lowering_type, batch, chunk, dtype):
-    """Lay the call's workspace out in one store (see workspace.Arena.plan)."""
+    """Lay the call's workspace out in one store (see cct.core.workspace.Arena.plan)."""
     ws.plan(slot_bytes(geom, int(lowering_type), batch if _whole(batch, chunk) else chunk, np.dtype(dtype).itemsize))
 
 

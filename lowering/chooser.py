@@ -41,7 +41,7 @@ from cct.core.workspace import Arena
 from cct.formats.prototxt import atomic_write
 
 from .type1 import batch_inner
-from .workspace import chunk_size, chunks, image_bytes
+from .chunking import chunk_size, chunks, image_bytes
 
 # fn() -> the cache folder or None (~/.cache/cct); the runtime sets it to read
 # CCT_CACHE_DIR on every use (cct.runtime.settings), as the chooser is below it.

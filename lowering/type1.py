@@ -24,7 +24,7 @@ copies instead of the KH*KW-times-larger strided ones they speed up.
 Hp, Wp: the padded frame, geom.padded_h x geom.padded_w (padding plus any
 overrun of the last window, see cct.lowering.geometry).
 
-Workspace slots (see cct.lowering.workspace): "padded" (C, N, Hp, Wp) or
+Workspace slots (see cct.lowering.chunking): "padded" (C, N, Hp, Wp) or
 (C, Hp, Wp, N), "lowered" D1, "product" Y, "output" dY channels first.
 """
 import numpy as np

@@ -11,7 +11,7 @@ Shapes per group g (Cg = C/group, Og = O/group, M2 = N*Hp*OW, Hp = H + 2*pad_h
 Backward: dZ scatters dy into the KH shifted row slices; dK2 = dZ @ D2^T;
 dD2 = K2^T @ dZ (into D2's buffer) then a KW-slice col2im along the width.
 
-Workspace slots (see cct.lowering.workspace): "padded" (C, N, Hp, Wp),
+Workspace slots (see cct.lowering.chunking): "padded" (C, N, Hp, Wp),
 "lowered" D2, "product" Z, "output" y or dy channels first.
 """
 import numpy as np

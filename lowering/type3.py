@@ -12,7 +12,7 @@ input frame geom.padded_h x geom.padded_w, see cct.lowering.geometry):
 Backward: dZ scatters dy into the KH*KW shifted slices; dK3 = dZ @ D3^T;
 dD3 = K3^T @ dZ (into D3's buffer, then crop the padding).
 
-Workspace slots (see cct.lowering.workspace): "padded" D3, "product" Z,
+Workspace slots (see cct.lowering.chunking): "padded" D3, "product" Z,
 "output" y or dy channels first.
 """
 import numpy as np

@@ -111,7 +111,7 @@ def convert_imageset(argv):
     encoded = args.encoded or bool(args.encode_type)
     if args.encode_type and not args.encoded:
         log.info("convert_imageset: --encode_type given, assuming --encoded")
-    from cct.layers.data import read_image_list
+    from cct.data.transformer import read_image_list
     entries = read_image_list(args.list_file, "convert_imageset: LISTFILE")
     if args.shuffle:
         cct_rng.get_rng().shuffle(entries)

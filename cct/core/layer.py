@@ -237,3 +237,16 @@ class Layer:
 
     def __repr__(self):
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+class NoBackward:
+    """Mixin for layers Caffe gives no backward (NOT_IMPLEMENTED): refuse a
+    requested gradient clearly, and keep force_backward from requesting one."""
+
+    def backward(self, top, propagate_down, bottom):
+        if any(propagate_down):
+            raise NotImplementedError(f"{self.where()}: {self.type} has no backward; "
+                                      "its bottoms cannot receive a gradient")
+
+    def allow_force_backward(self, bottom_index):
+        return False

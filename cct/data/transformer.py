@@ -73,6 +73,31 @@ def read_image(path, new_height=0, new_width=0, is_color=True):
         raise DataError(f"{path}: cannot decode image: {error}") from None
 
 
+def read_image_list(path, what):
+    """Lines `path label` (split at the last space, so paths may hold spaces)
+    -> [(path, label, line number)]."""
+    try:
+        with open(path) as handle:
+            text = handle.read()
+    except FileNotFoundError:
+        raise DataError(f"{what}: image list {path!r} not found") from None
+    entries = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        name, _, label = line.rpartition(" ")
+        try:
+            entries.append((name.strip(), int(label), number))
+        except ValueError:
+            raise DataError(f"{path}:{number}: expected 'path label', got {line!r}") from None
+        if not name.strip():
+            raise DataError(f"{path}:{number}: expected 'path label', got {line!r}")
+    if not entries:
+        raise DataError(f"{what}: image list {path!r} is empty")
+    return entries
+
+
 def encode_image(image, encode_type, what="image"):
     """uint8 (C, H, W) BGR or gray -> bytes in the format named by `encode_type`
     (a file extension: png, jpg, bmp, ...)."""

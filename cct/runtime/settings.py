@@ -30,7 +30,7 @@ Keys, per layer (under "layers", by layer name) or for every layer ("default"):
     measure             true: "auto" times each type on the layer's shape
                         instead of trusting the cost model (cached per shape)
     lowering_budget_mb  largest lowering workspace matrix, MB; bigger batches
-                        are lowered in chunks (cct.lowering.workspace)
+                        are lowered in chunks (cct.lowering.chunking)
     partitions          batch partitions (cct.runtime.partition); as a default
                         it applies only to the layers that can be partitioned
 
@@ -62,7 +62,7 @@ import os
 
 from cct.core.errors import ConfigError
 from cct.lowering import chooser
-from cct.lowering.workspace import DEFAULT_BUDGET_MB
+from cct.lowering.chunking import DEFAULT_BUDGET_MB
 
 CONFIG_ENV = "CCT_CONFIG"
 SHARE_DIFFS_ENV = "CCT_SHARE_DIFFS"

@@ -1,4 +1,4 @@
-"""cct.lowering.chooser and cct.lowering.workspace: the cost model's picks on
+"""cct.lowering.chooser and cct.lowering.chunking: the cost model's picks on
 fixed machine constants (no timing here), the cache file, the GEMM fit,
 workspace reuse, and chunked execution equal to whole-batch execution."""
 import dataclasses
@@ -14,7 +14,7 @@ from cct.testing.gradient_check import make_layer, setup_layer
 from cct.lowering import ConvGeometry, chooser, conv_backward, conv_forward, reference
 from cct.lowering.chooser import Machine
 from cct.core.workspace import FRESH, Arena, thread_arena
-from cct.lowering.workspace import chunk_size, chunks, image_bytes
+from cct.lowering.chunking import chunk_size, chunks, image_bytes
 
 # Constants measured on the development machine (one BLAS thread), rounded.
 FIXED = Machine(bandwidth=21e9, gather_row=3e-9, scatter_row=3e-9, add_row=15e-9, gemm_flops=96e9,

@@ -179,7 +179,7 @@ def test_forward_adds_the_bias_while_storing(kind, chunk):
 
 
 def test_cache_chunk_only_splits_wide_type1_layers():
-    from cct.lowering.workspace import cache_chunk
+    from cct.lowering.chunking import cache_chunk
     conv1 = ConvGeometry(3, 96, 227, 227, 11, 11, 4, 4)          # 4.4 MB lowered per image, 3025 columns
     assert cache_chunk(conv1, 1, 256, 4) == 2                    # >= 4096 GEMM columns
     assert cache_chunk(conv1, 2, 256, 4) == 256

@@ -10,7 +10,7 @@ from cct.runtime import settings as config
 from cct.core.errors import ConfigError
 from cct.lowering import chooser
 from cct.lowering.chooser import Machine
-from cct.lowering.workspace import DEFAULT_BUDGET_MB
+from cct.lowering.chunking import DEFAULT_BUDGET_MB
 
 FIXED = Machine(bandwidth=21e9, gather_row=3e-9, scatter_row=3e-9, add_row=15e-9, gemm_flops=96e9,
                 gemm_out_bandwidth=8e9, gemm_in_bandwidth=16e9)

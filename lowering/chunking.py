@@ -11,6 +11,8 @@ lowering_budget_mb) is processed in chunks of whole images, one after
 another (`chunk_size`), so the arena never holds more than the budget: CaffeNet
 conv1 at batch 256 under type 1 would need 1.1 GB for its lowered matrix alone.
 """
+from .type1 import batch_inner
+
 # 64 MB: CaffeNet training at batch 256 then peaks at 2.48 GiB, within Caffe's
 # 2.7 GB, at most a few % slower than with 256 MB (2.67 GiB; BENCHMARKS.md).
 DEFAULT_BUDGET_MB = 64
@@ -57,7 +59,6 @@ def cache_chunk(geom, lowering_type, batch, itemsize):
     the whole batch and read back. Chunks keep at least MIN_GEMM_COLUMNS GEMM
     columns; other types, and type 1 on small images (batch-inner, see type1),
     measured fastest whole."""
-    from .type1 import batch_inner
     if lowering_type != 1 or batch_inner(geom, batch):
         return batch
     pixels = geom.out_h * geom.out_w
