@@ -384,6 +384,12 @@ class Net:
     def layer_names(self):
         return list(self._layer_names)
 
+    def owns_param(self, layer_index, param_index):
+        """Whether that parameter blob holds its own storage: false for a
+        parameter shared by name with an earlier layer (Caffe's param_owners_)."""
+        net_index = self._param_layer_indices.index((layer_index, param_index))
+        return self._param_owners[net_index] < 0
+
     # --- weights -----------------------------------------------------------------
     def copy_from(self, path):
         """Load weights by layer name from a .caffemodel or Caffe HDF5 file."""

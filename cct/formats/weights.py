@@ -139,19 +139,10 @@ def save_caffemodel(net, path, write_diff=False):
 
 
 # --- HDF5 (Caffe's Net::ToHDF5 / CopyTrainedLayersFromHDF5) ----------------------
-def _owns_param(net):
-    """For each (layer, param index): whether that blob owns its storage (not shared)."""
-    owners = {}
-    for (layer_index, param_index), owner in zip(net._param_layer_indices, net._param_owners):
-        owners[layer_index, param_index] = owner < 0
-    return owners
-
-
 def save_hdf5(net, path, write_diff=False):
     """`data/<layer>/<i>` for parameters the layer owns (shared ones are stored once,
     by their owner), `diff/<layer>/<i>` for all; a group for every layer."""
     import h5py
-    owns = _owns_param(net)
     with atomic_path(path) as temp_path, h5py.File(temp_path, "w") as out:
         data = out.create_group("data")
         diff = out.create_group("diff") if write_diff else None
@@ -159,7 +150,7 @@ def save_hdf5(net, path, write_diff=False):
             data_group = data.create_group(layer.name)
             diff_group = diff.create_group(layer.name) if write_diff else None
             for index, blob in enumerate(layer.blobs):
-                if owns[layer_index, index]:
+                if net.owns_param(layer_index, index):
                     data_group.create_dataset(str(index), data=blob.data)
                 if write_diff:
                     diff_group.create_dataset(str(index), data=blob.diff)
@@ -168,7 +159,6 @@ def save_hdf5(net, path, write_diff=False):
 def copy_layers_from_hdf5(net, path):
     import h5py
     skipped = []
-    owns = _owns_param(net)
     with h5py.File(path, "r") as weights:
         if "data" not in weights:
             raise WeightsError(f"{path}: not a Caffe HDF5 weight file (no 'data' group)")
@@ -178,7 +168,7 @@ def copy_layers_from_hdf5(net, path):
             if layer is None:
                 skipped.append(layer_name)
                 continue
-            layer_index = net._layer_names.index(layer_name)
+            layer_index = net.layer_names.index(layer_name)
             where = f"{path}: layer '{layer_name}' ({layer.type})"
             stored = data[layer_name]
             if len(stored) > len(layer.blobs):
@@ -186,7 +176,7 @@ def copy_layers_from_hdf5(net, path):
                                    f"the net's layer has {len(layer.blobs)}")
             for index, blob in enumerate(layer.blobs):
                 if str(index) not in stored:
-                    if owns[layer_index, index]:      # a shared param is loaded by its owner
+                    if net.owns_param(layer_index, index):      # a shared param is loaded by its owner
                         raise WeightsError(f"{where}: blobs[{index}]: missing from the file")
                     continue
                 values = stored[str(index)][...]
