@@ -1,5 +1,6 @@
 """`cct time`: Caffe's per-layer forward and backward timings, then cct's
 profile table (GFLOP/s, share of the GEMM peak, lowering type, partitions)."""
+import json
 import logging
 import time
 
@@ -23,6 +24,9 @@ log = logging.getLogger("cct.cli")
     flag("--peak_size", type=int, default=2048,
          help="square sgemm size for the GEMM peak measured at the start (0: skip it)"),
     PHASE, LEVEL, STAGE, GPU, SCHEDULE,
+    flag("--trace", default="",
+         help="with --schedule streams or auto: write one streamed backward as a Chrome trace (.json, for "
+              "Perfetto or chrome://tracing) or a timeline picture (.png, needs matplotlib)"),
 )
 def time_command(args):
     from cct.runtime import profile
@@ -32,6 +36,9 @@ def time_command(args):
     check_iterations(args.iterations)
     if args.peak_size < 0:
         raise ConfigError(f"--peak_size: must be >= 0, got {args.peak_size}")
+    if args.trace and (args.schedule not in ("streams", "auto") or not args.trace.endswith((".json", ".png"))):
+        raise ConfigError(f"--trace: needs --schedule streams (or auto) and a .json or .png file, "
+                          f"got --trace={args.trace} --schedule={args.schedule or 'sequential'}")
     note_gpu(args)
     apply_schedule(args)
     net = Net(args.model, phase(args, TRAIN), level=args.level, stages=stages(args.stage))
@@ -85,8 +92,75 @@ def time_command(args):
     log.info("Total Time: %s ms.", fmt(total_ms))
     for line in profile_table(net, forward_ms, backward_ms, peak):
         log.info("%s", line)
+    if args.schedule in ("streams", "auto"):
+        _time_streams(net, args.trace)
     log.info("*** Benchmark ends ***")
     return 0
+
+
+def _time_streams(net, trace_path):
+    """The backward as sub-tasks: each one's stream, priority and time measured
+    alone, then one streamed backward's span (and its trace, when asked)."""
+    from cct.runtime import scheduler
+    schedule = net.executor.stream_schedule()
+    net._forward()
+    schedule.profile()                     # sub-tasks one at a time: times, then priorities from them
+    net._forward()
+    scheduler.run_backward(net, schedule)
+    started = {span.task: span for span in schedule.trace}
+    origin = min(span.ready for span in schedule.trace)
+    log.info("Backward sub-tasks on streams (priority: critical-path ms, less alpha/beta for parameter gradients):")
+    log.info("  %-36s %6s %10s %9s %12s", "sub-task", "stream", "priority", "alone ms", "streamed at")
+    for task in schedule.tasks:
+        span = started[task]
+        log.info("  %-36s %6d %10.3f %9.3f %5.2f-%.2f", f"{net.layers[task.layer].name}: {task.kind}"
+                 + (f".{task.param}" if task.kind == "backward_param" else ""), span.stream,
+                 1e3 * schedule.priority[task], 1e3 * schedule.times[task],
+                 1e3 * (span.start - origin), 1e3 * (span.end - origin))
+    end = max(span.end for span in schedule.trace)
+    alone = sum(schedule.times.values())
+    log.info("Streamed backward: %s ms (sub-tasks alone, one after another: %s ms)", fmt(1e3 * (end - origin)),
+             fmt(1e3 * alone))
+    if trace_path:
+        _write_trace(net, schedule, trace_path)
+        log.info("Trace written to %s", trace_path)
+    net.clear_param_diffs()
+
+
+def _write_trace(net, schedule, path):
+    from cct.formats.prototxt import atomic_write
+    origin = min(span.ready for span in schedule.trace)
+    names = {span.task: f"{net.layers[span.task.layer].name} {span.task.kind}" for span in schedule.trace}
+    if path.endswith(".json"):
+        atomic_write(path, json.dumps(scheduler_trace(schedule, names, origin), indent=1).encode())
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from cct.formats.prototxt import atomic_path
+    figure, axes = plt.subplots(figsize=(12, 2.5))
+    for span in schedule.trace:
+        axes.broken_barh([(1e3 * (span.start - origin), 1e3 * (span.end - span.start))], (span.stream - 0.4, 0.8),
+                         color=("tab:red", "tab:blue", "tab:green")[span.stream % 3])
+    axes.set_yticks([0, 1, 2], ["data gradients", "weight gradients", "other gradients"])
+    axes.set_xlabel("ms from the start of backward")
+    figure.tight_layout()
+    with atomic_path(path) as temp_path:
+        figure.savefig(temp_path, format="png", dpi=120)
+    plt.close(figure)
+
+
+def scheduler_trace(schedule, names, origin):
+    """Chrome trace events (one row per stream) of the schedule's last run."""
+    events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": index,
+               "args": {"name": ("stream 0: data gradients", "stream 1: weight gradients",
+                                 "stream 2: other gradients")[index]}} for index in range(3)]
+    for span in schedule.trace:
+        events.append({"name": names[span.task], "ph": "X", "pid": 0, "tid": span.stream,
+                       "ts": 1e6 * (span.start - origin), "dur": 1e6 * (span.end - span.start),
+                       "args": {"priority_ms": 1e3 * schedule.priority[span.task],
+                                "waited_ms": 1e3 * (span.start - span.ready)}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
 PROFILE_HEADER = ("layer", "type", "fwd ms", "bwd ms", "fwd GFLOP/s", "bwd GFLOP/s", "% peak",

@@ -91,3 +91,34 @@ def test_time_refuses_a_negative_peak_size(tmp_path, capsys):
     path.write_text(PROFILE_NET)
     code, _, err = run_cct(capsys, "time", "--model", path, "--peak_size", "-1")
     assert_one_line_error(code, err, "--peak_size: must be >= 0, got -1")
+
+
+def test_time_streams_prints_the_sub_tasks_and_writes_a_trace(tmp_path, capsys):
+    import json
+    from cct.runtime import settings
+    path = tmp_path / "tiny.prototxt"
+    path.write_text(PROFILE_NET)
+    trace = tmp_path / "trace.json"
+    try:
+        code, _, err = run_cct(capsys, "time", "--model", path, "--iterations", "1", "--peak_size", "0",
+                               "--schedule", "streams", "--trace", trace)
+    finally:
+        settings.set_schedule(None)
+    assert code == 0, err
+    text = messages(err)
+    start = next(i for i, m in enumerate(text) if m.startswith("Backward sub-tasks on streams"))
+    rows = [m.split() for m in text[start + 2:] if m.startswith("  ")]
+    assert any(row[:2] == ["conv:", "backward_param.0"] and row[2] == "1" for row in rows)
+    assert any(row[:2] == ["deconv:", "backward_data"] and row[2] == "0" for row in rows)
+    assert any(re.fullmatch(r"Streamed backward: [0-9.e+-]+ ms \(sub-tasks alone, one after another: "
+                            r"[0-9.e+-]+ ms\)", m) for m in text)
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [event for event in events if event["ph"] == "X"]
+    assert len(spans) == len(rows) and {event["tid"] for event in spans} <= {0, 1, 2}
+
+
+def test_time_trace_needs_the_streams(tmp_path, capsys):
+    path = tmp_path / "tiny.prototxt"
+    path.write_text(PROFILE_NET)
+    code, _, err = run_cct(capsys, "time", "--model", path, "--trace", tmp_path / "t.json")
+    assert_one_line_error(code, err, "--trace: needs --schedule streams (or auto) and a .json or .png file")
