@@ -141,7 +141,8 @@ def _write_trace(net, schedule, path):
     figure, axes = plt.subplots(figsize=(12, 2.5))
     for span in schedule.trace:
         axes.broken_barh([(1e3 * (span.start - origin), 1e3 * (span.end - span.start))], (span.stream - 0.4, 0.8),
-                         color=("tab:red", "tab:blue", "tab:green")[span.stream % 3])
+                         color=("tab:red", "tab:blue", "tab:green")[span.stream % 3], edgecolor="white",
+                         linewidth=0.5)
     axes.set_yticks([0, 1, 2], ["data gradients", "weight gradients", "other gradients"])
     axes.set_xlabel("ms from the start of backward")
     figure.tight_layout()
