@@ -225,6 +225,14 @@ class _ConvolutionBase(Layer):
         for blob in top:
             self.blobs[1].diff[...] += blob.diff.sum(axis=(0, 2, 3))
 
+    def backward_param(self, index, top, bottom):
+        """Parameter 0's gradient (the weights: _weight_gradient, the family's
+        own) or parameter 1's (the bias)."""
+        if index == 1:
+            self._bias_gradient(top)
+        else:
+            self._weight_gradient(top, bottom, self._lowering(), thread_arena())
+
 
 @register("Convolution")
 class Convolution(_ConvolutionBase):
@@ -273,11 +281,7 @@ class Convolution(_ConvolutionBase):
             if need_weights:
                 self.blobs[0].diff[...] += dw
 
-    def backward_param(self, index, top, bottom):
-        if index == 1:
-            self._bias_gradient(top)
-            return
-        kind, arena = self._lowering(), thread_arena()
+    def _weight_gradient(self, top, bottom, kind, arena):
         for t, b in zip(top, bottom):
             _, dw = conv_backward(b.data, t.diff, self.blobs[0].data, self.geom, kind, data=False, weights=True,
                                   ws=arena, chunk=self._chunk(kind, b.data))
@@ -322,11 +326,7 @@ class Deconvolution(_ConvolutionBase):
             self._add_bias(t.data)
 
     # backward (Layer.backward): the weight gradient, the bias gradient, the data gradient
-    def backward_param(self, index, top, bottom):
-        if index == 1:
-            self._bias_gradient(top)
-            return
-        kind, arena = self._lowering(), thread_arena()
+    def _weight_gradient(self, top, bottom, kind, arena):
         for t, b in zip(top, bottom):
             self.blobs[0].diff[...] += conv_backward_weights(t.diff, b.data, self.geom, kind, ws=arena,
                                                              chunk=self._chunk(kind, b.data))

@@ -28,3 +28,12 @@ def partitions(request, monkeypatch):
     from cct.runtime.settings import PARTITIONS_ENV
     monkeypatch.setenv(PARTITIONS_ENV, str(request.param))
     return request.param
+
+
+@pytest.fixture
+def one_lowering_type(monkeypatch):
+    """Every convolution on lowering type 1, for tests that compare runs which
+    must take the same arithmetic: the chooser's pick can change within a
+    process (another test recalibrates it), and the types sum in other orders."""
+    from cct.runtime.settings import LOWERING_ENV
+    monkeypatch.setenv(LOWERING_ENV, "1")

@@ -55,12 +55,7 @@ def gradients(net):
             + [net.blobs[name].diff.copy() for name in net.blobs if name not in ("data", "label")])
 
 
-@pytest.fixture(autouse=True)
-def one_lowering_type(monkeypatch):
-    """Every convolution on lowering type 1: the chooser's pick can change
-    within a process (another test recalibrates it), and the types sum in
-    different orders; the comparisons here are of schedules, not lowerings."""
-    monkeypatch.setenv("CCT_LOWERING", "1")
+pytestmark = pytest.mark.usefixtures("one_lowering_type")
 
 
 @pytest.fixture

@@ -39,12 +39,7 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 """
 
 
-@pytest.fixture(autouse=True)
-def one_lowering_type(monkeypatch):
-    """Every convolution on lowering type 1: the chooser's pick can change
-    within a process (another test recalibrates it), and the types sum in
-    different orders; the comparisons here are of schedules, not lowerings."""
-    monkeypatch.setenv("CCT_LOWERING", "1")
+pytestmark = pytest.mark.usefixtures("one_lowering_type")
 
 
 def lenet():
