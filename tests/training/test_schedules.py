@@ -1,7 +1,7 @@
 """Training in every schedule (cct.runtime.executor: sequential, streams,
-auto) gives bitwise the same weights: LeNet, and a net with an inception-like
-fork and a residual block (BatchNorm, Scale, Eltwise), at 1 and 2 batch
-partitions. The schedule comes from the run settings (CCT_SCHEDULE, the
+auto) gives bitwise the same weights: LeNet, CaffeNet-mini, and a net with an
+inception-like fork and a residual block (BatchNorm, Scale, Eltwise), at 1 and
+2 batch partitions. The schedule comes from the run settings (CCT_SCHEDULE, the
 configuration's "schedule", settings.set_schedule)."""
 import numpy as np
 import pytest
@@ -55,11 +55,18 @@ def lenet():
     return net
 
 
-NETS = {"lenet": lenet, "blocks": lambda: text_format.Parse(BLOCKS, caffe_pb2.NetParameter())}
+def caffenet_mini():
+    """The reference cases' CaffeNet-mini (every CaffeNet layer kind, batch 2)."""
+    path = REPO / "tests" / "reference" / "cases" / "caffenet_mini_sgd" / "net.prototxt"
+    return text_format.Parse(path.read_text(), caffe_pb2.NetParameter())
 
 
-def train(net_param, iterations=10):
-    param = caffe_pb2.SolverParameter(base_lr=0.02, lr_policy="fixed", momentum=0.9, weight_decay=0.001,
+NETS = {"lenet": lenet, "blocks": lambda: text_format.Parse(BLOCKS, caffe_pb2.NetParameter()),
+        "caffenet_mini": caffenet_mini}
+
+
+def train(net_param, iterations=10, base_lr=0.02):
+    param = caffe_pb2.SolverParameter(base_lr=base_lr, lr_policy="fixed", momentum=0.9, weight_decay=0.001,
                                       display=0, snapshot_after_train=False, random_seed=7)
     param.net_param.CopyFrom(net_param)
     solver = cct.SGDSolver(param)
@@ -72,13 +79,13 @@ def train(net_param, iterations=10):
     return solver, [blob.data.copy() for blob in solver.net.learnable_params]
 
 
-def train_in_every_schedule(name, iterations=10):
+def train_in_every_schedule(name, iterations=10, base_lr=0.02):
     """{mode: weights after training} for sequential, streams and auto."""
     weights = {}
     try:
         for mode in ("sequential", "streams", "auto"):
             settings.set_schedule(mode)
-            solver, weights[mode] = train(NETS[name](), iterations)
+            solver, weights[mode] = train(NETS[name](), iterations, base_lr)
             assert solver.net.executor.schedule == mode
     finally:
         settings.set_schedule(None)
