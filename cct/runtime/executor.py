@@ -186,16 +186,17 @@ class Executor:
         if force or self.net.layer_need_backward[index]:
             partitions = self.partitions(index)
             self.blas.set(self.threads if partitions == 1 else max(1, self.threads // partitions))
-            self.layer_backward(index)
+            self.layer_backward(index, partitions)
         if self._listeners:
             self._emit("after_backward", index)
 
-    def layer_backward(self, index):
-        """Layer `index`'s whole backward in its batch partitions, the BLAS count
-        left as it is (a stream of cct.runtime.scheduler calls this)."""
+    def layer_backward(self, index, partitions=None):
+        """Layer `index`'s whole backward in its batch partitions (its plan's,
+        unless the caller looked them up already), the BLAS count left as it is
+        (a stream of cct.runtime.scheduler calls this)."""
         layer, bottoms, tops = self._layer(index)
         propagate_down = self.net.bottom_need_backward[index]
-        partitions = self.partitions(index)
+        partitions = self.partitions(index) if partitions is None else partitions
         if partitions == 1:
             layer.backward(tops, propagate_down, bottoms)
         else:

@@ -11,11 +11,11 @@ few streams, one worker thread each serving its stream in order:
     stream 2  every other parameter's gradient (biases, Scale's bias, ...)
 
 The stream count does not grow with depth. Nothing blocks a worker on an
-unready input: the dispatcher (the calling thread) counts each sub-task's
-unfinished predecessors and hands a stream its next sub-task only when that
-stream is idle, choosing the highest-priority ready one, so a critical
-sub-task that becomes ready later still overtakes waiting non-critical ones
-(the CPU has no hardware stream priorities: the paper's "method one").
+unready input: each sub-task's unfinished predecessors are counted, and a
+stream's worker, when idle, takes the highest-priority ready sub-task of its
+stream, so a critical sub-task that becomes ready later still overtakes
+waiting non-critical ones (the CPU has no hardware stream priorities: the
+paper's "method one", done by the workers themselves).
 
 Priority: a sub-task's critical-path length, its own time plus the longest
 chain of successors' times to the end of backward (an upward rank over the
@@ -42,8 +42,8 @@ DATA_STREAM, WEIGHT_STREAM, OTHER_STREAM = 0, 1, 2
 
 @dataclass(frozen=True)
 class Span:
-    """One sub-task of a run, perf_counter seconds: when the dispatcher saw it
-    ready, handed it to its stream, and when it started and ended there."""
+    """One sub-task of a run, perf_counter seconds: when it became ready, when
+    its stream's worker took it, and when it started and ended there."""
     task: object
     stream: int
     ready: float
@@ -62,23 +62,18 @@ def stream_of(task):
 
 
 class CpuStream:
-    """A stream served by one worker thread, in the order sub-tasks are given.
-    (An OpenCL device's queue will be another kind of stream: submit and done.)"""
+    """A stream served by one worker thread, in the order work is given. Its
+    own threads, not the partition workers (cct.runtime.threads): a stream may
+    run a batch-partitioned layer, which waits on those. (An OpenCL device's
+    queue will be another kind of stream.)"""
 
     def __init__(self, index):
         self.index = index
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"cct-stream-{index}")
 
-    def submit(self, function, done):
-        """Run function() on the stream, then done(error or None) on its thread."""
-        def run():
-            try:
-                function()
-            except BaseException as error:       # handed to the dispatcher, which re-raises
-                done(error)
-                return
-            done(None)
-        self._worker.submit(run)
+    def submit(self, function):
+        """Run function() on the stream's thread."""
+        self._worker.submit(function)
 
 
 _streams = []
@@ -106,10 +101,7 @@ class Schedule:
         self.tasks = backward
         # edges from forward sub-tasks are met before backward starts
         self.edges = {task: {earlier for earlier in built.edges[task] if earlier in members} for task in backward}
-        self.following = {task: [] for task in backward}
-        for task, before in self.edges.items():
-            for earlier in before:
-                self.following[earlier].append(task)
+        self.following = graph_module.Graph(backward, self.edges).successors()
         self.times = dict(times) if times else self._estimated_times()
         self.priority = self._priorities()
         self.trace = []                     # Span per sub-task of the last run
@@ -179,7 +171,7 @@ class Schedule:
             finally:
                 done.wait()
         for index, stream in enumerate(streams):
-            stream.submit(lambda index=index: serve(index), lambda error: None)
+            stream.submit(lambda index=index: serve(index))
         done.wait()
         self.trace = sorted(state.spans.values(), key=lambda span: span.start)
         if state.failure is not None:
