@@ -12,6 +12,7 @@ import cct
 from cct.proto import caffe_pb2
 from cct.runtime import graph
 from helpers.data import raw_datum, write_lmdb
+from helpers.nets import FORK_RESIDUAL
 
 # An LMDB data layer (no random draws, a cursor that moves every forward), a
 # convolution whose weight gradient reads the data blob, an inception-like fork
@@ -21,21 +22,7 @@ NET = """
 name: "graph"
 layer { name: "data" type: "Data" top: "data" top: "label"
   data_param { source: "{source}" batch_size: 4 backend: LMDB } transform_param { scale: 0.0039 } }
-layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
-  convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.2 }
-                      bias_filler { type: "gaussian" std: 0.1 } } }
-layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
-layer { name: "branch_a" type: "Convolution" bottom: "conv1" top: "branch_a"
-  convolution_param { num_output: 3 kernel_size: 1 weight_filler { type: "gaussian" std: 0.2 } } }
-layer { name: "branch_b" type: "Convolution" bottom: "conv1" top: "branch_b"
-  convolution_param { num_output: 3 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.2 } } }
-layer { name: "concat" type: "Concat" bottom: "branch_a" bottom: "branch_b" top: "concat" }
-layer { name: "res" type: "Convolution" bottom: "concat" top: "res"
-  convolution_param { num_output: 6 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.2 } } }
-layer { name: "bn" type: "BatchNorm" bottom: "res" top: "res" }
-layer { name: "scale" type: "Scale" bottom: "res" top: "res" scale_param { bias_term: true } }
-layer { name: "relu2" type: "ReLU" bottom: "res" top: "res" }
-layer { name: "sum" type: "Eltwise" bottom: "res" bottom: "concat" top: "sum" }
+{body}
 layer { name: "pool" type: "Pooling" bottom: "sum" top: "pool" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
 layer { name: "ip_a" type: "InnerProduct" bottom: "pool" top: "ip_a" param { name: "shared_w" }
   inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }
@@ -59,7 +46,8 @@ def source(tmp_path_factory):
 
 
 def make_solver(source):
-    net = text_format.Parse(NET.replace("{source}", source), caffe_pb2.NetParameter())
+    text = NET.replace("{source}", source).replace("{body}", FORK_RESIDUAL)
+    net = text_format.Parse(text, caffe_pb2.NetParameter())
     param = caffe_pb2.SolverParameter(base_lr=0.05, lr_policy="fixed", momentum=0.9, weight_decay=0.01,
                                       display=0, snapshot_after_train=False, random_seed=3)
     param.net_param.CopyFrom(net)
@@ -137,7 +125,7 @@ def test_the_graph_keeps_the_hazards(source):
     # the next forward of a layer waits for the update of its parameters
     assert task["update", -1, -1, 0] in unrolled.edges[task["forward", index["conv1"], -1, 1]]
     # the two branches' backward do not wait for each other
-    a, b = task["backward_data", index["branch_a"], -1, 0], task["backward_data", index["branch_b"], -1, 0]
+    a, b = task["backward_data", index["short"], -1, 0], task["backward_data", index["long1"], -1, 0]
     assert a not in unrolled.edges[b] and b not in unrolled.edges[a]
 
 

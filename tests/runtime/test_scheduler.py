@@ -11,30 +11,14 @@ from google.protobuf import text_format
 import cct
 from cct.proto import caffe_pb2
 from cct.runtime import graph, scheduler
+from helpers.nets import FORK_RESIDUAL
 
 FILL = 'weight_filler { type: "gaussian" std: 0.2 } bias_filler { type: "gaussian" std: 0.1 }'
-# a chain, an inception-like fork (a long and a short branch joined by Concat),
-# a residual block with BatchNorm, Scale and ReLU in place, and an Eltwise sum
 NET = f"""
 name: "streams"
 layer {{ name: "data" type: "Input" top: "data" top: "label"
   input_param {{ shape {{ dim: 4 dim: 3 dim: 8 dim: 8 }} shape {{ dim: 4 }} }} }}
-layer {{ name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
-  convolution_param {{ num_output: 4 kernel_size: 3 pad: 1 {FILL} }} }}
-layer {{ name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }}
-layer {{ name: "short" type: "Convolution" bottom: "conv1" top: "short"
-  convolution_param {{ num_output: 2 kernel_size: 1 {FILL} }} }}
-layer {{ name: "long1" type: "Convolution" bottom: "conv1" top: "long1"
-  convolution_param {{ num_output: 6 kernel_size: 3 pad: 1 {FILL} }} }}
-layer {{ name: "long2" type: "Convolution" bottom: "long1" top: "long2"
-  convolution_param {{ num_output: 4 kernel_size: 3 pad: 1 {FILL} }} }}
-layer {{ name: "concat" type: "Concat" bottom: "short" bottom: "long2" top: "concat" }}
-layer {{ name: "res" type: "Convolution" bottom: "concat" top: "res"
-  convolution_param {{ num_output: 6 kernel_size: 3 pad: 1 {FILL} }} }}
-layer {{ name: "bn" type: "BatchNorm" bottom: "res" top: "res" }}
-layer {{ name: "scale" type: "Scale" bottom: "res" top: "res" scale_param {{ bias_term: true filler {{ type: "gaussian" }} }} }}
-layer {{ name: "relu2" type: "ReLU" bottom: "res" top: "res" }}
-layer {{ name: "sum" type: "Eltwise" bottom: "res" bottom: "concat" top: "sum" }}
+{FORK_RESIDUAL}
 layer {{ name: "ip" type: "InnerProduct" bottom: "sum" top: "ip" inner_product_param {{ num_output: 5 {FILL} }} }}
 layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }}
 """

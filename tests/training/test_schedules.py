@@ -12,30 +12,16 @@ import cct
 from cct.core.errors import ConfigError
 from cct.proto import caffe_pb2
 from cct.runtime import settings, threads
+from helpers.nets import FORK_RESIDUAL
 from helpers.paths import REPO
 
-BLOCKS = """
-layer { name: "data" type: "Input" top: "data" top: "label"
-  input_param { shape { dim: 8 dim: 3 dim: 8 dim: 8 } shape { dim: 8 } } }
-layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
-  convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.2 } } }
-layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
-layer { name: "a" type: "Convolution" bottom: "conv1" top: "a"
-  convolution_param { num_output: 2 kernel_size: 1 weight_filler { type: "gaussian" std: 0.2 } } }
-layer { name: "b1" type: "Convolution" bottom: "conv1" top: "b1"
-  convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.2 } } }
-layer { name: "b2" type: "Convolution" bottom: "b1" top: "b2"
-  convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.2 } } }
-layer { name: "concat" type: "Concat" bottom: "a" bottom: "b2" top: "concat" }
-layer { name: "res" type: "Convolution" bottom: "concat" top: "res"
-  convolution_param { num_output: 6 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.2 } } }
-layer { name: "bn" type: "BatchNorm" bottom: "res" top: "res" }
-layer { name: "scale" type: "Scale" bottom: "res" top: "res" scale_param { bias_term: true } }
-layer { name: "relu2" type: "ReLU" bottom: "res" top: "res" }
-layer { name: "sum" type: "Eltwise" bottom: "res" bottom: "concat" top: "sum" }
-layer { name: "ip" type: "InnerProduct" bottom: "sum" top: "ip"
-  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }
-layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+BLOCKS = f"""
+layer {{ name: "data" type: "Input" top: "data" top: "label"
+  input_param {{ shape {{ dim: 8 dim: 3 dim: 8 dim: 8 }} shape {{ dim: 8 }} }} }}
+{FORK_RESIDUAL}
+layer {{ name: "ip" type: "InnerProduct" bottom: "sum" top: "ip"
+  inner_product_param {{ num_output: 5 weight_filler {{ type: "gaussian" std: 0.1 }} }} }}
+layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }}
 """
 
 
