@@ -87,7 +87,7 @@ def _diff(blob):
     return _memory(blob.diff)
 
 
-def accesses(net, task, solver_params=None):
+def accesses(net, task):
     """The resources `task` reads and writes (see the module docstring)."""
     if task.kind == CLEAR:
         return Access(writes={_diff(net.learnable_params[task.param])})
