@@ -109,18 +109,23 @@ def _time_streams(net, trace_path):
     scheduler.run_backward(net, schedule)
     started = {span.task: span for span in schedule.trace}
     origin = min(span.ready for span in schedule.trace)
-    log.info("Backward sub-tasks on streams (priority: critical-path ms, less alpha/beta for parameter gradients):")
+    log.info("Backward sub-tasks on streams (priority: Algorithm 1's, the layer's branch rank; "
+             "alpha %g / beta %g off parameter gradients):", schedule.alpha, schedule.beta)
     log.info("  %-36s %6s %10s %9s %12s", "sub-task", "stream", "priority", "alone ms", "streamed at")
     for task in schedule.tasks:
         span = started[task]
         log.info("  %-36s %6d %10.3f %9.3f %5.2f-%.2f", f"{net.layers[task.layer].name}: {task.kind}"
                  + (f".{task.param}" if task.kind == "backward_param" else ""), span.stream,
-                 1e3 * schedule.priority[task], 1e3 * schedule.times[task],
+                 schedule.priority[task], 1e3 * schedule.times[task],
                  1e3 * (span.start - origin), 1e3 * (span.end - origin))
     end = max(span.end for span in schedule.trace)
     alone = sum(schedule.times.values())
     log.info("Streamed backward: %s ms (sub-tasks alone, one after another: %s ms)", fmt(1e3 * (end - origin)),
              fmt(1e3 * alone))
+    critical = [span for span in schedule.trace if scheduler.stream_of(span.task) == scheduler.DATA_STREAM]
+    log.info("Last data gradient at %s ms (the data gradients alone, one after another: %s ms)",
+             fmt(1e3 * (max(span.end for span in critical) - origin)),
+             fmt(1e3 * sum(schedule.times[span.task] for span in critical)))
     if trace_path:
         _write_trace(net, schedule, trace_path)
         log.info("Trace written to %s", trace_path)

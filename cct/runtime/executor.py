@@ -235,7 +235,7 @@ class Executor:
         partitions (built once for each)."""
         shape = (self._net_shape(), tuple(self.partitions(i) for i in range(len(self.net.layers))))
         if self._streams is None or self._streams[0] != shape:
-            self._streams = (shape, scheduler.Schedule(self.net))
+            self._streams = (shape, scheduler.Schedule(self.net, **settings.priorities()))
         return self._streams[1]
 
     def _net_shape(self):

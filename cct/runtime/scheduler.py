@@ -17,13 +17,14 @@ stream, so a critical sub-task that becomes ready later still overtakes
 waiting non-critical ones (the CPU has no hardware stream priorities: the
 paper's "method one", done by the workers themselves).
 
-Priority: a sub-task's critical-path length, its own time plus the longest
-chain of successors' times to the end of backward (an upward rank over the
-graph: the fork-to-merge paths of an inception unit or a residual block get
-their distances from it without naming blocks), less `alpha` for a weight
-gradient and `beta` for other parameter gradients, which keeps them behind
-data gradients of equal rank. Times come from the layers' FLOP counts until
-`profile()` has measured them.
+Priority: TurboDL's Algorithm 1 (cct.runtime.critical_path): blocks from a
+fork layer to its merge, the longest branch first; a data gradient keeps its
+layer's priority p, a weight gradient gets p - alpha and any other parameter
+gradient p - beta. alpha and beta are in units of the step between two
+branches of a block (ALPHA, BETA; the run configuration's "priorities"
+entry). Branch distances come from the layers' FLOP counts until `profile()`
+has measured the data-gradient times. Equal priorities keep the sequential
+order.
 
 OpenBLAS's thread count is process-wide: while streams run, each GEMM gets
 T / (streams that run GEMMs at once) threads (`blas_threads`), so two
@@ -35,7 +36,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from cct.runtime import graph as graph_module
+from cct.runtime import critical_path, graph as graph_module
 
 DATA_STREAM, WEIGHT_STREAM, OTHER_STREAM = 0, 1, 2
 
@@ -51,8 +52,11 @@ class Span:
     start: float
     end: float
 
-ALPHA = 0.5            # priority taken off a weight gradient, in units of the critical path's mean task time
-BETA = 1.0             # ... and off every other parameter gradient
+# Taken off a layer's priority for its weight gradient, and for its other
+# parameter gradients: below the layer's data gradient and above the data
+# gradients of the next branch down (a step of 1).
+ALPHA = 0.25
+BETA = 0.5
 
 
 def stream_of(task):
@@ -120,19 +124,17 @@ class Schedule:
         return times
 
     def _priorities(self):
-        """Upward rank (critical-path length to the end of backward), less
-        alpha / beta (scaled by the mean time) for parameter gradients."""
-        rank = {}
-        for task in reversed(self.tasks):              # the sequential order is topological
-            later = [rank[successor] for successor in self.following[task]]
-            rank[task] = self.times[task] + (max(later) if later else 0.0)
-        unit = sum(self.times.values()) / max(1, len(self.times))
+        """Algorithm 1's layer priorities from the data-gradient times, less
+        alpha / beta for parameter gradients."""
+        data_times = {task.layer: self.times[task] for task in self.tasks
+                      if task.kind in (graph_module.BACKWARD_DATA, graph_module.BACKWARD)}
+        layer_priority = critical_path.layer_priorities(self.net, data_times)
         priority = {}
         for task in self.tasks:
             offset = 0.0
             if task.kind == graph_module.BACKWARD_PARAM:
-                offset = (self.alpha if task.param == 0 else self.beta) * unit
-            priority[task] = rank[task] - offset
+                offset = self.alpha if task.param == 0 else self.beta
+            priority[task] = layer_priority[task.layer] - offset
         return priority
 
     def profile(self, runs=2):

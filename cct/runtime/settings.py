@@ -49,7 +49,10 @@ Top-level "schedule": "sequential" (layer after layer), "streams" (backward
 sub-tasks on concurrent streams, cct.runtime.scheduler) or "auto" (each net
 times both on its first backward passes and keeps the faster). Precedence:
 set_schedule() (the CLI's --schedule), then CCT_SCHEDULE, then the
-configuration, then "sequential".
+configuration, then "sequential". Top-level "priorities": {"alpha": a,
+"beta": b} sets how far a weight gradient (alpha) and any other parameter
+gradient (beta) rank below their layer's data gradient in the streams
+schedule (cct.runtime.critical_path; defaults in cct.runtime.scheduler).
 
 Unknown keys and bad values are errors naming the file and the key. Layers a
 net does not have are ignored (a train and a test net share one file).
@@ -71,7 +74,8 @@ PARTITIONS_ENV = "CCT_PARTITIONS"
 LOWERING_ENV = "CCT_LOWERING"
 BUDGET_ENV = "CCT_LOWERING_BUDGET_MB"
 CACHE_ENV = "CCT_CACHE_DIR"
-TOP_KEYS = ("layers", "default", "share_diffs", "schedule")
+TOP_KEYS = ("layers", "default", "share_diffs", "schedule", "priorities")
+PRIORITY_KEYS = ("alpha", "beta")
 SCHEDULE_ENV = "CCT_SCHEDULE"
 SCHEDULES = ("sequential", "streams", "auto")
 KEYS = ("lowering", "measure", "lowering_budget_mb", "partitions")
@@ -114,6 +118,18 @@ def _check_settings(source, where, settings):
     return dict(settings)
 
 
+def _check_priorities(source, priorities):
+    if not isinstance(priorities, dict):
+        raise ConfigError(f"{source}: priorities: must be an object with alpha and/or beta, "
+                          f"got {json.dumps(priorities)}")
+    for key, value in priorities.items():
+        if key not in PRIORITY_KEYS:
+            raise ConfigError(f"{source}: priorities.{key}: unknown key; known keys: {', '.join(PRIORITY_KEYS)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ConfigError(f"{source}: priorities.{key}: must be a number >= 0, got {json.dumps(value)}")
+    return dict(priorities)
+
+
 class RunConfig:
     """A parsed run configuration; `source` names it in messages."""
 
@@ -134,6 +150,7 @@ class RunConfig:
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ConfigError(f"{self.source}: schedule: must be one of {', '.join(SCHEDULES)}, "
                               f"got {json.dumps(self.schedule)}")
+        self.priorities = _check_priorities(self.source, contents.get("priorities", {}))
         self.share_diffs = contents.get("share_diffs")           # None: the caller's default
         if "share_diffs" in contents and not isinstance(self.share_diffs, bool):
             raise ConfigError(f"{self.source}: share_diffs: must be true or false, "
@@ -206,6 +223,12 @@ def set_schedule(mode):
     if mode is not None and mode not in SCHEDULES:
         raise ConfigError(f"schedule: must be one of {', '.join(SCHEDULES)}, got {mode!r}")
     _schedule = mode
+
+
+def priorities():
+    """The configuration's {"alpha": ..., "beta": ...} overrides (possibly none)."""
+    config = active()
+    return dict(config.priorities) if config is not None else {}
 
 
 def schedule(config=None):

@@ -112,6 +112,11 @@ def test_time_streams_prints_the_sub_tasks_and_writes_a_trace(tmp_path, capsys):
     assert any(row[:2] == ["deconv:", "backward_data"] and row[2] == "0" for row in rows)
     assert any(re.fullmatch(r"Streamed backward: [0-9.e+-]+ ms \(sub-tasks alone, one after another: "
                             r"[0-9.e+-]+ ms\)", m) for m in text)
+    assert any(re.fullmatch(r"Last data gradient at [0-9.e+-]+ ms \(the data gradients alone, one after "
+                            r"another: [0-9.e+-]+ ms\)", m) for m in text)
+    # a chain: every data gradient at priority 0, weight gradients at -alpha
+    assert {row[3] for row in rows if row[1] == "backward_data"} == {"0.000"}
+    assert {row[3] for row in rows if row[1] == "backward_param.0"} == {"-0.250"}
     events = json.loads(trace.read_text())["traceEvents"]
     spans = [event for event in events if event["ph"] == "X"]
     assert len(spans) == len(rows) and {event["tid"] for event in spans} <= {0, 1, 2}

@@ -99,22 +99,20 @@ def test_priorities_follow_the_critical_path():
     net = make_net()
     index = {name: i for i, name in enumerate(net.layer_names)}
     base = scheduler.Schedule(net)
-    times = {task: 1.0 for task in base.tasks}              # every sub-task 1 s: paths count sub-tasks
-    schedule = scheduler.Schedule(net, alpha=0.5, beta=1.0, times=times)
+    times = {task: 1.0 for task in base.tasks}              # every sub-task 1 s: paths count layers
+    schedule = scheduler.Schedule(net, alpha=0.25, beta=0.5, times=times)
 
-    def task(kind, name, param=-1):
-        return next(t for t in schedule.tasks if (t.kind, t.layer, t.param) == (kind, index[name], param))
-    # the long branch (two convolutions) outranks the short one
-    assert (schedule.priority[task(graph.BACKWARD_DATA, "long2")]
-            > schedule.priority[task(graph.BACKWARD_DATA, "short")])
-    # within a layer: data gradient p, weight gradient below it, bias lower still
-    data = schedule.priority[task(graph.BACKWARD_DATA, "res")]
-    weight = schedule.priority[task(graph.BACKWARD_PARAM, "res", 0)]
-    bias = schedule.priority[task(graph.BACKWARD_PARAM, "ip", 1)]
-    assert data > weight and schedule.priority[task(graph.BACKWARD_PARAM, "ip", 0)] > bias
-    # a chain: priorities fall along the data-gradient chain towards the input
-    assert (schedule.priority[task(graph.BACKWARD_DATA, "ip")] > schedule.priority[task(graph.BACKWARD_DATA, "res")]
-            > schedule.priority[task(graph.BACKWARD_DATA, "long2")])
+    def priority(kind, name, param=-1):
+        return next(schedule.priority[t] for t in schedule.tasks if (t.kind, t.layer, t.param) == (kind, index[name], param))
+    # the long branch (two convolutions) outranks the short one by one step
+    assert priority(graph.BACKWARD_DATA, "long2") == priority(graph.BACKWARD_DATA, "short") + 1
+    # within a layer: data gradient p, weight gradient p - alpha, bias p - beta
+    data = priority(graph.BACKWARD_DATA, "res")
+    assert priority(graph.BACKWARD_PARAM, "res", 0) == data - 0.25
+    assert priority(graph.BACKWARD_PARAM, "res", 1) == data - 0.5
+    # along the chain and on each block's longest branch, one priority
+    assert (priority(graph.BACKWARD_DATA, "ip") == data == priority(graph.BACKWARD_DATA, "long2")
+            == priority(graph.BACKWARD, "relu1"))
 
 
 def test_a_ready_sub_task_never_waits_behind_a_lower_priority_one():

@@ -75,6 +75,9 @@ def test_parse_reads_layers_and_default():
     ({"default": {"colour": 1}}, "default.colour: unknown key"),
     ({"layers": {"conv1": 3}}, "layers.conv1: must be an object"),
     ({"layers": [1]}, "layers: must be an object"),
+    ({"priorities": {"gamma": 1}}, "priorities.gamma: unknown key"),
+    ({"priorities": {"alpha": -1}}, "priorities.alpha: must be a number >= 0"),
+    ({"priorities": 0.5}, "priorities: must be an object"),
     ([1, 2], "must hold a JSON object"),
     ("{not json", "not valid JSON"),
 ])

@@ -110,6 +110,20 @@ def test_auto_measures_both_then_keeps_one():
     assert chosen in ("sequential", "streams") and all(len(runs) >= 3 for runs in times.values())
 
 
+def test_the_configuration_sets_alpha_and_beta(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text('{"schedule": "streams", "priorities": {"alpha": 0.125, "beta": 0.75}}')
+    settings.load(path)
+    try:
+        net = cct.Net(NETS["blocks"](), cct.TRAIN)
+        net.forward()
+        net.backward()
+        schedule = net.executor.stream_schedule()
+    finally:
+        settings.load(None)
+    assert (schedule.alpha, schedule.beta) == (0.125, 0.75)
+
+
 def test_schedule_from_the_environment_and_the_configuration(monkeypatch, tmp_path):
     monkeypatch.setenv("CCT_SCHEDULE", "streams")
     assert settings.schedule() == "streams"

@@ -1,0 +1,171 @@
+"""TurboDL's Algorithm 1 (cct.runtime.critical_path) on nets written out as
+prototxt: blocks from fork to merge, branches by distance, priorities
+p / p - alpha / p - beta, and a stream count that does not grow with depth."""
+import pytest
+from google.protobuf import text_format
+
+import cct
+from cct.proto import caffe_pb2
+from cct.runtime import critical_path, graph, scheduler
+
+FILL = 'weight_filler { type: "gaussian" std: 0.1 } bias_filler { type: "constant" value: 0.1 }'
+
+
+def conv(name, bottom, outputs=4, kernel=3):
+    return (f'layer {{ name: "{name}" type: "Convolution" bottom: "{bottom}" top: "{name}" '
+            f'convolution_param {{ num_output: {outputs} kernel_size: {kernel} pad: {kernel // 2} {FILL} }} }}\n')
+
+
+def relu(blob):
+    return f'layer {{ name: "relu_{blob}" type: "ReLU" bottom: "{blob}" top: "{blob}" }}\n'
+
+
+def head(bottom, label="label", name="loss"):
+    return (f'layer {{ name: "ip_{name}" type: "InnerProduct" bottom: "{bottom}" top: "ip_{name}" '
+            f'inner_product_param {{ num_output: 3 {FILL} }} }}\n'
+            f'layer {{ name: "{name}" type: "SoftmaxWithLoss" bottom: "ip_{name}" bottom: "{label}" top: "{name}" }}\n')
+
+
+INPUT = ('layer { name: "data" type: "Input" top: "data" top: "label" '
+         'input_param { shape { dim: 2 dim: 3 dim: 6 dim: 6 } shape { dim: 2 } } }\n')
+
+
+def chain(depth):
+    text, bottom = INPUT, "data"
+    for k in range(depth):
+        text += conv(f"conv{k}", bottom) + relu(f"conv{k}")
+        bottom = f"conv{k}"
+    return text + head(bottom)
+
+
+INCEPTION = (INPUT + conv("stem", "data") + relu("stem")
+             + conv("b1x1", "stem", kernel=1)
+             + conv("b3x3_reduce", "stem", kernel=1) + relu("b3x3_reduce") + conv("b3x3", "b3x3_reduce")
+             + conv("b5x5_reduce", "stem", kernel=1) + conv("b5x5", "b5x5_reduce", kernel=5)
+             + 'layer { name: "pool" type: "Pooling" bottom: "stem" top: "pool" '
+               'pooling_param { pool: MAX kernel_size: 3 stride: 1 pad: 1 } }\n'
+             + conv("pool_proj", "pool", kernel=1)
+             + 'layer { name: "concat" type: "Concat" bottom: "b1x1" bottom: "b3x3" bottom: "b5x5" '
+               'bottom: "pool_proj" top: "concat" }\n'
+             + head("concat"))
+
+
+def residual(name, bottom, projection=False):
+    text = (conv(f"{name}_a", bottom)
+            + f'layer {{ name: "{name}_bn" type: "BatchNorm" bottom: "{name}_a" top: "{name}_a" }}\n'
+            + f'layer {{ name: "{name}_scale" type: "Scale" bottom: "{name}_a" top: "{name}_a" '
+              f'scale_param {{ bias_term: true }} }}\n'
+            + relu(f"{name}_a") + conv(f"{name}_b", f"{name}_a"))
+    shortcut = bottom
+    if projection:
+        text += conv(f"{name}_proj", bottom, kernel=1)
+        shortcut = f"{name}_proj"
+    return text + (f'layer {{ name: "{name}" type: "Eltwise" bottom: "{name}_b" bottom: "{shortcut}" '
+                   f'top: "{name}" }}\n' + relu(name))
+
+
+def resnet(blocks, projection=False):
+    text, bottom = INPUT + conv("stem", "data") + relu("stem"), "stem"
+    for k in range(blocks):
+        text += residual(f"res{k}", bottom, projection and k == 0)
+        bottom = f"res{k}"
+    return text + head(bottom)
+
+
+def make(text):
+    cct.set_random_seed(1)
+    return cct.Net(text_format.Parse(text, caffe_pb2.NetParameter()), cct.TRAIN)
+
+
+def names(net, layers):
+    return [net.layer_names[i] for i in layers]
+
+
+def layer(net, name):
+    return net.layer_names.index(name)
+
+
+def priorities(net, times=None):
+    """{(kind, layer name, param): priority}, each sub-task timed 1 s unless `times` says."""
+    base = scheduler.Schedule(net)
+    given = {task: (times or {}).get(net.layer_names[task.layer], 1.0) for task in base.tasks}
+    schedule = scheduler.Schedule(net, alpha=0.25, beta=0.5, times=given)
+    return {(task.kind, net.layer_names[task.layer], task.param): schedule.priority[task]
+            for task in schedule.tasks}, schedule
+
+
+def test_a_chain_has_no_block_one_priority_and_one_stream_per_sub_task_type():
+    net = make(chain(3))
+    assert critical_path.blocks(net, {}) == []
+    priority, schedule = priorities(net)
+    data = {value for (kind, _, _), value in priority.items()
+            if kind in (graph.BACKWARD_DATA, graph.BACKWARD)}
+    weights = {value for (kind, _, param), value in priority.items() if kind == graph.BACKWARD_PARAM and param == 0}
+    biases = {value for (kind, _, param), value in priority.items() if kind == graph.BACKWARD_PARAM and param == 1}
+    assert data == {0.0} and weights == {-0.25} and biases == {-0.5}
+    assert {scheduler.stream_of(task) for task in schedule.tasks} == {
+        scheduler.DATA_STREAM, scheduler.WEIGHT_STREAM, scheduler.OTHER_STREAM}
+
+
+@pytest.mark.parametrize("longest", ["b3x3", "b5x5", "pool_proj"])
+def test_the_longest_inception_branch_by_given_times_gets_the_highest_priority(longest):
+    net = make(INCEPTION)
+    times = {name: 1.0 for name in net.layer_names}
+    times[longest] = 10.0
+    [block] = critical_path.blocks(net, {layer(net, name): t for name, t in times.items()})
+    assert net.layers[block.fork].type == "Split" and names(net, [block.merge]) == ["concat"]
+    by_branch = [names(net, branch.layers) for branch in block.branches]
+    assert longest in by_branch[0]
+    assert sorted(map(tuple, by_branch)) == sorted([
+        ("b1x1",), ("b3x3_reduce", "relu_b3x3_reduce", "b3x3"), ("b5x5_reduce", "b5x5"), ("pool", "pool_proj")])
+    distances = [branch.distance for branch in block.branches]
+    assert distances == sorted(distances, reverse=True)
+    priority, _ = priorities(net, times)
+    first = {kind_name: value for kind_name, value in priority.items() if kind_name[1] == longest}
+    assert first[(graph.BACKWARD_DATA, longest, -1)] == 0.0
+    others = [priority[(graph.BACKWARD_DATA, name, -1)] for name in ("b1x1", "b3x3", "b5x5", "pool_proj")
+              if name != longest]
+    assert sorted(others, reverse=True) == [-1.0, -2.0, -3.0]
+    assert priority[(graph.BACKWARD_PARAM, longest, 0)] == -0.25
+
+
+def test_a_residual_block_has_its_convolution_branch_and_an_empty_shortcut():
+    net = make(resnet(1))
+    [block] = critical_path.blocks(net, {i: 1.0 for i in range(len(net.layers))})
+    assert net.layers[block.fork].type == "Split" and names(net, [block.merge]) == ["res0"]
+    long, shortcut = block.branches
+    assert names(net, long.layers) == ["res0_a", "res0_bn", "res0_scale", "relu_res0_a", "res0_b"]
+    assert long.distance == 5.0 and shortcut.layers == () and shortcut.distance == 0.0
+    priority, _ = priorities(net)
+    assert priority[(graph.BACKWARD_DATA, "res0_b", -1)] == priority[(graph.BACKWARD, "res0", -1)] == 0.0
+
+
+def test_a_projection_shortcut_is_the_second_branch():
+    net = make(resnet(1, projection=True))
+    [block] = critical_path.blocks(net, {i: 1.0 for i in range(len(net.layers))})
+    assert [names(net, branch.layers) for branch in block.branches][1] == ["res0_proj"]
+    priority, _ = priorities(net)
+    assert priority[(graph.BACKWARD_DATA, "res0_proj", -1)] == -1.0
+    assert priority[(graph.BACKWARD_PARAM, "res0_proj", 0)] == -1.25
+
+
+def test_a_trunk_forking_into_two_losses_merges_at_the_end_and_the_trunk_goes_first():
+    text = (INPUT + conv("stem", "data") + relu("stem") + conv("deep1", "stem") + conv("deep2", "deep1")
+            + head("deep2") + head("stem", name="aux"))
+    net = make(text)
+    [block] = critical_path.blocks(net, {i: 1.0 for i in range(len(net.layers))})
+    assert block.merge is critical_path.END
+    trunk, aux = [names(net, branch.layers) for branch in block.branches]
+    assert trunk == ["deep1", "deep2", "ip_loss", "loss"] and aux == ["ip_aux", "aux"]
+    priority, _ = priorities(net)
+    assert priority[(graph.BACKWARD_DATA, "ip_aux", -1)] == -1.0 and priority[(graph.BACKWARD_DATA, "deep1", -1)] == 0.0
+
+
+@pytest.mark.parametrize("depth", [1, 4, 8])
+def test_stream_count_and_priority_levels_do_not_grow_with_depth(depth):
+    net = make(resnet(depth, projection=True))
+    blocks = critical_path.blocks(net, {i: 1.0 for i in range(len(net.layers))})
+    assert len(blocks) == depth
+    priority, schedule = priorities(net)
+    assert len({scheduler.stream_of(task) for task in schedule.tasks}) == 3
+    assert set(priority.values()) <= {0.0, -0.25, -0.5, -1.0, -1.25, -1.5}
