@@ -1,4 +1,4 @@
-"""50 training iterations of LeNet, CaffeNet-mini and the fork/residual net of
+"""50 training iterations of every net of
 tests/training/test_schedules.py in every schedule (sequential, streams,
 auto), one BLAS thread, lowering type 1: prints whether streams and auto give
 bitwise the sequential weights (the suite runs 10 iterations; this is the

@@ -30,6 +30,15 @@ def partitions(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["sequential", "streams"])
+def schedule(request, monkeypatch):
+    """The backward schedule of the nets the test builds, through CCT_SCHEDULE:
+    layer after layer, or as sub-tasks on streams (cct.runtime.scheduler)."""
+    from cct.runtime.settings import SCHEDULE_ENV
+    monkeypatch.setenv(SCHEDULE_ENV, request.param)
+    return request.param
+
+
 @pytest.fixture
 def one_lowering_type(monkeypatch):
     """Every convolution on lowering type 1, for tests that compare runs which

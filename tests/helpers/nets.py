@@ -48,3 +48,72 @@ layer {{ name: "scale" type: "Scale" bottom: "res" top: "res"
 layer {{ name: "relu2" type: "ReLU" bottom: "res" top: "res" }}
 layer {{ name: "sum" type: "Eltwise" bottom: "res" bottom: "concat" top: "sum" }}
 """
+
+
+# Builders of nets written out as prototxt text: an Input of 4 images 3x6x6
+# and labels 0-4, convolutions, in-place ReLUs, and an InnerProduct +
+# SoftmaxWithLoss head; a chain, an inception unit, and residual blocks
+# (BatchNorm, Scale, Eltwise, optionally a projection shortcut). The
+# critical-path tests and the schedule tests build them.
+_BLOCK_FILL = 'weight_filler { type: "gaussian" std: 0.1 } bias_filler { type: "constant" value: 0.1 }'
+
+
+def conv(name, bottom, outputs=4, kernel=3):
+    return (f'layer {{ name: "{name}" type: "Convolution" bottom: "{bottom}" top: "{name}" '
+            f'convolution_param {{ num_output: {outputs} kernel_size: {kernel} pad: {kernel // 2} {_BLOCK_FILL} }} }}\n')
+
+
+def relu(blob):
+    return f'layer {{ name: "relu_{blob}" type: "ReLU" bottom: "{blob}" top: "{blob}" }}\n'
+
+
+def head(bottom, label="label", name="loss"):
+    return (f'layer {{ name: "ip_{name}" type: "InnerProduct" bottom: "{bottom}" top: "ip_{name}" '
+            f'inner_product_param {{ num_output: 5 {_BLOCK_FILL} }} }}\n'
+            f'layer {{ name: "{name}" type: "SoftmaxWithLoss" bottom: "ip_{name}" bottom: "{label}" top: "{name}" }}\n')
+
+
+INPUT = ('layer { name: "data" type: "Input" top: "data" top: "label" '
+         'input_param { shape { dim: 4 dim: 3 dim: 6 dim: 6 } shape { dim: 4 } } }\n')
+
+
+def chain(depth):
+    text, bottom = INPUT, "data"
+    for k in range(depth):
+        text += conv(f"conv{k}", bottom) + relu(f"conv{k}")
+        bottom = f"conv{k}"
+    return text + head(bottom)
+
+
+INCEPTION = (INPUT + conv("stem", "data") + relu("stem")
+             + conv("b1x1", "stem", kernel=1)
+             + conv("b3x3_reduce", "stem", kernel=1) + relu("b3x3_reduce") + conv("b3x3", "b3x3_reduce")
+             + conv("b5x5_reduce", "stem", kernel=1) + conv("b5x5", "b5x5_reduce", kernel=5)
+             + 'layer { name: "pool" type: "Pooling" bottom: "stem" top: "pool" '
+               'pooling_param { pool: MAX kernel_size: 3 stride: 1 pad: 1 } }\n'
+             + conv("pool_proj", "pool", kernel=1)
+             + 'layer { name: "concat" type: "Concat" bottom: "b1x1" bottom: "b3x3" bottom: "b5x5" '
+               'bottom: "pool_proj" top: "concat" }\n'
+             + head("concat"))
+
+
+def residual(name, bottom, projection=False):
+    text = (conv(f"{name}_a", bottom)
+            + f'layer {{ name: "{name}_bn" type: "BatchNorm" bottom: "{name}_a" top: "{name}_a" }}\n'
+            + f'layer {{ name: "{name}_scale" type: "Scale" bottom: "{name}_a" top: "{name}_a" '
+              f'scale_param {{ bias_term: true }} }}\n'
+            + relu(f"{name}_a") + conv(f"{name}_b", f"{name}_a"))
+    shortcut = bottom
+    if projection:
+        text += conv(f"{name}_proj", bottom, kernel=1)
+        shortcut = f"{name}_proj"
+    return text + (f'layer {{ name: "{name}" type: "Eltwise" bottom: "{name}_b" bottom: "{shortcut}" '
+                   f'top: "{name}" }}\n' + relu(name))
+
+
+def resnet(blocks, projection=False):
+    text, bottom = INPUT + conv("stem", "data") + relu("stem"), "stem"
+    for k in range(blocks):
+        text += residual(f"res{k}", bottom, projection and k == 0)
+        bottom = f"res{k}"
+    return text + head(bottom)

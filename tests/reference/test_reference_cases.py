@@ -9,7 +9,10 @@ from helpers.reference import CASE_NAMES, assert_matches_caffe, run_case
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)
-def test_forward_backward_match_caffe(name, partitions):
+def test_forward_backward_match_caffe(name, partitions, schedule):
     """At 1 and 2 partitions (the conftest fixture): at 2, every layer that
-    allows it runs as 2 batch partitions in parallel."""
-    assert_matches_caffe(run_case(name), name)
+    allows it runs as 2 batch partitions in parallel; in the sequential and
+    the streams schedule."""
+    net = run_case(name)
+    assert net.executor.schedule == schedule
+    assert_matches_caffe(net, name)

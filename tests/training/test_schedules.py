@@ -1,7 +1,7 @@
 """Training in every schedule (cct.runtime.executor: sequential, streams,
-auto) gives bitwise the same weights: LeNet, CaffeNet-mini, and a net with an
-inception-like fork and a residual block (BatchNorm, Scale, Eltwise), at 1 and
-2 batch partitions. The schedule comes from the run settings (CCT_SCHEDULE, the
+auto) gives bitwise the same weights: LeNet, CaffeNet-mini, an inception unit,
+residual blocks (BatchNorm, Scale, Eltwise), and a net with both, at 1 and 2
+batch partitions. The schedule comes from the run settings (CCT_SCHEDULE, the
 configuration's "schedule", settings.set_schedule)."""
 import numpy as np
 import pytest
@@ -12,7 +12,7 @@ import cct
 from cct.core.errors import ConfigError
 from cct.proto import caffe_pb2
 from cct.runtime import settings, threads
-from helpers.nets import FORK_RESIDUAL
+from helpers.nets import FORK_RESIDUAL, INCEPTION, resnet
 from helpers.paths import REPO
 
 BLOCKS = f"""
@@ -48,7 +48,11 @@ def caffenet_mini():
 
 
 NETS = {"lenet": lenet, "blocks": lambda: text_format.Parse(BLOCKS, caffe_pb2.NetParameter()),
-        "caffenet_mini": caffenet_mini}
+        "caffenet_mini": caffenet_mini,
+        # an inception unit (four branches, Concat), and two residual blocks
+        # (BatchNorm, Scale, Eltwise; the first with a projection shortcut)
+        "inception": lambda: text_format.Parse(INCEPTION, caffe_pb2.NetParameter()),
+        "resnet": lambda: text_format.Parse(resnet(2, projection=True), caffe_pb2.NetParameter())}
 
 
 def train(net_param, iterations=10, base_lr=0.02):
