@@ -158,20 +158,21 @@ class Executor:
             runner = self._partitioned[index] = PartitionedLayer(self.net.layers[index], partitions)
         return runner
 
-    def forward(self, index):
+    def forward(self, index, set_blas=True):
         """Run layer `index` forward (reshape first, as Caffe's Layer::Forward),
         set its loss tops' diffs to their loss weights, and return its weighted
-        loss."""
+        loss. set_blas=False leaves the BLAS thread count as it is (a stream
+        of cct.runtime.scheduler, which splits the threads between streams)."""
         if self._listeners:
             self._emit("before_forward", index)
         layer, bottoms, tops = self._layer(index)
         layer.reshape(bottoms, tops)
         partitions = self.partitions(index)
+        if set_blas:
+            self.blas.set(self.threads if partitions == 1 else max(1, self.threads // partitions))
         if partitions == 1:
-            self.blas.set(self.threads)
             layer.forward(bottoms, tops)
         else:
-            self.blas.set(max(1, self.threads // partitions))
             self._runner(index).forward(self.workers(partitions), bottoms, tops)
         loss = self.net.layer_loss(index)
         if self._listeners:
@@ -205,6 +206,11 @@ class Executor:
     def finish(self):
         """All BLAS threads again, for whatever runs after the net."""
         self.blas.set(self.threads)
+
+    @property
+    def listened(self):
+        """Whether per-layer callbacks are subscribed (they see layers one at a time)."""
+        return bool(self._listeners)
 
     # --- the whole backward, in the schedule's mode ----------------------------------
     def backward_all(self):

@@ -9,7 +9,11 @@ Sub-tasks of one iteration, in the sequential reference order:
     backward_param(i, k)     parameter k's gradient of layer i (Layer.splits_backward)
     backward_data(i)         layer i's bottom gradients
     backward(i)              both, for a layer that does not split its backward
-    update                   the solver's update of every learnable parameter
+    rate                     the solver's learning rate for the iteration; with
+                             clip_gradients it also scales every gradient by the
+                             global norm, so it reads every diff: a barrier
+                             between the last gradient and the first update
+    update(p)                the solver's update of learnable parameter p
 
 What a sub-task touches is derived from its layer's blobs by one rule, never
 listed per layer type (`accesses`). A resource is a piece of memory: the
@@ -33,21 +37,24 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-CLEAR, FORWARD, BACKWARD_PARAM, BACKWARD_DATA, BACKWARD, UPDATE = (
-    "clear", "forward", "backward_param", "backward_data", "backward", "update")
+CLEAR, FORWARD, BACKWARD_PARAM, BACKWARD_DATA, BACKWARD, RATE, UPDATE = (
+    "clear", "forward", "backward_param", "backward_data", "backward", "rate", "update")
+SOLVER = ("solver",)        # the solver's learning rate, iteration count and clipping state
 
 
 @dataclass(frozen=True)
 class Task:
-    """One sub-task: `kind`, its layer (or parameter for clear), its parameter
-    index for backward_param, and the iteration it belongs to."""
+    """One sub-task: `kind`, its layer, its parameter (the layer's for
+    backward_param, the net's learnable parameter for clear and update), and
+    the iteration it belongs to."""
     kind: str
     layer: int = -1
     param: int = -1
     iteration: int = 0
 
     def __str__(self):
-        where = {CLEAR: f"param {self.param}", UPDATE: ""}.get(self.kind, f"layer {self.layer}")
+        where = {CLEAR: f"param {self.param}", UPDATE: f"param {self.param}", RATE: ""}.get(
+            self.kind, f"layer {self.layer}")
         extra = f".{self.param}" if self.kind == BACKWARD_PARAM else ""
         return f"{self.kind}{extra}({where}) #{self.iteration}".replace("() ", " ")
 
@@ -87,13 +94,18 @@ def _diff(blob):
     return _memory(blob.diff)
 
 
-def accesses(net, task):
-    """The resources `task` reads and writes (see the module docstring)."""
+def accesses(net, task, clip=False):
+    """The resources `task` reads and writes (see the module docstring);
+    `clip`: the solver clips gradients, so its rate task touches every diff."""
     if task.kind == CLEAR:
         return Access(writes={_diff(net.learnable_params[task.param])})
+    if task.kind == RATE:
+        diffs = {_diff(blob) for blob in net.learnable_params} if clip else set()
+        return Access(reads={SOLVER} | diffs, writes={SOLVER} | diffs)
     if task.kind == UPDATE:
-        touched = {_data(blob) for blob in net.learnable_params} | {_diff(blob) for blob in net.learnable_params}
-        return Access(reads=set(touched), writes=touched | {("solver",)})
+        blob = net.learnable_params[task.param]
+        touched = {_data(blob), _diff(blob), ("history", task.param)}
+        return Access(reads=touched | {SOLVER}, writes=touched)
     i = task.layer
     layer, bottoms, tops = net.layers[i], net.bottom_vecs[i], net.top_vecs[i]
     state = ("state", i)
@@ -139,19 +151,21 @@ def iteration_tasks(net, iteration=0, update=True, splits=None):
         else:
             tasks.append(Task(BACKWARD, i, iteration=iteration))
     if update:
-        tasks.append(Task(UPDATE, iteration=iteration))
+        tasks.append(Task(RATE, iteration=iteration))
+        tasks += [Task(UPDATE, param=p, iteration=iteration) for p in range(len(net.learnable_params))]
     return tasks
 
 
-def build(net, iterations=1, update=True, drop=(), splits=None):
+def build(net, iterations=1, update=True, drop=(), splits=None, clip=False):
     """The graph of `iterations` unrolled training iterations (update=False:
     forward and backward only). `drop`: (earlier, later) edges to leave out,
-    for tests that show an edge matters; `splits` as in iteration_tasks."""
+    for tests that show an edge matters; `splits` as in iteration_tasks;
+    `clip` as in accesses."""
     tasks = [task for k in range(iterations) for task in iteration_tasks(net, k, update, splits)]
     last_writer, readers = {}, {}
     edges = {task: set() for task in tasks}
     for task in tasks:
-        access = accesses(net, task)
+        access = accesses(net, task, clip)
         for resource in access.reads:
             if resource in last_writer:
                 edges[task].add(last_writer[resource])
@@ -171,25 +185,33 @@ def build(net, iterations=1, update=True, drop=(), splits=None):
 
 
 class Runner:
-    """Runs sub-tasks on a net (and its solver, for clear and update) on the
-    calling thread: what a scheduler's streams call. A whole backward runs in
-    the layer's batch partitions; split sub-tasks run the layer whole (the
+    """Runs sub-tasks on a net (and its solver, for clear, rate and update) on
+    the calling thread: what a scheduler's streams call. A whole backward runs
+    in the layer's batch partitions; split sub-tasks run the layer whole (the
     scheduler splits only layers that run whole); the BLAS thread count is
-    left to the caller."""
+    left to the caller. Iteration k's rate sets the solver's iteration count
+    to the first one plus k; `finish()` moves it past the last. `losses`:
+    each forward's weighted loss, by (iteration, layer)."""
 
     def __init__(self, net, solver=None):
         self.net = net
         self.solver = solver
+        self.first_iteration = solver.iter if solver is not None else 0
+        self.last_iteration = -1
+        self.losses = {}
 
     def __call__(self, task):
         net = self.net
         if task.kind == CLEAR:
             net.learnable_params[task.param].diff[...] = 0
         elif task.kind == FORWARD:
-            net.executor.forward(task.layer)
+            self.losses[task.iteration, task.layer] = net.executor.forward(task.layer, set_blas=False)
+        elif task.kind == RATE:
+            self.solver.iter = self.first_iteration + task.iteration
+            self.last_iteration = max(self.last_iteration, task.iteration)
+            self.solver.begin_update(log_rate=False)
         elif task.kind == UPDATE:
-            self.solver.apply_update()
-            self.solver.iter += 1
+            self.solver.update_param(task.param)
         else:
             i = task.layer
             layer, bottoms, tops = net.layers[i], net.bottom_vecs[i], net.top_vecs[i]
@@ -199,6 +221,15 @@ class Runner:
                 layer.backward_data(tops, net.bottom_need_backward[i], bottoms)
             else:
                 net.executor.layer_backward(i)
+
+    def finish(self):
+        """After the last task: the solver counts the iterations run."""
+        if self.solver is not None and self.last_iteration >= 0:
+            self.solver.iter = self.first_iteration + self.last_iteration + 1
+
+    def loss(self, iteration):
+        """The iteration's loss, summed in the layer order as Net.forward does."""
+        return sum((self.losses[key] for key in sorted(self.losses) if key[0] == iteration), 0.0)
 
 
 def topological_order(graph, choose):

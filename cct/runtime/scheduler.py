@@ -10,6 +10,17 @@ few streams, one worker thread each serving its stream in order:
     stream 1  weight gradients (parameter 0)
     stream 2  every other parameter's gradient (biases, Scale's bias, ...)
 
+A solver in the streams schedule runs whole iterations this way (a Schedule
+with a solver): each layer's forward on stream 0, each parameter's update
+(and the clearing of its diff) on its gradient's stream, the iteration's
+learning rate on stream 2. A weight gradient is then deferred past the
+iteration's end: the next forward of a layer waits only for the update of its
+own parameters and for the sub-tasks still reading the blobs it overwrites,
+so the next iteration's lower layers may start while upper layers' weight
+gradients and updates are still running. clip_gradients makes the rate a
+barrier (it scales every gradient by their global norm). Ready sub-tasks of
+an earlier iteration go first.
+
 The stream count does not grow with depth. Nothing blocks a worker on an
 unready input: each sub-task's unfinished predecessors are counted, and a
 stream's worker, when idle, takes the highest-priority ready sub-task of its
@@ -59,9 +70,18 @@ ALPHA = 0.25
 BETA = 0.5
 
 
-def stream_of(task):
-    if task.kind == graph_module.BACKWARD_PARAM:
+def stream_of(task, weights=frozenset()):
+    """The stream a sub-task runs on. Whole iterations (Schedule with a solver):
+    forward on the data stream, a parameter's clear and update on its
+    gradient's stream (`weights`: the learnable parameters that are some
+    layer's parameter 0), the learning rate on the third."""
+    kind = task.kind
+    if kind == graph_module.BACKWARD_PARAM:
         return WEIGHT_STREAM if task.param == 0 else OTHER_STREAM
+    if kind in (graph_module.CLEAR, graph_module.UPDATE):
+        return WEIGHT_STREAM if task.param in weights else OTHER_STREAM
+    if kind == graph_module.RATE:
+        return OTHER_STREAM
     return DATA_STREAM
 
 
@@ -93,19 +113,30 @@ def cpu_streams(count):
 
 
 class Schedule:
-    """The backward sub-tasks of one net, their streams and priorities; run()
-    runs one backward. Built for the net's current shapes and needs."""
+    """Sub-tasks of one net, their streams and priorities. Without a solver:
+    the backward sub-tasks, and run() runs one backward. With a solver:
+    `iterations` whole training iterations (forward, backward, the solver's
+    rate and per-parameter updates), and run() runs them with the weight
+    gradients of one iteration deferred past the next one's forward as far as
+    the derived edges allow. Built for the net's current shapes and needs."""
 
-    def __init__(self, net, alpha=ALPHA, beta=BETA, times=None):
-        self.net = net
+    def __init__(self, net, alpha=ALPHA, beta=BETA, times=None, solver=None, iterations=1):
+        self.net, self.solver = net, solver
         self.alpha, self.beta = alpha, beta
-        built = graph_module.build(net, iterations=1, update=False)
-        backward = [task for task in built.tasks if task.kind not in (graph_module.FORWARD, graph_module.CLEAR)]
-        members = set(backward)
-        self.tasks = backward
-        # edges from forward sub-tasks are met before backward starts
-        self.edges = {task: {earlier for earlier in built.edges[task] if earlier in members} for task in backward}
-        self.following = graph_module.Graph(backward, self.edges).successors()
+        if solver is None:
+            built = graph_module.build(net, iterations=1, update=False)
+            # edges from forward sub-tasks are met before backward starts
+            tasks = [task for task in built.tasks if task.kind not in (graph_module.FORWARD, graph_module.CLEAR)]
+        else:
+            built = graph_module.build(net, iterations, clip=solver.param.clip_gradients >= 0)
+            tasks = built.tasks
+        members = set(tasks)
+        self.tasks = tasks
+        self.edges = {task: {earlier for earlier in built.edges[task] if earlier in members} for task in tasks}
+        self.following = graph_module.Graph(tasks, self.edges).successors()
+        weights = {index for index, blob in enumerate(net.learnable_params)
+                   if any(layer.blobs and layer.blobs[0] is blob for layer in net.layers)}
+        self.stream = {task: stream_of(task, weights) for task in tasks}
         self.times = dict(times) if times else self._estimated_times()
         self.priority = self._priorities()
         self.trace = []                     # Span per sub-task of the last run
@@ -116,10 +147,14 @@ class Schedule:
         the memory-bound ones: only their ratios matter, until measured."""
         net, times = self.net, {}
         for task in self.tasks:
+            if task.layer < 0:                          # clear, rate, update: memory-bound
+                count = net.learnable_params[task.param].count if task.param >= 0 else 0
+                times[task] = 1e-5 + count / 1e9
+                continue
             layer = net.layers[task.layer]
             forward, data, params = layer.flops(net.bottom_vecs[task.layer], net.top_vecs[task.layer])
-            flops = {graph_module.BACKWARD_DATA: data, graph_module.BACKWARD_PARAM: params,
-                     graph_module.BACKWARD: data + params}[task.kind]
+            flops = {graph_module.FORWARD: forward, graph_module.BACKWARD_DATA: data,
+                     graph_module.BACKWARD_PARAM: params, graph_module.BACKWARD: data + params}[task.kind]
             times[task] = 1e-5 + flops / 50e9
         return times
 
@@ -134,7 +169,9 @@ class Schedule:
             offset = 0.0
             if task.kind == graph_module.BACKWARD_PARAM:
                 offset = self.alpha if task.param == 0 else self.beta
-            priority[task] = layer_priority[task.layer] - offset
+            elif task.kind in (graph_module.CLEAR, graph_module.RATE, graph_module.UPDATE):
+                offset = self.beta                   # off the critical chain, like a gradient
+            priority[task] = layer_priority.get(task.layer, 0.0) - offset
         return priority
 
     def profile(self, runs=2):
@@ -154,7 +191,8 @@ class Schedule:
 
     # --- running --------------------------------------------------------------------
     def run(self, streams=None, delay=None):
-        """One backward on the streams; returns once every sub-task is done.
+        """The sub-tasks on the streams (one backward, or the iterations);
+        returns the graph.Runner that ran them once every one is done.
         `delay(task)`: seconds to sleep before a sub-task (tests shake timing).
 
         Each stream's worker runs a loop (one submission per stream and run):
@@ -178,6 +216,8 @@ class Schedule:
         self.trace = sorted(state.spans.values(), key=lambda span: span.start)
         if state.failure is not None:
             raise state.failure
+        state.runner.finish()
+        return state.runner
 
 
 class _RunState:
@@ -186,10 +226,10 @@ class _RunState:
 
     def __init__(self, schedule, stream_count, delay):
         self.schedule, self.delay = schedule, delay
-        self.runner = graph_module.Runner(schedule.net)
+        self.runner = graph_module.Runner(schedule.net, schedule.solver)
         self.waiting = {task: len(schedule.edges[task]) for task in schedule.tasks}
         self.order = {task: index for index, task in enumerate(schedule.tasks)}
-        self.ready = [[] for _ in range(stream_count)]    # per stream: heap of (-priority, order, task)
+        self.ready = [[] for _ in range(stream_count)]    # per stream: heap of (iteration, -priority, order, task)
         self.became_ready, self.spans = {}, {}
         self.left, self.failure = len(schedule.tasks), None
         self.condition = threading.Condition()
@@ -199,7 +239,9 @@ class _RunState:
 
     def _make_ready(self, task):
         self.became_ready[task] = time.perf_counter()
-        heapq.heappush(self.ready[stream_of(task)], (-self.schedule.priority[task], self.order[task], task))
+        # an earlier iteration's sub-tasks first, then by priority
+        heapq.heappush(self.ready[self.schedule.stream[task]],
+                       (task.iteration, -self.schedule.priority[task], self.order[task], task))
 
     def serve(self, index):
         clock, condition = time.perf_counter, self.condition
@@ -209,7 +251,7 @@ class _RunState:
                     condition.wait()
                 if not self.left or self.failure is not None:
                     return
-                _, _, task = heapq.heappop(self.ready[index])
+                task = heapq.heappop(self.ready[index])[-1]
             dispatched = clock()
             try:
                 if self.delay is not None:
@@ -229,7 +271,7 @@ class _RunState:
                     self.waiting[successor] -= 1
                     if not self.waiting[successor]:
                         self._make_ready(successor)
-                        woken = woken or stream_of(successor) != index
+                        woken = woken or self.schedule.stream[successor] != index
                 if woken or not self.left:
                     condition.notify_all()
 
@@ -242,9 +284,15 @@ def blas_threads(total, streams_running_gemms=2):
 def run_backward(net, schedule):
     """The net's whole backward on the streams, BLAS threads split between the
     GEMM streams, the count restored after."""
+    return run_on_streams(net, schedule)
+
+
+def run_on_streams(net, schedule):
+    """schedule.run() with the BLAS threads split between the GEMM streams,
+    the count restored after; returns its graph.Runner."""
     executor = net.executor
     executor.blas.set(blas_threads(executor.threads))
     try:
-        schedule.run()
+        return schedule.run()
     finally:
         executor.finish()

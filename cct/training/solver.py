@@ -16,6 +16,11 @@ The update is a template method (Caffe's sgd_solver.cpp):
              -> param.data -= param.diff
         -> iter += 1 -> snapshot / stop on schedule or request
 
+In the streams schedule (cct.runtime.scheduler) the same steps run as
+sub-tasks: the learning rate and clipping once per iteration (begin_update),
+then normalize -> regularize -> compute_update_value -> apply per parameter
+(update_param), several iterations at once, to the same numbers.
+
 Subclasses override only compute_update_value. Histories are float32 arrays
 laid out as Caffe's history_ (AdaDelta and Adam append a second set), so a
 .solverstate written here restores in Caffe and the other way around.
@@ -34,7 +39,7 @@ from cct.core.rng import set_random_seed
 from cct.formats.prototxt import read_net, read_solver
 from cct.formats.upgrade import upgrade_solver
 from cct.proto import caffe_pb2
-from cct.runtime import memory
+from cct.runtime import memory, scheduler
 from cct.runtime import settings as run_config
 from cct.runtime.threads import run_all
 from cct.training import snapshot
@@ -45,6 +50,9 @@ log = logging.getLogger("cct.training.solver")
 SOLVER_TYPES = {}            # SolverParameter.type -> Solver subclass
 UPDATE_PIECE = 1 << 16       # elements per piece of the update's element-wise passes
 ACTIONS = ("none", "stop", "snapshot")
+# Iterations the streams schedule runs as one graph at most: the window ends
+# in a barrier; a stop request waits for the window's end.
+STREAM_WINDOW = 8
 
 
 def register_solver(type_name):
@@ -125,7 +133,8 @@ class Solver:
             self._load_weights(net)
         self._images_per_iter = self._batch_size(self.net) * param.iter_size
         self.history = [np.zeros(p.shape, p.dtype) for p in self.net.learnable_params]
-        self._work = {}              # (dtype, stripe) -> work arrays of UPDATE_PIECE elements (_pieces)
+        self._stream_schedules = {}  # (iterations, shapes, partitions) -> scheduler.Schedule
+        self._work = {}              # (dtype, stripe, thread) -> work arrays of UPDATE_PIECE elements (_pieces)
         self._stripe = threading.local()     # which pieces this thread updates (_striped)
         self.pre_solve()
         log.info("Solver scaffolding done.")
@@ -308,44 +317,106 @@ class Solver:
         log.info("Optimization Done.")
 
     def step(self, iters):
-        """Run `iters` iterations (Caffe's Solver::Step)."""
+        """Run `iters` iterations (Caffe's Solver::Step). In the streams
+        schedule, runs of up to STREAM_WINDOW iterations go onto the streams
+        as one graph (cct.runtime.scheduler), each ending where Caffe's loop
+        displays, tests or snapshots."""
         param, net = self.param, self.net
-        self._start_iter = start_iter = self.iter
+        self._start_iter = self.iter
         stop_iter = self.iter + int(iters)
         self._losses = []
         self.smoothed_loss = 0.0
-        timer_start, iters_at_timer = time.perf_counter(), self.iter
+        self._timer = (time.perf_counter(), self.iter)
         while self.iter < stop_iter:
-            net.clear_param_diffs()
             if (param.test_interval and self.iter % param.test_interval == 0
                     and (self.iter > 0 or param.test_initialization)):
                 self.test_all()
                 if self._early_exit:
                     break
-            for on_start, _ in self.callbacks:
-                on_start()
-            display = param.display and self.iter % param.display == 0
-            loss = 0.0
-            for _ in range(param.iter_size):
-                loss += net.forward_backward()
-            loss /= param.iter_size
-            self._update_smoothed_loss(loss, start_iter)
-            if display:
-                now = time.perf_counter()
-                self._log_display(now - timer_start, self.iter - iters_at_timer)
-                timer_start, iters_at_timer = now, self.iter
-                if param.debug_info:
-                    self._log_debug_info()
-            for _, on_gradients_ready in self.callbacks:
-                on_gradients_ready()
-            self.apply_update()
-            self.iter += 1         # counts the updates applied so far
+            if self._on_streams():
+                self._iterations_on_streams(self._window(stop_iter))
+            else:
+                self._iteration()
             request = self._take_request()
             if (param.snapshot and self.iter % param.snapshot == 0) or request == "snapshot":
                 self.snapshot()
             if request == "stop":
                 self._early_exit = True
                 break
+
+    def _iteration(self):
+        """One iteration layer after layer (the backward in the executor's schedule)."""
+        param, net = self.param, self.net
+        net.clear_param_diffs()
+        for on_start, _ in self.callbacks:
+            on_start()
+        loss = 0.0
+        for _ in range(param.iter_size):
+            loss += net.forward_backward()
+        loss /= param.iter_size
+        self._update_smoothed_loss(loss, self._start_iter)
+        self._display()
+        for _, on_gradients_ready in self.callbacks:
+            on_gradients_ready()
+        self.apply_update()
+        self.iter += 1         # counts the updates applied so far
+
+    def _display(self):
+        """The display lines, on display iterations; returns whether it showed them."""
+        param = self.param
+        if not (param.display and self.iter % param.display == 0):
+            return False
+        now = time.perf_counter()
+        self._log_display(now - self._timer[0], self.iter - self._timer[1])
+        self._timer = (now, self.iter)
+        if param.debug_info:
+            self._log_debug_info()
+        return True
+
+    def _on_streams(self):
+        """Whether whole iterations run on the streams: the streams schedule,
+        and nothing that must see one iteration at a time (pycaffe callbacks,
+        per-layer subscribers, iter_size accumulation, debug_info)."""
+        executor = self.net.executor
+        param = self.param
+        return (executor.schedule == "streams" and not self.callbacks and not executor.listened
+                and param.iter_size == 1 and not param.debug_info)
+
+    def _window(self, stop_iter):
+        """How many iterations from self.iter run as one graph: up to the next
+        display iteration (included), snapshot, test or the end."""
+        param, start = self.param, self.iter
+        end = min(stop_iter, start + STREAM_WINDOW)
+        if param.display:
+            end = min(end, start + (-start) % param.display + 1)
+        for every in (param.snapshot, param.test_interval):
+            if every:
+                end = min(end, (start // every + 1) * every)
+        return end - start
+
+    def _iterations_on_streams(self, count):
+        """`count` iterations as one graph on the streams: the weight gradients
+        of one iteration overlap the next one's forward where the edges allow
+        (the same numbers as _iteration's, bitwise)."""
+        first = self.iter
+        runner = scheduler.run_on_streams(self.net, self._stream_schedule(count))
+        for k in range(count):
+            self.iter = first + k
+            self._update_smoothed_loss(runner.loss(k), self._start_iter)
+        if self._display():                 # the window's last iteration
+            self._log_rate()
+        self.iter = first + count
+
+    def _stream_schedule(self, count):
+        """The Schedule of `count` iterations for the net's current shapes and
+        partitions (built once for each)."""
+        net = self.net
+        key = (count, tuple(blob.shape for blob in net.blobs.values()),
+               tuple(net.executor.partitions(i) for i in range(len(net.layers))))
+        if key not in self._stream_schedules:
+            self._stream_schedules[key] = scheduler.Schedule(
+                net, solver=self, iterations=count, **run_config.priorities())
+        return self._stream_schedules[key]
 
     def _update_smoothed_loss(self, loss, start_iter):
         average = self.param.average_loss
@@ -436,20 +507,38 @@ class Solver:
 
     def apply_update(self):
         """One parameter update from the gradients in the net's param diffs."""
+        self.begin_update()
+        self._striped(self._update_params, self._rate)
+
+    def begin_update(self, log_rate=True):
+        """What the update does once before any parameter's: the learning rate
+        (logged on display iterations) and clip_gradients, which needs every
+        gradient (a barrier for the streams schedule)."""
         param = self.param
-        rate = self.get_learning_rate()
-        if param.display and self.iter % param.display == 0:
-            log.info("Iteration %d, lr = %s", self.iter, _fmt(rate))
+        self._rate = self.get_learning_rate()
+        if log_rate and param.display and self.iter % param.display == 0:
+            self._log_rate()
         self.clip_gradients()
-        self._striped(self._update_params, rate)
+
+    def _log_rate(self):
+        log.info("Iteration %d, lr = %s", self.iter, _fmt(self._rate))
+
+    def update_param(self, index):
+        """Learnable parameter `index`'s part of the update begun by
+        begin_update (a sub-task of the streams schedule, cct.runtime.graph)."""
+        self._update_param(index, self._rate)
 
     def _update_params(self, rate):
         for index in range(len(self.net.learnable_params)):
-            self.normalize(index)
-            self.regularize(index)
-            self.compute_update_value(index, rate)
-        for blob in self.net.learnable_params:
-            self._apply_step(blob)
+            self._update_param(index, rate)
+
+    def _update_param(self, index, rate):
+        # element-wise, each parameter on its own: parameter by parameter gives
+        # the numbers of Caffe's all-normalize-then-all-apply order
+        self.normalize(index)
+        self.regularize(index)
+        self.compute_update_value(index, rate)
+        self._apply_step(self.net.learnable_params[index])
 
     def _apply_step(self, blob):
         for data, diff in self._pieces(blob.data, blob.diff, temps=0):
@@ -519,9 +608,10 @@ class Solver:
         flats = [array.reshape(-1) for array in arrays]
         size, dtype = flats[0].size, flats[0].dtype
         stripe, stripes = getattr(self._stripe, "value", (0, 1))
-        work = self._work.get((dtype, stripe))
+        key = (dtype, stripe, threading.get_ident())     # streams update two parameters at once
+        work = self._work.get(key)
         if work is None or len(work) < temps:
-            work = self._work[dtype, stripe] = [np.empty(UPDATE_PIECE, dtype) for _ in range(temps)]
+            work = self._work[key] = [np.empty(UPDATE_PIECE, dtype) for _ in range(temps)]
         for start in range(stripe * UPDATE_PIECE, size, stripes * UPDATE_PIECE):
             stop = min(start + UPDATE_PIECE, size)
             yield tuple(flat[start:stop] for flat in flats) + tuple(w[:stop - start] for w in work[:temps])

@@ -39,15 +39,15 @@ class SGDSolver(Solver):
 
     fused = True                     # False: the numpy passes (tests compare the two)
 
-    def _update_params(self, rate):
+    def _update_param(self, index, rate):
         if not self._can_fuse():
-            return super()._update_params(rate)
-        for index, blob in enumerate(self.net.learnable_params):
-            decay = self.param.weight_decay * self.net.params_weight_decay[index]
-            cast = blob.dtype.type
-            for data, diff, history in self._pieces(blob.data, blob.diff, self.history[index], temps=0):
-                _sgd_pieces(data, diff, history, bool(decay), cast(decay),
-                            cast(rate * self.net.params_lr[index]), cast(self.param.momentum))
+            return super()._update_param(index, rate)
+        blob = self.net.learnable_params[index]
+        decay = self.param.weight_decay * self.net.params_weight_decay[index]
+        cast = blob.dtype.type
+        for data, diff, history in self._pieces(blob.data, blob.diff, self.history[index], temps=0):
+            _sgd_pieces(data, diff, history, bool(decay), cast(decay),
+                        cast(rate * self.net.params_lr[index]), cast(self.param.momentum))
 
     def _can_fuse(self):
         """The one-pass update applies: plain SGD steps (no subclass overrides

@@ -104,7 +104,7 @@ def test_iterations_overlap_in_the_random_orders(source):
         chooser = random.Random(seed)
         order = graph.topological_order(unrolled, lambda ready: chooser.choice(ready))
         position = {(task.kind, task.layer, task.iteration): index for index, task in enumerate(order)}
-        overlapping += position["forward", 0, 1] < position["update", -1, 0]
+        overlapping += position["forward", 0, 1] < position["update", -1, 0]     # its last update
     assert overlapping >= 10
 
 
@@ -122,11 +122,31 @@ def test_the_graph_keeps_the_hazards(source):
         assert task["backward_param", index["scale"], k, 0] in unrolled.edges[task["backward_data", index["scale"], -1, 0]]
     # the shared InnerProduct weight: ip_b's gradient is added before ip_a's, as in the sequential order
     assert task["backward_param", index["ip_b"], 0, 0] in unrolled.edges[task["backward_param", index["ip_a"], 0, 0]]
-    # the next forward of a layer waits for the update of its parameters
-    assert task["update", -1, -1, 0] in unrolled.edges[task["forward", index["conv1"], -1, 1]]
+    # the next forward of a layer waits for the update of its parameters, which
+    # waits for the parameter's gradient and the iteration's learning rate only
+    conv1_weight = next(p for p, blob in enumerate(net.learnable_params) if blob is net.layers[index["conv1"]].blobs[0])
+    update = task["update", -1, conv1_weight, 0]
+    assert update in unrolled.edges[task["forward", index["conv1"], -1, 1]]
+    assert {conv_weights, task["rate", -1, -1, 0]} <= unrolled.edges[update]
+    assert {t.layer for t in unrolled.edges[update]} == {index["conv1"], -1}
     # the two branches' backward do not wait for each other
     a, b = task["backward_data", index["short"], -1, 0], task["backward_data", index["long1"], -1, 0]
     assert a not in unrolled.edges[b] and b not in unrolled.edges[a]
+
+
+def test_clip_gradients_makes_the_rate_a_barrier(source):
+    """clip_gradients scales every gradient by their global norm: the rate
+    sub-task then waits for every gradient, and every update for it."""
+    solver = make_solver(source)
+    net = solver.net
+    plain, clipped = graph.build(net, 1), graph.build(net, 1, clip=True)
+    rate = graph.Task(graph.RATE)
+    gradients = {t for t in plain.tasks if t.kind in (graph.BACKWARD_PARAM, graph.BACKWARD)
+                 and net.layers[t.layer].blobs}
+    assert not plain.edges[rate] and gradients <= set(graph.topological_order(
+        graph.Graph(clipped.tasks, clipped.edges), lambda ready: ready[0])[:clipped.tasks.index(rate)])
+    assert all(t.kind in (graph.BACKWARD_PARAM, graph.BACKWARD, graph.CLEAR) for t in clipped.edges[rate])
+    assert all(rate in clipped.edges[t] for t in clipped.tasks if t.kind == graph.UPDATE)
 
 
 def test_without_one_derived_edge_some_order_differs(source, sequential):

@@ -139,3 +139,81 @@ def test_schedule_from_the_environment_and_the_configuration(monkeypatch, tmp_pa
     with pytest.raises(ConfigError, match="schedule: must be one of"):
         settings.parse('{"schedule": 3}', "run.json")
     assert settings.schedule() == "sequential"
+
+
+def with_dummy_data(net_param):
+    """The net with its Input layers replaced by one DummyData drawing a new
+    batch each forward (gaussian images, labels 0-4), so that iterations run
+    as one graph see different data, as from a Data layer."""
+    inputs = [layer for layer in net_param.layer if layer.type == "Input"]
+    tops = [top for layer in inputs for top in layer.top]
+    shapes = [shape for layer in inputs for shape in layer.input_param.shape]
+    others = [layer for layer in net_param.layer if layer.type != "Input"]
+    del net_param.layer[:]
+    dummy = net_param.layer.add(name="data", type="DummyData", top=tops).dummy_data_param
+    for top, shape in zip(tops, shapes):
+        dummy.shape.add().CopyFrom(shape)
+        if top == "label":
+            dummy.data_filler.add(type="uniform", min=0.0, max=4.99)
+        else:
+            dummy.data_filler.add(type="gaussian", std=1.0)
+    net_param.layer.extend(others)
+    return net_param
+
+
+def train_in_windows(name, schedule, solver_type="SGD", iterations=12, **extra):
+    """Weights and smoothed loss after solver.step(iterations), display every 5
+    (so the streams schedule runs windows of 1, 5, 5 and 1 iterations)."""
+    param = caffe_pb2.SolverParameter(base_lr=0.01, lr_policy="fixed", weight_decay=0.001, display=5,
+                                      snapshot_after_train=False, random_seed=7, type=solver_type, **extra)
+    param.net_param.CopyFrom(with_dummy_data(NETS[name]()))
+    settings.set_schedule(schedule)
+    try:
+        solver = cct.get_solver(param)
+        solver.step(iterations)
+    finally:
+        settings.set_schedule(None)
+    return [blob.data.copy() for blob in solver.net.learnable_params], solver.smoothed_loss, solver
+
+
+@pytest.mark.parametrize("name", ["lenet", "inception", "resnet", "caffenet_mini"])
+def test_iterations_run_as_one_graph_on_the_streams_give_the_sequential_weights(name, partitions):
+    ours, our_loss, solver = train_in_windows(name, "streams", momentum=0.9)
+    theirs, their_loss, _ = train_in_windows(name, "sequential", momentum=0.9)
+    assert solver._stream_schedules and solver.iter == 12
+    assert our_loss == their_loss
+    for a, b in zip(ours, theirs):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("solver_type,extra", [
+    ("Nesterov", {"momentum": 0.9}), ("Adam", {"momentum": 0.9, "momentum2": 0.999}),
+    ("SGD", {"momentum": 0.9, "clip_gradients": 0.5}), ("AdaGrad", {})])
+def test_every_update_rule_and_clipping_on_the_streams(solver_type, extra):
+    """Per-parameter updates (Adam reads the iteration count), and
+    clip_gradients' barrier between the last gradient and the first update."""
+    ours, our_loss, _ = train_in_windows("blocks", "streams", solver_type, iterations=7, **extra)
+    theirs, their_loss, _ = train_in_windows("blocks", "sequential", solver_type, iterations=7, **extra)
+    assert our_loss == their_loss
+    for a, b in zip(ours, theirs):
+        assert np.array_equal(a, b)
+
+
+def test_the_next_iterations_forward_does_not_wait_for_the_whole_update():
+    """The iteration boundary is no barrier: with conv1's bias update held
+    back, the next iteration's data layer, which needs none of it, draws its
+    batch before that update ends; the weights stay the sequential ones."""
+    from cct.runtime import graph, scheduler
+    _, _, reference = train_in_windows("blocks", "sequential", iterations=3)
+    solver = cct.get_solver(reference.param)
+    net = solver.net
+    conv1 = net.layers[net.layer_names.index("conv1")]
+    bias = next(p for p, blob in enumerate(net.learnable_params) if blob is conv1.blobs[1])
+    late = graph.Task(graph.UPDATE, param=bias, iteration=0)
+    schedule = scheduler.Schedule(net, solver=solver, iterations=3)
+    schedule.run(delay=lambda task: 0.05 if task == late else 0.0)
+    spans = {span.task: span for span in schedule.trace}
+    assert spans[graph.Task(graph.FORWARD, net.layer_names.index("data"), iteration=1)].start < spans[late].end
+    assert solver.iter == 3
+    for ours, theirs in zip(net.learnable_params, reference.net.learnable_params):
+        assert np.array_equal(ours.data, theirs.data)
