@@ -1,15 +1,18 @@
-"""Training iteration time with the backward as sub-tasks on streams against
-layer after layer (cct.runtime.scheduler), side by side in one process: the
-two modes alternate in rounds of `--iterations` steps, so a noisy host's
-drift falls on both, and the ratio of the medians is printed, with the
-streams' span, busy time and dispatch cost per sub-task from a trace.
+"""Training iteration time in the streams schedule against layer after layer
+(cct.runtime.scheduler), side by side in one process: the two modes alternate
+in rounds of one solver.step(--iterations) each (in the streams schedule the
+solver runs windows of up to 8 iterations as one graph), so a noisy host's
+drift falls on both, and the ratio of the medians (per iteration) is printed,
+with one streamed backward's span, busy time and dispatch cost per sub-task.
 
-    python bench/bench_schedule.py [--net lenet|caffenet|googlenet] [--batch 64] [--iterations 10] [--rounds 3]
+    python bench/bench_schedule.py [--net lenet|caffenet|googlenet|resnet50] [--batch 64] [--iterations 8] [--rounds 5]
 
 Nets: models/lenet (train net, batch 64 by default), CaffeNet
-(models/bvlc_reference_caffenet/train_synthetic.prototxt) and GoogLeNet
+(models/bvlc_reference_caffenet/train_synthetic.prototxt), GoogLeNet
 (models/bvlc_googlenet/train_val.prototxt), their data layers replaced by
-Input blobs filled once.
+Input blobs filled once, and ResNet-50 (models/resnet50/deploy.prototxt with
+BatchNorm computing batch statistics and a SoftmaxWithLoss head: weights
+constant, the time is the same).
 """
 import argparse
 import os
@@ -20,7 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
-NETS = {   # name -> (prototxt, data shapes without the batch, classes)
+NETS = {   # name -> (prototxt, data shapes without the batch, classes); and resnet50
     "lenet": (os.path.join(common.REPO, "models", "lenet", "lenet_train_test.prototxt"), [(1, 28, 28), ()], 10),
     "caffenet": (os.path.join(common.REPO, "models", "bvlc_reference_caffenet", "train_synthetic.prototxt"),
                  [(3, 227, 227), ()], 1000),
@@ -29,7 +32,29 @@ NETS = {   # name -> (prototxt, data shapes without the batch, classes)
 }
 
 
+def resnet50_train(batch):
+    """ResNet-50's deploy net made a train net: labels, batch statistics, a loss."""
+    from cct.formats.prototxt import read_net
+    param = read_net(os.path.join(common.REPO, "models", "resnet50", "deploy.prototxt"))
+    source = param.layer[0]
+    source.top.append("label")
+    source.input_param.shape[0].dim[0] = batch
+    source.input_param.shape.add().dim.append(batch)
+    for layer in param.layer:
+        if layer.type == "BatchNorm":
+            layer.batch_norm_param.ClearField("use_global_stats")
+    head = param.layer[-1]
+    head.type, head.top[0] = "SoftmaxWithLoss", "loss"
+    head.bottom.append("label")
+    return param, {"data": (batch, 3, 224, 224), "label": (batch,)}
+
+
 def solver_for(name, batch):
+    if name == "resnet50":
+        param, inputs = resnet50_train(batch)
+        solver = common.sgd_solver(param, base_lr=0.001)
+        common.fill_inputs(solver.net, inputs, classes=1000)
+        return solver
     path, shapes, classes = NETS[name]
     param, inputs = common.net_param_with_inputs(path, batch, data_shapes=[(batch,) + s for s in shapes])
     solver = common.sgd_solver(param, base_lr=0.001)
@@ -37,14 +62,12 @@ def solver_for(name, batch):
     return solver
 
 
-def step_times(solver, mode, iterations):
+def step_time(solver, mode, iterations):
+    """Seconds per iteration of one solver.step(iterations) in `mode`."""
     solver.net.executor.schedule = mode
-    times = []
-    for _ in range(iterations):
-        start = time.perf_counter()
-        solver.step(1)
-        times.append(time.perf_counter() - start)
-    return times
+    start = time.perf_counter()
+    solver.step(iterations)
+    return (time.perf_counter() - start) / iterations
 
 
 def trace_figures(solver):
@@ -63,20 +86,20 @@ def trace_figures(solver):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--net", choices=sorted(NETS), default="lenet")
+    parser.add_argument("--net", choices=sorted(NETS) + ["resnet50"], default="lenet")
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--iterations", type=int, default=10, help="steps per mode and round")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    parser.add_argument("--iterations", type=int, default=8, help="iterations per mode and round (one step)")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
     args = parser.parse_args()
     p = common.print_flush
     p(common.machine_line())
     solver = solver_for(args.net, args.batch)
     for mode in ("sequential", "streams"):
-        step_times(solver, mode, 2)                     # warm: buffers, the streams' schedule
+        step_time(solver, mode, args.iterations)        # warm: buffers, the streams' schedules
     times = {"sequential": [], "streams": []}
     for _ in range(args.rounds):
         for mode in times:
-            times[mode] += step_times(solver, mode, args.iterations)
+            times[mode].append(step_time(solver, mode, args.iterations))
     medians = {mode: statistics.median(values) * 1e3 for mode, values in times.items()}
     span, busy, dispatch, count = trace_figures(solver)
     p(f"{args.net} batch {args.batch}, training iteration: sequential {medians['sequential']:.2f} ms, "

@@ -45,11 +45,16 @@ Activation diffs then do not keep their values after backward. Left unset, it
 is on for `cct train` (which never shows an activation's diff) and off for a
 solver made from Python (pycaffe scripts read any blob's diff).
 
-Top-level "schedule": "sequential" (layer after layer), "streams" (backward
-sub-tasks on concurrent streams, cct.runtime.scheduler) or "auto" (each net
-times both on its first backward passes and keeps the faster). Precedence:
+Top-level "schedule": "sequential" (layer after layer), "streams" (sub-tasks
+on concurrent streams, cct.runtime.scheduler; a solver runs windows of whole
+iterations that way) or "auto" (each solver times windows of iterations in
+both and keeps the faster; a net's backward from Python likewise). Precedence:
 set_schedule() (the CLI's --schedule), then CCT_SCHEDULE, then the
-configuration, then "sequential". Top-level "priorities": {"alpha": a,
+configuration, then "auto". With one BLAS thread every schedule gives the same
+numbers bit for bit; with more, the streams split the threads between two
+GEMMs, which OpenBLAS sums in another order, so the last bits can differ and
+an "auto" run is bit-repeatable only where it chooses the same: "sequential"
+is the schedule for runs that must repeat bit for bit. Top-level "priorities": {"alpha": a,
 "beta": b} sets how far a weight gradient (alpha) and any other parameter
 gradient (beta) rank below their layer's data gradient in the streams
 schedule (cct.runtime.critical_path; defaults in cct.runtime.scheduler).
@@ -241,7 +246,7 @@ def schedule(config=None):
             raise ConfigError(f"{SCHEDULE_ENV}: must be one of {', '.join(SCHEDULES)}, got {given!r}")
         return given
     config = config or active()
-    return config.schedule if config is not None and config.schedule else "sequential"
+    return config.schedule if config is not None and config.schedule else "auto"
 
 
 def share_diffs_enabled(config=None, default=False):

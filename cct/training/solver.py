@@ -40,6 +40,7 @@ from cct.formats.prototxt import read_net, read_solver
 from cct.formats.upgrade import upgrade_solver
 from cct.proto import caffe_pb2
 from cct.runtime import memory, scheduler
+from cct.runtime.choice import FasterOf
 from cct.runtime import settings as run_config
 from cct.runtime.threads import run_all
 from cct.training import snapshot
@@ -134,6 +135,7 @@ class Solver:
         self._images_per_iter = self._batch_size(self.net) * param.iter_size
         self.history = [np.zeros(p.shape, p.dtype) for p in self.net.learnable_params]
         self._stream_schedules = {}  # (iterations, shapes, partitions) -> scheduler.Schedule
+        self._auto = {}              # (shapes, partitions) -> FasterOf, the "auto" schedule's choice
         self._work = {}              # (dtype, stripe, thread) -> work arrays of UPDATE_PIECE elements (_pieces)
         self._stripe = threading.local()     # which pieces this thread updates (_striped)
         self.pre_solve()
@@ -333,10 +335,11 @@ class Solver:
                 self.test_all()
                 if self._early_exit:
                     break
-            if self._on_streams():
-                self._iterations_on_streams(self._window(stop_iter))
-            else:
+            mode = self._window_mode()
+            if mode is None:
                 self._iteration()
+            else:
+                self._window_in(mode, self._window(stop_iter))
             request = self._take_request()
             if (param.snapshot and self.iter % param.snapshot == 0) or request == "snapshot":
                 self.snapshot()
@@ -373,14 +376,45 @@ class Solver:
             self._log_debug_info()
         return True
 
-    def _on_streams(self):
-        """Whether whole iterations run on the streams: the streams schedule,
-        and nothing that must see one iteration at a time (pycaffe callbacks,
+    def _window_mode(self):
+        """How the next iterations run: None, one iteration in the executor's
+        own schedule; "streams", a window of iterations as one graph on the
+        streams; with the "auto" schedule, "sequential" or "streams" as
+        measured on this net and shape (cct.runtime.choice). Only where
+        nothing must see one iteration at a time (pycaffe callbacks,
         per-layer subscribers, iter_size accumulation, debug_info)."""
+        executor, param = self.net.executor, self.param
+        if (executor.schedule == "sequential" or self.callbacks or executor.listened
+                or param.iter_size != 1 or param.debug_info):
+            return None
+        if executor.schedule == "streams":
+            return "streams"
+        key = self._shape_key()
+        if key not in self._auto:
+            self._auto[key] = FasterOf(("sequential", "streams"), "schedule auto (time per iteration)")
+        return self._auto[key].next()
+
+    def _shape_key(self):
+        net = self.net
+        return (tuple(blob.shape for blob in net.blobs.values()),
+                tuple(net.executor.partitions(i) for i in range(len(net.layers))))
+
+    def _window_in(self, mode, count):
+        """`count` iterations in `mode`; under "auto", timed for its choice."""
         executor = self.net.executor
-        param = self.param
-        return (executor.schedule == "streams" and not self.callbacks and not executor.listened
-                and param.iter_size == 1 and not param.debug_info)
+        chosen_by = executor.schedule
+        start = time.perf_counter()
+        if mode == "streams":
+            self._iterations_on_streams(count)
+        else:
+            executor.schedule = "sequential"
+            try:
+                for _ in range(count):
+                    self._iteration()
+            finally:
+                executor.schedule = chosen_by
+        if chosen_by == "auto":
+            self._auto[self._shape_key()].record(mode, (time.perf_counter() - start) / count)
 
     def _window(self, stop_iter):
         """How many iterations from self.iter run as one graph: up to the next
@@ -411,8 +445,7 @@ class Solver:
         """The Schedule of `count` iterations for the net's current shapes and
         partitions (built once for each)."""
         net = self.net
-        key = (count, tuple(blob.shape for blob in net.blobs.values()),
-               tuple(net.executor.partitions(i) for i in range(len(net.layers))))
+        key = (count,) + self._shape_key()
         if key not in self._stream_schedules:
             self._stream_schedules[key] = scheduler.Schedule(
                 net, solver=self, iterations=count, **run_config.priorities())
