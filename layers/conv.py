@@ -5,9 +5,10 @@ matrix and multiplied in one GEMM per group. Each layer has a
 `lowering_type` (1, 2 or 3, see cct.lowering): the one its run settings force
 (`configure`, pushed by the runtime from the run configuration and
 CCT_LOWERING, cct.runtime.settings), else the chooser's (cct.lowering.chooser),
-picked per geometry and batch at reshape (cached, so a reshape to the same
-shape costs a tuple comparison). A scheduler may set the attribute
-afterwards; that forces the type.
+picked per geometry and the batch one GEMM lowers (the largest of the
+runtime's batch partitions, told after every reshape by run_partitions;
+cached, so the same shape costs a tuple comparison). A scheduler may set the
+attribute afterwards; that forces the type.
 
 Intermediates live in the running thread's arena (cct.core.workspace),
 reused across iterations, and a batch whose largest
@@ -100,7 +101,8 @@ class _ConvolutionBase(Layer):
         self._forced_type, self.measure_lowering = None, False
         self._lowering_budget = DEFAULT_BUDGET_MB * 2 ** 20
         self._auto_type = None
-        self._choice_key = None       # the (geometry, batch, dtype) the chooser picked _auto_type for
+        self._choice_key = None       # the (geometry, batch, dtype, partitions) the chooser picked _auto_type for
+        self._partitions = 1          # the runtime's batch partitions (run_partitions)
         self._shape_key = None        # the one of the last reshape
         self._configured = False      # run settings received: reshape may choose now
         self._chunk_key = None
@@ -134,20 +136,29 @@ class _ConvolutionBase(Layer):
             self._choose()
 
     def _choose(self):
-        """The chooser's type for the last reshape's shape (cached per shape);
-        not asked while a type is forced. A layer chooses at reshape once its
-        run settings arrived (configure), else at its first use: set_up's
+        """The chooser's type for the last reshape's shape and the runtime's
+        partitions (cached per both); not asked while a type is forced. A layer
+        chooses at reshape and when told its partitions (run_partitions) once
+        its run settings arrived (configure), else at its first use: set_up's
         reshape runs before the runtime pushes the settings, which may force a
         type or ask for measuring, and calibrating the chooser for nothing
         costs a GEMM benchmark."""
         if self._forced_type or self._shape_key is None:
             return self._forced_type or DEFAULT_LOWERING
-        if self._shape_key != self._choice_key:
-            geom, batch, dtype = self._shape_key
-            self._auto_type = chooser.choose(geom, batch, measure=self.measure_lowering, dtype=dtype,
-                                             budget=self.lowering_budget)
-            self._choice_key = self._shape_key
+        geom, batch, dtype = self._shape_key
+        # Chosen for what one GEMM lowers: the largest partition, in its share of the budget.
+        parts = max(1, min(self._partitions, batch))
+        key = (geom, -(-batch // parts), dtype, parts)
+        if key != self._choice_key:
+            self._auto_type = chooser.choose(geom, key[1], measure=self.measure_lowering, dtype=dtype,
+                                             budget=max(1, self._lowering_budget // parts))
+            self._choice_key = key
         return self._auto_type
+
+    def run_partitions(self, count):
+        self._partitions = count
+        if self._configured:
+            self._choose()            # now, not in the twins, which run at once and read it
 
     def flops(self, bottom, top):
         # One GEMM per bottom, over the spatial size of the convolution's output:

@@ -8,7 +8,8 @@ lifted to the output. Three lowerings trade lowering cost against lifting cost
     3  type3: the padded input as is, C x (N*Hp*Wp); lifting sums KH*KW slices
 
 Every function works on any batch, so a scheduler can call it on a partition
-of the batch. By default they allocate their intermediates (pure: arrays in,
+of the batch; an empty one is skipped (nothing lowered, a zero weight
+gradient). By default they allocate their intermediates (pure: arrays in,
 arrays out); given `ws` (a cct.core.workspace.Arena) they reuse its
 buffers instead, and given `chunk` they process the batch that many images at
 a time, which bounds the workspace (see workspace.chunk_size). The chooser
@@ -45,6 +46,8 @@ def conv_forward(x, w, geom, lowering_type=1, out=None, ws=FRESH, chunk=None, bi
     """y (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/group, KH, KW)), plus
     bias (O,) when given (added while the result is stored, no extra pass)."""
     impl, n = lowering(lowering_type), x.shape[0]
+    if n == 0:                        # an empty batch (or partition): nothing to lower, skipped
+        return np.empty(geom.output_shape(0), x.dtype) if out is None else out
     _plan(ws, geom, lowering_type, n, chunk, x.dtype)
     if _whole(n, chunk):
         return impl.forward(x, w, geom, out=out, ws=ws, bias=bias)
@@ -58,6 +61,9 @@ def conv_backward(x, dy, w, geom, lowering_type=1, data=True, weights=True, ws=F
     """(dx or None, dw or None); types 2 and 3 share their unlifted dy between the
     two. dx goes into `dx_out` when given; dw is summed over the chunks."""
     impl, n = lowering(lowering_type), dy.shape[0]
+    if n == 0:                        # an empty batch: no gradient to compute, the weights' is zero
+        dx = (np.empty(geom.input_shape(0), dy.dtype) if dx_out is None else dx_out) if data else None
+        return dx, (np.zeros(geom.weight_shape, dy.dtype) if weights else None)
     _plan(ws, geom, lowering_type, n, chunk, dy.dtype)
     if _whole(n, chunk):
         return impl.backward(x, dy, w, geom, data=data, weights=weights, ws=ws, dx_out=dx_out)

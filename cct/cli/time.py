@@ -204,4 +204,17 @@ def profile_table(net, forward_ms, backward_ms, peak):
     lines.append(f"Net: {total_flops / 1e9:.4g} GFLOP per forward-backward, "
                  + (f"{total:.1f} GFLOP/s" if total is not None else "- GFLOP/s")
                  + (f" = {100 * total / peak:.0f}% of the GEMM peak" if total is not None and peak else ""))
-    return lines
+    return lines + fewer_partitions(net)
+
+
+def fewer_partitions(net):
+    """A line per (asked, run) pair for the layers whose batch is too small for
+    the partitions their plan asks (at most one per sample runs): the table
+    shows what ran, this what was asked for."""
+    executor, cut = net.executor, {}
+    for i, layer in enumerate(net.layers):
+        asked, run = executor.plan.get(i), executor.partitions(i)
+        if asked is not None and run < asked:
+            cut.setdefault((asked, run), []).append(layer.name)
+    return [f"Partitions cut to the batch (a partition needs a sample): {asked} asked, {run} run on "
+            f"{', '.join(names)}" for (asked, run), names in cut.items()]

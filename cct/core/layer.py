@@ -17,6 +17,8 @@ What the runtime reads (declarations, never type names):
     flops(bottom, top)     (forward, backward_data, backward_params) FLOPs
     run_settings           the run-setting keys the layer takes; configure(settings) gets them
     clone(share)           a twin for one of `share` batch partitions run at once
+    run_partitions(count)  told after every reshape how many partitions the next
+                           forward and backward run as
     draws_random           forward draws from the process's random stream
     splits_backward        backward is also offered as sub-tasks a scheduler may run apart:
         backward_param(i, top, bottom)         parameter i's gradient, ACCUMULATED into
@@ -176,6 +178,11 @@ class Layer:
         for key in [key for key in vars(twin) if key.startswith("_scratch_")]:
             del twin.__dict__[key]
         return twin
+
+    def run_partitions(self, count):
+        """The runtime runs the next forward and backward as `count` batch
+        partitions (decided after every reshape, cct.runtime.executor). A layer
+        whose own choices depend on the batch one call sees overrides this."""
 
     def allow_force_backward(self, bottom_index):
         # Loss layers' labels (bottom 1) never get a gradient, even with force_backward.

@@ -55,8 +55,11 @@ class Executor:
 
     `plan[layer_index] = p` (1: the layer runs as is, with all BLAS threads),
     set by CCT_PARTITIONS, the run configuration, set_partitions or tune();
-    a layer without an entry gets default_partitions. Creating it applies the
-    run settings to the net's layers (cct.runtime.settings.apply).
+    a layer without an entry gets default_partitions. An entry is what was
+    asked for: each forward runs at most one partition per sample of the
+    batch it has then (fit), so one plan serves every batch size (a test net
+    smaller than its train net, a pycaffe reshape to one image). Creating it
+    applies the run settings to the net's layers (cct.runtime.settings.apply).
     """
 
     def __init__(self, net, threads=None):
@@ -76,8 +79,8 @@ class Executor:
         forced = settings.forced_partitions()
         if forced:                         # 1: every layer whole, the default plan off
             for index in range(len(net.layers)):
-                if self.partitionable(index):
-                    self.plan[index] = min(forced, net.bottom_vecs[index][0].shape[0])
+                if self.batch(index) is not None:
+                    self.plan[index] = forced
         settings.apply(self)
 
     # --- events ---------------------------------------------------------------------
@@ -93,27 +96,48 @@ class Executor:
         for callback in self._listeners.get(kind, ()):
             callback(index)
 
-    # --- which layers may be partitioned -----------------------------------------
-    def partitionable(self, index):
-        """The layer declares it may be split (Layer.can_partition) and every one
-        of its blobs has the same batch size, above 1."""
+    # --- which layers may be partitioned, and into how many ------------------------
+    def batch(self, index):
+        """The batch size every blob of the layer shares, when the layer may be
+        split along it (Layer.can_partition); else None."""
         layer, bottoms, tops = self._layer(index)
         blobs = bottoms + tops
         if not blobs or not layer.can_partition(bottoms, tops):
-            return False
+            return None
         batch = blobs[0].shape[0] if blobs[0].shape else 0
-        return batch > 1 and all(b.shape and b.shape[0] == batch for b in blobs)
+        return batch if all(b.shape and b.shape[0] == batch for b in blobs) else None
+
+    def partitionable(self, index):
+        """The layer may be split (batch() is not None) and its batch has more than one sample."""
+        batch = self.batch(index)
+        return batch is not None and batch > 1
+
+    def fit(self, index, partitions):
+        """`partitions` as the layer's current shapes allow: at most one per
+        sample of its batch (partitions may then differ by one sample), 1 where
+        it cannot be split. A plan entry holds what was asked for at whatever
+        batch; this is what runs at the batch of the last reshape."""
+        if partitions <= 1:
+            return 1
+        batch = self.batch(index)
+        return min(partitions, batch) if batch else 1
 
     def set_partitions(self, index, partitions):
+        """Ask for `partitions` batch partitions of layer `index`, at every
+        batch size: a forward runs fit(index, partitions) of them."""
         partitions = int(partitions)
-        if partitions > 1 and not self.partitionable(index):
+        if partitions < 1:
+            raise ValueError(f"{self.net.layers[index].where()}: partitions must be >= 1, got {partitions}")
+        if partitions > 1 and self.batch(index) is None:
             raise ValueError(f"{self.net.layers[index].where()}: cannot be batch-partitioned")
         self.plan[index] = partitions
         self._partitioned.pop(index, None)
 
     def partitions(self, index):
-        partitions = self.plan.get(index)
-        return self.default_partitions(index) if partitions is None else partitions
+        """The batch partitions layer `index` runs at its current shapes: its
+        plan entry as fit() allows, else default_partitions."""
+        requested = self.plan.get(index)
+        return self.default_partitions(index) if requested is None else self.fit(index, requested)
 
     def default_partitions(self, index):
         """One partition per thread for a large partitionable layer that splits
@@ -151,8 +175,8 @@ class Executor:
         net = self.net
         return net.layers[index], net.bottom_vecs[index], net.top_vecs[index]
 
-    def _runner(self, index):
-        partitions = self.partitions(index)
+    def _runner(self, index, partitions=None):
+        partitions = self.partitions(index) if partitions is None else partitions
         runner = self._partitioned.get(index)
         if runner is None or runner.partitions != partitions:
             runner = self._partitioned[index] = PartitionedLayer(self.net.layers[index], partitions)
@@ -167,13 +191,15 @@ class Executor:
             self._emit("before_forward", index)
         layer, bottoms, tops = self._layer(index)
         layer.reshape(bottoms, tops)
+        # decided anew at every reshape: a batch that shrank gets fewer partitions
         partitions = self.partitions(index)
+        layer.run_partitions(partitions)
         if set_blas:
             self.blas.set(self.threads if partitions == 1 else max(1, self.threads // partitions))
         if partitions == 1:
             layer.forward(bottoms, tops)
         else:
-            self._runner(index).forward(self.workers(partitions), bottoms, tops)
+            self._runner(index, partitions).forward(self.workers(partitions), bottoms, tops)
         loss = self.net.layer_loss(index)
         if self._listeners:
             self._emit("after_forward", index)
@@ -201,7 +227,7 @@ class Executor:
         if partitions == 1:
             layer.backward(tops, propagate_down, bottoms)
         else:
-            self._runner(index).backward(self.workers(partitions), tops, propagate_down, bottoms)
+            self._runner(index, partitions).backward(self.workers(partitions), tops, propagate_down, bottoms)
 
     def finish(self):
         """All BLAS threads again, for whatever runs after the net."""
@@ -286,16 +312,17 @@ class Executor:
     def _tune_layer(self, index, candidates, repeats):
         """The fastest candidate p for layer `index`, set in the plan and returned."""
         best = None
-        most = min(self.net.bottom_vecs[index][0].shape[0], self._most_partitions(index))
+        most = self._most_partitions(index)
         for partitions in candidates:
-            if partitions > most:
-                continue
+            if partitions > most or self.fit(index, partitions) != partitions:
+                continue                          # a count this batch cannot run is not timed
             self.set_partitions(index, partitions)
             elapsed = self._time_layer(index, repeats)
             if best is None or elapsed < best[0]:
                 best = (elapsed, partitions)
-        self.set_partitions(index, best[1])
-        return best[1]
+        chosen = 1 if best is None else best[1]       # no candidate fits: the layer runs whole
+        self.set_partitions(index, chosen)
+        return chosen
 
     def _time_layer(self, index, repeats):
         self.forward(index)                       # warm: buffers allocated, clones built

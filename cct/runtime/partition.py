@@ -81,12 +81,16 @@ class PartitionedLayer:
             self.clones.append(clone)
 
     def _bounds(self, batch):
+        """[(start, stop)] of each partition: sizes differ by one sample at most,
+        and none is empty while the batch has at least as many samples."""
         edges = np.linspace(0, batch, self.partitions + 1).astype(int)
         return list(zip(edges[:-1], edges[1:]))
 
     def _views(self, bottoms, tops):
         batch = bottoms[0].shape[0]
         for (start, stop), clone in zip(self._bounds(batch), self.clones):
+            if start == stop:
+                continue                  # an empty partition (more partitions than samples): nothing to run
             for view, blob in zip(clone.blobs, self.layer.blobs):
                 view.follow(blob)
             bottom_views = [BlobSlice(b, start, stop) for b in bottoms]

@@ -32,7 +32,10 @@ Keys, per layer (under "layers", by layer name) or for every layer ("default"):
     lowering_budget_mb  largest lowering workspace matrix, MB; bigger batches
                         are lowered in chunks (cct.lowering.chunking)
     partitions          batch partitions (cct.runtime.partition); as a default
-                        it applies only to the layers that can be partitioned
+                        it applies only to the layers that can be partitioned.
+                        A layer runs at most one partition per sample of the
+                        batch it has at each forward: a smaller test net, or a
+                        net reshaped to one image, runs fewer than asked
 
 A layer takes the keys its class declares in `run_settings` (Convolution and
 Deconvolution: lowering, measure, lowering_budget_mb), and every layer takes
@@ -341,37 +344,49 @@ def layer_settings(layer, config=None):
 
 def apply(executor, config=None):
     """Apply the settings to a built net through its executor: check that
-    every configured key fits its layer, push each layer's settings
-    (Layer.configure) and set the configured batch partitions. Returns
-    {layer name: partitions} set by the configuration."""
+    every configured key fits its layer, set the configured batch partitions
+    and push each layer's settings (Layer.configure). Returns {layer name:
+    partitions} set by the configuration, as many as each layer runs at the
+    net's current batch (Executor.fit)."""
     config = config or active()
     net = executor.net
     applied = {}
     for index, layer in enumerate(net.layers):
         declared = tuple(getattr(layer, "run_settings", ()))
+        if config is not None:
+            _check_layer_keys(config, layer, declared)
+            if _apply_partitions(config, executor, index):
+                applied[layer.name] = executor.partitions(index)
         if declared:
+            # the partitions first: a convolution chooses its lowering for one partition's batch
+            layer.run_partitions(executor.partitions(index))
             layer.configure(layer_settings(layer, config))
             # the net set the layer up before it had its settings: size it again with them
             layer.reshape(net.bottom_vecs[index], net.top_vecs[index])
-        if config is None:
-            continue
-        own = config.layers.get(layer.name, {})
-        for key in own:
-            if key != "partitions" and key not in declared:
-                takes = f"takes {', '.join(declared)} and partitions" if declared else "takes only partitions"
-                raise ConfigError(f"{config.source}: layers.{layer.name}.{key}: layer '{layer.name}' "
-                                  f"({layer.type}) {takes}")
-        partitions = own.get("partitions")
-        if partitions is None:
-            partitions = config.default_value("partitions")
-            if partitions is None or not executor.partitionable(index):
-                continue
-        elif partitions > 1 and not executor.partitionable(index):
-            raise ConfigError(f"{config.source}: layers.{layer.name}.partitions: layer '{layer.name}' "
-                              f"({layer.type}) cannot be batch-partitioned")
-        bottoms = net.bottom_vecs[index]
-        batch = bottoms[0].shape[0] if bottoms and bottoms[0].shape else 1
-        partitions = min(partitions, max(1, batch))
-        executor.set_partitions(index, partitions)
-        applied[layer.name] = partitions
     return applied
+
+
+def _check_layer_keys(config, layer, declared):
+    for key in config.layers.get(layer.name, {}):
+        if key != "partitions" and key not in declared:
+            takes = f"takes {', '.join(declared)} and partitions" if declared else "takes only partitions"
+            raise ConfigError(f"{config.source}: layers.{layer.name}.{key}: layer '{layer.name}' "
+                              f"({layer.type}) {takes}")
+
+
+def _apply_partitions(config, executor, index):
+    """Put the layer's configured partitions (its own, else the default) in
+    the executor's plan; whether there were any. A batch too small for the
+    count is no error (a train and a test net share one file): each forward
+    runs as many as the batch allows."""
+    layer = executor.net.layers[index]
+    partitions = config.layer_value(layer.name, "partitions")
+    if partitions is None:
+        partitions = config.default_value("partitions")
+        if partitions is None or executor.batch(index) is None:
+            return False
+    elif partitions > 1 and executor.batch(index) is None:
+        raise ConfigError(f"{config.source}: layers.{layer.name}.partitions: layer '{layer.name}' "
+                          f"({layer.type}) cannot be batch-partitioned")
+    executor.set_partitions(index, partitions)
+    return True

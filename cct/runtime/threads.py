@@ -67,6 +67,8 @@ def run_all(workers, function, work):
     """Unit k on workers[k - 1], unit 0 on this thread; waits for all of them
     and re-raises the first exception (in unit order)."""
     work = list(work)
+    if not work:
+        return
     futures = [worker.submit(function, *unit) for worker, unit in zip(workers, work[1:])]
     try:
         function(*work[0])

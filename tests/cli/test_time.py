@@ -127,3 +127,23 @@ def test_time_trace_needs_the_streams(tmp_path, capsys):
     path.write_text(PROFILE_NET)
     code, _, err = run_cct(capsys, "time", "--model", path, "--trace", tmp_path / "t.json")
     assert_one_line_error(code, err, "--trace: needs --schedule streams (or auto) and a .json or .png file")
+
+
+def test_time_shows_the_partitions_a_small_batch_really_runs(tmp_path, capsys, monkeypatch):
+    """A deploy net at batch 1 under a configuration asking 2 partitions per
+    layer: it runs (one partition each) and the table says so."""
+    from helpers.paths import MODELS
+    from cct.runtime import settings
+    path = tmp_path / "lenet_1.prototxt"
+    path.write_text((MODELS / "lenet" / "lenet.prototxt").read_text().replace("dim: 64", "dim: 1", 1))
+    config = tmp_path / "run.json"
+    config.write_text('{"default": {"partitions": 2}}')
+    monkeypatch.setenv(settings.CONFIG_ENV, str(config))
+    code, _, err = run_cct(capsys, "time", "--model", path, "--iterations", "1", "--peak_size", "0")
+    assert code == 0, err
+    text = messages(err)
+    start = next(i for i, m in enumerate(text) if m == "Profile per layer:")
+    rows = {m.split()[0]: m.split() for m in text[start + 2:start + 11]}
+    assert {name: row[-1] for name, row in rows.items()} == {name: "1" for name in rows} and "conv1" in rows
+    assert ("Partitions cut to the batch (a partition needs a sample): 2 asked, 1 run on conv1, pool1, conv2, "
+            "pool2, ip1, relu1, ip2") in text

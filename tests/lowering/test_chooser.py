@@ -261,3 +261,23 @@ def test_layer_uses_the_model_choice_and_caches_it(monkeypatch):
     layer.lowering_type = 1                                 # a scheduler forces it
     layer.reshape(bottoms, tops)
     assert layer.lowering_type == 1
+
+
+def test_layer_chooses_for_the_batch_one_partition_lowers(monkeypatch):
+    """Told it runs as p batch partitions (the executor does so after every
+    reshape), a convolution asks the chooser about the largest partition and
+    its share of the budget: what each twin's GEMM really gets."""
+    monkeypatch.delenv("CCT_LOWERING", raising=False)
+    asked = []
+    monkeypatch.setattr(chooser, "choose", lambda geom, batch, **kwargs: asked.append((batch, kwargs["budget"])) or 2)
+    layer = make_layer('type: "Convolution" convolution_param { num_output: 2 kernel_size: 3 pad: 1 }')
+    bottoms, tops = setup_layer(layer, [np.zeros((7, 4, 5, 5), np.float32)])
+    layer.configure({"lowering_budget_mb": 8})
+    budget = 8 * 2 ** 20
+    for partitions, expected in ((1, (7, budget)), (3, (3, budget // 3)), (9, (1, budget // 7))):
+        layer.run_partitions(partitions)
+        assert asked[-1] == expected and layer.lowering_type == 2
+    calls = len(asked)
+    layer.run_partitions(9)
+    layer.reshape(bottoms, tops)
+    assert len(asked) == calls                              # same shape, same partitions: no new choice

@@ -134,6 +134,16 @@ def test_batch_partitions_compose(kind):
 
 
 @pytest.mark.parametrize("kind", TYPES)
+def test_an_empty_batch_is_skipped(kind):
+    """No partition runs on no sample, but if one did it would compute nothing."""
+    geom = ConvGeometry(3, 4, 6, 6, 3, 3, pad_h=1, pad_w=1)
+    x, w, dy = arrays(geom, batch=0)
+    assert conv_forward(x, w, geom, kind, chunk=1).shape == (0, 4, 6, 6)
+    dx, dw = conv_backward(x, dy, w, geom, kind, chunk=1)
+    assert dx.shape == x.shape and dw.shape == w.shape and not dw.any()
+
+
+@pytest.mark.parametrize("kind", TYPES)
 def test_out_buffers_are_filled(kind):
     geom = ConvGeometry(2, 3, 5, 5, 3, 3, pad_h=1, pad_w=1)
     x, w, dy = arrays(geom)

@@ -169,3 +169,49 @@ def test_cct_partitions_1_runs_every_layer_whole(monkeypatch):
     monkeypatch.setattr("cct.runtime.executor.DEFAULT_SPLIT_ELEMENTS", 1)
     net = run(1)
     assert all(net.executor.partitions(i) == 1 for i in range(len(net.layers)))
+
+
+# --- a plan entry at every batch size -------------------------------------------------------------
+def reshaped(net, batch):
+    net.blobs["data"].reshape(batch, 3, 12, 12)
+    net.blobs["label"].reshape(batch)
+    net.reshape()
+    return net
+
+
+def test_a_plan_entry_runs_at_most_one_partition_per_sample():
+    """What was asked stays in the plan; what runs follows the batch of the last reshape."""
+    net = run(1)
+    executor, conv1, ip1 = net.executor, net.layer_names.index("conv1"), net.layer_names.index("ip1")
+    executor.set_partitions(conv1, 5)
+    assert executor.partitions(conv1) == 5
+    reshaped(net, 3)
+    assert executor.partitions(conv1) == 3 and executor.plan[conv1] == 5
+    reshaped(net, 1)
+    assert executor.partitions(conv1) == 1 and not executor.partitionable(conv1)
+    executor.set_partitions(ip1, 4)                      # asked at batch 1: no error, runs whole
+    net.forward()
+    net.backward()
+    reshaped(net, 7)
+    assert executor.partitions(conv1) == 5 and executor.partitions(ip1) == 4
+
+
+def test_set_partitions_refuses_what_no_batch_allows():
+    executor = run(1).executor
+    with pytest.raises(ValueError, match=r"layer 'loss' \(SoftmaxWithLoss\).*cannot be batch-partitioned"):
+        executor.set_partitions(len(executor.net.layers) - 1, 2)
+    with pytest.raises(ValueError, match=r"layer 'conv1' \(Convolution\).*partitions must be >= 1, got 0"):
+        executor.set_partitions(1, 0)
+
+
+def test_tune_times_only_counts_the_batch_can_run():
+    net = reshaped(run(1), 3)
+    tried = []
+    original = net.executor._time_layer
+
+    def timed(index, repeats):
+        tried.append(net.executor.partitions(index))
+        return original(index, repeats)
+    net.executor._time_layer = timed
+    plan = net.executor.tune(candidates=[1, 2, 4], repeats=1)
+    assert 2 in tried and 4 not in tried and max(plan.values()) <= 3
