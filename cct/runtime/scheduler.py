@@ -220,6 +220,11 @@ class Schedule:
         return state.runner
 
 
+# Sub-tasks with no GEMM: they leave the BLAS thread count alone.
+MEMORY_BOUND = (graph_module.CLEAR, graph_module.RATE, graph_module.UPDATE)
+ADAPTIVE_BLAS = True
+
+
 class _RunState:
     """The counts, ready heaps and trace of one Schedule.run, shared by its
     stream workers under one condition variable."""
@@ -233,6 +238,7 @@ class _RunState:
         self.became_ready, self.spans = {}, {}
         self.left, self.failure = len(schedule.tasks), None
         self.condition = threading.Condition()
+        self.computing = [False] * stream_count         # per stream: running a GEMM-heavy sub-task
         for task in schedule.tasks:
             if not self.waiting[task]:
                 self._make_ready(task)
@@ -243,6 +249,15 @@ class _RunState:
         heapq.heappush(self.ready[self.schedule.stream[task]],
                        (task.iteration, -self.schedule.priority[task], self.order[task], task))
 
+    def _share_blas(self, index):
+        """Before a GEMM-heavy sub-task (under the lock): all BLAS threads if no
+        other stream runs one, else an equal share. The count is process-wide,
+        so a change also reaches the other stream's next BLAS call: the shares
+        follow which streams compute, call by call."""
+        self.computing[index] = True
+        executor = self.schedule.net.executor
+        executor.blas.set(blas_threads(executor.threads, sum(self.computing)))
+
     def serve(self, index):
         clock, condition = time.perf_counter, self.condition
         while True:
@@ -252,6 +267,8 @@ class _RunState:
                 if not self.left or self.failure is not None:
                     return
                 task = heapq.heappop(self.ready[index])[-1]
+                if ADAPTIVE_BLAS and task.kind not in MEMORY_BOUND:
+                    self._share_blas(index)
             dispatched = clock()
             try:
                 if self.delay is not None:
@@ -265,6 +282,7 @@ class _RunState:
                 return
             self.spans[task] = Span(task, index, self.became_ready[task], dispatched, began, clock())
             with condition:
+                self.computing[index] = False
                 self.left -= 1
                 woken = False
                 for successor in self.schedule.following[task]:
