@@ -1,5 +1,5 @@
-"""Backward sub-tasks on concurrent streams, highest critical-path priority
-first (TurboDL, rebuilt for CPU worker threads).
+"""Sub-tasks on concurrent streams, highest critical-path priority first
+(TurboDL, rebuilt for CPU worker threads).
 
 A net's backward becomes the sub-tasks of cct.runtime.graph: per layer its
 data gradient (the critical chain: the layer below waits for it) and one
@@ -38,8 +38,9 @@ has measured the data-gradient times. Equal priorities keep the sequential
 order.
 
 OpenBLAS's thread count is process-wide: while streams run, each GEMM gets
-T / (streams that run GEMMs at once) threads (`blas_threads`), so two
-concurrent GEMMs do not oversubscribe the cores.
+T / (streams that run GEMM-heavy sub-tasks at that moment) threads
+(`blas_threads`, set as each such sub-task starts), so two concurrent GEMMs
+do not oversubscribe the cores and a lone one gets them all.
 """
 import heapq
 import threading
