@@ -11,6 +11,7 @@ A net whose layer types are not all registered yet is skipped, with the list.
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import cct
@@ -131,7 +132,8 @@ def test_solver_parses_and_names_a_net_in_the_zoo(path):
 @pytest.mark.parametrize("script, outputs", [
     ("bvlc_googlenet/make_googlenet.py", ("deploy.prototxt", "train_val.prototxt")),
     ("resnet50/make_resnet50.py", ("deploy.prototxt",)),
-], ids=["googlenet", "resnet50"])
+    ("digits_lstm/make_digits_lstm.py", ("train_test.prototxt",)),
+], ids=["googlenet", "resnet50", "digits_lstm"])
 def test_generated_prototxt_is_the_script_output(script, outputs, tmp_path, monkeypatch):
     module = load_script(model(script))
     monkeypatch.setattr(module, "HERE", str(tmp_path))
@@ -384,3 +386,23 @@ def test_resnet50_shapes():
     assert params["bn2a_branch1"] == [(256,), (256,), (1,)]            # mean, variance, scale factor
     assert params["scale2a_branch1"] == [(256,), (256,)]
     assert params["fc1000"] == [(1000, 2048), (1000,)]
+
+
+@pytest.mark.parametrize("phase, batch", [(cct.TRAIN, 64), (cct.TEST, 100)])
+def test_digits_lstm_reads_rows_as_time_steps(phase, batch):
+    """Each phase's images (its Data layer swapped for an Input of its batch)
+    become 28 steps of 28 pixels, time first; the classifier sees the last step."""
+    net_param = phase_net(read_net(model("digits_lstm/train_test.prototxt")), phase)
+    assert net_param.layer[0].type == "Data" and net_param.layer[0].data_param.batch_size == batch
+    data = caffe_pb2.LayerParameter(name="data", type="Input", top=["data", "label"])
+    data.input_param.shape.extend([caffe_pb2.BlobShape(dim=[batch, 1, 28, 28]), caffe_pb2.BlobShape(dim=[batch])])
+    net_param.layer[0].CopyFrom(data)
+    net = build(net_param, phase)
+    assert_shapes(net, {"x": (28, batch, 28), "cont": (28, batch), "lstm": (28, batch, 128),
+                        "last": (1, batch, 128), "final": (batch, 128), "score": (batch, 10)})
+    assert [tuple(blob.shape) for blob in net.params["lstm"]] == [(512, 28), (512,), (512, 128)]
+    images = np.random.default_rng(0).random((batch, 1, 28, 28))
+    net.blobs["data"].data[...] = images
+    net.forward()
+    np.testing.assert_array_equal(net.blobs["x"].data, images[:, 0].transpose(1, 0, 2).astype(np.float32))
+    assert not net.blobs["cont"].data[0].any() and net.blobs["cont"].data[1:].all()

@@ -42,10 +42,14 @@ def _blob_of(array):
 
 
 def check_layer_gradient(layer, bottom_arrays, num_tops=1, check_bottoms=None, check_params=True,
-                         step=1e-4, threshold=1e-4, kink=None, kink_range=-1.0, max_checks=150, seed=1701):
+                         step=1e-4, threshold=1e-4, kink=None, kink_range=-1.0, max_checks=150, seed=1701,
+                         check_tops=None):
     """Raise AssertionError where analytic and numerical gradients disagree.
 
-    check_bottoms: indices of bottoms to check (default all). kink/kink_range:
+    check_bottoms: indices of bottoms to check (default all). check_tops:
+    indices of the tops the objective sums (default all; the others get zero
+    weights, for tops whose diff the layer ignores, as Caffe's checker picks
+    a top with top_id). kink/kink_range:
     skip bottom elements within kink_range of a non-differentiable point.
     Error test (Caffe's): |analytic - numeric| <= threshold * max(1, |analytic|, |numeric|).
     """
@@ -62,7 +66,8 @@ def check_layer_gradient(layer, bottom_arrays, num_tops=1, check_bottoms=None, c
     set_random_seed(seed)
     layer.reshape(bottoms, tops)
     layer.forward(bottoms, tops)
-    top_weights = [rng.uniform(-1, 1, top.shape) for top in tops]
+    top_weights = [rng.uniform(-1, 1, top.shape) * (check_tops is None or k in check_tops)
+                   for k, top in enumerate(tops)]
     objective()
     for top, w in zip(tops, top_weights):
         top.diff[...] = w

@@ -147,3 +147,35 @@ def test_time_shows_the_partitions_a_small_batch_really_runs(tmp_path, capsys, m
     assert {name: row[-1] for name, row in rows.items()} == {name: "1" for name in rows} and "conv1" in rows
     assert ("Partitions cut to the batch (a partition needs a sample): 2 asked, 1 run on conv1, pool1, conv2, "
             "pool2, ip1, relu1, ip2") in text
+
+
+SEQUENCE_NET = """name: "sequence"
+layer { name: "data" type: "Input" top: "x" top: "cont" top: "target"
+        input_param { shape { dim: 6 dim: 4 dim: 5 } shape { dim: 6 dim: 4 } shape { dim: 6 dim: 4 dim: 2 } } }
+layer { name: "lstm" type: "LSTM" bottom: "x" bottom: "cont" top: "h"
+        recurrent_param { num_output: 8 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "rnn" type: "RNN" bottom: "h" bottom: "cont" top: "o"
+        recurrent_param { num_output: 2 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "EuclideanLoss" bottom: "o" bottom: "target" top: "loss" }
+"""
+
+
+def test_time_times_recurrent_layers_with_their_flops(tmp_path, capsys):
+    """The layers' own FLOP counts (Layer.flops) reach the profile. T 6, N 4;
+    LSTM D 5, H 8: forward 2 TN 4H D + 2 TN 4H H = 7680 + 12288, backward (its
+    bottoms need none) the weight gradients and the gradient through time,
+    7680 + 2 x 12288. RNN D 8, H 2: forward 768 + 192 + 192 (output layer),
+    backward 768 (h's gradient) + 768 + 2 x 384."""
+    path = tmp_path / "sequence.prototxt"
+    path.write_text(SEQUENCE_NET)
+    code, _, err = run_cct(capsys, "time", "--model", path, "--iterations", "2", "--peak_size", "0")
+    assert code == 0, err
+    text = messages(err)
+    for name in ("lstm", "rnn"):
+        assert any(re.fullmatch(rf" *{name}\tbackward: [0-9.e+-]+ ms\.", m) for m in text)
+    start = next(i for i, m in enumerate(text) if m == "Profile per layer:")
+    end = next(i for i, m in enumerate(text) if m.startswith("Net: "))
+    rows = {m.split()[0]: m.split() for m in text[start + 2:end]}
+    assert rows["lstm"][1] == "LSTM" and rows["rnn"][1] == "RNN"
+    expected = (7680 + 12288) + (7680 + 2 * 12288) + (768 + 192 + 192) + (768 + 768 + 2 * 384)
+    assert any(m.startswith(f"Net: {expected / 1e9:.4g} GFLOP per forward-backward") for m in text)

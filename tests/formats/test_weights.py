@@ -1,12 +1,14 @@
 """Weight files: large .caffemodels past protobuf's 64 MB default limit, V1
-models with legacy 4-d blob shapes (the model zoo's CaffeNet), and the
-BlobProto <-> numpy conversions."""
+models with legacy 4-d blob shapes (the model zoo's CaffeNet), the
+BlobProto <-> numpy conversions, and recurrent layers' blobs both ways
+(saved and loaded by cct; BVLC Caffe's LSTM weights in and out)."""
 import numpy as np
 import pytest
 
 import cct
 from cct.formats import weights
 from cct.proto import caffe_pb2
+from helpers.reference import CASES
 
 BIG_NET = '''name: "big"
 layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 4200 } } }
@@ -82,3 +84,53 @@ def test_mismatched_blob_count_names_the_layer(tmp_path):
 def test_missing_weight_file_is_named(tmp_path):
     with pytest.raises(cct.WeightsError, match="nowhere.caffemodel: weight file not found"):
         cct.Net(BIG_NET, cct.TEST, weights=str(tmp_path / "nowhere.caffemodel"))
+
+
+# --- recurrent layers: Caffe's blob layout both ways ----------------------------------------------
+LSTM_CASE = CASES / "lstm_basic"
+LSTM_NET = '''layer { name: "input" type: "Input" top: "x" top: "cont" top: "x_static"
+        input_param { shape { dim: 4 dim: 2 dim: 3 } shape { dim: 4 dim: 2 } shape { dim: 2 dim: 5 } } }
+layer { name: "lstm" type: "LSTM" bottom: "x" bottom: "cont" bottom: "x_static" top: "h"
+        recurrent_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" } } }
+layer { name: "rnn" type: "RNN" bottom: "h" bottom: "cont" top: "o"
+        recurrent_param { num_output: 2 weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" } } }
+'''
+
+
+def forward_sequence(net):
+    rng = np.random.default_rng(8)
+    for name in ("x", "x_static"):
+        net.blobs[name].data[...] = rng.standard_normal(net.blobs[name].shape)
+    net.blobs["cont"].data[...] = [[0, 0], [1, 1], [1, 0], [1, 1]]
+    return net.forward()["o"].copy()
+
+
+@pytest.mark.parametrize("suffix", [".caffemodel", ".h5"])
+def test_recurrent_net_saved_and_loaded_gives_the_same_outputs(tmp_path, suffix):
+    net = cct.Net(LSTM_NET, cct.TEST)
+    expected = forward_sequence(net)
+    path = str(tmp_path / f"sequence{suffix}")
+    net.save(path) if suffix == ".caffemodel" else net.save_hdf5(path)
+    loaded = cct.Net(LSTM_NET, cct.TEST, weights=path)
+    for name in ("lstm", "rnn"):
+        for own, saved in zip(loaded.params[name], net.params[name]):
+            np.testing.assert_array_equal(own.data, saved.data)
+    np.testing.assert_array_equal(forward_sequence(loaded), expected)
+
+
+def test_caffes_lstm_weights_load_and_save_in_caffes_layout(tmp_path):
+    """lstm_basic's weights.caffemodel (written by BVLC Caffe) loads into the
+    parameters Caffe had, and cct writes it back blob for blob as Caffe did."""
+    net = cct.Net(str(LSTM_CASE / "net.prototxt"), cct.TRAIN, weights=str(LSTM_CASE / "weights.caffemodel"))
+    caffe_values = np.load(LSTM_CASE / "forward.npz")
+    assert len(net.params["l"]) == 3
+    for k, blob in enumerate(net.params["l"]):
+        np.testing.assert_array_equal(blob.data, caffe_values[f"param/l/{k}"])
+    path = tmp_path / "resaved.caffemodel"
+    net.save(str(path))
+
+    def blobs_by_layer(model_path):
+        model = weights.read_caffemodel(str(model_path))
+        return {layer.name: [(tuple(b.shape.dim), tuple(b.data)) for b in layer.blobs]
+                for layer in model.layer if layer.blobs}
+    assert blobs_by_layer(path) == blobs_by_layer(LSTM_CASE / "weights.caffemodel")

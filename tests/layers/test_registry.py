@@ -122,6 +122,10 @@ TYPES = {
     "ContrastiveLoss": Case(bottoms=((2, 3), (2, 3), labels(1, 0)), tops=LOSS),
     "Accuracy": Case(bottoms=((2, 3), labels(0, 2)), tops=((),)),
     "ArgMax": Case(bottoms=((2, 3),), tops=((2, 1, 1),)),
+    # recurrent.py: x (T, N, ...), cont (T, N); LSTMUnit: c_prev, gates, cont of one step
+    "RNN": Case("recurrent_param { num_output: 2 }", ((3, 2, 4), (3, 2)), ((3, 2, 2),)),
+    "LSTM": Case("recurrent_param { num_output: 2 }", ((3, 2, 4), (3, 2)), ((3, 2, 2),)),
+    "LSTMUnit": Case(bottoms=((1, 2, 3), (1, 2, 12), (1, 2)), tops=((1, 2, 3), (1, 2, 3))),
     # data_input.py: no bottoms
     "Input": Case("input_param { shape { dim: 2 dim: 3 } }"),
     "DummyData": Case("dummy_data_param { shape { dim: 2 dim: 3 } }"),
@@ -143,6 +147,26 @@ TYPES = {
     # python_layer.py: a class from an importable module
     "Python": Case('python_param { module: "helpers.layers" layer: "Echo" }', ((2, 3),)),
 }
+
+
+# BVLC Caffe 1.0's caffe.layer_type_list(): the names its sources register with
+# REGISTER_LAYER_CLASS and REGISTER_LAYER_CREATOR (src/caffe/layers/*.cpp,
+# src/caffe/layer_factory.cpp; master 9b89154, the reference cases' build).
+CAFFE_LAYER_TYPES = [
+    "AbsVal", "Accuracy", "ArgMax", "BNLL", "BatchNorm", "BatchReindex", "Bias", "Clip", "Concat",
+    "ContrastiveLoss", "Convolution", "Crop", "Data", "Deconvolution", "Dropout", "DummyData", "ELU",
+    "Eltwise", "Embed", "EuclideanLoss", "Exp", "Filter", "Flatten", "HDF5Data", "HDF5Output", "HingeLoss",
+    "Im2col", "ImageData", "InfogainLoss", "InnerProduct", "Input", "LRN", "LSTM", "LSTMUnit", "Log",
+    "MVN", "MemoryData", "MultinomialLogisticLoss", "PReLU", "Parameter", "Pooling", "Power", "Python",
+    "RNN", "ReLU", "Reduction", "Reshape", "SPP", "Scale", "Sigmoid", "SigmoidCrossEntropyLoss", "Silence",
+    "Slice", "Softmax", "SoftmaxWithLoss", "Split", "Swish", "TanH", "Threshold", "Tile", "WindowData",
+]
+
+
+def test_the_types_are_caffes():
+    """cct.layer_type_list() is BVLC Caffe's, all 61 (test-only types aside)."""
+    assert len(CAFFE_LAYER_TYPES) == 61
+    assert [name for name in layer_type_list() if name not in TEST_ONLY_TYPES] == sorted(CAFFE_LAYER_TYPES)
 
 
 def test_every_registered_type_has_an_entry():

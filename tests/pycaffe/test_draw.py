@@ -84,3 +84,23 @@ def test_missing_graphviz_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(draw.shutil, "which", lambda name: None)
     with pytest.raises(CctError, match="install graphviz"):
         draw.draw_net(net_param(), "LR")
+
+
+def test_recurrent_layers_are_drawn():
+    """An LSTM with its exposed states: a node per layer, an edge per bottom and top."""
+    net = text_format.Parse('''name: "sequence"
+        layer { name: "input" type: "Input" top: "x" top: "cont" top: "h0" top: "c0" }
+        layer { name: "lstm" type: "LSTM" bottom: "x" bottom: "cont" bottom: "h0" bottom: "c0"
+                top: "h" top: "h_T" top: "c_T" recurrent_param { num_output: 8 expose_hidden: true } }
+        layer { name: "unit" type: "LSTMUnit" bottom: "c0" bottom: "x" bottom: "cont" top: "c1" top: "h1" }
+        layer { name: "rnn" type: "RNN" bottom: "h" bottom: "cont" top: "o" recurrent_param { num_output: 2 } }''',
+                            caffe_pb2.NetParameter())
+    graph = draw.get_pydot_graph(net, "LR")
+    nodes = nodes_by_label(graph)
+    for label in (r"lstm\n(LSTM)", r"unit\n(LSTMUnit)", r"rnn\n(RNN)"):
+        assert label in nodes
+    edges = {(e.get_source().strip('"'), e.get_destination().strip('"')) for e in graph.get_edges()}
+    assert {("x", r"lstm\n(LSTM)"), ("c0", r"lstm\n(LSTM)"), (r"lstm\n(LSTM)", "h_T"),
+            (r"lstm\n(LSTM)", "c_T"), ("h", r"rnn\n(RNN)"), (r"unit\n(LSTMUnit)", "h1")} <= edges
+    if shutil.which("dot") is not None:
+        assert draw.draw_net(net, "LR", ext="svg").lstrip().startswith(b"<?xml")

@@ -250,3 +250,47 @@ def test_netspec_net_builds_and_runs(tmp_path):
     loss = float(net.forward()["loss"])
     assert loss == pytest.approx(np.log(2.0), rel=1e-5)      # equal scores for both classes
     assert list(net.layer_dict) == ["data", "ip", "relu", "loss"]
+
+
+def test_recurrent_layers_are_written_and_build():
+    """L.LSTM(x, cont, recurrent_param=...), with expose_hidden's extra bottoms
+    and tops, as pycaffe writes them (the recurrent types have no *_param
+    message of their own: their fields go in recurrent_param)."""
+    n = NetSpec()
+    n.x, n.cont, n.h0, n.c0 = L.Input(shape=[dict(dim=[4, 2, 3]), dict(dim=[4, 2]), dict(dim=[1, 2, 5]),
+                                             dict(dim=[1, 2, 5])], ntop=4)
+    n.h, n.h_T, n.c_T = L.LSTM(n.x, n.cont, n.h0, n.c0, ntop=3, param=[dict(lr_mult=1), dict(lr_mult=2)],
+                               recurrent_param=dict(num_output=5, expose_hidden=True,
+                                                    weight_filler=dict(type="uniform", min=-0.1, max=0.1)))
+    n.o = L.RNN(n.h, n.cont, recurrent_param=dict(num_output=2))
+    text = str(n.to_proto())
+    assert '''layer {
+  name: "h"
+  type: "LSTM"
+  bottom: "x"
+  bottom: "cont"
+  bottom: "h0"
+  bottom: "c0"
+  top: "h"
+  top: "h_T"
+  top: "c_T"
+  param {
+    lr_mult: 1
+  }
+  param {
+    lr_mult: 2
+  }
+  recurrent_param {
+    num_output: 5
+    weight_filler {
+      type: "uniform"
+      min: -0.1
+      max: 0.1
+    }
+    expose_hidden: true
+  }
+}''' in text
+    net = cct.Net(text_format.Parse(text, caffe_pb2.NetParameter()), cct.TEST)
+    assert [net.blobs[name].shape for name in ("h", "h_T", "c_T", "o")] == [(4, 2, 5), (1, 2, 5), (1, 2, 5),
+                                                                             (4, 2, 2)]
+    assert [blob.shape for blob in net.params["h"]] == [(20, 3), (20,), (20, 5)]
