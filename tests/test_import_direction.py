@@ -25,6 +25,7 @@ TOP_RANK = 9                      # cct/__init__ and pycaffe's module names: may
 ALLOWED_UPWARD = {
     ("cct.core.net", "cct.runtime.executor"),     # Net.executor, made lazily so Net.forward() just works
     ("cct.layers", "cct.net_spec"),               # pycaffe's `layers as L`: L.Convolution is NetSpec's factory
+    ("cct.cli.tools", "cct.draw"),                # `cct draw` is Caffe's draw_net.py: it calls pycaffe's draw
 }
 
 

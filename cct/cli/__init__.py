@@ -8,6 +8,7 @@ of subcommands.
     cct convert_imageset ... | compute_image_mean ... | compare ...
     cct upgrade_net_proto_text IN OUT | upgrade_net_proto_binary IN OUT | upgrade_solver_proto_text IN OUT
     cct parse_log LOG OUTDIR | plot_training_log LOG OUT.png
+    cct draw NET.prototxt OUT.png [--rankdir=LR] [--phase=ALL|TRAIN|TEST] [--display_lrm]
 
 Flags are taken in gflags' spellings too (`-solver x`, `-solver=x`,
 `--solver x`, `--solver=x`). Every error cct raises on purpose ends the run

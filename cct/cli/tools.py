@@ -1,4 +1,4 @@
-"""The companion tools: device_query, digits, the dataset tools, compare, the
+"""The companion tools: device_query, digits, the dataset tools, compare, draw, the
 upgrades and the training-log tools. The heavier ones import their module only
 when they run."""
 import logging
@@ -138,6 +138,24 @@ def parse_log(args):
     from cct.cli.train_log import write_tables
     train_path, test_path = write_tables(args.logfile, args.output_dir, args.delimiter)
     log.info("Wrote %s and %s", train_path, test_path)
+    return 0
+
+
+@command("draw", "draw a net as a graph of layers and blobs (Caffe's python/draw_net.py)")
+@arguments(
+    flag("input_net_proto_file", help="the net prototxt"),
+    flag("output_image_file", help="the drawing, in the format its extension names (png, svg, pdf, ...); "
+                                   ".raw writes graphviz's source"),
+    flag("--rankdir", default="LR", choices=("LR", "TB", "BT", "RL"), help="the direction the graph runs"),
+    flag("--phase", default="ALL", choices=("ALL", "TRAIN", "TEST"), help="draw only this phase's layers"),
+    flag("--display_lrm", action="store_true", help="show each learning layer's lr_mult"),
+)
+def draw(args):
+    from cct import draw as drawing          # pycaffe's caffe.draw, what draw_net.py calls
+    from cct.core.layer import TEST, TRAIN
+    log.info("Drawing net to %s", args.output_image_file)
+    drawing.draw_net_to_file(args.input_net_proto_file, args.output_image_file, args.rankdir,
+                             {"TRAIN": TRAIN, "TEST": TEST}.get(args.phase), args.display_lrm)
     return 0
 
 

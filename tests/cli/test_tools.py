@@ -1,6 +1,6 @@
 """The companion commands (cct.cli.tools): device_query, the upgrades, and the
 tools whose module is imported only when they run (convert_imageset,
-compute_image_mean, compare)."""
+compute_image_mean, compare) and draw."""
 import sys
 import types
 
@@ -58,3 +58,27 @@ def test_missing_tool_module_is_one_line(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "cct.cli.compare", None)      # makes the import fail
     code, _, err = run_cct(capsys, "compare")
     assert_one_line_error(code, err, "no cct.cli.compare")
+
+
+def test_draw_writes_graphviz_source_and_an_image(tmp_path, capsys):
+    """`cct draw` (Caffe's draw_net.py) on the digits LSTM, by phase: the TEST
+    phase keeps the test data layer only; a .png is an image."""
+    from helpers.paths import REPO
+    net = REPO / "models" / "digits_lstm" / "train_test.prototxt"
+    code, _, err = run_cct(capsys, "draw", net, tmp_path / "net.raw", "--phase", "TEST", "--rankdir", "TB")
+    assert code == 0, err
+    source = (tmp_path / "net.raw").read_text()
+    assert "(LSTM)" in source and "rankdir=TB" in source
+    batch = {rule.phase: layer.data_param.batch_size
+             for layer in text_format.Parse(net.read_text(), caffe_pb2.NetParameter()).layer
+             if layer.type == "Data" for rule in layer.include}
+    assert batch[caffe_pb2.TRAIN] != batch[caffe_pb2.TEST]          # the edge labels tell the phases apart
+    assert f"Batch {batch[caffe_pb2.TEST]}" in source and f"Batch {batch[caffe_pb2.TRAIN]}" not in source
+    code, _, err = run_cct(capsys, "draw", net, tmp_path / "net.png")
+    assert code == 0, err
+    assert (tmp_path / "net.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_draw_names_a_missing_net(tmp_path, capsys):
+    code, _, err = run_cct(capsys, "draw", tmp_path / "none.prototxt", tmp_path / "net.png")
+    assert_one_line_error(code, err, "none.prototxt")
