@@ -5,7 +5,12 @@ solver runs windows of up to 8 iterations as one graph), so a noisy host's
 drift falls on both, and the ratio of the medians (per iteration) is printed,
 with one streamed backward's span, busy time and dispatch cost per sub-task.
 
-    python bench/bench_schedule.py [--net lenet|caffenet|googlenet|resnet50] [--batch 64] [--iterations 8] [--rounds 5]
+    python bench/bench_schedule.py [--net lenet|caffenet|googlenet|resnet50] [--batch 64] [--iterations 8] [--rounds 5] [--whole]
+
+--whole adds both schedules with every layer whole (one batch partition,
+instead of the default plan's one per thread for large layers), alternating
+with the other two: what the streams give where partitions do not already
+keep the cores busy.
 
 Nets: models/lenet (train net, batch 64 by default), CaffeNet
 (models/bvlc_reference_caffenet/train_synthetic.prototxt), GoogLeNet
@@ -62,8 +67,18 @@ def solver_for(name, batch):
     return solver
 
 
-def step_time(solver, mode, iterations):
+def whole_layers(executor, whole):
+    """Every layer in one partition (whole=True), or the default plan back."""
+    for index in range(len(executor.net.layers)):
+        if whole:
+            executor.set_partitions(index, 1)
+        else:
+            executor.plan.pop(index, None)
+
+
+def step_time(solver, mode, iterations, whole=False):
     """Seconds per iteration of one solver.step(iterations) in `mode`."""
+    whole_layers(solver.net.executor, whole)
     solver.net.executor.schedule = mode
     start = time.perf_counter()
     solver.step(iterations)
@@ -90,20 +105,28 @@ def main():
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--iterations", type=int, default=8, help="iterations per mode and round (one step)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
+    parser.add_argument("--whole", action="store_true", help="also both schedules with every layer whole")
     args = parser.parse_args()
     p = common.print_flush
     p(common.machine_line())
     solver = solver_for(args.net, args.batch)
-    for mode in ("sequential", "streams"):
-        step_time(solver, mode, args.iterations)        # warm: buffers, the streams' schedules
-    times = {"sequential": [], "streams": []}
+    variants = [("sequential", False), ("streams", False)] + ([("sequential", True), ("streams", True)]
+                                                              if args.whole else [])
+    for mode, whole in variants:
+        step_time(solver, mode, args.iterations, whole)  # warm: buffers, the streams' schedules
+    times = {variant: [] for variant in variants}
     for _ in range(args.rounds):
-        for mode in times:
-            times[mode].append(step_time(solver, mode, args.iterations))
-    medians = {mode: statistics.median(values) * 1e3 for mode, values in times.items()}
+        for mode, whole in variants:
+            times[mode, whole].append(step_time(solver, mode, args.iterations, whole))
+    whole_layers(solver.net.executor, False)
+    medians = {mode: statistics.median(times[mode, False]) * 1e3 for mode in ("sequential", "streams")}
     span, busy, dispatch, count = trace_figures(solver)
     p(f"{args.net} batch {args.batch}, training iteration: sequential {medians['sequential']:.2f} ms, "
       f"streams {medians['streams']:.2f} ms; streams / sequential time {medians['streams'] / medians['sequential']:.3f}")
+    if args.whole:
+        seq, streams = (statistics.median(times[mode, True]) * 1e3 for mode in ("sequential", "streams"))
+        p(f"  every layer whole: sequential {seq:.2f} ms, streams {streams:.2f} ms; "
+          f"streams / sequential time {streams / seq:.3f}")
     p(f"  one streamed backward: {count} sub-tasks, span {span:.2f} ms, sub-tasks' own time {busy:.2f} ms "
       f"(overlap {busy / span:.2f}x), dispatch {dispatch:.0f} us per sub-task (ready to started, median)")
     p(f"load after the runs: {common.load_average():.2f}")
