@@ -239,7 +239,7 @@ class _RunState:
         self.became_ready, self.spans = {}, {}
         self.left, self.failure = len(schedule.tasks), None
         self.condition = threading.Condition()
-        self.computing = [False] * stream_count         # per stream: running a GEMM-heavy sub-task
+        self.computing = [0] * stream_count             # per stream: GEMMs at once in its running sub-task
         for task in schedule.tasks:
             if not self.waiting[task]:
                 self._make_ready(task)
@@ -250,13 +250,15 @@ class _RunState:
         heapq.heappush(self.ready[self.schedule.stream[task]],
                        (task.iteration, -self.schedule.priority[task], self.order[task], task))
 
-    def _share_blas(self, index):
-        """Before a GEMM-heavy sub-task (under the lock): all BLAS threads if no
-        other stream runs one, else an equal share. The count is process-wide,
-        so a change also reaches the other stream's next BLAS call: the shares
-        follow which streams compute, call by call."""
-        self.computing[index] = True
+    def _share_blas(self, index, task):
+        """Before a GEMM-heavy sub-task (under the lock): the BLAS threads
+        shared among the GEMMs that run at once, this sub-task's (one per
+        batch partition of a whole layer) and the other streams'. The count
+        is process-wide, so a change also reaches the other streams' next
+        BLAS calls: the shares follow which streams compute, call by call."""
         executor = self.schedule.net.executor
+        whole_layer = task.kind in (graph_module.FORWARD, graph_module.BACKWARD)
+        self.computing[index] = executor.partitions(task.layer) if whole_layer else 1
         executor.blas.set(blas_threads(executor.threads, sum(self.computing)))
 
     def serve(self, index):
@@ -269,7 +271,7 @@ class _RunState:
                     return
                 task = heapq.heappop(self.ready[index])[-1]
                 if ADAPTIVE_BLAS and task.kind not in MEMORY_BOUND:
-                    self._share_blas(index)
+                    self._share_blas(index, task)
             dispatched = clock()
             try:
                 if self.delay is not None:
@@ -283,7 +285,7 @@ class _RunState:
                 return
             self.spans[task] = Span(task, index, self.became_ready[task], dispatched, began, clock())
             with condition:
-                self.computing[index] = False
+                self.computing[index] = 0
                 self.left -= 1
                 woken = False
                 for successor in self.schedule.following[task]:
