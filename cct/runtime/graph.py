@@ -45,18 +45,21 @@ SOLVER = ("solver",)        # the solver's learning rate, iteration count and cl
 @dataclass(frozen=True)
 class Task:
     """One sub-task: `kind`, its layer, its parameter (the layer's for
-    backward_param, the net's learnable parameter for clear and update), and
-    the iteration it belongs to."""
+    backward_param, the net's learnable parameter for clear and update), the
+    iteration it belongs to and, for forward and backward, which of the
+    iteration's iter_size passes."""
     kind: str
     layer: int = -1
     param: int = -1
     iteration: int = 0
+    pass_: int = 0
 
     def __str__(self):
         where = {CLEAR: f"param {self.param}", UPDATE: f"param {self.param}", RATE: ""}.get(
             self.kind, f"layer {self.layer}")
         extra = f".{self.param}" if self.kind == BACKWARD_PARAM else ""
-        return f"{self.kind}{extra}({where}) #{self.iteration}".replace("() ", " ")
+        passes = f".{self.pass_}" if self.pass_ else ""
+        return f"{self.kind}{extra}({where}) #{self.iteration}{passes}".replace("() ", " ")
 
 
 @dataclass
@@ -130,38 +133,46 @@ def accesses(net, task, clip=False):
     return Access(reads=reads | gradients, writes=data_writes | gradients | {state})
 
 
-def iteration_tasks(net, iteration=0, update=True, splits=None):
-    """The sub-tasks of one iteration in the sequential reference order.
-    `splits(i)`: whether layer i's backward runs as sub-tasks (default: the
-    layer's splits_backward, where it runs whole: a batch-partitioned layer
-    keeps its forward state in its partitions' twins, so its backward stays one
-    sub-task run in them)."""
+def iteration_tasks(net, iteration=0, update=True, splits=None, passes=1):
+    """The sub-tasks of one iteration in the sequential reference order:
+    `passes` forward and backward passes (the solver's iter_size) adding into
+    the parameter gradients. `splits(i)`: whether layer i's backward runs as
+    sub-tasks (default: the layer's splits_backward, where it runs whole: a
+    batch-partitioned layer keeps its forward state in its partitions' twins,
+    so its backward stays one sub-task run in them)."""
     splits = splits or (lambda i: net.layers[i].splits_backward and net.executor.partitions(i) == 1)
     tasks = [Task(CLEAR, param=p, iteration=iteration) for p in range(len(net.learnable_params))] if update else []
-    tasks += [Task(FORWARD, i, iteration=iteration) for i in range(len(net.layers))]
-    for i in reversed(range(len(net.layers))):
-        if not net.layer_need_backward[i]:
-            continue
-        layer = net.layers[i]
-        if splits(i):
-            tasks += [Task(BACKWARD_PARAM, i, k, iteration) for k in range(len(layer.blobs))
-                      if layer.param_wanted(k)]
-            if any(net.bottom_need_backward[i]):
-                tasks.append(Task(BACKWARD_DATA, i, iteration=iteration))
-        else:
-            tasks.append(Task(BACKWARD, i, iteration=iteration))
+    for pass_ in range(passes):
+        tasks += [Task(FORWARD, i, iteration=iteration, pass_=pass_) for i in range(len(net.layers))]
+        tasks += _backward_tasks(net, iteration, pass_, splits)
     if update:
         tasks.append(Task(RATE, iteration=iteration))
         tasks += [Task(UPDATE, param=p, iteration=iteration) for p in range(len(net.learnable_params))]
     return tasks
 
 
-def build(net, iterations=1, update=True, drop=(), splits=None, clip=False):
+def _backward_tasks(net, iteration, pass_, splits):
+    tasks = []
+    for i in reversed(range(len(net.layers))):
+        if not net.layer_need_backward[i]:
+            continue
+        layer = net.layers[i]
+        if splits(i):
+            tasks += [Task(BACKWARD_PARAM, i, k, iteration, pass_) for k in range(len(layer.blobs))
+                      if layer.param_wanted(k)]
+            if any(net.bottom_need_backward[i]):
+                tasks.append(Task(BACKWARD_DATA, i, iteration=iteration, pass_=pass_))
+        else:
+            tasks.append(Task(BACKWARD, i, iteration=iteration, pass_=pass_))
+    return tasks
+
+
+def build(net, iterations=1, update=True, drop=(), splits=None, clip=False, passes=1):
     """The graph of `iterations` unrolled training iterations (update=False:
     forward and backward only). `drop`: (earlier, later) edges to leave out,
-    for tests that show an edge matters; `splits` as in iteration_tasks;
-    `clip` as in accesses."""
-    tasks = [task for k in range(iterations) for task in iteration_tasks(net, k, update, splits)]
+    for tests that show an edge matters; `splits` and `passes` as in
+    iteration_tasks; `clip` as in accesses."""
+    tasks = [task for k in range(iterations) for task in iteration_tasks(net, k, update, splits, passes)]
     last_writer, readers = {}, {}
     edges = {task: set() for task in tasks}
     for task in tasks:
@@ -191,7 +202,7 @@ class Runner:
     scheduler splits only layers that run whole); the BLAS thread count is
     left to the caller. Iteration k's rate sets the solver's iteration count
     to the first one plus k; `finish()` moves it past the last. `losses`:
-    each forward's weighted loss, by (iteration, layer)."""
+    each forward's weighted loss, by (iteration, pass, layer)."""
 
     def __init__(self, net, solver=None):
         self.net = net
@@ -205,7 +216,7 @@ class Runner:
         if task.kind == CLEAR:
             net.learnable_params[task.param].diff[...] = 0
         elif task.kind == FORWARD:
-            self.losses[task.iteration, task.layer] = net.executor.forward(task.layer, set_blas=False)
+            self.losses[task.iteration, task.pass_, task.layer] = net.executor.forward(task.layer, set_blas=False)
         elif task.kind == RATE:
             self.solver.iter = self.first_iteration + task.iteration
             self.last_iteration = max(self.last_iteration, task.iteration)
@@ -228,8 +239,13 @@ class Runner:
             self.solver.iter = self.first_iteration + self.last_iteration + 1
 
     def loss(self, iteration):
-        """The iteration's loss, summed in the layer order as Net.forward does."""
-        return sum((self.losses[key] for key in sorted(self.losses) if key[0] == iteration), 0.0)
+        """The iteration's loss, as the solver's loop sums it: each pass's
+        layers in order (Net.forward), the passes in order, over their count."""
+        passes = sorted({key[1] for key in self.losses if key[0] == iteration})
+        total = 0.0
+        for pass_ in passes:
+            total += sum((self.losses[key] for key in sorted(self.losses) if key[:2] == (iteration, pass_)), 0.0)
+        return total / len(passes)
 
 
 def topological_order(graph, choose):

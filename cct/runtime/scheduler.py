@@ -129,7 +129,8 @@ class Schedule:
             # edges from forward sub-tasks are met before backward starts
             tasks = [task for task in built.tasks if task.kind not in (graph_module.FORWARD, graph_module.CLEAR)]
         else:
-            built = graph_module.build(net, iterations, clip=solver.param.clip_gradients >= 0)
+            built = graph_module.build(net, iterations, clip=solver.param.clip_gradients >= 0,
+                                       passes=solver.param.iter_size)
             tasks = built.tasks
         members = set(tasks)
         self.tasks = tasks
@@ -235,7 +236,7 @@ class _RunState:
         self.runner = graph_module.Runner(schedule.net, schedule.solver)
         self.waiting = {task: len(schedule.edges[task]) for task in schedule.tasks}
         self.order = {task: index for index, task in enumerate(schedule.tasks)}
-        self.ready = [[] for _ in range(stream_count)]    # per stream: heap of (iteration, -priority, order, task)
+        self.ready = [[] for _ in range(stream_count)]    # per stream: heap of (iteration, pass, -priority, order, task)
         self.became_ready, self.spans = {}, {}
         self.left, self.failure = len(schedule.tasks), None
         self.condition = threading.Condition()
@@ -246,9 +247,9 @@ class _RunState:
 
     def _make_ready(self, task):
         self.became_ready[task] = time.perf_counter()
-        # an earlier iteration's sub-tasks first, then by priority
+        # an earlier iteration's (and pass's) sub-tasks first, then by priority
         heapq.heappush(self.ready[self.schedule.stream[task]],
-                       (task.iteration, -self.schedule.priority[task], self.order[task], task))
+                       (task.iteration, task.pass_, -self.schedule.priority[task], self.order[task], task))
 
     def _share_blas(self, index, task):
         """Before a GEMM-heavy sub-task (under the lock): the BLAS threads

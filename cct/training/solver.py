@@ -379,13 +379,13 @@ class Solver:
     def _window_mode(self):
         """How the next iterations run: None, one iteration in the executor's
         own schedule; "streams", a window of iterations as one graph on the
-        streams; with the "auto" schedule, "sequential" or "streams" as
-        measured on this net and shape (cct.runtime.choice). Only where
-        nothing must see one iteration at a time (pycaffe callbacks,
-        per-layer subscribers, iter_size accumulation, debug_info)."""
+        streams (each of iter_size passes in it); with the "auto" schedule,
+        "sequential" or "streams" as measured on this net and shape
+        (cct.runtime.choice). Only where nothing must see one iteration at a
+        time (pycaffe callbacks, per-layer subscribers, debug_info)."""
         executor, param = self.net.executor, self.param
         if (executor.schedule == "sequential" or self.callbacks or executor.listened
-                or param.iter_size != 1 or param.debug_info):
+                or param.debug_info):
             return None
         if executor.schedule == "streams":
             return "streams"

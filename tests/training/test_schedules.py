@@ -197,10 +197,12 @@ def test_iterations_run_as_one_graph_on_the_streams_give_the_sequential_weights(
 
 @pytest.mark.parametrize("solver_type,extra", [
     ("Nesterov", {"momentum": 0.9}), ("Adam", {"momentum": 0.9, "momentum2": 0.999}),
-    ("SGD", {"momentum": 0.9, "clip_gradients": 0.5}), ("AdaGrad", {})])
-def test_every_update_rule_and_clipping_on_the_streams(solver_type, extra):
-    """Per-parameter updates (Adam reads the iteration count), and
-    clip_gradients' barrier between the last gradient and the first update."""
+    ("SGD", {"momentum": 0.9, "clip_gradients": 0.5}), ("AdaGrad", {}),
+    ("SGD", {"momentum": 0.9, "iter_size": 3})])
+def test_every_update_rule_clipping_and_iter_size_on_the_streams(solver_type, extra):
+    """Per-parameter updates (Adam reads the iteration count), clip_gradients'
+    barrier between the last gradient and the first update, and iter_size
+    passes adding into the gradients before one update."""
     ours, our_loss, _ = train_in_windows("blocks", "streams", solver_type, iterations=7, **extra)
     theirs, their_loss, _ = train_in_windows("blocks", "sequential", solver_type, iterations=7, **extra)
     assert our_loss == their_loss
