@@ -21,7 +21,8 @@ import weakref
 import numpy as np
 
 from cct.core import rng as cct_rng
-from cct.data.transformer import DataTransformer, decode_image, read_image, read_image_list
+from cct.data.images import decode_image, read_image, resize_image
+from cct.data.transformer import DataTransformer, read_image_list
 from cct.data.db import backend_name, open_db
 from cct.core.errors import CctError, DataError
 from cct.core.layer import Layer, register
@@ -164,13 +165,24 @@ def _check_batch_size(layer, field, value):
         raise layer.config_error(field, f"must be > 0, got {value}")
 
 
-def _stack(images, shape, what_of):
-    """Stack same-shaped (C, H, W) images; a different one is named by what_of(i)."""
+def _transform(transformer, images, what_of):
+    """A batch of (C, H, W) images, transformed. Of one shape: stacked, one transform.
+    Of several: as Caffe, each image on its own, which works where crop_size brings
+    them to one size; a misfit is named by what_of(i)."""
+    shape = images[0].shape
+    if all(image.shape == shape for image in images):
+        return transformer.transform_batch(np.stack(images))
+    out = np.empty((len(images),) + transformer.infer_shape(shape), np.float32)     # (N, C, h, w)
     for index, image in enumerate(images):
-        if image.shape != shape:
-            raise DataError(f"{what_of(index)}: image is {_dims(image.shape)} but the batch's "
-                            f"first is {_dims(shape)}; resize them to one size")
-    return np.stack(images)
+        try:
+            fits = transformer.infer_shape(image.shape) == out.shape[1:]
+        except CctError as error:
+            raise type(error)(f"{what_of(index)}: {error}") from None
+        if not fits:
+            raise DataError(f"{what_of(index)}: image is {_dims(image.shape)} but the batch's first is "
+                            f"{_dims(shape)}; resize them to one size or crop them (crop_size)")
+        transformer.transform_batch(image[None], out=out[index:index + 1])
+    return out
 
 
 def _dims(shape):
@@ -238,8 +250,7 @@ class _DatumLoader:
             images.append(self.transformer.decode(datum, _record_what(self.source, key)))
             labels[index] = datum.label
             keys.append(key)
-        batch = _stack(images, images[0].shape, lambda i: _record_what(self.source, keys[i]))
-        return self.transformer.transform_batch(batch), labels
+        return _transform(self.transformer, images, lambda i: _record_what(self.source, keys[i])), labels
 
 
 # --- ImageData ------------------------------------------------------------------------
@@ -311,8 +322,7 @@ class _ImageLoader:
                 self.epoch += 1
                 if self.shuffle:
                     self.rng.shuffle(self.entries)
-        batch = _stack(images, images[0].shape, whats.__getitem__)
-        return self.transformer.transform_batch(batch), labels
+        return _transform(self.transformer, images, whats.__getitem__), labels
 
 
 # --- HDF5Data ----------------------------------------------------------------------------
@@ -626,7 +636,6 @@ class _WindowLoader:
 
     def _fill(self, out, window, do_mirror):
         """Warp one window into out (C, crop, crop), following Caffe's geometry."""
-        from PIL import Image
         image = self._load(int(window[0]))                  # (C, H, W) BGR
         height, width = image.shape[1:]
         crop, pad = self.crop, self.context_pad
@@ -658,9 +667,7 @@ class _WindowLoader:
         if not (0 <= x1 <= x2 < width and 0 <= y1 <= y2 < height) or out_w <= 0 or out_h <= 0:
             raise DataError(f"{self.source}: window ({x1}, {y1}, {x2}, {y2}) does not fit image "
                             f"{self.images[int(window[0])][0]} ({width}x{height})")
-        region = np.ascontiguousarray(image[:, y1:y2 + 1, x1:x2 + 1].transpose(1, 2, 0))
-        warped = np.asarray(Image.fromarray(region).resize((out_w, out_h), Image.BILINEAR))
-        warped = warped.reshape(out_h, out_w, -1).transpose(2, 0, 1)            # (C, out_h, out_w)
+        warped = resize_image(image[:, y1:y2 + 1, x1:x2 + 1], out_h, out_w)   # (C, out_h, out_w)
         if do_mirror:
             warped = warped[:, :, ::-1]
         top, left = pad_h, pad_w

@@ -17,7 +17,8 @@ import os
 import numpy as np
 
 from cct.core import rng as cct_rng
-from cct.data.transformer import array_to_datum, datum_to_array, encode_image, read_image, save_mean_file
+from cct.data.images import encode_image, read_image
+from cct.data.transformer import array_to_datum, datum_to_array, save_mean_file
 from cct.core.progress import Progress
 from cct.data.db import LMDB, open_db, record_key
 from cct.core.errors import ConfigError, DataError
@@ -148,7 +149,7 @@ def convert_imageset(argv):
 
 def _image_to_datum(path, label, args, is_color, encoded):
     """Caffe's ReadImageToDatum: raw CHW pixels, or encoded bytes (the file's own
-    when no conversion is needed, else re-encoded)."""
+    when neither resizing nor another format is asked for, else re-encoded)."""
     image = read_image(path, args.resize_height, args.resize_width, is_color)
     if not encoded:
         return array_to_datum(image, label)
@@ -158,22 +159,21 @@ def _image_to_datum(path, label, args, is_color, encoded):
         encode_type = os.path.splitext(path)[1].lstrip(".").lower()
         if not encode_type:
             raise DataError(f"{path}: cannot guess the encoding from the file name; give --encode_type")
-    same_format = os.path.splitext(path)[1].lstrip(".").lower() == encode_type.lower()
     unchanged = (image.shape[0] == 3) == is_color and not args.resize_height and not args.resize_width
-    if unchanged and same_format and _stored_channels(path) == image.shape[0]:
+    if unchanged and _matches_extension(path, encode_type):
+        # As Caffe: the file's bytes, even a grey JPEG read as colour (it decodes the same way).
         with open(path, "rb") as handle:
             payload = handle.read()
     else:
         payload = encode_image(image, encode_type, path)
-    datum = caffe_pb2.Datum(data=payload, label=int(label), encoded=True)
-    return datum
+    return caffe_pb2.Datum(data=payload, label=int(label), encoded=True)
 
 
-def _stored_channels(path):
-    """Channels the file decodes to natively (a color request on a gray file needs re-encoding)."""
-    from PIL import Image
-    with Image.open(path) as image:
-        return 1 if image.mode in ("1", "L", "LA", "I", "I;16", "F") else 3
+def _matches_extension(path, encode_type):
+    """Caffe's matchExt: the file's extension is encode_type (.jpeg counts as jpg)."""
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    wanted = encode_type.lower()
+    return ext == wanted or (wanted == "jpg" and ext == "jpeg")
 
 
 # --- compute_image_mean ---------------------------------------------------------------
@@ -202,7 +202,8 @@ def compute_image_mean(argv):
 
 
 def image_mean(path, backend="lmdb"):
-    """The float32 (C, H, W) mean of every Datum in a database (summed in float64)."""
+    """The float32 (C, H, W) mean of every Datum in a database, as Caffe computes
+    it: a float32 sum in database order divided by the count in float32."""
     total, count, shape = None, 0, None
     with open_db(path, backend) as db, Progress("compute_image_mean", _record_count(db), "images") as shown:
         for key, value in shown.track(db.items()):
@@ -213,7 +214,7 @@ def image_mean(path, backend="lmdb"):
                 raise DataError(f"{what}: not a serialized Datum: {error}") from None
             image = datum_to_array(datum, what)
             if total is None:
-                shape, total = image.shape, np.zeros(image.shape, np.float64)
+                shape, total = image.shape, np.zeros(image.shape, np.float32)
             elif image.shape != shape:
                 raise DataError(f"{what}: incorrect data field size: image is {image.shape}, "
                                 f"the first is {shape}")
@@ -221,7 +222,7 @@ def image_mean(path, backend="lmdb"):
             count += 1
     if count == 0:
         raise DataError(f"{path}: database holds no records")
-    return (total / count).astype(np.float32)
+    return total / np.float32(count)
 
 
 def _record_count(db):

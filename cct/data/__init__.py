@@ -1,2 +1,2 @@
-"""Datasets: LMDB/LevelDB access, Caffe's data transformer and image decoding,
-and the embedded digits set (digits.npz)."""
+"""Datasets: LMDB/LevelDB access, Caffe's image pipeline through OpenCV
+(images.py), Caffe's data transformer, and the embedded digits set (digits.npz)."""

@@ -13,66 +13,24 @@ TransformationParameter, applied in Caffe's order per image:
                 image, cropped at the same offsets) ... or
     mean_value  ... one value for all channels or one per channel
     scale       multiply after mean subtraction
-    force_color / force_gray   decode encoded images to 3 / 1 channels
+    force_color / force_gray   decode encoded images to 3 / 1 channels (else as
+                stored, Caffe's native decode)
 Output: float32 (channels, crop or height, crop or width).
 
-Resizing (ImageData new_height/new_width, convert_imageset) uses Pillow's
-bilinear filter; OpenCV's, which Caffe uses, differs by a few gray levels when
-shrinking (Pillow antialiases).
+Decoding, grey conversion and resizing are OpenCV's, as in Caffe (cct.data.images).
 """
-import io
 import os
 
 import numpy as np
 
 from cct.core.errors import ConfigError, DataError, ShapeError
 from cct.core.layer import TRAIN
+from cct.data.images import decode_image
 from cct.formats.prototxt import atomic_write
 from cct.proto import caffe_pb2
 
 
-# --- decoding ---------------------------------------------------------------------
-def decode_image(data, color="native", what="image"):
-    """Encoded bytes (JPEG, PNG, ...) -> uint8 (C, H, W) in BGR order.
-    color: "native" (gray stays 1 channel, others become 3: OpenCV's
-    IMREAD_ANYCOLOR), "color" (3 channels) or "gray" (1 channel)."""
-    from PIL import Image, UnidentifiedImageError
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            image.load()
-            return _pil_to_chw(image, color)
-    except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as error:
-        raise DataError(f"{what}: cannot decode image: {error}") from None
-
-
-def _pil_to_chw(image, color):
-    if color == "native":
-        color = "gray" if image.mode in ("1", "L", "LA", "I", "I;16", "F") else "color"
-    if color == "gray":
-        array = np.asarray(image.convert("L"))[None]                    # (1, H, W)
-    else:
-        array = np.asarray(image.convert("RGB"))[:, :, ::-1].transpose(2, 0, 1)   # RGB -> BGR, CHW
-    return np.ascontiguousarray(array)
-
-
-def read_image(path, new_height=0, new_width=0, is_color=True):
-    """Caffe's ReadImageToCVMat: the file at `path` as uint8 (C, H, W), BGR or gray,
-    resized to new_height x new_width when both are non-zero."""
-    from PIL import Image, UnidentifiedImageError
-    path = os.fspath(path)
-    try:
-        with Image.open(path) as image:
-            image.load()
-            if new_height > 0 and new_width > 0:
-                image = image.convert("L" if not is_color else "RGB")
-                image = image.resize((new_width, new_height), Image.BILINEAR)
-            return _pil_to_chw(image, "color" if is_color else "gray")
-    except FileNotFoundError:
-        raise DataError(f"{path}: could not open or find file") from None
-    except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as error:
-        raise DataError(f"{path}: cannot decode image: {error}") from None
-
-
+# --- image lists and Datums ------------------------------------------------------------
 def read_image_list(path, what):
     """Lines `path label` (split at the last space, so paths may hold spaces)
     -> [(path, label, line number)]."""
@@ -98,31 +56,9 @@ def read_image_list(path, what):
     return entries
 
 
-def encode_image(image, encode_type, what="image"):
-    """uint8 (C, H, W) BGR or gray -> bytes in the format named by `encode_type`
-    (a file extension: png, jpg, bmp, ...)."""
-    from PIL import Image
-    ext = "." + encode_type.lower().lstrip(".")
-    fmt = Image.registered_extensions().get(ext)
-    if fmt is None:
-        raise ConfigError(f"{what}: unknown encode_type {encode_type!r}")
-    pil = _chw_to_pil(image)
-    buffer = io.BytesIO()
-    pil.save(buffer, format=fmt)
-    return buffer.getvalue()
-
-
-def _chw_to_pil(image):
-    from PIL import Image
-    image = np.asarray(image, dtype=np.uint8)
-    if image.shape[0] == 1:
-        return Image.fromarray(image[0], "L")
-    return Image.fromarray(np.ascontiguousarray(image[::-1].transpose(1, 2, 0)), "RGB")
-
-
 def datum_to_array(datum, what="datum", color="native"):
     """A Datum's image as (C, H, W): uint8 from `data`, float32 from `float_data`,
-    decoded when `encoded` (color as in decode_image)."""
+    decoded when `encoded` (color as in cct.data.images.decode_image)."""
     if datum.encoded:
         return decode_image(datum.data, color, what)
     shape = (datum.channels, datum.height, datum.width)

@@ -8,9 +8,12 @@ with the code under test), and the data layers that read them back.
     write_window_file                    WindowData's window file
     data_layer / start / forward         a Data layer made, set up, run
     read_with_data_layer                 one batch of a database through a Data layer
+    opencv_read / opencv_resize          the expected pixels: OpenCV's own imread and
+                                         resize INTER_LINEAR, as Caffe calls them
 Images are (C, H, W) uint8 in BGR order (OpenCV's and Caffe's)."""
 import io
 
+import cv2
 import h5py
 import lmdb
 import numpy as np
@@ -44,6 +47,20 @@ def png_bytes(image_chw):
     buffer = io.BytesIO()
     pil.save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def opencv_read(path, color=True, height=0, width=0):
+    """Caffe's ReadImageToCVMat, in OpenCV's own calls: (C, H, W) BGR or grey."""
+    image = cv2.imread(str(path), cv2.IMREAD_COLOR if color else cv2.IMREAD_GRAYSCALE)
+    if height and width:
+        image = cv2.resize(image, (width, height), interpolation=cv2.INTER_LINEAR)
+    return image[None] if image.ndim == 2 else np.ascontiguousarray(image.transpose(2, 0, 1))
+
+
+def opencv_resize(image_chw, height, width):
+    """(C, H, W) -> (C, height, width) by cv2.resize INTER_LINEAR (three channels)."""
+    hwc = np.ascontiguousarray(image_chw.transpose(1, 2, 0))
+    return cv2.resize(hwc, (width, height), interpolation=cv2.INTER_LINEAR).transpose(2, 0, 1)
 
 
 # --- LMDB --------------------------------------------------------------------------------------

@@ -1,22 +1,21 @@
 """Data layers (layers/data.py) and the DataTransformer, on small files made
 by helpers.data: an LMDB of raw, float and encoded Datums, PNG folders with list files,
 HDF5 files with their list, window files. Expected values come from numpy /
-Pillow written in the test, never from the code under test."""
+OpenCV calls written in the test, never from the code under test."""
 import gc
 import threading
 
 import h5py
 import numpy as np
 import pytest
-from PIL import Image
 
 import cct
 from cct.core.blob import Blob
 from cct.core.errors import ConfigError, DataError
 from cct.testing.gradient_check import make_layer
 from cct.proto import caffe_pb2
-from helpers.data import (data_layer, forward, images, png_bytes, raw_datum, start, write_hdf5_list,
-                          write_image_list, write_lmdb, write_window_file)
+from helpers.data import (data_layer, forward, images, opencv_read, opencv_resize, png_bytes, raw_datum, start,
+                          write_hdf5_list, write_image_list, write_lmdb, write_window_file)
 
 RNG = np.random.default_rng(5)
 
@@ -346,9 +345,23 @@ def test_image_data_gray_and_resize(png_folder):
     assert tops[0].shape == (2, 1, 4, 5)
     data, _ = forward(layer, tops)
     for n in range(2):
-        rgb = Image.fromarray(np.ascontiguousarray(pixels[n][::-1].transpose(1, 2, 0)), "RGB")
-        expected = np.asarray(rgb.convert("L").resize((5, 4), Image.BILINEAR))
-        np.testing.assert_array_equal(data[n, 0], expected)
+        expected = opencv_read(f"{root}sub/im {n}.png", color=False, height=4, width=5)
+        np.testing.assert_array_equal(data[n], expected)
+    layer.close()
+
+
+def test_image_data_crops_images_of_several_sizes_each_on_its_own(tmp_path):
+    pixels = [images(1, 3, 8, 6)[0], images(1, 3, 5, 9)[0]]
+    root, listing = write_image_list(tmp_path, pixels, [1, 2])
+    layer = image_layer(listing, root, 2, transform="crop_size: 4", phase=cct.TEST)
+    data, _ = forward(layer, start(layer))
+    # As Caffe: each image centre-cropped at its own offsets, ((H - 4) // 2, (W - 4) // 2).
+    np.testing.assert_array_equal(data, [pixels[0][:, 2:6, 1:5], pixels[1][:, 0:4, 2:6]])
+    layer.close()
+    layer = image_layer(listing, root, 2)
+    with pytest.raises(cct.DataError, match=r"list.txt:2 \(im1.png\): image is 3x5x9 but the batch's first "
+                                            r"is 3x8x6; resize them to one size or crop them"):
+        forward(layer, start(layer))
     layer.close()
 
 
@@ -498,10 +511,8 @@ def window_layer(windows, root, batch, window_extra="", transform="crop_size: 16
 
 
 def warp(image, y1, y2, x1, x2, height, width):
-    """Region [y1..y2] x [x1..x2] (inclusive) resized with Pillow's bilinear filter."""
-    region = np.ascontiguousarray(image[:, y1:y2 + 1, x1:x2 + 1].transpose(1, 2, 0))
-    resized = np.asarray(Image.fromarray(region).resize((width, height), Image.BILINEAR))
-    return resized.transpose(2, 0, 1).astype(np.float32)
+    """Region [y1..y2] x [x1..x2] (inclusive) resized as Caffe does (cv::resize INTER_LINEAR)."""
+    return opencv_resize(image[:, y1:y2 + 1, x1:x2 + 1], height, width).astype(np.float32)
 
 
 def test_window_data_warp_labels_and_order(window_setup):
