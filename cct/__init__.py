@@ -6,7 +6,8 @@ from cct.core.layer import TEST, TRAIN, Layer, layer_type_list, register
 from cct.core.net import Net
 from cct.core.rng import set_random_seed
 from cct import pycaffe  # noqa: F401  (attaches forward_all, set_input_arrays, callbacks to Net)
-from cct.pycaffe import Timer
+from cct.pycaffe import (Timer, NCCL, has_nccl, solver_count, set_solver_count, solver_rank, set_solver_rank,
+                         set_multiprocess)
 from cct import io
 from cct.classifier import Classifier
 from cct.detector import Detector
@@ -19,6 +20,8 @@ from cct.training.updates import (SGDSolver, NesterovSolver, AdaGradSolver, RMSP
 from cct import layers  # noqa: E402  (registers every layer type)
 
 __version__ = "0.1.0"
+# Says "cct" where client code wrote `import caffe` (cct's alias, caffe.py): pycaffe has no such name.
+__cct_version__ = __version__
 
 
 def set_mode_cpu():

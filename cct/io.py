@@ -27,16 +27,24 @@ from cct.proto import caffe_pb2
 
 def blobproto_to_array(blob, return_diff=False):
     """The data (or diff) of a BlobProto as a float64 array, shaped by the legacy
-    num/channels/height/width when any is set, else by `shape.dim`. As pycaffe,
-    from the float fields `data`/`diff`; a blob holding only `double_data`
-    (`double_diff`) gives those doubles, unrounded (pycaffe would fail)."""
+    num/channels/height/width when any is set, else by `shape.dim`: a blob with
+    neither is a scalar, so one value gives a 0-d array and more raise a
+    ValueError (ShapeError), as pycaffe. As pycaffe, from the float fields
+    `data`/`diff`; a blob holding only `double_data` (`double_diff`) gives those
+    doubles, unrounded (pycaffe would fail)."""
     floats, doubles = (blob.diff, blob.double_diff) if return_diff else (blob.data, blob.double_data)
     values = np.array(floats if len(floats) or not len(doubles) else doubles, dtype=np.float64)
-    shape = blob_proto_shape(blob)
+    shape = blob_proto_shape(blob) if _has_shape(blob) else ()
     if values.size != int(np.prod(shape)):              # pycaffe's reshape raises a ValueError
-        raise ShapeError(f"BlobProto holds {values.size} values but its shape {shape} needs "
+        described = shape if _has_shape(blob) else "() (none given: a scalar)"
+        raise ShapeError(f"BlobProto holds {values.size} values but its shape {described} needs "
                          f"{int(np.prod(shape))}")
     return values.reshape(shape)
+
+
+def _has_shape(blob):
+    # Weight files' shapeless blobs are vectors (cct.formats.weights); pycaffe's are scalars.
+    return blob.HasField("shape") or any(blob.HasField(f) for f in ("num", "channels", "height", "width"))
 
 
 def array_to_blobproto(arr, diff=None):

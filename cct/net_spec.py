@@ -97,6 +97,11 @@ class Top:
         return self.fn._to_proto(layers, names, autonames)
 
 
+class NotATopError(ConfigError, TypeError):
+    """A layer input that is not a Top: a TypeError, as pycaffe raises (and its tests
+    expect), and a ConfigError, as every other net_spec mistake."""
+
+
 class Function:
     """A layer: its type, its inputs (Tops of other layers) and its parameters."""
 
@@ -104,8 +109,8 @@ class Function:
         self.type_name = type_name
         for index, value in enumerate(inputs):
             if not isinstance(value, Top):
-                raise ConfigError(f"L.{type_name}(): bottom {index} must be a top of another layer "
-                                  f"(e.g. n.data), got {type(value).__name__}")
+                # pycaffe's message, word for word: its tests match it.
+                raise NotATopError(f"{type_name} input {index} is not a Top (type is {type(value)})")
         self.inputs = inputs
         self.params = dict(params)
         self.ntop = self.params.pop("ntop", 1)

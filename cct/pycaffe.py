@@ -7,6 +7,8 @@ anywhere, by a solver too, have them), plus pycaffe's Timer.
     net.set_input_arrays(data, labels)      for a MemoryData first layer
     net.before_forward(fn) / after_forward / before_backward / after_backward
                                             fn(layer_index) around every layer
+    has_nccl(), NCCL, set_solver_count/rank, set_multiprocess
+                                            pycaffe's multi-process API, as a build without NCCL
 Importing this module is enough (cct/__init__.py does).
 """
 import time
@@ -104,6 +106,8 @@ def _set_input_arrays(self, data, labels):
 
 def _register(kind):
     def add(self, callback):
+        if isinstance(callback, NCCL):
+            return                      # pycaffe's net.after_backward(nccl): a no-op without NCCL
         self.executor.subscribe(kind, callback)
     add.__name__ = kind
     add.__doc__ = (f"Call callback(layer_index) {kind.replace('_', ' ')} of every layer "
@@ -119,6 +123,54 @@ Net.before_forward = _register("before_forward")
 Net.after_forward = _register("after_forward")
 Net.before_backward = _register("before_backward")
 Net.after_backward = _register("after_backward")
+
+
+# --- multi-process training: pycaffe built without NCCL ----------------------------------
+# Caffe's python/train.py asks has_nccl() and sets the solver count/rank; cct trains in
+# one process, so these behave as in a Caffe build without NCCL: the settings are kept
+# and read back, NCCL objects can be made and handed to solvers and nets, and do nothing.
+_multiprocess = {"solver_count": 1, "solver_rank": 0, "multiprocess": False}
+
+
+def has_nccl():
+    """False: cct has no NCCL (pycaffe's test_nccl then checks nothing more)."""
+    return False
+
+
+class NCCL:
+    """pycaffe's NCCL(solver, uid) in a build without NCCL: constructible, with no
+    new_uid() or bcast(); as a solver callback (solver.add_callback(nccl)) it has
+    nothing to exchange, and net.after_backward(nccl) ignores it."""
+
+    def __init__(self, solver, uid):
+        self.solver = solver
+        self.uid = uid
+
+    def on_start(self):
+        """One process: no weights to broadcast."""
+
+    def on_gradients_ready(self):
+        """One process: no gradients to sum."""
+
+
+def solver_count():
+    return _multiprocess["solver_count"]
+
+
+def set_solver_count(count):
+    _multiprocess["solver_count"] = int(count)
+
+
+def solver_rank():
+    return _multiprocess["solver_rank"]
+
+
+def set_solver_rank(rank):
+    _multiprocess["solver_rank"] = int(rank)
+
+
+def set_multiprocess(multiprocess):
+    _multiprocess["multiprocess"] = bool(multiprocess)
 
 
 class Timer:

@@ -1,6 +1,7 @@
 """Python layers: type "Python", a layer written by the user in Python (Caffe's
 PythonLayer, pycaffe's caffe.Layer)."""
 import importlib
+import traceback
 
 from cct.core.blob import Blob
 from cct.core.layer import TRAIN, Layer, register
@@ -14,6 +15,33 @@ class BlobVec(list):
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
         self.append(Blob(shape))
+
+
+def _import_user_module(probe, name):
+    """Import the layer's module. A module that is not on the path is the path's
+    fault; one that fails while importing shows its own exception and line."""
+    try:
+        return importlib.import_module(name)
+    except Exception as error:
+        raise probe.config_error("python_param.module", _import_failure(name, error)) from error
+
+
+def _import_failure(name, error):
+    missing = getattr(error, "name", None) if isinstance(error, ModuleNotFoundError) else None
+    if missing is not None and (name == missing or name.startswith(missing + ".")):
+        return f"cannot import module '{name}' ({error}); is its folder on PYTHONPATH?"
+    text = f"module '{name}' failed to import: {type(error).__name__}: {error}{_raised_at(error)}"
+    if missing == "caffe":
+        text += ("; the name `caffe` is cct's alias, installed with cct (caffe.py) and turned off by "
+                 "CCT_CAFFE_ALIAS=0")
+    return text
+
+
+def _raised_at(error):
+    """` (at file:line)` of the innermost frame the exception passed, outside importlib."""
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__)
+              if "importlib" not in frame.filename and frame.filename != __file__]
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
 @register("Python")
@@ -38,11 +66,7 @@ class PythonLayer(Layer):
         if not python_param.layer:
             raise probe.config_error("python_param.layer", "missing: name the layer class in module "
                                      f"'{python_param.module}'")
-        try:
-            module = importlib.import_module(python_param.module)
-        except ImportError as error:
-            raise probe.config_error("python_param.module", f"cannot import module '{python_param.module}' "
-                                     f"({error}); is its folder on PYTHONPATH?") from error
+        module = _import_user_module(probe, python_param.module)
         user_class = getattr(module, python_param.layer, None)
         if user_class is None:
             raise probe.config_error("python_param.layer", f"module '{python_param.module}' "

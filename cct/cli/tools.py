@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 
+from cct.core import caffe_name
 from cct.core.errors import ConfigError
 from cct.devices import query
 from cct.cli.commands import GPU, arguments, command, flag
@@ -14,7 +15,7 @@ log = logging.getLogger("cct.cli")
 
 
 # --- device_query ---------------------------------------------------------------------------
-@command("device_query", "show the CPU, its BLAS and any OpenCL devices")
+@command("device_query", "show the CPU, its BLAS, any OpenCL devices, and what `import caffe` gives")
 @arguments(GPU)
 def device_query(args):
     import platform
@@ -35,6 +36,7 @@ def device_query(args):
         log.info("BLAS: none found by threadpoolctl")
     for line in query.opencl_devices():
         log.info("%s", line)
+    log.info("import caffe: %s", caffe_name.caffe_import())
     return 0
 
 

@@ -4,6 +4,7 @@ import signal
 
 import numpy as np
 
+from cct.core import caffe_name
 from cct.core.errors import ConfigError
 from cct.cli.commands import (EFFECTS, GPU, LEVEL, PHASE, SCHEDULE, STAGE, apply_schedule, arguments,
                               check_iterations, command, flag, fmt, note_gpu, phase, require, stages)
@@ -31,9 +32,11 @@ def train(args):
     if args.snapshot and args.weights:
         raise ConfigError("--snapshot, --weights: give a snapshot to resume training or weights to "
                           "fine-tune, not both")
-    note_gpu(args)
     apply_schedule(args)
     param = load_solver_param(args.solver)
+    # The first line of a run: the module a Python layer's `import caffe` gets decides what it runs on.
+    log.info("import caffe: %s", caffe_name.caffe_import())
+    note_gpu(args)
     param.train_state.level = args.level
     param.train_state.stage.extend(stages(args.stage))
     # As caffe.cpp: --snapshot or --weights replace the solver's own `weights:`.

@@ -314,12 +314,13 @@ class Net:
             executor.finish()
 
     def forward(self, blobs=None, start=None, end=None, **kwargs):
-        """Forward from layer `start` to `end` (names, inclusive). Keyword arrays set
-        input blobs. Returns {blob name: data} for the outputs (or `end`) + `blobs`."""
+        """Forward from layer `start` to `end` (layer names, inclusive). Keyword
+        arrays set input blobs. Returns {blob name: data} for the net's outputs
+        (or, given `end`, that layer's tops) + `blobs`, as pycaffe."""
         blobs = list(blobs or [])
         start_index = self._layer_index(start, 0)
         end_index = self._layer_index(end, len(self.layers) - 1)
-        outputs = set([end] + blobs) if end is not None else set(self.outputs + blobs)
+        outputs = set(self._top_names[end_index] + blobs) if end is not None else set(self.outputs + blobs)
         if kwargs:
             if set(kwargs) != set(self.inputs):
                 raise ConfigError(f"forward(): input arguments {sorted(kwargs)} do not match "
@@ -330,13 +331,13 @@ class Net:
         return {name: self.blobs[name].data for name in outputs}
 
     def backward(self, diffs=None, start=None, end=None, **kwargs):
-        """Backward from layer `start` down to `end`. Keyword arrays set output
-        diffs. Returns {blob name: diff} for the inputs (or `end`) + `diffs`."""
+        """Backward from layer `start` down to `end` (layer names, inclusive).
+        Keyword arrays set output diffs. Returns {blob name: diff} for the net's
+        inputs (or, given `end`, that layer's bottoms) + `diffs`, as pycaffe."""
         diffs = list(diffs or [])
         start_index = self._layer_index(start, len(self.layers) - 1)
         end_index = self._layer_index(end, 0)
-        # pycaffe returns the `end` layer's name as a blob name (its top, by convention).
-        outputs = set([end] + diffs) if end is not None else set(self.inputs + diffs)
+        outputs = set(self._bottom_names[end_index] + diffs) if end is not None else set(self.inputs + diffs)
         unknown = set(kwargs) - set(self.outputs)
         if unknown:
             raise ConfigError(f"backward(): {sorted(unknown)} are not outputs of the net "

@@ -8,6 +8,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 import tempfile
 
 from google.protobuf import text_format
@@ -103,6 +104,7 @@ def atomic_path(path):
     A folder replacing a folder takes two renames (the old one aside, the new
     one in: a rename cannot replace a non-empty folder); a crash between them
     leaves the old folder in the hidden .tmp-NAME-* folder beside `path`.
+    Permissions are those a plain open(path, "w") gives (see _plain_modes).
 
         with atomic_path("net.caffemodel.h5") as temp_path:
             with h5py.File(temp_path, "w") as out: ...
@@ -118,6 +120,7 @@ def atomic_path(path):
         yield temp_path
         if not os.path.lexists(temp_path):
             raise FileNotFoundError(errno.ENOENT, f"nothing was written for {path}", temp_path)
+        _plain_modes(temp_path, target)
         _fsync_written(temp_path)
         if os.path.isdir(temp_path) and os.path.isdir(target) and not os.path.islink(target):
             os.replace(target, os.path.join(scratch, ".old"))    # removed with the scratch folder
@@ -126,6 +129,45 @@ def atomic_path(path):
         shutil.rmtree(scratch, ignore_errors=True)
     # The rename (and the scratch folder's removal) last only once the folder is on disk.
     _fsync(folder)
+
+
+def _plain_modes(temp_path, target):
+    """Give what was written the permissions a plain open(target, "w") would:
+    an existing file keeps its own; a new file, or each file of a written
+    folder, gets 0o666 less the umask, however its writer created it (a
+    private temporary, a library's own mode). Folders keep their mkdir modes."""
+    new_file_mode = _new_file_mode(temp_path + ".mode-probe")
+    if os.path.islink(temp_path):
+        return
+    if not os.path.isdir(temp_path):
+        existing_mode = _existing_file_mode(target)
+        os.chmod(temp_path, new_file_mode if existing_mode is None else existing_mode)
+        return
+    for root, _, files in os.walk(temp_path):
+        for file_name in files:
+            path = os.path.join(root, file_name)
+            if not os.path.islink(path):
+                os.chmod(path, new_file_mode)
+
+
+def _existing_file_mode(path):
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return stat.S_IMODE(info.st_mode) if stat.S_ISREG(info.st_mode) else None
+
+
+def _new_file_mode(probe):
+    """The mode open() gives a new file, read off a probe file made at `probe`:
+    the umask can only be read by setting it, process-wide, under running
+    threads (and a folder's default ACL, which the probe follows, would be missed)."""
+    with open(probe, "w"):
+        pass
+    try:
+        return stat.S_IMODE(os.stat(probe).st_mode)
+    finally:
+        os.remove(probe)
 
 
 def _fsync_written(path):

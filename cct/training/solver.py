@@ -274,9 +274,18 @@ class Solver:
         """Subclass hook: check the solver's own fields, add history entries."""
 
     # --- pycaffe's surface -------------------------------------------------------
-    def add_callback(self, on_start, on_gradients_ready):
+    def add_callback(self, on_start, on_gradients_ready=None):
         """Call on_start() before each iteration's forward and
-        on_gradients_ready() before its update (pycaffe's add_callback)."""
+        on_gradients_ready() before its update (pycaffe's add_callback). The
+        one-argument form is pycaffe's add_callback(nccl): an object with
+        on_start and on_gradients_ready methods (Caffe's Solver::Callback)."""
+        if on_gradients_ready is None:
+            callback = on_start
+            if not (callable(getattr(callback, "on_start", None))
+                    and callable(getattr(callback, "on_gradients_ready", None))):
+                raise TypeError(f"add_callback: {type(callback).__name__} is not a solver callback: give "
+                                "on_start and on_gradients_ready, or an object with those methods")
+            on_start, on_gradients_ready = callback.on_start, callback.on_gradients_ready
         self.callbacks.append((on_start, on_gradients_ready))
 
     def share_weights(self, net):

@@ -18,6 +18,7 @@ def test_device_query(capsys):
     assert any(m.startswith("Cores: ") for m in text)
     assert any(m.startswith("BLAS: ") for m in text)
     assert any(m.startswith("OpenCL") for m in text)
+    assert text[-1].startswith("import caffe: cct, through its alias ") or text[-1].startswith("import caffe: cct ")
 
 
 def test_upgrade_commands(tmp_path, capsys):

@@ -1,10 +1,13 @@
 """`cct train` and `cct test` (cct.cli.train) on helpers.linreg's net: flag
 styles, resuming and fine-tuning, level and stages, and the lines `cct test` logs."""
+import sys
+
 import pytest
 
 import cct
 from cct.proto import caffe_pb2
 from helpers.cli import messages, run_cct
+from helpers.layers import PYCAFFE_DOUBLE_LAYER
 from helpers.linreg import net_text
 
 
@@ -69,3 +72,40 @@ def test_test_command(run_folder, capsys):
     assert f"Batch 0, loss = {loss:.6g}" in text and f"Batch 1, loss = {loss:.6g}" in text
     assert f"Loss: {loss:.6g}" in text
     assert f"loss = {loss:.6g} (* 1 = {loss:.6g} loss)" in text
+
+
+def test_train_first_log_line_says_what_import_caffe_gives(run_folder, capsys, monkeypatch):
+    code, _, err = run_cct(capsys, "train", "--solver=solver.prototxt")
+    assert code == 0, err
+    assert messages(err)[0].startswith("import caffe: cct")
+    monkeypatch.delitem(sys.modules, "caffe", raising=False)      # not imported yet, and turned off
+    monkeypatch.setenv("CCT_CAFFE_ALIAS", "0")
+    code, _, err = run_cct(capsys, "train", "--solver=solver.prototxt")
+    assert messages(err)[0] == "import caffe: no module named 'caffe' (cct's alias is turned off: CCT_CAFFE_ALIAS=0)"
+
+
+PYCAFFE_LAYER_NET = '''
+layer { name: "data" type: "DummyData" top: "x" top: "t"
+        dummy_data_param { shape { dim: 4 dim: 3 } shape { dim: 4 dim: 2 }
+                           data_filler { type: "gaussian" } data_filler { type: "constant" value: 1 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y"
+        inner_product_param { num_output: 2 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "double" type: "Python" bottom: "y" top: "y2"
+        python_param { module: "cct_pycaffe_layer" layer: "Double" } }
+layer { name: "loss" type: "EuclideanLoss" bottom: "y2" bottom: "t" top: "loss" }
+'''
+
+
+def test_train_a_net_with_a_pycaffe_python_layer_unchanged(run_folder, capsys, monkeypatch):
+    (run_folder / "cct_pycaffe_layer.py").write_text(PYCAFFE_DOUBLE_LAYER)
+    (run_folder / "net.prototxt").write_text(PYCAFFE_LAYER_NET)
+    (run_folder / "solver.prototxt").write_text('net: "net.prototxt" base_lr: 0.05 lr_policy: "fixed" max_iter: 30 '
+                                                'display: 10 snapshot_after_train: false random_seed: 1')
+    monkeypatch.syspath_prepend(str(run_folder))
+    monkeypatch.delitem(sys.modules, "cct_pycaffe_layer", raising=False)
+    code, _, err = run_cct(capsys, "train", "--solver=solver.prototxt")
+    assert code == 0, err
+    losses = [float(m.rsplit("= ", 1)[1]) for m in messages(err) if m.startswith("Iteration") and "loss = " in m]
+    assert losses[-1] < 0.5 * losses[0]
+    module = sys.modules.pop("cct_pycaffe_layer")
+    assert module.caffe is cct and issubclass(module.Double, cct.Layer)

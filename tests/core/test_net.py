@@ -61,6 +61,38 @@ def test_forward_with_input_arguments_returns_outputs():
         net.forward(mvn=x)
 
 
+
+# Layer names differ from their tops' names, as in pycaffe's test_net ('ip' -> 'ip_blob').
+RENAMED_TOPS_NET = f"""force_backward: true
+{input_layer(shape=(2, 3))}
+layer {{ name: "ip" type: "InnerProduct" bottom: "data" top: "ip_blob"
+        inner_product_param {{ num_output: 4 weight_filler {{ type: "gaussian" }} }} }}
+layer {{ name: "pair" type: "Slice" bottom: "ip_blob" top: "left" top: "right" slice_param {{ axis: 1 }} }}
+layer {{ name: "sum" type: "Eltwise" bottom: "left" bottom: "right" top: "total" }}
+"""
+
+
+def test_forward_start_end_are_layer_names_and_return_the_end_layers_tops():
+    net = make_net(RENAMED_TOPS_NET)
+    net.blobs["data"].data[...] = random((2, 3))
+    assert set(net.forward(start="ip", end="ip")) == {"ip_blob"}
+    weights, bias = (blob.data for blob in net.params["ip"])
+    np.testing.assert_allclose(net.blobs["ip_blob"].data, net.blobs["data"].data @ weights.T + bias, rtol=1e-5)
+    assert set(net.forward(start="pair", end="pair", blobs=["data"])) == {"left", "right", "data"}
+    assert set(net.forward()) == {"total"}
+    with pytest.raises(ConfigError, match="no layer named 'ip_blob'"):
+        net.forward(end="ip_blob")
+
+
+def test_backward_start_end_are_layer_names_and_return_the_end_layers_bottoms():
+    net = make_net(RENAMED_TOPS_NET)
+    net.forward()
+    top_diff = random((2, 4), seed=1).astype(np.float32)
+    net.blobs["ip_blob"].diff[...] = top_diff
+    assert set(net.backward(start="ip", end="ip")) == {"data"}
+    np.testing.assert_allclose(net.blobs["data"].diff, top_diff @ net.params["ip"][0].data, rtol=1e-5)
+    assert set(net.backward(start="sum", end="pair", diffs=["total"])) == {"ip_blob", "total"}
+    assert set(net.backward()) == {"data"}
 def test_in_place_layer_shares_its_blob():
     net = make_net(f"""{input_layer()}
         layer {{ name: "mvn" type: "MVN" bottom: "data" top: "mvn" mvn_param {{ normalize_variance: false }} }}
@@ -491,10 +523,11 @@ def test_to_proto_holds_name_and_layers_with_their_phase():
     assert all(layer.phase == cct.TEST for layer in proto.layer)
 
 
-def test_backward_end_returns_the_end_layers_name():
+def test_backward_end_returns_the_end_layers_bottoms():
+    """Caffe 1.0's pycaffe (commit 35a7b87): bottom_names[end], not the layer's name."""
     net = cct.Net(SHARED, cct.TRAIN)
     net.forward()
-    assert set(net.backward(end="ip2")) == {"ip2"}
+    assert set(net.backward(end="ip2")) == {"ip1"}
 
 
 def test_hdf5_stores_shared_params_once_and_loads_them(tmp_path):

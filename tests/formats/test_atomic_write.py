@@ -1,8 +1,11 @@
 """Every file cct writes for keeps (weights, snapshots, means, plots, LMDBs, the
 lowering cache) goes through cct.formats.prototxt.atomic_path: the new file is
 fsynced before it is renamed over the old one and its folder is fsynced after,
-and a failed write leaves the old file as it was and no temporary behind."""
+and a failed write leaves the old file as it was and no temporary behind. It
+ends with the permissions a plain open(path, "w") gives under the umask."""
+import contextlib
 import os
+import stat
 
 import h5py
 import numpy as np
@@ -209,3 +212,62 @@ def test_a_folder_replaces_a_folder(tmp_path):
         assert (target / "old.mdb").read_bytes() == b"old"      # untouched while writing
     assert sorted(os.listdir(target)) == ["data.mdb"] and (target / "data.mdb").read_bytes() == b"new"
     assert os.listdir(tmp_path) == ["db"]
+
+
+# --- permissions: those of a plain open(path, "w") ---------------------------------------------
+@contextlib.contextmanager
+def umask(value):
+    previous = os.umask(value)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def mode(path):
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def write_private(path):
+    """A writer that creates its file 0600, as a temporary-file library would."""
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+
+
+@pytest.mark.parametrize("mask, expected", [(0o022, 0o644), (0o027, 0o640), (0o002, 0o664)])
+def test_a_new_file_gets_the_umask_mode_however_it_was_created(tmp_path, mask, expected):
+    with umask(mask):
+        atomic_write(tmp_path / "plain.bin", b"x")
+        with atomic_path(tmp_path / "private.bin") as temp_path:
+            write_private(temp_path)
+    assert mode(tmp_path / "plain.bin") == expected
+    assert mode(tmp_path / "private.bin") == expected
+    assert_only(tmp_path, "plain.bin", "private.bin")          # the probe is gone too
+
+
+def test_an_existing_file_keeps_its_mode_as_open_would(tmp_path):
+    target = tmp_path / "keep.bin"
+    target.write_bytes(b"old")
+    os.chmod(target, 0o600)
+    with umask(0o022):
+        atomic_write(target, b"new")
+    assert (mode(target), target.read_bytes()) == (0o600, b"new")
+
+
+def test_files_of_a_written_folder_get_the_umask_mode(tmp_path):
+    with umask(0o027), atomic_path(tmp_path / "db") as temp_path:
+        os.makedirs(os.path.join(temp_path, "sub"))
+        write_private(os.path.join(temp_path, "data.mdb"))
+        write_private(os.path.join(temp_path, "sub", "lock.mdb"))
+    assert mode(tmp_path / "db" / "data.mdb") == mode(tmp_path / "db" / "sub" / "lock.mdb") == 0o640
+
+
+@pytest.mark.parametrize("mask, expected", [(0o022, 0o644), (0o077, 0o600)])
+def test_weights_and_snapshots_follow_the_umask(net, tmp_path, mask, expected):
+    solver = make_solver(f'type: "SGD" base_lr: 0.01 lr_policy: "fixed" snapshot_prefix: "{tmp_path / "run"}"')
+    solver.step(1)
+    with umask(mask):
+        net.save(str(tmp_path / "net.caffemodel"))
+        net.save_hdf5(str(tmp_path / "net.caffemodel.h5"))
+        solver.snapshot()
+    for name in ("net.caffemodel", "net.caffemodel.h5", "run_iter_1.caffemodel", "run_iter_1.solverstate"):
+        assert mode(tmp_path / name) == expected, name

@@ -31,3 +31,24 @@ class Echo(cct.Layer):
     def backward(self, top, propagate_down, bottom):
         if propagate_down[0]:
             bottom[0].diff[...] = top[0].diff
+
+
+# A Python layer's module as written for Caffe, to be saved as a .py file and
+# imported unchanged: `import caffe` (cct's alias) and caffe.Layer. top = 2 * bottom.
+PYCAFFE_DOUBLE_LAYER = '''
+import caffe
+
+
+class Double(caffe.Layer):
+    def setup(self, bottom, top):
+        pass
+
+    def reshape(self, bottom, top):
+        top[0].reshape(*bottom[0].data.shape)
+
+    def forward(self, bottom, top):
+        top[0].data[...] = 2 * bottom[0].data
+
+    def backward(self, top, propagate_down, bottom):
+        bottom[0].diff[...] = 2 * top[0].diff
+'''

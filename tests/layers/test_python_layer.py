@@ -11,6 +11,7 @@ import pytest
 import cct
 from cct.core.errors import ConfigError
 from cct.testing.gradient_check import check_layer_gradient, make_layer
+from helpers.layers import PYCAFFE_DOUBLE_LAYER
 
 MODULE = "cct_test_py_layers"
 
@@ -202,3 +203,43 @@ def test_errors_name_the_module_and_class(py_module):
         make_layer('type: "Python" python_param { layer: "X" }')
     with pytest.raises(ConfigError, match="python_param.layer: missing"):
         make_layer(f'type: "Python" python_param {{ module: "{MODULE}" }}')
+
+
+@pytest.fixture
+def module_folder(tmp_path, monkeypatch):
+    """A folder on sys.path for one-off layer modules, removed with their modules."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - before:
+        if name.startswith("cct_broken_") or name == "cct_caffe_layer":
+            del sys.modules[name]
+
+
+@pytest.mark.parametrize("body, shown", [
+    ("import json\nimport no_such_dependency_xyz\n",
+     r"failed to import: ModuleNotFoundError: No module named 'no_such_dependency_xyz' \(at .*cct_broken_\w+\.py:2\)"),
+    ("X = 1\nraise ValueError('bad constant')\n", r"failed to import: ValueError: bad constant \(at .*:2\)"),
+    ("def f(:\n", r"failed to import: SyntaxError: .*cct_broken_\w+\.py, line 1"),
+])
+def test_a_module_that_fails_to_import_shows_its_own_exception(module_folder, body, shown):
+    name = f"cct_broken_{abs(hash(body)) % 10**6}"
+    (module_folder / f"{name}.py").write_text(body)
+    with pytest.raises(ConfigError, match=f"python_param.module: module '{name}' {shown}") as caught:
+        make_layer(f'type: "Python" python_param {{ module: "{name}" layer: "X" }}')
+    assert "PYTHONPATH" not in str(caught.value)
+    assert caught.value.__cause__ is not None                 # the module's own traceback follows
+
+
+def test_a_module_whose_import_caffe_fails_names_the_alias(module_folder, monkeypatch):
+    (module_folder / "cct_broken_caffe.py").write_text("import caffe\n")
+    monkeypatch.setitem(sys.modules, "caffe", None)            # as with CCT_CAFFE_ALIAS=0
+    with pytest.raises(ConfigError, match="ModuleNotFoundError: import of caffe.*cct's alias.*CCT_CAFFE_ALIAS=0"):
+        make_layer('type: "Python" python_param { module: "cct_broken_caffe" layer: "X" }')
+
+
+def test_a_pycaffe_layer_module_runs_unchanged(module_folder):
+    (module_folder / "cct_caffe_layer.py").write_text(PYCAFFE_DOUBLE_LAYER)
+    layer = make_layer('type: "Python" python_param { module: "cct_caffe_layer" layer: "Double" }')
+    assert isinstance(layer, cct.Layer)
+    check_layer_gradient(layer, [np.random.default_rng(1).standard_normal((2, 3))])

@@ -230,10 +230,18 @@ def test_unknown_field_is_a_clear_error():
         to_proto(L.Deconvolution(L.Input(), kernel_size=3))
     with pytest.raises(ConfigError, match="num_output"):
         to_proto(L.InnerProduct(L.Input(), num_output="many"))
-    with pytest.raises(ConfigError, match="bottom 0 must be a top"):
-        L.ReLU("data")
     proto = to_proto(L.Deconvolution(L.Input(), convolution_param=dict(kernel_size=3, num_output=2)))
     assert proto.layer[1].convolution_param.num_output == 2
+
+
+def test_a_bottom_that_is_not_a_top_is_a_type_error_in_pycaffe_words():
+    data = L.DummyData(ntop=2)                       # a tuple of two Tops
+    for error_class in (TypeError, ConfigError):
+        with pytest.raises(error_class, match=r"^Silence input 0 is not a Top \(type is <class 'tuple'>\)$"):
+            L.Silence(data, ntop=0)
+    with pytest.raises(TypeError, match=r"^ReLU input 1 is not a Top \(type is <class 'str'>\)$"):
+        L.ReLU(data[0], "data")
+    L.Silence(*data, ntop=0)
 
 
 def test_netspec_net_builds_and_runs(tmp_path):

@@ -273,3 +273,26 @@ def test_timer():
 def test_set_mode_gpu_warns_and_stays_on_the_cpu():
     with pytest.warns(UserWarning, match="no CUDA backend"):
         cct.set_mode_gpu()
+
+
+def test_multi_process_api_as_a_build_without_nccl(monkeypatch):
+    """pycaffe's python/train.py calls: has_nccl() is False; NCCL(solver, uid) is made
+    and handed to the solver and the net, where it does nothing; the solver
+    count/rank and multiprocess settings are kept."""
+    from helpers.linreg import make_solver
+    monkeypatch.setattr(cct.pycaffe, "_multiprocess", dict(cct.pycaffe._multiprocess))
+    assert cct.has_nccl() is False
+    assert (cct.solver_count(), cct.solver_rank()) == (1, 0)
+    cct.set_solver_count(4)
+    cct.set_solver_rank(2)
+    cct.set_multiprocess(True)
+    assert (cct.solver_count(), cct.solver_rank(), cct.pycaffe._multiprocess["multiprocess"]) == (4, 2, True)
+    solver = make_solver('type: "SGD" base_lr: 0.01 lr_policy: "fixed"')
+    nccl = cct.NCCL(solver, b"uid")
+    assert not hasattr(cct.NCCL, "new_uid") and not hasattr(nccl, "bcast")
+    solver.add_callback(nccl)
+    solver.net.after_backward(nccl)
+    calls = []
+    solver.add_callback(lambda: calls.append("start"), lambda: calls.append("gradients"))
+    solver.step(2)
+    assert calls == ["start", "gradients"] * 2

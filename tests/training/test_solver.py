@@ -314,3 +314,22 @@ def test_reference_solver_case(case, monkeypatch):
             ours = solver.net.params[layer][int(index)].data
             scale = max(float(np.abs(steps[key]).max()), 1e-6)
             assert float(np.abs(ours - steps[key]).max()) / scale < 1e-3, key
+
+
+def test_add_callback_takes_a_callback_object_or_refuses_it():
+    """pycaffe's add_callback(nccl) form: an object with on_start and
+    on_gradients_ready (Caffe's Solver::Callback); anything else is a TypeError."""
+    solver = make_solver('base_lr: 0.1 lr_policy: "fixed"')
+    calls = []
+
+    class Counter:
+        def on_start(self):
+            calls.append("start")
+
+        def on_gradients_ready(self):
+            calls.append("ready")
+    solver.add_callback(Counter())
+    solver.step(1)
+    assert calls == ["start", "ready"]
+    with pytest.raises(TypeError, match="add_callback: int is not a solver callback"):
+        solver.add_callback(3)
