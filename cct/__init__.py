@@ -34,5 +34,13 @@ def set_mode_gpu():
     warnings.warn("cct.set_mode_gpu(): cct has no CUDA backend; computing on the CPU", stacklevel=2)
 
 
+def set_schedule(mode):
+    """cct's extension: how nets made from now on train, "sequential", "streams"
+    or "auto" (None: back to CCT_SCHEDULE / the run configuration / "auto"); what
+    `cct train --schedule` sets (cct.runtime.settings, cct.runtime.scheduler)."""
+    from cct.runtime import settings
+    settings.set_schedule(mode)
+
+
 def set_device(device_id):
     """Kept for pycaffe scripts; device selection happens per run configuration."""

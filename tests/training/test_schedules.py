@@ -123,6 +123,17 @@ def test_auto_measures_both_then_keeps_one():
     assert chosen in ("sequential", "streams") and all(len(runs) >= 3 for runs in times.values())
 
 
+def test_pycaffe_side_setting():
+    cct.set_schedule("streams")
+    try:
+        assert cct.Net(NETS["blocks"](), cct.TRAIN).executor.schedule == "streams"
+        with pytest.raises(ConfigError, match="schedule: must be one of"):
+            cct.set_schedule("fast")
+    finally:
+        cct.set_schedule(None)
+    assert cct.Net(NETS["blocks"](), cct.TRAIN).executor.schedule == "auto"
+
+
 def test_the_configuration_sets_alpha_and_beta(tmp_path):
     path = tmp_path / "run.json"
     path.write_text('{"schedule": "streams", "priorities": {"alpha": 0.125, "beta": 0.75}}')
