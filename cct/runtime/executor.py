@@ -22,6 +22,7 @@ layer forward(i) or backward(i) runs (pycaffe's Net.before_forward & co.).
 import logging
 import statistics
 import time
+import weakref
 
 from cct.core.progress import Progress
 from cct.runtime import scheduler
@@ -63,7 +64,9 @@ class Executor:
     """
 
     def __init__(self, net, threads=None):
-        self.net = net
+        # The net owns its executor; a weak pointer back, so that a dropped net
+        # is freed at once, with no cycle for the garbage collector to find.
+        self._net = weakref.ref(net)
         self.blas = threads_module.blas()
         self.threads = int(threads or settings.threads() or self.blas.default)
         self.plan = {}
@@ -82,6 +85,10 @@ class Executor:
                 if self.batch(index) is not None:
                     self.plan[index] = forced
         settings.apply(self)
+
+    @property
+    def net(self):
+        return self._net()
 
     # --- events ---------------------------------------------------------------------
     def subscribe(self, kind, callback):
