@@ -112,6 +112,14 @@ class Prefetcher:
         return self._thread.is_alive()
 
 
+def _shut_down(prefetcher, load_batch):
+    """Stop the prefetch thread, then release what its loader holds (a database)."""
+    prefetcher.stop()
+    close = getattr(load_batch, "close", None)
+    if close is not None:
+        close()
+
+
 class PrefetchingDataLayer(Layer):
     """Base of the prefetching data layers. A subclass's `data_setup(top)` sizes
     the tops and returns (load_batch, prefetch count); load_batch() returns
@@ -125,12 +133,15 @@ class PrefetchingDataLayer(Layer):
         self.output_labels = len(top) > 1
         load_batch, count = self.data_setup(top)
         self._prefetcher = Prefetcher(load_batch, count, f"cct-prefetch-{self.name}")
-        self._finalizer = weakref.finalize(self, self._prefetcher.stop)
+        self._finalizer = weakref.finalize(self, _shut_down, self._prefetcher, load_batch)
 
     def reshape(self, bottom, top):
         pass                            # forward sizes the tops to each batch (Caffe's Forward)
 
     def forward(self, bottom, top):
+        if not self._finalizer.alive:
+            raise DataError(f"{self.where()}: closed (Net.close): its prefetch thread has stopped "
+                            "and its database is closed")
         if self._failure is None:
             item = self._prefetcher.get()
             if isinstance(item, _Failure):
@@ -151,7 +162,8 @@ class PrefetchingDataLayer(Layer):
         pass
 
     def close(self):
-        """Stop the prefetch thread (also done when the layer is collected)."""
+        """Stop the prefetch thread and close the database (also done when the
+        layer is collected); a forward after it is an error."""
         if self._prefetcher is not None:
             self._finalizer()
 
@@ -241,6 +253,9 @@ class _DatumLoader:
     def __init__(self, db, cursor, transformer, batch_size, source):
         self.db, self.cursor, self.transformer = db, cursor, transformer
         self.batch_size, self.source = batch_size, source
+
+    def close(self):
+        self.db.close()
 
     def __call__(self):
         keys, images, labels = [], [], np.empty(self.batch_size, np.float32)

@@ -364,6 +364,21 @@ class Net:
         for layer, bottoms, tops in zip(self.layers, self.bottom_vecs, self.top_vecs):
             layer.reshape(bottoms, tops)
 
+    def close(self):
+        """Release what the layers hold outside the process's memory: data
+        layers stop their prefetch threads and close their databases. Dropping
+        the net does the same; a closed net's data layers refuse to forward."""
+        for layer in self.layers:
+            close = getattr(layer, "close", None)
+            if close is not None:
+                close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exception):
+        self.close()
+
     def clear_param_diffs(self):
         for blob in self.learnable_params:
             blob.diff[...] = 0

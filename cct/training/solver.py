@@ -288,6 +288,17 @@ class Solver:
             on_start, on_gradients_ready = callback.on_start, callback.on_gradients_ready
         self.callbacks.append((on_start, on_gradients_ready))
 
+    def close(self):
+        """Close the train and test nets (Net.close); `with solver:` does it at the end."""
+        for net in [self.net] + list(self.test_nets):
+            net.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exception):
+        self.close()
+
     def share_weights(self, net):
         """Make `net` use this solver's train-net parameters."""
         net.share_with(self.net)

@@ -3,6 +3,7 @@ the cyclic garbage collector off (issue 16, point 3): no reference cycles
 between a net and its executor, so CPython frees them at once and their data
 layers' databases close; two live solvers read one LMDB side by side."""
 import gc
+import os
 import tracemalloc
 import weakref
 
@@ -98,3 +99,27 @@ def test_two_solvers_on_one_lmdb_train_side_by_side_and_again_after_a_drop(sourc
     again = make_solver(source)                     # the database opens anew
     again.step(2)
     assert again.iter == 2
+
+
+def open_readers(source):
+    """How many readers share the LMDB environment of `source` now."""
+    from cct.data import db
+    real = os.path.realpath(source)
+    return sum(count for (path, _, _), (_, count) in db._readers.items() if path == real)
+
+
+def test_close_and_with_release_the_database_and_a_drop_does_too(source, no_cyclic_gc):
+    with make_solver(source) as solver:
+        solver.step(1)
+        assert open_readers(source) == 1
+    assert open_readers(source) == 0
+    with pytest.raises(cct.DataError, match="layer 'data' .*prefetch thread has stopped"):
+        solver.net.forward()
+    solver = make_solver(source)
+    solver.step(1)
+    assert open_readers(source) == 1
+    del solver
+    assert open_readers(source) == 0
+    with cct.Net(text_format.Parse(NET.replace("SOURCE", source), caffe_pb2.NetParameter()), cct.TEST) as net:
+        net.forward()
+    assert open_readers(source) == 0
