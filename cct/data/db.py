@@ -129,12 +129,24 @@ class LMDB(_Database):
             self.env = None
 
 
-# LMDB opens an environment once per process: a second open of the same folder
-# (a test net reading the train net's database, a second pycaffe Net, a solver
-# made again) raises "already open in this process". Readers therefore share
-# one read-only environment per folder, closed when the last of them closes.
-_readers = {}              # (real path, data file's device and inode) -> [environment, readers]
+# LMDB opens an environment once per process, and LevelDB locks its folder
+# for one handle per process: a second open of the same database (a test net
+# reading the train net's, a second pycaffe Net, a solver made again) raises
+# "already open in this process" / "lock ... already held". Readers therefore
+# share one read-only handle per database, closed when the last of them closes;
+# each reader keeps its own transaction or iterator on it.
+_readers = {}              # database key -> [handle, readers]
 _readers_lock = threading.Lock()
+
+
+def _shared(key, open_handle):
+    """The handle readers of database `key` share, opened by open_handle() for the first."""
+    with _readers_lock:
+        entry = _readers.get(key)
+        if entry is None:
+            entry = _readers[key] = [open_handle(), 0]
+        entry[1] += 1
+        return entry[0]
 
 
 def _open_reader(lmdb, path):
@@ -143,28 +155,22 @@ def _open_reader(lmdb, path):
     data_file = os.path.join(path, "data.mdb") if os.path.isdir(path) else path
     try:
         status = os.stat(data_file)
-        key = (os.path.realpath(path), status.st_dev, status.st_ino)
+        key = ("lmdb", os.path.realpath(path), status.st_dev, status.st_ino)
     except OSError:
-        key = (os.path.realpath(path), None, None)
-    with _readers_lock:
-        entry = _readers.get(key)
-        if entry is None:
-            # lock=False: readers never write a lock file, so read-only folders work.
-            env = lmdb.open(path, readonly=True, lock=False, readahead=False, max_readers=512,
-                            subdir=os.path.isdir(path))
-            entry = _readers[key] = [env, 0]
-        entry[1] += 1
-        return entry[0]
+        key = ("lmdb", os.path.realpath(path), None, None)
+    # lock=False: readers never write a lock file, so read-only folders work.
+    return _shared(key, lambda: lmdb.open(path, readonly=True, lock=False, readahead=False, max_readers=512,
+                                          subdir=os.path.isdir(path)))
 
 
-def _close_reader(env):
+def _close_reader(handle):
     with _readers_lock:
         for key, entry in list(_readers.items()):
-            if entry[0] is env:
+            if entry[0] is handle:
                 entry[1] -= 1
                 if not entry[1]:
                     del _readers[key]
-                    env.close()
+                    handle.close()
                 return
 
 
@@ -178,7 +184,10 @@ class LevelDB(_Database):
         except ImportError:
             raise DataError(f"{path}: LevelDB needs plyvel: pip install plyvel") from None
         try:
-            self.db = plyvel.DB(path, create_if_missing=(mode == "w"), error_if_exists=False)
+            if mode == "r":
+                self.db = _shared(("leveldb", os.path.realpath(path)), lambda: plyvel.DB(path))
+            else:
+                self.db = plyvel.DB(path, create_if_missing=True, error_if_exists=False)
         except plyvel.Error as error:
             raise DataError(f"{path}: cannot open LevelDB: {error}") from None
         self._batch = self.db.write_batch() if mode == "w" else None
@@ -202,8 +211,11 @@ class LevelDB(_Database):
 
     def close(self):
         if self.db is not None:
-            self.commit()
-            self.db.close()
+            if self.mode == "w":
+                self.commit()
+                self.db.close()
+            else:
+                _close_reader(self.db)
             self.db = None
 
 

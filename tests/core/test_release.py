@@ -105,7 +105,7 @@ def open_readers(source):
     """How many readers share the LMDB environment of `source` now."""
     from cct.data import db
     real = os.path.realpath(source)
-    return sum(count for (path, _, _), (_, count) in db._readers.items() if path == real)
+    return sum(count for key, (_, count) in db._readers.items() if real in key)
 
 
 def test_close_and_with_release_the_database_and_a_drop_does_too(source, no_cyclic_gc):

@@ -1,5 +1,7 @@
 """cct.data.db: the LMDB writer growing its map, the cursor wrapping around,
 record keys, backend names."""
+import os
+
 import pytest
 
 from cct.core.errors import DataError
@@ -28,18 +30,25 @@ def test_db_backend_names(tmp_path):
         cct_db.open_db(tmp_path, "rocks")
 
 
-def test_one_lmdb_read_by_several_readers_at_once(tmp_path):
-    """LMDB opens a folder once per process; readers share that environment (a
-    test net reading the train net's database, a solver made twice)."""
-    with cct_db.open_db(str(tmp_path / "db"), "lmdb", "w") as writer:
+@pytest.mark.parametrize("backend", ["lmdb", "leveldb"])
+def test_one_database_read_by_several_readers_at_once(tmp_path, backend):
+    """LMDB opens a folder once per process and LevelDB locks it for one
+    handle; readers share that handle (a test net reading the train net's
+    database, a solver made twice), each with its own cursor."""
+    if backend == "leveldb":
+        pytest.importorskip("plyvel")
+    with cct_db.open_db(str(tmp_path / "db"), backend, "w") as writer:
         for index in range(3):
             writer.put(cct_db.record_key(index), bytes([index]))
-    first = cct_db.open_db(str(tmp_path / "db"), "lmdb", "r")
-    second = cct_db.open_db(str(tmp_path / "db"), "lmdb", "r")
+    first = cct_db.open_db(str(tmp_path / "db"), backend, "r")
+    second = cct_db.open_db(str(tmp_path / "db"), backend, "r")
     assert [value for _, value in first.items()] == [value for _, value in second.items()] == [b"\0", b"\1", b"\2"]
+    cursors = first.cursor(), second.cursor()
+    assert [cursors[0].next(), cursors[0].next(), cursors[1].next()][2][1] == b"\0"     # cursors apart
     first.close()
     assert len(second) == 3                   # still open for the other reader
     second.close()
-    third = cct_db.open_db(str(tmp_path / "db"), "lmdb", "r")
+    assert not [key for key in cct_db._readers if os.path.realpath(tmp_path / "db") in key]
+    third = cct_db.open_db(str(tmp_path / "db"), backend, "r")
     assert len(third) == 3
     third.close()
