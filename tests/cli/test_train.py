@@ -109,3 +109,28 @@ def test_train_a_net_with_a_pycaffe_python_layer_unchanged(run_folder, capsys, m
     assert losses[-1] < 0.5 * losses[0]
     module = sys.modules.pop("cct_pycaffe_layer")
     assert module.caffe is cct and issubclass(module.Double, cct.Layer)
+
+
+def test_train_with_the_test_net_on_the_training_lmdb(tmp_path, monkeypatch, capsys):
+    """One LMDB read by the train and the test net of one run (issue 16): the
+    two data layers share its environment."""
+    import numpy as np
+    from helpers.data import raw_datum, write_lmdb
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(0)
+    write_lmdb(tmp_path / "train_lmdb", [raw_datum(rng.integers(0, 256, (1, 6, 6), dtype=np.uint8), index % 3)
+                                         for index in range(10)])
+    data = ('layer {{ name: "data" type: "Data" top: "data" top: "label" include {{ phase: {phase} }} '
+            'data_param {{ source: "train_lmdb" batch_size: {batch} backend: LMDB }} '
+            'transform_param {{ scale: 0.0039 }} }}\n')
+    (tmp_path / "net.prototxt").write_text(
+        data.format(phase="TRAIN", batch=4) + data.format(phase="TEST", batch=5)
+        + 'layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" '
+          'inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }\n'
+          'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }\n')
+    (tmp_path / "solver.prototxt").write_text(
+        'net: "net.prototxt" base_lr: 0.01 lr_policy: "fixed" max_iter: 4 display: 2 test_iter: 2 '
+        'test_interval: 2 snapshot_after_train: false')
+    code, _, err = run_cct(capsys, "train", "--solver", "solver.prototxt")
+    assert code == 0, err
+    assert sum("Test net output #0: loss" in message for message in messages(err)) == 3
