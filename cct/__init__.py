@@ -7,7 +7,7 @@ from cct.core.net import Net
 from cct.core.rng import set_random_seed
 from cct import pycaffe  # noqa: F401  (attaches forward_all, set_input_arrays, callbacks to Net)
 from cct.pycaffe import (Timer, NCCL, has_nccl, solver_count, set_solver_count, solver_rank, set_solver_rank,
-                         set_multiprocess)
+                         set_multiprocess, init_log, log)
 from cct import io
 from cct.classifier import Classifier
 from cct.detector import Detector

@@ -9,8 +9,11 @@ anywhere, by a solver too, have them), plus pycaffe's Timer.
                                             fn(layer_index) around every layer
     has_nccl(), NCCL, set_solver_count/rank, set_multiprocess
                                             pycaffe's multi-process API, as a build without NCCL
+    init_log(level, stderr), log(message)  pycaffe's logging (Caffe's python/train.py)
 Importing this module is enough (cct/__init__.py does).
 """
+import logging
+import sys
 import time
 from itertools import zip_longest
 
@@ -171,6 +174,47 @@ def set_solver_rank(rank):
 
 def set_multiprocess(multiprocess):
     _multiprocess["multiprocess"] = bool(multiprocess)
+
+
+# --- logging: pycaffe's init_log and log ------------------------------------------------------
+GLOG_LEVELS = (logging.INFO, logging.WARNING, logging.ERROR, logging.CRITICAL)     # glog's 0..3
+_log_handler = None
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a line is logged (pytest and
+    notebooks swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
+def init_log(level=0, stderr=True):
+    """pycaffe's init_log([level[, stderr]]): cct's log lines (glog's format, as
+    `cct train` prints them) from glog level `level` up (0 INFO, 1 WARNING, 2
+    ERROR, 3 FATAL) on standard error. glog without stderr writes log files;
+    cct writes none, so `stderr` is accepted and standard error is used
+    either way. Calling it again changes the level."""
+    global _log_handler
+    from cct.cli import GlogFormatter
+    if not 0 <= int(level) < len(GLOG_LEVELS):
+        raise ValueError(f"init_log: level must be 0 (INFO) to 3 (FATAL), got {level}")
+    logger = logging.getLogger("cct")
+    if _log_handler is None:
+        _log_handler = _StderrHandler()
+        _log_handler.setFormatter(GlogFormatter())
+        logger.addHandler(_log_handler)
+    logger.setLevel(GLOG_LEVELS[int(level)])
+
+
+def log(message):
+    """pycaffe's log(message): one INFO line in cct's log."""
+    logging.getLogger("cct").info("%s", message)
 
 
 class Timer:

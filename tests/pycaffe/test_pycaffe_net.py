@@ -296,3 +296,24 @@ def test_multi_process_api_as_a_build_without_nccl(monkeypatch):
     solver.add_callback(lambda: calls.append("start"), lambda: calls.append("gradients"))
     solver.step(2)
     assert calls == ["start", "gradients"] * 2
+
+
+def test_init_log_and_log_write_glog_lines(capsys):
+    """pycaffe's init_log(level, stderr) and log(message), as Caffe's python/train.py calls them."""
+    import logging
+    logger = logging.getLogger("cct")
+    level = logger.level
+    try:
+        cct.init_log(0, True)
+        cct.log("Using devices [0]")
+        cct.init_log(1)
+        cct.log("not shown at WARNING")
+        err = capsys.readouterr().err
+        assert any(line.startswith("I") and line.endswith("] Using devices [0]") for line in err.splitlines())
+        assert "not shown" not in err
+        with pytest.raises(ValueError, match="init_log: level must be 0"):
+            cct.init_log(4)
+    finally:
+        logger.setLevel(level)
+        logger.removeHandler(cct.pycaffe._log_handler)       # later tests install their own
+        cct.pycaffe._log_handler = None
