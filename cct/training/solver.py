@@ -342,8 +342,9 @@ class Solver:
         """Run `iters` iterations (Caffe's Solver::Step). In the streams
         schedule, runs of up to STREAM_WINDOW iterations go onto the streams
         as one graph (cct.runtime.scheduler), each ending where Caffe's loop
-        displays, tests or snapshots."""
-        param, net = self.param, self.net
+        displays, tests or snapshots; in the auto schedule such windows run
+        in both schedules until the faster is known (_window_mode)."""
+        param = self.param
         self._start_iter = self.iter
         stop_iter = self.iter + int(iters)
         self._losses = []
