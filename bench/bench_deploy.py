@@ -1,0 +1,137 @@
+"""Deploy-net forward time of cct against OpenCV's DNN module, side by side in
+one process (issue 20's baseline): the same seeded weights (cct fills the net,
+saves a .caffemodel, OpenCV reads it with cv2.dnn.readNetFromCaffe), the same
+input, the two frameworks alternating in rounds so a noisy host's drift falls
+on both; medians in ms per forward, their ratio, and how far the final blobs
+agree (largest difference over the largest value).
+
+    python bench/bench_deploy.py [--nets caffenet,googlenet,resnet50] [--batches 1,16] [--rounds 5] [--threads 2]
+
+OpenCV 5 dropped the Caffe importer, so the comparison needs a 4.x wheel,
+installed by hand beside cct's own OpenCV and put first on the path:
+
+    pip install --target /tmp/cv4 "opencv-python-headless>=4.10,<5"
+    PYTHONPATH=/tmp/cv4 python bench/bench_deploy.py
+
+cv2.setNumThreads(--threads), and cct's BLAS at the same count. Deploy nets:
+models/bvlc_reference_caffenet, models/bvlc_googlenet, models/resnet50.
+"""
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+DEPLOY = {
+    "caffenet": ("bvlc_reference_caffenet", 227),
+    "googlenet": ("bvlc_googlenet", 224),
+    "resnet50": ("resnet50", 224),
+}
+
+
+def cct_net(name, batch, folder):
+    """The deploy net at `batch` with seeded gaussian weights (BatchNorm's
+    statistics made sane), and the .caffemodel OpenCV will read."""
+    import cct
+    from cct.formats.prototxt import read_net
+    model, size = DEPLOY[name]
+    param = read_net(os.path.join(common.REPO, "models", model, "deploy.prototxt"))
+    param.layer[0].input_param.shape[0].dim[0] = batch
+    cct.set_random_seed(0)
+    net = cct.Net(param, cct.TEST)
+    rng = np.random.default_rng(0)
+    for layer in net.layers:
+        fill(layer, rng)
+    prototxt = os.path.join(folder, f"{name}.prototxt")
+    with open(prototxt, "w") as out:
+        out.write(str(param))
+    weights = os.path.join(folder, f"{name}.caffemodel")
+    net.save(weights)
+    return net, prototxt, weights, size
+
+
+def fill(layer, rng):
+    """He-scaled weights, small biases, sane BatchNorm statistics and Scale
+    factors: activations keep their size through 50 layers."""
+    if layer.type == "BatchNorm":
+        mean, variance, factor = layer.blobs
+        mean.data[...] = rng.normal(0, 0.1, mean.shape)
+        variance.data[...] = rng.uniform(0.5, 1.5, variance.shape)
+        factor.data[...] = 1.0
+        return
+    for index, blob in enumerate(layer.blobs):
+        if blob.data.ndim > 1:
+            fan_in = blob.count // blob.shape[0]
+            blob.data[...] = rng.normal(0, (2.0 / fan_in) ** 0.5, blob.shape)
+        elif layer.type == "Scale" and index == 0:
+            blob.data[...] = rng.uniform(0.5, 1.5, blob.shape)
+        else:
+            blob.data[...] = rng.normal(0, 0.01, blob.shape)
+
+
+def run_cct(net, images):
+    net.blobs["data"].data[...] = images
+    return net.forward()[net.outputs[-1]]
+
+
+def run_opencv(cv_net, images):
+    cv_net.setInput(images)
+    return cv_net.forward()
+
+
+def timed(function, *args):
+    start = time.perf_counter()
+    result = function(*args)
+    return time.perf_counter() - start, result
+
+
+def compare(name, batch, rounds, folder):
+    import cv2
+    if not hasattr(cv2.dnn, "readNetFromCaffe"):
+        sys.exit(f"OpenCV {cv2.__version__} has no Caffe importer (OpenCV 5 dropped it): "
+                 "install a 4.x wheel as the docstring says")
+    net, prototxt, weights, size = cct_net(name, batch, folder)
+    cv_net = cv2.dnn.readNetFromCaffe(prototxt, weights)
+    images = np.random.default_rng(1).normal(0, 50, (batch, 3, size, size)).astype(np.float32)
+    ours, theirs = run_cct(net, images).copy(), run_opencv(cv_net, images)      # warm both
+    agreement = float(np.abs(ours.reshape(theirs.shape) - theirs).max() / max(1e-30, np.abs(theirs).max()))
+    times = {"cct": [], "opencv": []}
+    for _ in range(rounds):
+        times["cct"].append(timed(run_cct, net, images)[0])
+        times["opencv"].append(timed(run_opencv, cv_net, images)[0])
+    medians = {key: 1e3 * statistics.median(values) for key, values in times.items()}
+    return medians, agreement
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nets", default="caffenet,googlenet,resnet50")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    import cv2
+    from threadpoolctl import threadpool_limits
+    cv2.setNumThreads(args.threads)
+    threadpool_limits(args.threads, "blas")
+    p = common.print_flush
+    p(common.machine_line())
+    p(f"OpenCV {cv2.__version__}, {cv2.getNumThreads()} threads")
+    with tempfile.TemporaryDirectory() as folder:
+        for name in args.nets.split(","):
+            for batch in (int(b) for b in args.batches.split(",")):
+                medians, agreement = compare(name, batch, args.rounds, folder)
+                p(f"{name} batch {batch}: cct {medians['cct']:.1f} ms, OpenCV DNN {medians['opencv']:.1f} ms, "
+                  f"cct / OpenCV time {medians['cct'] / medians['opencv']:.2f}; outputs agree to "
+                  f"{agreement:.1e} of the largest")
+    p(f"load after the runs: {common.load_average():.2f}")
+
+
+if __name__ == "__main__":
+    main()
