@@ -1,7 +1,7 @@
 """cct: Caffe con Troll in Python. A Caffe-compatible CNN framework whose
 Python API mirrors pycaffe name for name (`import cct as caffe`)."""
 from cct.core.blob import Blob
-from cct.core.errors import CctError, ConfigError, DataError, ShapeError, WeightsError
+from cct.core.errors import CctError, ConfigError, DataError, MemoryLimitError, ShapeError, WeightsError
 from cct.core.layer import TEST, TRAIN, Layer, layer_type_list, register
 from cct.core.net import Net
 from cct.core.rng import set_random_seed

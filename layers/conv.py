@@ -82,6 +82,9 @@ class _ConvolutionBase(Layer):
         p = self.layer_param.convolution_param
         self.kernel, self.stride, self.pad, self.dilation = read_spatial_params(self, p, bottom[0])
         self.channels = bottom[0].shape[1]
+        if not self.channels:               # the lowerings build no matrix of 0 rows (Caffe runs it: bias only)
+            raise self.shape_error(f"bottom '{self.layer_param.bottom[0]}' {bottom[0].shape} has no "
+                                   "channels; a convolution needs at least one")
         self.num_output = p.num_output
         self.group = p.group
         if self.num_output <= 0:

@@ -24,8 +24,11 @@ from cct.core import rng as cct_rng
 from cct.data.images import decode_image, read_image, resize_image
 from cct.data.transformer import DataTransformer, read_image_list
 from cct.data.db import backend_name, open_db
+from cct.core.blob import check_allocation
 from cct.core.errors import CctError, DataError
 from cct.core.layer import Layer, register
+from cct.formats import hdf5
+from cct.formats.text import read_text_file
 from cct.proto import caffe_pb2
 
 log = logging.getLogger("cct")
@@ -222,6 +225,19 @@ class Data(PrefetchingDataLayer):
         self.transformer = DataTransformer(transform, self.phase, _thread_rng(), self.where())
         backend = backend_name(param.backend, f"{self.where()}: data_param.backend")
         db = open_db(param.source, backend)
+        try:
+            cursor, shape = self._first_record(db, param)
+            top[0].reshape(shape)
+        except BaseException:
+            db.close()               # a refused net keeps no database open (its files, its map)
+            raise
+        if len(top) > 1:
+            top[1].reshape(param.batch_size)
+        loader = _DatumLoader(db, cursor, self.transformer, param.batch_size, param.source)
+        return loader, param.prefetch
+
+    def _first_record(self, db, param):
+        """A cursor on the first record to read, and the batch's shape from it."""
         cursor = db.cursor()
         if param.rand_skip:
             skip = int(cct_rng.get_rng().integers(param.rand_skip))
@@ -230,12 +246,7 @@ class Data(PrefetchingDataLayer):
         key, value = cursor.peek()
         datum = _parse_datum(value, param.source, key)
         image_shape = self.transformer.decode(datum, _record_what(param.source, key)).shape
-        shape = (param.batch_size,) + self.transformer.infer_shape(image_shape)
-        top[0].reshape(shape)
-        if len(top) > 1:
-            top[1].reshape(param.batch_size)
-        loader = _DatumLoader(db, cursor, self.transformer, param.batch_size, param.source)
-        return loader, param.prefetch
+        return cursor, (param.batch_size,) + self.transformer.infer_shape(image_shape)
 
 
 def _record_what(source, key):
@@ -372,11 +383,7 @@ class HDF5Data(Layer):
             blob.reshape((param.batch_size,) + array.shape[1:])
 
     def _read_list(self, source):
-        try:
-            with open(source) as handle:
-                names = handle.read().split()
-        except FileNotFoundError:
-            raise DataError(f"{self.where()}: hdf5_data_param.source: list file {source!r} not found") from None
+        names = read_text_file(source, DataError, f"{self.where()}: hdf5_data_param.source: list file").split()
         if not names:
             raise DataError(f"{self.where()}: {source} lists no HDF5 files")
         here = os.path.dirname(os.path.abspath(source))
@@ -386,23 +393,18 @@ class HDF5Data(Layer):
                 for name in names]
 
     def _load(self, path):
-        import h5py
-        try:
-            handle = h5py.File(path, "r")
-        except FileNotFoundError:
-            raise DataError(f"{self.where()}: HDF5 file {path!r} not found") from None
-        except OSError as error:
-            raise DataError(f"{self.where()}: {path}: cannot read HDF5 file: {error}") from None
-        with handle:
+        with hdf5.reading(path, DataError, where=f"{self.where()}: ") as handle:
             arrays = []
             for index, name in enumerate(self.names):
                 if name not in handle or not hasattr(handle[name], "shape"):
                     raise DataError(f"{self.where()}: {path} has no dataset '{name}' (top {index}); "
                                     f"it holds: {', '.join(handle.keys()) or 'nothing'}")
-                array = np.asarray(handle[name][...], dtype=np.float32)
-                if array.ndim < 1:
+                values = hdf5.dataset(handle, name, DataError, f"{self.where()}: {path}")
+                if values.ndim < 1:
                     raise DataError(f"{self.where()}: {path}: dataset '{name}' is a scalar; need rows")
-                arrays.append(array)
+                with self.naming_allocations(()):     # the shape a file declares costs it nothing
+                    check_allocation(values.shape, np.float32, f"{path}: dataset '{name}'")
+                arrays.append(np.asarray(values[()], dtype=np.float32))
         rows = arrays[0].shape[0]
         for name, array in zip(self.names, arrays):
             if array.shape[0] != rows:
@@ -505,11 +507,7 @@ def read_window_file(path, root_folder, fg_threshold, bg_threshold, what):
     width / num_windows / num_windows lines of 'label overlap x1 y1 x2 y2'`.
     Returns (images [(path, channels)], fg windows, bg windows); a window is
     (image index, label, overlap, x1, y1, x2, y2) in a (K, 7) float array."""
-    try:
-        with open(path) as handle:
-            tokens = handle.read().split()
-    except FileNotFoundError:
-        raise DataError(f"{what}: window file {path!r} not found") from None
+    tokens = read_text_file(path, DataError, f"{what}: window file").split()
     if not tokens:
         raise DataError(f"{what}: window file {path} is empty")
     images, fg, bg = [], [], []

@@ -5,6 +5,8 @@ Every one may run in place (top[0] is bottom[0]). A layer whose backward needs
 the input x keeps a copy of it when in place, since forward overwrites it
 (Caffe's PReLU does this; its other neurons would silently read y instead).
 """
+import math
+
 import numpy as np
 
 from cct.core.blob import Blob
@@ -127,7 +129,7 @@ class PReLU(Neuron):
 
     def forward(self, bottom, top):
         x = self.keep_input(bottom, top)
-        x3 = x.reshape(x.shape[0], x.shape[1], -1)
+        x3 = x.reshape(x.shape[0], x.shape[1], math.prod(x.shape[2:]))     # not -1: x may be empty
         y3 = np.where(x3 > 0, x3, x3 * self._slopes(x3))
         top[0].data[...] = y3.reshape(x.shape)
 
@@ -149,7 +151,7 @@ class PReLU(Neuron):
     def _input_and_top_diff(self, bottom, top):
         """x and dy viewed as (N, C, rest)."""
         x = self.input_of(bottom, top)
-        x3 = x.reshape(x.shape[0], x.shape[1], -1)
+        x3 = x.reshape(x.shape[0], x.shape[1], math.prod(x.shape[2:]))     # not -1: x may be empty
         return x3, top[0].diff.reshape(x3.shape)
 
 

@@ -7,6 +7,8 @@ adds of shifted slices), never over pixels. LRN across channels with beta 0.75
 operations (CaffeNet's norm1 at batch 128: forward 26 -> 15 ms, backward
 41 -> 28 ms); other settings run the numpy passes.
 """
+import math
+
 import numpy as np
 
 from cct.core.blob import Blob
@@ -295,10 +297,10 @@ class MVN(Layer):
             top[0].reshape(legacy)
 
     def _rows(self, array):
-        """(groups, values per group): per image, or per image and channel."""
-        shape = array.shape
-        groups = shape[0] if self.across_channels else shape[0] * (shape[1] if len(shape) > 1 else 1)
-        return array.reshape(groups, -1)
+        """(groups, values per group): per image, or per image and channel, of
+        the legacy 4-d shape; spelled out, not -1: the blob may be empty."""
+        n, c, h, w = (tuple(array.shape) + (1, 1, 1, 1))[:4]
+        return array.reshape((n, c * h * w) if self.across_channels else (n * c, h * w))
 
     def forward(self, bottom, top):
         x = self._rows(bottom[0].data)
@@ -345,6 +347,9 @@ class BatchNorm(Layer):
         self.maf = float(p.moving_average_fraction)
         self.use_global_stats = p.use_global_stats if p.HasField("use_global_stats") else self.phase == TEST
         self.eps = float(p.eps)
+        if not bottom[0].shape:
+            raise self.shape_error(f"bottom '{self.layer_param.bottom[0]}' has no axes (shape ()); "
+                                   "BatchNorm needs (N,) or (N, C, ...)")
         self.channels = 1 if len(bottom[0].shape) == 1 else bottom[0].shape[1]
         if not self.blobs:
             self.blobs = [Blob((self.channels,)), Blob((self.channels,)), Blob((1,))]
@@ -366,8 +371,8 @@ class BatchNorm(Layer):
             top[0].reshape(shape)
 
     def _grouped(self, array):
-        """View as (N, C, spatial)."""
-        return array.reshape(array.shape[0], self.channels, -1)
+        """View as (N, C, spatial); spatial spelled out, not -1: N may be 0."""
+        return array.reshape(array.shape[0], self.channels, math.prod(array.shape[2:]))
 
     def forward(self, bottom, top):
         x = self._grouped(bottom[0].data)

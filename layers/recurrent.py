@@ -170,6 +170,11 @@ class _Recurrent(Layer):
     def _first_state(self):
         return 3 if self.static else 2
 
+    @property
+    def _samples(self):
+        """T x N: the rows of x as a matrix, spelled out (not -1: x may have 0 values per step)."""
+        return self.steps * self.streams
+
     def reset(self):
         """Forget the carried state (Caffe's RecurrentLayer::Reset): the next
         forward starts from zeros."""
@@ -217,11 +222,11 @@ class _Recurrent(Layer):
         W_static^T, the same for every step): (T, N, gates * H)."""
         rows = self.gates * self.hidden
         pre = self.scratch("pre", (self.steps, self.streams, rows), dtype)
-        x = bottom[0].data.reshape(-1, self.input_size)
+        x = bottom[0].data.reshape(self._samples, self.input_size)
         np.matmul(x, self._transposed("W_x", dtype), out=pre.reshape(-1, rows))
         pre += self._weight("b", dtype)
         if self.static:
-            pre += bottom[2].data.reshape(self.streams, -1) @ self._weight("W_static", dtype).T
+            pre += bottom[2].data.reshape(self.streams, self.static_size) @ self._weight("W_static", dtype).T
         return pre
 
     def _initial_states(self, bottom, dtype):
@@ -256,19 +261,19 @@ class _Recurrent(Layer):
         and the x and x_static gradients."""
         rows = self.gates * self.hidden
         flat = dpre.reshape(-1, rows)
-        x = bottom[0].data.reshape(-1, self.input_size)
+        x = bottom[0].data.reshape(self._samples, self.input_size)
         self._accumulate("W_x", lambda: flat.T @ x)
         self._accumulate("b", lambda: flat.sum(axis=0))
         self._accumulate("W_h", lambda: flat.T @ self._conted_all.reshape(-1, self.hidden))
         if propagate_down[0]:
-            np.matmul(flat, self._weight("W_x", dtype), out=bottom[0].diff.reshape(-1, self.input_size))
+            np.matmul(flat, self._weight("W_x", dtype), out=bottom[0].diff.reshape(self._samples, self.input_size))
         if self.static:
             per_stream = dpre.sum(axis=0)                                       # (N, rows)
-            x_static = bottom[2].data.reshape(self.streams, -1)
+            x_static = bottom[2].data.reshape(self.streams, self.static_size)
             self._accumulate("W_static", lambda: per_stream.T @ x_static)
             if propagate_down[2]:
                 np.matmul(per_stream, self._weight("W_static", dtype),
-                          out=bottom[2].diff.reshape(self.streams, -1))
+                          out=bottom[2].diff.reshape(self.streams, self.static_size))
 
     def _accumulate(self, role, gradient):
         """blobs[role].diff += gradient(), unless that parameter learns nothing."""

@@ -45,6 +45,8 @@ def chunk_size(geom, lowering_type, batch, itemsize, budget):
     """Images per chunk so that the chunk's whole workspace fits `budget` bytes
     (at least one image, at most the batch)."""
     per_image = image_bytes(geom, lowering_type, itemsize)
+    if not per_image:                  # no input channels: nothing is lowered
+        return int(max(1, batch))
     return int(max(1, min(batch, budget // per_image)))
 
 
@@ -63,6 +65,8 @@ def cache_chunk(geom, lowering_type, batch, itemsize):
         return batch
     pixels = geom.out_h * geom.out_w
     lowered = geom.channels * geom.kernel_h * geom.kernel_w * pixels * itemsize
+    if not lowered:                    # no input channels: an empty matrix, one chunk
+        return batch
     images = max(CACHE_BYTES // lowered, -(-MIN_GEMM_COLUMNS // pixels), 1)
     return int(min(batch, images))
 

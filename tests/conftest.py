@@ -46,3 +46,15 @@ def one_lowering_type(monkeypatch):
     process (another test recalibrates it), and the types sum in other orders."""
     from cct.runtime.settings import LOWERING_ENV
     monkeypatch.setenv(LOWERING_ENV, "1")
+
+
+@pytest.fixture
+def memory_limit():
+    """cct.core.blob.set_memory_limit, the process's own limit restored after
+    the test: `memory_limit(16 << 30)` refuses any one array above 16 GiB,
+    whatever the machine has (a test machine may have more than a test asks)."""
+    from cct.core.blob import set_memory_limit
+    previous = set_memory_limit(None)
+    set_memory_limit(previous)
+    yield set_memory_limit
+    set_memory_limit(previous)

@@ -22,6 +22,22 @@ class DataError(CctError, IOError):
     """A data source that is missing or holds records that cannot be decoded."""
 
 
+class MemoryLimitError(CctError, MemoryError):
+    """An array refused before it is allocated: it would not fit in memory.
+    The message is `what` + `need` ("blob" + " of shape (64, 1000000000) needs
+    238 GiB, ..."); `blob` is the Blob being sized (None for a work array), so
+    the layer that catches it can say which of its tops it was and re-raise
+    it renamed (cct.core.layer.Layer.naming_allocations)."""
+
+    def __init__(self, what, need, blob=None, named=False):
+        super().__init__(f"{what}{need}")
+        self.what, self.need, self.blob, self.named = what, need, blob, named
+
+    def renamed(self, what):
+        """The same error under a fuller name, final: the layer and the field."""
+        return MemoryLimitError(what, self.need, named=True)
+
+
 def layer_where(layer_param, source=None):
     """`layer 'conv1' (Convolution)`, with the file when known."""
     where = f"layer '{layer_param.name}' ({layer_param.type})"

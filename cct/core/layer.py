@@ -39,13 +39,14 @@ only inside one forward or backward call (the running thread's arena,
 cct.core.workspace, shared by every layer that thread runs, so they cost
 threads x the largest request, not layers x partitions).
 """
+import contextlib
 import copy
 
 import numpy as np
 
 from cct.core import fillers
-from cct.core.blob import Blob
-from cct.core.errors import ConfigError, ShapeError, layer_where
+from cct.core.blob import Blob, check_allocation
+from cct.core.errors import ConfigError, MemoryLimitError, ShapeError, layer_where
 from cct.core.workspace import thread_arena
 
 TRAIN, TEST = 0, 1            # caffe.Phase values
@@ -116,8 +117,21 @@ class Layer:
         """Caffe's SetUp: check the blob counts, setup, reshape. Not to be
         overridden (Python layers override setup and reshape)."""
         self.check_blob_counts(bottom, top)
-        self.setup(bottom, top)
-        self.reshape(bottom, top)
+        in_place = {index: blob.shape for index, blob in enumerate(top) if any(blob is b for b in bottom)}
+        with self.naming_allocations(top):
+            self.setup(bottom, top)
+            self.reshape(bottom, top)
+        self._check_in_place(in_place, top)
+
+    def _check_in_place(self, shapes, top):
+        """A top that is also a bottom must keep its shape (Caffe's Reshape and
+        Flatten refuse to run in place): else the bottom changed under the
+        layer, and its forward would read the input as another shape."""
+        for index, shape in shapes.items():
+            if top[index].shape != shape:
+                raise self.shape_error(f"top '{self.layer_param.top[index]}' is also a bottom (in place), but "
+                                       f"{self.type} changes its shape from {shape} to {top[index].shape}; "
+                                       "give the top its own name")
 
     def setup(self, bottom, top):
         pass
@@ -200,8 +214,32 @@ class Layer:
 
     def filled_blob(self, shape, filler_param, field):
         """A parameter blob of `shape` filled by `filler_param`; a bad filler's
-        error names this layer and `field` (e.g. "convolution_param.weight_filler")."""
-        return fillers.fill(Blob(shape), filler_param, where=f"{self.where()}: {field}")
+        error, or a blob too large, names this layer and `field` (e.g.
+        "convolution_param.weight_filler")."""
+        try:
+            blob = Blob(shape)
+        except MemoryLimitError as error:
+            raise error.renamed(f"{self.where()}: parameter blob ({field})") from None
+        return fillers.fill(blob, filler_param, where=f"{self.where()}: {field}")
+
+    @contextlib.contextmanager
+    def naming_allocations(self, top):
+        """Name this layer, and the top when it is one, in an array refused as
+        too large inside the block (the runtime wraps reshape, forward and
+        backward in it): `layer 'ip1' (InnerProduct): top 'ip1' of shape ...`."""
+        try:
+            yield
+        except MemoryLimitError as error:
+            if error.named:
+                raise                               # by filled_blob, or an inner layer
+            raise error.renamed(f"{self.where()}: {self._array_name(error, top)}") from None
+
+    def _array_name(self, error, top):
+        for index, blob in enumerate(top):
+            if blob is error.blob:
+                names = self.layer_param.top
+                return f"top '{names[index]}'" if index < len(names) else f"top #{index}"
+        return error.what
 
     def check_blob_counts(self, bottom, top):
         self._check_count("bottom", len(bottom), self.exact_bottoms, self.min_bottoms, self.max_bottoms)
@@ -224,6 +262,7 @@ class Layer:
         if held is not None and held.shape == shape and held.dtype == dtype:
             return held
         self.__dict__[key] = None                   # drop the old array before making the new one
+        check_allocation(shape, dtype, f"work array '{name}'")
         array = self.__dict__[key] = np.empty(shape, dtype)
         return array
 

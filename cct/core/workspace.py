@@ -25,16 +25,20 @@ import threading
 
 import numpy as np
 
+from cct.core.blob import check_allocation
+
 
 class Fresh:
     """Allocates a new array on every request."""
 
     @staticmethod
     def empty(slot, shape, dtype):
+        check_allocation(shape, dtype, f"work array '{slot}'")
         return np.empty(shape, dtype)
 
     @staticmethod
     def zeros(slot, shape, dtype):
+        check_allocation(shape, dtype, f"work array '{slot}'")
         return np.zeros(shape, dtype)
 
     @staticmethod
@@ -65,6 +69,7 @@ class Arena:
             layout[slot] = (offset, int(nbytes))
             offset += -(-int(nbytes) // 64) * 64         # keep every slot 64-byte aligned
         if self.store.size < offset:
+            check_allocation((offset,), np.uint8, "lowering workspace")
             self.store = np.empty(0, np.uint8)           # free the old store before the new one
             self.store = np.empty(offset, np.uint8)
         self.layout = layout
@@ -72,6 +77,7 @@ class Arena:
     def empty(self, slot, shape, dtype):
         dtype = np.dtype(dtype)
         shape = tuple(int(d) for d in shape)
+        check_allocation(shape, dtype, f"work array '{slot}'")
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         planned = self.layout.get(slot)
         if planned is not None and nbytes <= planned[1]:

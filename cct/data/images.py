@@ -38,7 +38,7 @@ def read_image(path, new_height=0, new_width=0, is_color=True):
     try:
         with open(path, "rb") as handle:
             data = handle.read()
-    except (FileNotFoundError, IsADirectoryError):
+    except (FileNotFoundError, IsADirectoryError, ValueError):      # ValueError: a null byte in the name
         raise DataError(f"{path}: could not open or find file") from None
     except OSError as error:
         raise DataError(f"{path}: cannot read: {error.strerror}") from None
@@ -83,7 +83,11 @@ def _decode_hwc(data, color, what):
     if color not in READ_FLAGS:
         raise ConfigError(f"{what}: unknown color mode {color!r}; use one of {sorted(READ_FLAGS)}")
     buffer = np.frombuffer(data, np.uint8)
-    image = cv2.imdecode(buffer, getattr(cv2, READ_FLAGS[color])) if buffer.size else None
+    try:
+        image = cv2.imdecode(buffer, getattr(cv2, READ_FLAGS[color])) if buffer.size else None
+    except cv2.error as error:              # a header OpenCV refuses, such as a width past its limit
+        raise DataError(f"{what}: cannot decode image ({len(data)} bytes): "
+                        f"{str(error).strip().splitlines()[-1]}") from None
     if image is None:
         raise DataError(f"{what}: cannot decode image ({len(data)} bytes: not an image format OpenCV reads)")
     if image.dtype != np.uint8:

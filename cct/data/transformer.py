@@ -27,6 +27,7 @@ from cct.core.errors import ConfigError, DataError, ShapeError
 from cct.core.layer import TRAIN
 from cct.data.images import decode_image
 from cct.formats.prototxt import atomic_write
+from cct.formats.text import read_text_file
 from cct.proto import caffe_pb2
 
 
@@ -34,11 +35,7 @@ from cct.proto import caffe_pb2
 def read_image_list(path, what):
     """Lines `path label` (split at the last space, so paths may hold spaces)
     -> [(path, label, line number)]."""
-    try:
-        with open(path) as handle:
-            text = handle.read()
-    except FileNotFoundError:
-        raise DataError(f"{what}: image list {path!r} not found") from None
+    text = read_text_file(path, DataError, f"{what}: image list")
     entries = []
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()

@@ -15,6 +15,7 @@ from google.protobuf import text_format
 from google.protobuf.message import DecodeError
 
 from cct.core.errors import ConfigError
+from cct.formats.text import decode_utf8
 from cct.proto import caffe_pb2
 
 
@@ -44,8 +45,9 @@ def _enclosing_layer(text, line, column):
 
 
 def read_text(path, message):
-    """Parse a prototxt file into `message` (an empty protobuf message)."""
-    return parse_text(_read(path, "r"), message, source=str(path))
+    """Parse a prototxt file into `message` (an empty protobuf message); bytes
+    that are not UTF-8 are a ConfigError naming the file, line and column."""
+    return parse_text(decode_utf8(_read(path, "rb"), path, ConfigError), message, source=str(path))
 
 
 def read_binary(path, message):
@@ -195,7 +197,7 @@ def _read(path, mode):
     try:
         with open(path, mode) as handle:
             return handle.read()
-    except FileNotFoundError:
+    except (FileNotFoundError, ValueError):         # ValueError: a null byte in the name
         raise ConfigError(f"{path}: file not found") from None
     except IsADirectoryError:
         raise ConfigError(f"{path}: is a folder, expected a file") from None

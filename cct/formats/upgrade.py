@@ -5,6 +5,7 @@ whichever are needed, in Caffe's order: V0 -> V1, V1 data transforms, V1 -> V2
 (`layers` -> `layer`), `input:` fields -> an Input layer, old BatchNorm params.
 """
 from cct.core.errors import ConfigError
+from cct.formats.text import undecoded_string
 from cct.proto import caffe_pb2
 
 # V1LayerParameter.LayerType enum name -> the type string of today's layers.
@@ -32,6 +33,9 @@ _DATA_PARAMS = {"Data": "data_param", "ImageData": "image_data_param",
 
 def upgrade_net(net, source="<net>"):
     """Return `net` upgraded to the current format (a copy when anything changed)."""
+    undecoded = undecoded_string(net)
+    if undecoded:
+        raise ConfigError(f"{source}: {undecoded[0]}: not UTF-8 text: {undecoded[1]!r}")
     if any(layer.HasField("layer") for layer in net.layers):
         from cct.formats.upgrade_v0 import upgrade_v0_net
         net = upgrade_v0_net(net, source)

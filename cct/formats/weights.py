@@ -10,6 +10,7 @@ import os
 import numpy as np
 
 from cct.core.errors import ShapeError, WeightsError
+from cct.formats import hdf5
 from cct.formats.prototxt import atomic_path, atomic_write, read_binary
 from cct.proto import caffe_pb2
 
@@ -157,36 +158,45 @@ def save_hdf5(net, path, write_diff=False):
 
 
 def copy_layers_from_hdf5(net, path):
-    import h5py
-    skipped = []
-    with h5py.File(path, "r") as weights:
+    with hdf5.reading(path, WeightsError, "HDF5 weight file") as weights:
         if "data" not in weights:
             raise WeightsError(f"{path}: not a Caffe HDF5 weight file (no 'data' group)")
-        data = weights["data"]
+        data = hdf5.group(weights, "data", WeightsError, str(path))
+        skipped = []
         for layer_name in data:
-            layer = net.layer_dict.get(layer_name)
-            if layer is None:
+            if layer_name in net.layer_dict:
+                _copy_hdf5_layer(net, layer_name, data, path)
+            else:
                 skipped.append(layer_name)
-                continue
-            layer_index = net.layer_names.index(layer_name)
-            where = f"{path}: layer '{layer_name}' ({layer.type})"
-            stored = data[layer_name]
-            if len(stored) > len(layer.blobs):
-                raise WeightsError(f"{where}: the file has {len(stored)} blobs, "
-                                   f"the net's layer has {len(layer.blobs)}")
-            for index, blob in enumerate(layer.blobs):
-                if str(index) not in stored:
-                    if net.owns_param(layer_index, index):      # a shared param is loaded by its owner
-                        raise WeightsError(f"{where}: blobs[{index}]: missing from the file")
-                    continue
-                values = stored[str(index)][...]
-                if values.size != blob.count:
-                    raise WeightsError(f"{where}: blobs[{index}]: shape mismatch, the file has "
-                                       f"{values.shape}, the net wants {blob.shape}")
-                blob.data[...] = values.reshape(blob.shape)
     return skipped
 
 
+def _copy_hdf5_layer(net, layer_name, data, path):
+    layer = net.layer_dict[layer_name]
+    layer_index = net.layer_names.index(layer_name)
+    where = f"{path}: layer '{layer_name}' ({layer.type})"
+    stored = hdf5.group(data, layer_name, WeightsError, f"{path}: data")
+    if len(stored) > len(layer.blobs):
+        raise WeightsError(f"{where}: the file has {len(stored)} blobs, "
+                           f"the net's layer has {len(layer.blobs)}")
+    for index, blob in enumerate(layer.blobs):
+        if str(index) not in stored:
+            if net.owns_param(layer_index, index):      # a shared param is loaded by its owner
+                raise WeightsError(f"{where}: blobs[{index}]: missing from the file")
+            continue
+        values = hdf5.dataset(stored, str(index), WeightsError, where)
+        if values.size != blob.count:                   # checked before reading: the file may declare 8 GiB
+            raise WeightsError(f"{where}: blobs[{index}]: shape mismatch, the file has "
+                               f"{values.shape}, the net wants {blob.shape}")
+        blob.data[...] = values[()].reshape(blob.shape)
+
+
 def is_hdf5(path):
-    with open(path, "rb") as handle:
-        return handle.read(8) == b"\x89HDF\r\n\x1a\n"
+    """Whether the weight file at `path` is HDF5 (by its signature)."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(8) == b"\x89HDF\r\n\x1a\n"
+    except (FileNotFoundError, ValueError):             # ValueError: a null byte in the name
+        raise WeightsError(f"{path}: weight file not found") from None
+    except IsADirectoryError:
+        raise WeightsError(f"{path}: weight file is a folder, expected a file") from None

@@ -197,16 +197,17 @@ class Executor:
         if self._listeners:
             self._emit("before_forward", index)
         layer, bottoms, tops = self._layer(index)
-        layer.reshape(bottoms, tops)
-        # decided anew at every reshape: a batch that shrank gets fewer partitions
-        partitions = self.partitions(index)
-        layer.run_partitions(partitions)
-        if set_blas:
-            self.blas.set(self.threads if partitions == 1 else max(1, self.threads // partitions))
-        if partitions == 1:
-            layer.forward(bottoms, tops)
-        else:
-            self._runner(index, partitions).forward(self.workers(partitions), bottoms, tops)
+        with layer.naming_allocations(tops):
+            layer.reshape(bottoms, tops)
+            # decided anew at every reshape: a batch that shrank gets fewer partitions
+            partitions = self.partitions(index)
+            layer.run_partitions(partitions)
+            if set_blas:
+                self.blas.set(self.threads if partitions == 1 else max(1, self.threads // partitions))
+            if partitions == 1:
+                layer.forward(bottoms, tops)
+            else:
+                self._runner(index, partitions).forward(self.workers(partitions), bottoms, tops)
         loss = self.net.layer_loss(index)
         if self._listeners:
             self._emit("after_forward", index)
@@ -231,10 +232,11 @@ class Executor:
         layer, bottoms, tops = self._layer(index)
         propagate_down = self.net.bottom_need_backward[index]
         partitions = self.partitions(index) if partitions is None else partitions
-        if partitions == 1:
-            layer.backward(tops, propagate_down, bottoms)
-        else:
-            self._runner(index, partitions).backward(self.workers(partitions), tops, propagate_down, bottoms)
+        with layer.naming_allocations(tops):
+            if partitions == 1:
+                layer.backward(tops, propagate_down, bottoms)
+            else:
+                self._runner(index, partitions).backward(self.workers(partitions), tops, propagate_down, bottoms)
 
     def finish(self):
         """All BLAS threads again, for whatever runs after the net."""

@@ -8,6 +8,7 @@ import os
 import numpy as np
 
 from cct.core.errors import ConfigError, WeightsError
+from cct.formats import hdf5
 from cct.formats.prototxt import atomic_path, atomic_write, read_binary
 from cct.formats.weights import array_to_blob_proto, blob_proto_to_array
 from cct.proto import caffe_pb2
@@ -61,7 +62,8 @@ def restore(solver, state_file):
     if not os.path.isfile(state_file):
         raise ConfigError(f"{state_file}: solver state file not found")
     if state_file.endswith(".h5"):
-        iteration, model, current_step, histories = _read_state_hdf5(state_file)
+        sizes = [history.size for history in solver.history]
+        iteration, model, current_step, histories = _read_state_hdf5(state_file, sizes)
     else:
         state = read_binary(state_file, caffe_pb2.SolverState())
         iteration, current_step = state.iter, state.current_step
@@ -87,27 +89,54 @@ def restore(solver, state_file):
 def _locate_learned_net(model, state_file):
     """As written (relative to the working folder, as Caffe reads it), else
     beside the state file: a run moved to another folder still resumes."""
-    if os.path.exists(model):
+    if isinstance(model, bytes):        # a string field holding bytes that are not UTF-8
+        model = model.decode(errors="surrogateescape")
+    if os.path.isfile(model):
         return model
     beside = os.path.join(os.path.dirname(state_file), os.path.basename(model))
-    if os.path.exists(beside):
+    if os.path.isfile(beside):
         return beside
-    raise ConfigError(f"{state_file}: learned_net: weight file '{model}' not found "
+    raise ConfigError(f"{state_file}: learned_net: weight file {model!r} not found "
                       f"(nor beside the state file)")
 
-def _read_state_hdf5(path):
-    import h5py
-    try:
-        with h5py.File(path, "r") as state:
-            iteration = int(np.asarray(state["iter"][()]).ravel()[0])
-            current_step = (int(np.asarray(state["current_step"][()]).ravel()[0])
-                            if "current_step" in state else 0)
-            model = None
-            if "learned_net" in state:
-                model = state["learned_net"][()]
-                model = model.decode() if isinstance(model, bytes) else str(model)
-            group = state["history"]
-            histories = [np.asarray(group[str(i)][...], np.float32) for i in range(len(group))]
-    except (OSError, KeyError) as error:
-        raise ConfigError(f"{path}: not a readable HDF5 solver state: {error}") from None
+def _read_state_hdf5(path, sizes):
+    """(iteration, learned net, current step, histories); each history's size
+    is checked against `sizes` (the solver's) before it is read."""
+    with hdf5.reading(path, ConfigError, "HDF5 solver state") as state:
+        iteration = _scalar(state, "iter", path)
+        current_step = _scalar(state, "current_step", path) if "current_step" in state else 0
+        model = None
+        if "learned_net" in state:
+            model = _text(state, "learned_net", path)
+        group = hdf5.group(state, "history", ConfigError, path)
+        if len(group) != len(sizes):
+            return iteration, model, current_step, [None] * len(group)   # restore() says what is wrong
+        histories = []
+        for index, size in enumerate(sizes):
+            values = hdf5.dataset(group, str(index), ConfigError, f"{path}: history")
+            if values.size != size:
+                raise ConfigError(f"{path}: history[{index}] has shape {values.shape}, the parameter "
+                                  f"has {size} values")
+            histories.append(np.asarray(values[()], np.float32))
     return iteration, model, current_step, histories
+
+
+def _scalar(state, name, path):
+    """An integer stored as one number (Caffe's hdf5_load_int)."""
+    values = hdf5.dataset(state, name, ConfigError, path)
+    if values.size != 1:
+        raise ConfigError(f"{path}: '{name}' has shape {values.shape}, expected one integer")
+    value = np.asarray(values[()]).ravel()[0]
+    if not np.isfinite(value) or value != int(value) or not -2**31 <= value < 2**31:
+        raise ConfigError(f"{path}: '{name}' is {value}, expected an int32")
+    return int(value)
+
+
+def _text(state, name, path):
+    """A string stored as a scalar dataset of bytes (Caffe's hdf5_save_string)."""
+    import h5py
+    item = state[name]
+    if not isinstance(item, h5py.Dataset) or item.shape != () or item.dtype.kind not in "SOU":
+        raise ConfigError(f"{path}: '{name}' must be a string, got {item}")
+    value = item[()]
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

@@ -119,3 +119,29 @@ def test_diff_made_once_when_asked_from_several_threads():
         thread.join()
     assert all(np.shares_memory(view, blob.diff) for view in views)
     assert blob.diff[:8, 0].tolist() == list(range(1, 9))
+
+
+# --- arrays too large are refused before numpy allocates (issue 15) -------------------
+def test_a_blob_larger_than_the_limit_is_refused_before_it_is_allocated(memory_limit):
+    memory_limit(16 << 30)
+    with pytest.raises(cct.core.errors.MemoryLimitError,
+                       match=r"^blob of shape \(64, 1000000000\) needs 238 GiB, more than the limit of 16 GiB"):
+        Blob((64, 10**9))
+
+
+def test_a_shape_whose_count_overflows_int64_is_refused_not_wrapped(memory_limit):
+    with pytest.raises(cct.core.errors.MemoryLimitError, match="needs"):
+        Blob((10**10, 10**10, 10**10))
+    memory_limit(1 << 20)
+    blob = Blob((512, 512))                   # 1 MiB: at the limit, allowed
+    with pytest.raises(MemoryError, match=r"of shape \(513, 512\) needs 1.002 MiB, more than the limit of 1 MiB"):
+        blob.reshape(513, 512)
+    assert blob.shape == (512, 512)           # a refused reshape leaves the blob as it was
+
+
+def test_an_empty_shape_numpy_cannot_index_is_refused_too():
+    """Found by the fuzzer: a blob of 0 elements whose other axes multiply past
+    2^63 passed the size check and failed in numpy's reshape (ValueError)."""
+    with pytest.raises(cct.core.errors.MemoryLimitError, match="too large for numpy"):
+        Blob((8791026472627208191, 1, 3, 0, 5))
+    assert Blob((2**30, 0, 2**30)).count == 0              # large axes around an empty one: allowed

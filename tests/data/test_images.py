@@ -80,3 +80,13 @@ def test_sixteen_bit_images_are_refused_as_caffe_does():
     with pytest.raises(DataError, match="deep.png: image data type must be unsigned char"):
         decode_image(png16.tobytes(), "native", "deep.png")
     assert decode_image(png16.tobytes(), "color", "deep.png").dtype == np.uint8     # IMREAD_COLOR is 8-bit
+
+
+
+def test_an_image_header_opencv_refuses_is_a_clean_error():
+    """Found by the fuzzer (issue 15): a BMP whose header claims a width past
+    OpenCV's limit raised cv2.error from inside imdecode."""
+    bmp = bytearray(encode_image(np.zeros((3, 2, 2), np.uint8), "bmp"))
+    bmp[18:22] = (1 << 30).to_bytes(4, "little")          # biWidth
+    with pytest.raises(DataError, match="record 3: cannot decode image"):
+        decode_image(bytes(bmp), "color", "record 3")

@@ -2,6 +2,8 @@
 models with legacy 4-d blob shapes (the model zoo's CaffeNet), the
 BlobProto <-> numpy conversions, and recurrent layers' blobs both ways
 (saved and loaded by cct; BVLC Caffe's LSTM weights in and out)."""
+import re
+
 import numpy as np
 import pytest
 
@@ -134,3 +136,40 @@ def test_caffes_lstm_weights_load_and_save_in_caffes_layout(tmp_path):
         return {layer.name: [(tuple(b.shape.dim), tuple(b.data)) for b in layer.blobs]
                 for layer in model.layer if layer.blobs}
     assert blobs_by_layer(path) == blobs_by_layer(LSTM_CASE / "weights.caffemodel")
+
+
+# --- damaged or hostile HDF5 weights (issue 15) -----------------------------------------
+HDF5_NET = '''layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 3 } } }
+layer { name: "fc" type: "InnerProduct" bottom: "data" top: "fc" inner_product_param { num_output: 2 } }'''
+
+
+def test_hdf5_weights_are_checked_before_they_are_read(tmp_path):
+    """Found by the fuzzer: a dataset declared as 2^31 floats (no bytes on
+    disk) was read whole, 8 GiB, before its size was compared; a group or
+    strings where numbers belong, or a damaged file, raised h5py's errors."""
+    import h5py
+    net = cct.Net(HDF5_NET, cct.TEST)
+    path = tmp_path / "fc.caffemodel.h5"
+    net.save_hdf5(str(path))
+    with h5py.File(path, "r+") as handle:
+        del handle["data/fc/0"]
+        handle.create_dataset("data/fc/0", shape=(2, 1 << 30), dtype="float32")    # never written
+    with pytest.raises(cct.WeightsError, match=r"layer 'fc' \(InnerProduct\): blobs\[0\]: shape mismatch, "
+                                               r"the file has \(2, 1073741824\), the net wants \(2, 3\)"):
+        net.copy_from(str(path))
+    for replace, message in ((lambda h: h.create_group("data/fc/0"), "'0' is a group, expected a dataset"),
+                             (lambda h: h.create_dataset("data/fc/0", data=np.array([b"ab"] * 6)),
+                              "dataset '0' holds |S2, expected numbers")):
+        with h5py.File(path, "r+") as handle:
+            del handle["data/fc/0"]
+            replace(handle)
+        with pytest.raises(cct.WeightsError, match=re.escape(message)):
+            net.copy_from(str(path))
+    path.write_bytes(path.read_bytes()[:800])
+    with pytest.raises(cct.WeightsError, match="fc.caffemodel.h5: not a readable HDF5 weight file"):
+        net.copy_from(str(path))
+
+
+def test_a_folder_given_as_weights_is_a_clean_error(tmp_path):
+    with pytest.raises(cct.WeightsError, match="weight file is a folder, expected a file"):
+        cct.Net(HDF5_NET, cct.TEST).copy_from(str(tmp_path))

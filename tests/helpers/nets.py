@@ -117,3 +117,13 @@ def resnet(blocks, projection=False):
         text += residual(f"res{k}", bottom, projection and k == 0)
         bottom = f"res{k}"
     return text + head(bottom)
+
+
+def run_net_text(text, phase):
+    """A net built from prototxt text, run forward and backward once (the
+    tests of degenerate shapes: that it runs at all is what they check)."""
+    import cct
+    net = cct.Net(text, phase)
+    net.forward()
+    net.backward()
+    return net

@@ -3,6 +3,7 @@ by helpers.data: an LMDB of raw, float and encoded Datums, PNG folders with list
 HDF5 files with their list, window files. Expected values come from numpy /
 OpenCV calls written in the test, never from the code under test."""
 import gc
+import os
 import threading
 
 import h5py
@@ -12,6 +13,7 @@ import pytest
 import cct
 from cct.core.blob import Blob
 from cct.core.errors import ConfigError, DataError
+from cct.data.db import open_db, record_key
 from cct.testing.gradient_check import make_layer
 from cct.proto import caffe_pb2
 from helpers.data import (data_layer, forward, images, opencv_read, opencv_resize, png_bytes, raw_datum, start,
@@ -266,6 +268,25 @@ def test_bad_records_are_named_in_forward(tmp_path):
         layer.close()
 
 
+
+@pytest.mark.parametrize("backend", ["lmdb", "leveldb"])
+def test_a_refused_data_layer_closes_its_database(tmp_path, backend):
+    """Found by the fuzzer: a Data layer whose first record was refused kept
+    its database open, so many refused nets ran out of file descriptors."""
+    if backend == "leveldb":
+        pytest.importorskip("plyvel")
+    open_before = len(os.listdir("/proc/self/fd"))
+    for index in range(20):
+        source = tmp_path / f"db{index}"
+        with open_db(source, backend, "w") as db:
+            db.put(record_key(0), b"\xff not a datum")
+        text = (f'layer {{ name: "d" type: "Data" top: "data" data_param {{ source: "{source}" '
+                f'backend: {backend.upper()} batch_size: 2 }} }}')
+        with pytest.raises(DataError, match="not a serialized Datum"):
+            cct.Net(text, cct.TRAIN)
+    assert len(os.listdir("/proc/self/fd")) <= open_before + 2
+
+
 def test_leveldb_needs_plyvel(tmp_path):
     try:
         import plyvel  # noqa: F401
@@ -401,6 +422,21 @@ def test_image_data_errors(png_folder, tmp_path):
         start(image_layer(junk, root, 1))
 
 
+
+def test_image_lists_that_are_not_utf8_or_name_a_null_byte_are_clean_errors(png_folder, tmp_path):
+    """Found by the fuzzer (issue 15): a list with bytes that are not UTF-8
+    raised UnicodeDecodeError, a name with a null byte ValueError."""
+    root, _, _ = png_folder
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"sub/im 0.png 0\nsub/\xe9t\xe9.png 1\n")
+    with pytest.raises(DataError, match=r"image list: .*latin.txt:2:5: not UTF-8 text \(byte 0xe9\)"):
+        start(image_layer(latin, root, 1))
+    null = tmp_path / "null.txt"
+    null.write_bytes(b"sub/im\x00 0.png 0\n")
+    with pytest.raises(DataError, match=r"null.txt:1: .*could not open or find file"):
+        start(image_layer(null, root, 1))
+
+
 # --- HDF5Data ------------------------------------------------------------------------------------
 @pytest.fixture
 def h5_files(tmp_path):
@@ -464,6 +500,30 @@ def test_hdf5_data_errors(h5_files, tmp_path):
     uneven.write_text(str(tmp_path / "uneven.h5"))
     with pytest.raises(DataError, match="dataset 'label' has 2 rows, 'data' has 3"):
         start(hdf5_layer(uneven, 2))
+
+
+
+def test_hdf5_data_checks_a_dataset_before_reading_it(tmp_path, memory_limit):
+    """Found by the fuzzer (issue 15): a dataset declared as 2^31 floats (no
+    bytes on disk) was read whole, 8 GiB; a damaged file, or a group where
+    a dataset belongs, raised h5py's own errors."""
+    memory_limit(1 << 30)
+    with h5py.File(tmp_path / "huge.h5", "w") as handle:
+        handle.create_dataset("data", shape=(2, 1 << 30), dtype="float32")     # never written
+        handle["label"] = np.zeros(2)
+        handle.create_group("group")
+    (tmp_path / "huge.txt").write_text(str(tmp_path / "huge.h5"))
+    with pytest.raises(MemoryError, match=r"layer 'h' \(HDF5Data\): .*huge.h5: dataset 'data' of shape "
+                                          r"\(2, 1073741824\) needs 8 GiB, more than the limit of 1 GiB"):
+        start(hdf5_layer(tmp_path / "huge.txt", 2))
+    grouped = make_layer(f'name: "h" type: "HDF5Data" top: "group" hdf5_data_param {{ '
+                         f'source: "{tmp_path / "huge.txt"}" batch_size: 2 }}')
+    with pytest.raises(DataError, match="has no dataset 'group' \\(top 0\\)"):
+        start(grouped)
+    (tmp_path / "damaged.h5").write_bytes((tmp_path / "huge.h5").read_bytes()[:600])
+    (tmp_path / "damaged.txt").write_text(str(tmp_path / "damaged.h5"))
+    with pytest.raises(DataError, match="damaged.h5: not a readable HDF5 file"):
+        start(hdf5_layer(tmp_path / "damaged.txt", 2))
 
 
 # --- HDF5Output ------------------------------------------------------------------------------------

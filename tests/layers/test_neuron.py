@@ -9,6 +9,7 @@ import cct
 from cct.core.errors import ConfigError
 from cct.testing.gradient_check import check_layer_gradient, make_layer, setup_layer
 from helpers.layers import run_layer
+from helpers.nets import run_net_text
 
 RNG = np.random.default_rng(5)
 
@@ -329,3 +330,12 @@ def test_in_place_relu_keeps_its_input_only_for_a_negative_slope(slope, saves):
     layer, _, dx = relu_forward_backward(text, x, dy, in_place=True)
     assert hasattr(layer, "_saved_input") == saves
     np.testing.assert_allclose(dx, np.where(x > 0, dy, dy * np.float32(slope)))
+
+
+def test_prelu_of_a_blob_without_channels_runs():
+    """Found by the fuzzer: an input of 0 channels failed in numpy's
+    reshape(N, 0, -1) (ValueError); its slopes are then empty too."""
+    net_text = """force_backward: true
+    layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 0 dim: 4 dim: 5 } } }
+    layer { name: "l" type: "PReLU" bottom: "data" top: "data" }"""
+    assert run_net_text(net_text, cct.TRAIN).params["l"][0].shape == (0,)

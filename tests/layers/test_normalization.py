@@ -1,5 +1,7 @@
 """LRN, MVN and BatchNorm: gradients, forward against naive loops, Caffe's
 parameter checks and BatchNorm's running statistics."""
+import warnings
+
 import numpy as np
 import pytest
 
@@ -9,6 +11,7 @@ from cct.core.blob import Blob
 from cct.core.errors import ConfigError, ShapeError
 from cct.testing.gradient_check import check_layer_gradient, make_layer, setup_layer
 from helpers.layers import run_layer
+from helpers.nets import run_net_text
 
 
 def f32(value):
@@ -220,6 +223,37 @@ def test_batch_norm_rejects_learned_statistics():
     layer = make_layer('type: "BatchNorm" param { lr_mult: 0 } param { lr_mult: 1 }')
     with pytest.raises(ConfigError, match=r"param\[1\]\.lr_mult"):
         setup_layer(layer, [random((2, 3))])
+
+
+def test_batch_norm_of_a_blob_without_axes_is_a_clean_error():
+    """Found by the fuzzer (issue 15): an Input without a shape gives a blob
+    of shape (), whose channel axis BatchNorm indexed (IndexError)."""
+    net_text = """layer { name: "data" type: "Input" top: "data" }
+    layer { name: "l" type: "BatchNorm" bottom: "data" top: "out" }"""
+    with pytest.raises(ShapeError, match=r"layer 'l' \(BatchNorm\): bottom 'data' has no axes"):
+        cct.Net(net_text, cct.TEST)
+
+
+def test_batch_norm_of_an_empty_batch_runs():
+    """Found by the fuzzer: a batch of 0 failed in numpy's reshape(0, C, -1)."""
+    net_text = """force_backward: true
+    layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 0 dim: 3 dim: 4 dim: 4 } } }
+    layer { name: "l" type: "BatchNorm" bottom: "data" top: "out" }"""
+    assert run_net_text(net_text, cct.TEST).blobs["out"].shape == (0, 3, 4, 4)
+
+
+@pytest.mark.parametrize("shape", ["", "shape { dim: 2 dim: 0 dim: 0 dim: 0 }", "shape { dim: 0 dim: 3 }"])
+def test_mvn_of_an_empty_or_axisless_blob_runs(shape):
+    """Found by the fuzzer: MVN indexed the channel axis of a blob of shape ()
+    (IndexError) and reshaped an empty one with -1 (ValueError); Caffe views
+    both as 4-d (its legacy shape) and runs."""
+    net_text = f"""force_backward: true
+    layer {{ name: "data" type: "Input" top: "data" input_param {{ {shape} }} }}
+    layer {{ name: "l" type: "MVN" bottom: "data" top: "out" }}"""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)     # numpy's "mean of empty slice", as Caffe's NaN
+        net = run_net_text(net_text, cct.TRAIN)
+    assert net.blobs["out"].shape == (net.blobs["data"].shape + (1, 1, 1, 1))[:4]
 
 
 def test_batch_norm_channel_mismatch_on_reshape():

@@ -15,6 +15,7 @@ import cct.layers.recurrent_reference as reference
 from cct.proto import caffe_pb2
 from cct.testing.gradient_check import check_layer_gradient, make_layer, setup_layer
 from cct.training import solver as solver_module
+from helpers.nets import run_net_text
 
 RNG = np.random.default_rng(19)
 FILLERS = 'weight_filler { type: "uniform" min: -0.6 max: 0.6 } bias_filler { type: "uniform" min: -0.3 max: 0.3 }'
@@ -240,6 +241,21 @@ def sequence_net(params_a="", params_b=""):
     net.blobs["cont"].data[0] = 0              # every stream starts at step 0, stream 1 again at step 2
     net.blobs["cont"].data[2, 1] = 0
     return net
+
+
+
+@pytest.mark.parametrize("type_name", ["RNN", "LSTM"])
+def test_an_input_of_no_values_per_step_runs(type_name):
+    """Found by the fuzzer (issue 15): x of shape (T, N, 0) failed in numpy's
+    reshape(-1, 0); as in Caffe's unrolled net, the gates then see only the
+    bias and the hidden state."""
+    net_text = f"""force_backward: true
+    layer {{ name: "x" type: "Input" top: "x" input_param {{ shape {{ dim: 4 dim: 3 dim: 0 }} }} }}
+    layer {{ name: "cont" type: "Input" top: "cont" input_param {{ shape {{ dim: 4 dim: 3 }} }} }}
+    layer {{ name: "l" type: "{type_name}" bottom: "x" bottom: "cont" top: "out"
+            recurrent_param {{ num_output: 5 {FILLERS} }} }}"""
+    out = run_net_text(net_text, cct.TRAIN).blobs["out"]
+    assert out.shape == (4, 3, 5) and np.isfinite(out.data).all()
 
 
 def test_shared_parameters_get_both_layers_gradients():

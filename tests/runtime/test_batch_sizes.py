@@ -199,3 +199,45 @@ def test_a_train_and_test_net_share_a_configuration_their_test_batch_cannot_fill
             assert train.executor.partitions(train.layer_names.index("pool1")) == 3
             assert all(test.executor.partitions(i) == 1 for i in range(len(test.layers)))
     np.testing.assert_allclose(scores[0], scores[1], rtol=1e-5)
+
+
+# --- empty batches and empty axes (issue 15) -------------------------------------------
+ZERO_NET = """force_backward: true
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: %d dim: %d dim: 9 dim: 9 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 4 kernel_size: 3 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "pool" type: "Pooling" bottom: "conv" top: "pool" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "ip" type: "InnerProduct" bottom: "pool" top: "ip" inner_product_param { num_output: 3 } }
+"""
+
+
+@pytest.mark.parametrize("lowering", ["1", "2", "3"])
+@pytest.mark.parametrize("plan", PLANS)
+def test_an_empty_batch_runs_under_every_plan(plan, lowering, monkeypatch):
+    """A batch of 0 (Caffe runs it): every partition count and lowering type,
+    forward and backward, tops of 0 samples."""
+    use_plan(plan, monkeypatch)
+    monkeypatch.setenv("CCT_LOWERING", lowering)
+    net = cct.Net(ZERO_NET % (0, 3), cct.TEST)
+    net.forward()
+    net.backward()
+    assert net.blobs["ip"].shape == (0, 3) and net.blobs["data"].diff.shape == (0, 3, 9, 9)
+
+
+@pytest.mark.parametrize("lowering", ["1", "2", "3"])
+@pytest.mark.parametrize("plan", PLANS)
+def test_no_input_channels_is_a_clean_error_not_a_division_by_zero(plan, lowering, monkeypatch):
+    """Found by the fuzzer: 0 channels divided by zero in the lowering's chunk
+    sizes (ZeroDivisionError) and failed to reshape its matrices (ValueError)."""
+    use_plan(plan, monkeypatch)
+    monkeypatch.setenv("CCT_LOWERING", lowering)
+    with pytest.raises(cct.ShapeError, match=r"layer 'conv' \(Convolution\): bottom 'data' \(4, 0, 9, 9\) "
+                                             "has no channels"):
+        cct.Net(ZERO_NET % (4, 0), cct.TEST).forward()
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_an_empty_spatial_axis_is_a_clean_error(plan, monkeypatch):
+    use_plan(plan, monkeypatch)
+    with pytest.raises(cct.ShapeError, match=r"layer 'conv' \(Convolution\): input 0 x 9 does not fit the kernel"):
+        cct.Net((ZERO_NET % (4, 3)).replace("dim: 9 dim: 9", "dim: 0 dim: 9"), cct.TEST)

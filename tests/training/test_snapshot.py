@@ -150,6 +150,44 @@ def test_refused_states(tmp_path):
         sgd.restore(broken_h5)
 
 
+
+def test_hdf5_states_are_checked_before_they_are_read(tmp_path):
+    """Found by the fuzzer (issue 15): a history dataset declared as 2^31
+    floats was read whole (8 GiB) before its size was compared; a group where
+    `iter` belongs raised h5py's TypeError."""
+    sgd = make_solver(solver_text("SGD", tmp_path / "sgd", "HDF5"))
+    sgd.step(1)
+    state_path = sgd.snapshot()
+    with h5py.File(state_path, "r+") as state:
+        del state["history/0"]
+        state.create_dataset("history/0", shape=(2, 1 << 30), dtype="float32")   # never written: no disk
+    with pytest.raises(ConfigError, match=r"history\[0\] has shape \(2, 1073741824\), the parameter has 6 values"):
+        sgd.restore(state_path)
+    with h5py.File(state_path, "r+") as state:
+        del state["iter"]
+        state.create_group("iter")
+    with pytest.raises(ConfigError, match="'iter' is a group, expected a dataset"):
+        sgd.restore(state_path)
+
+
+def test_a_learned_net_that_is_not_a_file_is_a_clean_error(tmp_path):
+    """Found by the fuzzer: a learned_net of bytes that are not UTF-8 mixed
+    bytes and str in a path (TypeError); one naming a folder had the folder
+    opened as the weights (IsADirectoryError)."""
+    sgd = make_solver(solver_text("SGD", tmp_path / "sgd"))
+    sgd.step(1)
+    state_path = sgd.snapshot()
+    state = caffe_pb2.SolverState.FromString(open(state_path, "rb").read())
+    state.ClearField("learned_net")
+    for learned_net, shown in ((b"sgd\xe9.caffemodel", r"'sgd\\udce9.caffemodel'"),
+                               (str(tmp_path).encode(), re.escape(repr(str(tmp_path))))):
+        assert len(learned_net) < 128            # its length is then one varint byte
+        raw = state.SerializeToString() + b"\x12" + bytes([len(learned_net)]) + learned_net   # field 2, as bytes
+        with open(state_path, "wb") as out:
+            out.write(raw)
+        with pytest.raises(ConfigError, match=f"learned_net: weight file {shown} not found"):
+            sgd.restore(state_path)
+
 def test_snapshot_leaves_no_temporary_files(tmp_path):
     for snapshot_format in FORMATS:
         solver = make_solver(solver_text("SGD", tmp_path / snapshot_format, snapshot_format))
