@@ -90,7 +90,7 @@ def trace_figures(solver):
     schedule = solver.net.executor.stream_schedule()
     solver.net.forward()
     from cct.runtime import scheduler
-    scheduler.run_backward(solver.net, schedule)
+    scheduler.run_on_streams(solver.net, schedule)
     spans = schedule.trace
     span = max(s.end for s in spans) - min(s.ready for s in spans)
     busy = sum(s.end - s.start for s in spans)

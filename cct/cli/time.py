@@ -106,7 +106,7 @@ def _time_streams(net, trace_path):
     net._forward()
     schedule.profile()                     # sub-tasks one at a time: times, then priorities from them
     net._forward()
-    scheduler.run_backward(net, schedule)
+    scheduler.run_on_streams(net, schedule)
     started = {span.task: span for span in schedule.trace}
     origin = min(span.ready for span in schedule.trace)
     log.info("Backward sub-tasks on streams (priority: Algorithm 1's, the layer's branch rank; "

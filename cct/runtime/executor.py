@@ -20,13 +20,13 @@ before_backward or after_backward calls callback(layer_index) around every
 layer forward(i) or backward(i) runs (pycaffe's Net.before_forward & co.).
 """
 import logging
-import statistics
 import time
 import weakref
 
 from cct.core.progress import Progress
 from cct.runtime import scheduler
 from cct.runtime import settings
+from cct.runtime.choice import FasterOf
 from cct.runtime import threads as threads_module
 from cct.runtime.partition import PartitionedLayer
 
@@ -43,10 +43,6 @@ DEFAULT_SPLIT_ELEMENTS = 1 << 20
 TUNE_PARAM_COPY_BYTES = 64 << 20
 
 EVENTS = ("before_forward", "after_forward", "before_backward", "after_backward")
-
-# "auto" times this many whole backward passes in each mode, alternating, then
-# keeps the faster (per net shape).
-AUTO_RUNS = 3
 
 log = logging.getLogger("cct.runtime.executor")
 
@@ -75,7 +71,7 @@ class Executor:
         self._listeners = {}          # kind -> callbacks; empty until a subscription, so the checks cost little
         self.schedule = settings.schedule()   # sequential, streams or auto (cct.runtime.scheduler)
         self._streams = None          # (net shape, scheduler.Schedule) for the streams mode
-        self._auto = None             # (net shape, {mode: [seconds]}, chosen mode or None)
+        self._auto = None             # (shape_key, FasterOf): "auto"'s choice for the backward alone
         # CCT_PARTITIONS=p partitions every layer that allows it (the conformance
         # suite runs with it to check partitioned results equal unpartitioned
         # ones); CCT_PARTITIONS=1 runs every layer whole.
@@ -257,47 +253,35 @@ class Executor:
         if self._listeners or self.schedule != "auto":
             self._backward_in("sequential" if self._listeners else self.schedule)
             return
-        mode = self._auto_mode()
-        measuring = self._auto[2] is None
+        key = self.shape_key()
+        if self._auto is None or self._auto[0] != key:
+            self._auto = (key, FasterOf(("sequential", "streams"), "schedule auto (backward)"))
+        choice = self._auto[1]
+        mode = choice.next()
         start = time.perf_counter()
         self._backward_in(mode)
-        if measuring:
-            self._auto[1][mode].append(time.perf_counter() - start)
+        choice.record(mode, time.perf_counter() - start)
 
     def _backward_in(self, mode):
         if mode == "streams":
-            scheduler.run_backward(self.net, self.stream_schedule())
+            scheduler.run_on_streams(self.net, self.stream_schedule())
             return
         for index in reversed(range(len(self.net.layers))):
             self.backward(index)
 
+    def shape_key(self):
+        """What a schedule is built for: every blob's shape and every layer's
+        batch partitions at those shapes."""
+        return (tuple(blob.shape for blob in self.net.blobs.values()),
+                tuple(self.partitions(i) for i in range(len(self.net.layers))))
+
     def stream_schedule(self):
         """The streams mode's Schedule for the net's current shapes and batch
         partitions (built once for each)."""
-        shape = (self._net_shape(), tuple(self.partitions(i) for i in range(len(self.net.layers))))
-        if self._streams is None or self._streams[0] != shape:
-            self._streams = (shape, scheduler.Schedule(self.net, **settings.priorities()))
+        key = self.shape_key()
+        if self._streams is None or self._streams[0] != key:
+            self._streams = (key, scheduler.Schedule(self.net, **settings.priorities()))
         return self._streams[1]
-
-    def _net_shape(self):
-        return tuple(blob.shape for blob in self.net.blobs.values())
-
-    def _auto_mode(self):
-        """The mode "auto" runs now: alternating while it measures, then the faster."""
-        shape = self._net_shape()
-        if self._auto is None or self._auto[0] != shape:
-            self._auto = (shape, {"sequential": [], "streams": []}, None)
-        _, times, chosen = self._auto
-        if chosen is not None:
-            return chosen
-        if min(len(runs) for runs in times.values()) >= AUTO_RUNS:
-            medians = {mode: statistics.median(runs) for mode, runs in times.items()}
-            chosen = min(medians, key=medians.get)
-            log.info("schedule auto: %s (backward %s)", chosen,
-                     ", ".join(f"{mode} {1e3 * value:.2f} ms" for mode, value in medians.items()))
-            self._auto = (shape, times, chosen)
-            return chosen
-        return "sequential" if len(times["sequential"]) <= len(times["streams"]) else "streams"
 
     # --- choosing p per layer by measurement ---------------------------------------
     def tune(self, candidates=None, repeats=2):

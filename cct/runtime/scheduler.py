@@ -303,12 +303,6 @@ def blas_threads(total, streams_running_gemms=2):
     return max(1, total // streams_running_gemms)
 
 
-def run_backward(net, schedule):
-    """The net's whole backward on the streams, BLAS threads split between the
-    GEMM streams, the count restored after."""
-    return run_on_streams(net, schedule)
-
-
 def run_on_streams(net, schedule):
     """schedule.run() with the BLAS threads split between the GEMM streams,
     the count restored after; returns its graph.Runner."""

@@ -410,15 +410,10 @@ class Solver:
             return None
         if executor.schedule == "streams":
             return "streams"
-        key = self._shape_key()
+        key = self.net.executor.shape_key()
         if key not in self._auto:
             self._auto[key] = FasterOf(("sequential", "streams"), "schedule auto (time per iteration)")
         return self._auto[key].next()
-
-    def _shape_key(self):
-        net = self.net
-        return (tuple(blob.shape for blob in net.blobs.values()),
-                tuple(net.executor.partitions(i) for i in range(len(net.layers))))
 
     def _window_in(self, mode, count):
         """`count` iterations in `mode`; under "auto", timed for its choice."""
@@ -435,7 +430,7 @@ class Solver:
             finally:
                 executor.schedule = chosen_by
         if chosen_by == "auto":
-            self._auto[self._shape_key()].record(mode, (time.perf_counter() - start) / count)
+            self._auto[self.net.executor.shape_key()].record(mode, (time.perf_counter() - start) / count)
 
     def _window(self, stop_iter):
         """How many iterations from self.iter run as one graph: up to the next
@@ -466,7 +461,7 @@ class Solver:
         """The Schedule of `count` iterations for the net's current shapes and
         partitions (built once for each)."""
         net = self.net
-        key = (count,) + self._shape_key()
+        key = (count,) + self.net.executor.shape_key()
         if key not in self._stream_schedules:
             self._stream_schedules[key] = scheduler.Schedule(
                 net, solver=self, iterations=count, **run_config.priorities())

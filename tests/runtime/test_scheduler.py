@@ -57,7 +57,7 @@ def assert_bitwise(ours, theirs):
 
 def test_streams_give_the_sequential_gradients(sequential):
     net = make_net()
-    scheduler.run_backward(net, scheduler.Schedule(net))
+    scheduler.run_on_streams(net, scheduler.Schedule(net))
     assert_bitwise(gradients(net), sequential)
 
 
