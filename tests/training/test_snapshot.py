@@ -150,7 +150,6 @@ def test_refused_states(tmp_path):
         sgd.restore(broken_h5)
 
 
-
 def test_hdf5_states_are_checked_before_they_are_read(tmp_path):
     """Found by the fuzzer (issue 15): a history dataset declared as 2^31
     floats was read whole (8 GiB) before its size was compared; a group where
