@@ -66,6 +66,13 @@ def read_spatial_params(layer, p, bottom):
 _HW_FIELDS = {"kernel_h", "stride_h", "pad_h"}     # dilation has no _h/_w form in caffe.proto
 
 
+def kernel_fields(layer):
+    """`convolution_param.kernel_size 3 x 3, pad 0 x 0, stride 1 x 1, dilation 1 x 1`:
+    the fields an output size is computed from, for a message refusing it."""
+    pairs = zip(("kernel_size", "pad", "stride", "dilation"), (layer.kernel, layer.pad, layer.stride, layer.dilation))
+    return "convolution_param." + ", ".join(f"{name} {h} x {w}" for name, (h, w) in pairs)
+
+
 class _ConvolutionBase(Layer):
     """Shared by Convolution and Deconvolution (Caffe's BaseConvolutionLayer)."""
     min_bottoms = 1
@@ -82,9 +89,6 @@ class _ConvolutionBase(Layer):
         p = self.layer_param.convolution_param
         self.kernel, self.stride, self.pad, self.dilation = read_spatial_params(self, p, bottom[0])
         self.channels = bottom[0].shape[1]
-        if not self.channels:               # the lowerings build no matrix of 0 rows (Caffe runs it: bias only)
-            raise self.shape_error(f"bottom '{self.layer_param.bottom[0]}' {bottom[0].shape} has no "
-                                   "channels; a convolution needs at least one")
         self.num_output = p.num_output
         self.group = p.group
         if self.num_output <= 0:
@@ -112,11 +116,24 @@ class _ConvolutionBase(Layer):
         # The convolution's own (input, output) channels; swapped for Deconvolution.
         conv_in, conv_out = ((self.num_output, self.channels) if self.reverse
                              else (self.channels, self.num_output))
+        if not self.channels and p.weight_filler.type != "bilinear":
+            # Caffe's LayerSetUp takes 0 channels, but every filler except bilinear
+            # refuses the empty weight blob it then fills (CHECK(count), filler.hpp).
+            # With a bilinear one it runs: each output is the bias.
+            raise self.shape_error(f"bottom '{self._bottom_name(0)}' {bottom[0].shape} has no channels, so the "
+                                   f"weights ({conv_out}, {conv_in // self.group}, {self.kernel[0]}, "
+                                   f"{self.kernel[1]}) are empty; convolution_param.weight_filler "
+                                   f"({p.weight_filler.type}) cannot fill an empty blob (Caffe's fillers "
+                                   "refuse one, all but bilinear)")
         self.blobs = [self.filled_blob((conv_out, conv_in // self.group) + self.kernel, p.weight_filler,
                                        "convolution_param.weight_filler")]
         if self.bias_term:
             self.blobs.append(self.filled_blob((self.num_output,), p.bias_filler, "convolution_param.bias_filler"))
         self.param_propagate_down = [True] * len(self.blobs)
+
+    def _bottom_name(self, index):
+        names = self.layer_param.bottom
+        return names[index] if index < len(names) else f"#{index}"
 
     def reshape(self, bottom, top):
         shape = bottom[0].shape
@@ -210,7 +227,8 @@ class _ConvolutionBase(Layer):
             return ConvGeometry(channels, num_output, in_h, in_w, *self.kernel, *self.stride, *self.pad,
                                 *self.dilation, self.group)
         except ValueError as error:
-            raise self.shape_error(f"input {in_h} x {in_w} does not fit the kernel: {error}") from None
+            raise self.shape_error(f"input {in_h} x {in_w} does not fit the kernel "
+                                   f"({kernel_fields(self)}): {error}") from None
 
     def _lowering(self):
         """The lowering type in use, checked."""
@@ -260,7 +278,10 @@ class Convolution(_ConvolutionBase):
     OH = (H + 2*pad_h - (dilation_h*(KH-1)+1)) / stride_h + 1 (OW alike), the
     division truncating toward zero as in Caffe: a kernel may overrun the padded
     input by less than the stride, the cells beyond it reading as zero (kernel
-    3, stride 2 on 2 x 2: a 1 x 1 output). OH and OW must be >= 1.
+    3, stride 2 on 2 x 2: a 1 x 1 output). OH or OW may be 0 (an empty top, as
+    Caffe's), not negative (Caffe's Blob::Reshape refuses it). A bottom of 0
+    channels takes a bilinear weight_filler (Caffe's other fillers refuse the
+    empty weights); its top is then the bias.
     """
 
     def _geometry(self, shape):
@@ -324,8 +345,9 @@ class Deconvolution(_ConvolutionBase):
         # The geometry of the convolution this layer transposes: it maps top to bottom.
         out_h = self.stride[0] * (shape[2] - 1) + self.dilation[0] * (self.kernel[0] - 1) + 1 - 2 * self.pad[0]
         out_w = self.stride[1] * (shape[3] - 1) + self.dilation[1] * (self.kernel[1] - 1) + 1 - 2 * self.pad[1]
-        if out_h < 1 or out_w < 1:
-            raise self.shape_error(f"output would be {out_h} x {out_w} for input {shape[2]} x {shape[3]}")
+        if out_h < 0 or out_w < 0:        # Caffe's Blob::Reshape refuses it (CHECK_GE); 0 runs, empty
+            raise self.shape_error(f"output would be {out_h} x {out_w} for input {shape[2]} x {shape[3]} "
+                                   f"({kernel_fields(self)})")
         return self._geometry_for(self.num_output, self.channels, out_h, out_w)
 
     def _top_shape(self, batch):
@@ -379,16 +401,25 @@ class Im2col(Layer):
             self.geom = ConvGeometry(shape[1], 1, shape[2], shape[3], *self.kernel, *self.stride,
                                      *self.pad, *self.dilation)
         except ValueError as error:
-            raise self.shape_error(f"input {shape[2]} x {shape[3]} does not fit the kernel: {error}") from None
+            raise self.shape_error(f"input {shape[2]} x {shape[3]} does not fit the kernel "
+                                   f"({kernel_fields(self)}): {error}") from None
         g = self.geom
         top[0].reshape(shape[0], shape[1] * g.kernel_h * g.kernel_w, g.out_h, g.out_w)
 
     def forward(self, bottom, top):
         g, n = self.geom, bottom[0].shape[0]
+        if not n or g.empty:              # nothing to lower: the windows read only padding, or there are none
+            top[0].data[...] = 0
+            return
         cols = type1.lower(bottom[0].data, g)                          # (C*KH*KW, N*OH*OW)
-        top[0].data[...] = cols.reshape(-1, n, g.out_h, g.out_w).transpose(1, 0, 2, 3)
+        rows = g.channels * g.kernel_h * g.kernel_w
+        top[0].data[...] = cols.reshape(rows, n, g.out_h, g.out_w).transpose(1, 0, 2, 3)
 
     def backward(self, top, propagate_down, bottom):
-        if propagate_down[0]:
-            cols = top[0].diff.transpose(1, 0, 2, 3)                   # (C*KH*KW, N, OH, OW)
-            type1.col2im(np.ascontiguousarray(cols), self.geom, bottom[0].shape[0], out=bottom[0].diff)
+        if not propagate_down[0]:
+            return
+        if not bottom[0].shape[0] or self.geom.empty:
+            bottom[0].diff[...] = 0
+            return
+        cols = top[0].diff.transpose(1, 0, 2, 3)                       # (C*KH*KW, N, OH, OW)
+        type1.col2im(np.ascontiguousarray(cols), self.geom, bottom[0].shape[0], out=bottom[0].diff)

@@ -15,7 +15,8 @@ class InnerProduct(Layer):
 
     inner_product_param: num_output (N), bias_term, weight_filler, bias_filler,
     axis (default 1: M = product of dims before it, K = product from it on),
-    transpose (weight stored (K, N) instead of (N, K)).
+    transpose (weight stored (K, N) instead of (N, K)). N and K must be > 0
+    (Caffe's fillers refuse an empty weight blob); M may be 0 (an empty top).
     Params: weight (N, K) or (K, N) if transpose, bias (N,).
     bottom (d0, ..., d_axis-1, d_axis, ...) -> top (d0, ..., d_axis-1, N).
     """
@@ -43,6 +44,15 @@ class InnerProduct(Layer):
         self.transpose = p.transpose
         self.axis = self._axis(bottom[0])
         self.k = bottom[0].count_range(self.axis)
+        if not self.k:
+            # Caffe takes K = 0, but every filler refuses the empty weight blob it then
+            # fills (CHECK(count), filler.hpp; bilinear wants a 4-d one).
+            shape = (self.k, self.num_output) if self.transpose else (self.num_output, self.k)
+            raise self.shape_error(f"bottom '{self.layer_param.bottom[0] if self.layer_param.bottom else '#0'}' "
+                                   f"{bottom[0].shape} has no values from inner_product_param.axis "
+                                   f"{p.axis} on, so the weights {shape} are empty; "
+                                   f"inner_product_param.weight_filler ({p.weight_filler.type}) cannot fill "
+                                   "an empty blob (Caffe's fillers refuse one)")
         self.blobs = [self.filled_blob((self.k, self.num_output) if self.transpose else (self.num_output, self.k),
                                        p.weight_filler, "inner_product_param.weight_filler")]
         if self.bias_term:

@@ -21,6 +21,8 @@ LOG_THRESHOLD = 1e-20                   # Caffe's kLOG_THRESHOLD
 
 def softmax(x3, out):
     """Softmax over axis 1 of x3 (outer, channels, inner) into `out` (may be x3)."""
+    if not x3.size:
+        return out                    # no values (an empty batch or no channels): nothing to normalize
     np.subtract(x3, x3.max(axis=1, keepdims=True), out=out)
     np.exp(out, out=out)
     out /= out.sum(axis=1, keepdims=True)
@@ -38,6 +40,14 @@ def normalizer(mode, outer, inner, valid_count):
     else:
         value = 1
     return float(max(1, value))
+
+
+def nan_division(numerator, denominator):
+    """numerator / denominator as Caffe's float arithmetic gives it: 0 / 0 is
+    NaN (a loss over an empty batch, which Caffe divides by N = 0 where it
+    does not use a normalizer of at least 1), with no Python error and no warning."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return float(np.float64(numerator) / np.float64(denominator))
 
 
 def loss_weight(top):
@@ -173,7 +183,7 @@ class SoftmaxWithLoss(LossLayer):
         log_p = np.log(np.maximum(prob.reshape(-1)[flat], prob.dtype.type(FLT_MIN)))
         if self.valid is not None:
             log_p *= self.valid
-        total = -float(log_p.sum(dtype=np.float64))
+        total = 0.0 - float(log_p.sum(dtype=np.float64))     # as Caffe's loss -= ...: +0 when nothing is summed
         top[0].data[...] = total / normalizer(self.normalization, self.outer, self.inner, self.count)
         if len(top) > 1:
             top[1].data[...] = prob.reshape(top[1].shape)
@@ -210,10 +220,13 @@ class EuclideanLoss(LossLayer):
     def forward(self, bottom, top):
         a = bottom[0].data
         self.diff = a - bottom[1].data.reshape(a.shape)
-        flat = self.diff.reshape(-1)
-        top[0].data[...] = float(np.dot(flat, flat)) / bottom[0].shape[0] / 2
+        flat = self.diff.reshape(self.diff.size)
+        # An empty batch: Caffe's dot / num / 2 is 0 / 0, NaN (euclidean_loss_layer.cpp)
+        top[0].data[...] = nan_division(np.dot(flat, flat), bottom[0].shape[0]) / 2
 
     def backward(self, top, propagate_down, bottom):
+        if not bottom[0].shape[0]:
+            return                    # empty bottoms: no gradient to set
         scale = loss_weight(top) / bottom[0].shape[0]
         for index, sign in ((0, 1.0), (1, -1.0)):
             if propagate_down[index]:
@@ -258,7 +271,7 @@ class SigmoidCrossEntropyLoss(LossLayer):
                 terms *= valid
                 count = int(np.count_nonzero(valid))
         self.norm = normalizer(self.normalization, self.outer, self.inner, count)
-        top[0].data[...] = -float(terms.sum(dtype=np.float64)) / self.norm
+        top[0].data[...] = (0.0 - float(terms.sum(dtype=np.float64))) / self.norm   # +0 when empty, as Caffe
 
     def backward(self, top, propagate_down, bottom):
         self.refuse_label_gradient(propagate_down)
@@ -295,7 +308,7 @@ class HingeLoss(LossLayer):
     def _rows(self, bottom):
         num = bottom[0].shape[0]
         labels = bottom[1].data.reshape(num).astype(np.int64)
-        dim = bottom[0].count // num
+        dim = bottom[0].count_range(1)
         if num and (labels.min() < 0 or labels.max() >= dim):
             raise DataError(f"{self.where()}: labels must lie in [0, {dim}), got {labels.min()}..{labels.max()}")
         return np.arange(num), labels, (num, dim)
@@ -309,11 +322,11 @@ class HingeLoss(LossLayer):
             total = float(self.margin.sum(dtype=np.float64))
         else:
             total = float(np.dot(self.margin.reshape(-1), self.margin.reshape(-1)))
-        top[0].data[...] = total / shape[0]
+        top[0].data[...] = nan_division(total, shape[0])     # an empty batch: Caffe's 0 / 0, NaN
 
     def backward(self, top, propagate_down, bottom):
         self.refuse_label_gradient(propagate_down)
-        if not propagate_down[0]:
+        if not propagate_down[0] or not bottom[0].shape[0]:
             return
         rows, labels, shape = self._rows(bottom)
         if self.norm == caffe_pb2.HingeLossParameter.L1:
@@ -338,7 +351,7 @@ class MultinomialLogisticLoss(LossLayer):
 
     def _picked(self, bottom):
         num = bottom[0].shape[0]
-        dim = bottom[0].count // num
+        dim = bottom[0].count_range(1)
         labels = bottom[1].data.reshape(num).astype(np.int64)
         if num and (labels.min() < 0 or labels.max() >= dim):
             raise DataError(f"{self.where()}: labels must lie in [0, {dim}), got {labels.min()}..{labels.max()}")
@@ -348,11 +361,12 @@ class MultinomialLogisticLoss(LossLayer):
 
     def forward(self, bottom, top):
         _, p = self._picked(bottom)
-        top[0].data[...] = -float(np.log(p).sum(dtype=np.float64)) / bottom[0].shape[0]
+        # an empty batch: Caffe's loss / num is 0 / 0, NaN
+        top[0].data[...] = nan_division(-np.log(p).sum(dtype=np.float64), bottom[0].shape[0])
 
     def backward(self, top, propagate_down, bottom):
         self.refuse_label_gradient(propagate_down)
-        if not propagate_down[0]:
+        if not propagate_down[0] or not bottom[0].shape[0]:
             return
         flat, p = self._picked(bottom)
         dx = bottom[0].diff
@@ -428,7 +442,7 @@ class InfogainLoss(LossLayer):
         per_item = (weights * log_p).sum(axis=1)              # (outer, inner)
         if valid is not None:
             per_item *= valid
-        total = -float(per_item.sum(dtype=np.float64))
+        total = 0.0 - float(per_item.sum(dtype=np.float64))   # +0 when empty, as Caffe's loss -= ...
         top[0].data[...] = total / normalizer(self.normalization, self.outer, self.inner, self.count)
         if len(top) > 1:
             top[1].data[...] = self.prob.reshape(top[1].shape)
@@ -478,7 +492,7 @@ class ContrastiveLoss(LossLayer):
 
     def forward(self, bottom, top):
         num = bottom[0].shape[0]
-        self.diff = (bottom[0].data - bottom[1].data.reshape(bottom[0].shape)).reshape(num, -1)
+        self.diff = (bottom[0].data - bottom[1].data.reshape(bottom[0].shape)).reshape(num, bottom[0].count_range(1))
         self.dist_sq = np.einsum("nc,nc->n", self.diff, self.diff)
         self.similar = bottom[2].data.reshape(num).astype(np.int64) != 0
         if self.legacy:
@@ -486,11 +500,14 @@ class ContrastiveLoss(LossLayer):
         else:
             dissimilar = np.maximum(self.margin - np.sqrt(self.dist_sq), 0) ** 2
         per_pair = np.where(self.similar, self.dist_sq, dissimilar)
-        top[0].data[...] = float(per_pair.sum(dtype=np.float64)) / num / 2
+        # An empty batch: Caffe's loss / num / 2 is 0 / 0, NaN (contrastive_loss_layer.cpp)
+        top[0].data[...] = nan_division(per_pair.sum(dtype=np.float64), num) / 2
 
     def backward(self, top, propagate_down, bottom):
         self.refuse_label_gradient(propagate_down, label_bottoms=(2,))
         num = bottom[0].shape[0]
+        if not num:
+            return                    # empty bottoms: no gradient to set
         if self.legacy:
             mdist = self.margin - self.dist_sq
             factor = -np.ones_like(mdist)

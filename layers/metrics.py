@@ -25,9 +25,11 @@ class Accuracy(NoBackward, Layer):
 
     def reshape(self, bottom, top):
         b = bottom[0]
-        if bottom[1].count == 0 or self.top_k > b.count // bottom[1].count:
+        # No labels (an empty batch): Caffe's check divides by their count (SIGFPE); there
+        # are no classes per label to compare top_k with, and the accuracy of none is 0.
+        if bottom[1].count and self.top_k > b.count // bottom[1].count:
             raise self.config_error("accuracy_param.top_k", f"must not exceed the number of classes "
-                                    f"({b.count // max(bottom[1].count, 1)}), got {self.top_k}")
+                                    f"({b.count // bottom[1].count}), got {self.top_k}")
         self.axis = b.canonical_axis(self.layer_param.accuracy_param.axis)
         self.outer, self.inner = b.count_range(0, self.axis), b.count_range(self.axis + 1)
         self.channels = b.shape[self.axis]
@@ -120,8 +122,9 @@ class ArgMax(NoBackward, Layer):
             result = values if self.out_max_val else indices
             top[0].data[...] = np.moveaxis(result, -1, self.axis)
             return
-        indices, values = self._top_k(x.reshape(x.shape[0], -1))        # (N, top_k)
-        out = top[0].data.reshape(x.shape[0], -1, self.top_k)
+        n = x.shape[0]                  # explicit sizes: -1 is ambiguous when n is 0
+        indices, values = self._top_k(x.reshape(n, bottom[0].count_range(1)))        # (N, top_k)
+        out = top[0].data.reshape(n, 2 if self.out_max_val else 1, self.top_k)
         out[:, 0, :] = indices
         if self.out_max_val:
             out[:, 1, :] = values

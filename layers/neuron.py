@@ -125,7 +125,8 @@ class PReLU(Neuron):
     def _slopes(self, x):
         """Slopes broadcastable against x viewed as (N, C, rest)."""
         slope = self.blobs[0].data.astype(x.dtype, copy=False)
-        return slope.reshape(1, -1, 1) if not self.channel_shared else slope.reshape(1, 1, 1)
+        # (1, C, 1), not (1, -1, 1): C may be 0
+        return slope.reshape(1, slope.size, 1) if not self.channel_shared else slope.reshape(1, 1, 1)
 
     def forward(self, bottom, top):
         x = self.keep_input(bottom, top)

@@ -153,6 +153,8 @@ class LRN(Layer):
 
     def forward(self, bottom, top):
         x = bottom[0].data
+        if not x.size:
+            return                    # an empty top (Caffe's loops run no iteration)
         if top[0] is bottom[0]:
             # backward needs x, forward overwrites it
             saved = self.scratch("saved_input", x.shape, x.dtype)
@@ -213,7 +215,7 @@ class LRN(Layer):
         return scale
 
     def backward(self, top, propagate_down, bottom):
-        if not propagate_down[0]:
+        if not propagate_down[0] or not bottom[0].count:
             return
         x = self._saved_input if top[0] is bottom[0] else bottom[0].data
         y, g, dx = top[0].data, top[0].diff, bottom[0].diff
@@ -304,6 +306,8 @@ class MVN(Layer):
 
     def forward(self, bottom, top):
         x = self._rows(bottom[0].data)
+        if not x.size:
+            return                    # an empty top: no means to take (Caffe's divide by 0 items)
         centred = x - x.mean(axis=1, keepdims=True)
         if self.normalize_variance:
             variance = np.mean(centred * centred, axis=1, keepdims=True)
@@ -312,7 +316,7 @@ class MVN(Layer):
         self._rows(top[0].data)[...] = centred
 
     def backward(self, top, propagate_down, bottom):
-        if not propagate_down[0]:
+        if not propagate_down[0] or not bottom[0].count:
             return
         g = self._rows(top[0].diff)
         if self.normalize_variance:
@@ -377,6 +381,10 @@ class BatchNorm(Layer):
     def forward(self, bottom, top):
         x = self._grouped(bottom[0].data)
         dtype = x.dtype
+        if not x.size:
+            # An empty batch (or no channels): an empty top, and no samples to update the
+            # running statistics with (Caffe divides by N*C here, an integer division by 0).
+            return
         if self.use_global_stats:
             factor = self.blobs[2].data[0]
             factor = 0.0 if factor == 0 else 1.0 / factor
@@ -400,7 +408,7 @@ class BatchNorm(Layer):
         self.blobs[1].data[...] = correction * variance + maf * self.blobs[1].data
 
     def backward(self, top, propagate_down, bottom):
-        if not propagate_down[0]:
+        if not propagate_down[0] or not bottom[0].count:
             return
         g = self._grouped(top[0].diff)
         if self.use_global_stats:

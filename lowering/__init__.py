@@ -9,16 +9,19 @@ lifted to the output. Three lowerings trade lowering cost against lifting cost
 
 Every function works on any batch, so a scheduler can call it on a partition
 of the batch; an empty one is skipped (nothing lowered, a zero weight
-gradient). By default they allocate their intermediates (pure: arrays in,
-arrays out); given `ws` (a cct.core.workspace.Arena) they reuse its
-buffers instead, and given `chunk` they process the batch that many images at
-a time, which bounds the workspace (see workspace.chunk_size). The chooser
-(cct.lowering.chooser) picks a type per layer from a cost model.
+gradient), and so is a geometry with nothing to lower (ConvGeometry.empty: no
+input channels or pixels, or an empty output), whose output is the bias alone
+(the type modules themselves are never called with either). By default they
+allocate their intermediates (pure: arrays in, arrays out); given `ws` (a
+cct.core.workspace.Arena) they reuse its buffers instead, and given `chunk`
+they process the batch that many images at a time, which bounds the workspace
+(see workspace.chunk_size). The chooser (cct.lowering.chooser) picks a type
+per layer from a cost model.
 """
 import numpy as np
 
 from . import type1, type2, type3
-from .geometry import ConvGeometry
+from .geometry import ConvGeometry, weights_as
 from cct.core.workspace import FRESH
 
 from .chunking import chunks, slot_bytes
@@ -42,12 +45,28 @@ def _plan(ws, geom, lowering_type, batch, chunk, dtype):
     ws.plan(slot_bytes(geom, int(lowering_type), batch if _whole(batch, chunk) else chunk, np.dtype(dtype).itemsize))
 
 
+def _zeros(shape, dtype, out):
+    if out is None:
+        return np.zeros(shape, dtype)
+    out[...] = 0
+    return out
+
+
+def _bias_only(geom, n, dtype, out, bias):
+    """The output of a convolution that multiplies nothing (geom.empty or no
+    images): each window reads only zeros (padding), so the bias alone, or 0."""
+    out = _zeros(geom.output_shape(n), dtype, out)
+    if bias is not None and out.size:
+        out += weights_as(bias, dtype).reshape(1, geom.num_output, 1, 1)
+    return out
+
+
 def conv_forward(x, w, geom, lowering_type=1, out=None, ws=FRESH, chunk=None, bias=None):
     """y (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/group, KH, KW)), plus
     bias (O,) when given (added while the result is stored, no extra pass)."""
     impl, n = lowering(lowering_type), x.shape[0]
-    if n == 0:                        # an empty batch (or partition): nothing to lower, skipped
-        return np.empty(geom.output_shape(0), x.dtype) if out is None else out
+    if n == 0 or geom.empty:          # an empty batch (or partition), input or output: nothing to lower
+        return _bias_only(geom, n, x.dtype, out, bias)
     _plan(ws, geom, lowering_type, n, chunk, x.dtype)
     if _whole(n, chunk):
         return impl.forward(x, w, geom, out=out, ws=ws, bias=bias)
@@ -61,8 +80,8 @@ def conv_backward(x, dy, w, geom, lowering_type=1, data=True, weights=True, ws=F
     """(dx or None, dw or None); types 2 and 3 share their unlifted dy between the
     two. dx goes into `dx_out` when given; dw is summed over the chunks."""
     impl, n = lowering(lowering_type), dy.shape[0]
-    if n == 0:                        # an empty batch: no gradient to compute, the weights' is zero
-        dx = (np.empty(geom.input_shape(0), dy.dtype) if dx_out is None else dx_out) if data else None
+    if n == 0 or geom.empty:          # nothing lowered: the gradients are zero (or empty)
+        dx = _zeros(geom.input_shape(n), dy.dtype, dx_out) if data else None
         return dx, (np.zeros(geom.weight_shape, dy.dtype) if weights else None)
     _plan(ws, geom, lowering_type, n, chunk, dy.dtype)
     if _whole(n, chunk):

@@ -400,7 +400,10 @@ def choose_by_measurement(geom, batch, dtype=np.float32):
 
 def choose(geom, batch, machine=None, measure=False, dtype=np.float32, budget=None):
     """The lowering type for `geom` at `batch`: by the cost model, or with
-    measure=True by timing every type once on this shape (cached per shape)."""
+    measure=True by timing every type once on this shape (cached per shape).
+    Nothing to lower (an empty batch, geom.empty) runs no type: type 1, unmeasured."""
+    if batch == 0 or geom.empty:
+        return 1
     if measure:
         return choose_by_measurement(geom, batch, dtype)
     return choose_by_model(geom, batch, machine or load_machine(), np.dtype(dtype).itemsize, budget)

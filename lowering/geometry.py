@@ -12,7 +12,9 @@ stride (kernel 3, stride 2 on a 2 x 2 input: one 1 x 1 output), and Caffe's
 im2col reads every cell outside the image as zero. The lowerings do the same
 by padding the bottom and right further by the overrun (`overrun_h`,
 `overrun_w`): `padded_h` and `padded_w` include it, and the data gradient is
-cropped back to H x W as for any padding.
+cropped back to H x W as for any padding. When the extent exceeds the padded
+input by the stride or more, OH is 0 (Caffe runs it: an empty top) or
+negative (Caffe's Blob::Reshape refuses it, and so does ConvGeometry).
 """
 from dataclasses import dataclass
 
@@ -47,8 +49,10 @@ class ConvGeometry:
         if min(self.kernel_h, self.kernel_w, self.stride_h, self.stride_w,
                self.dilation_h, self.dilation_w, self.group) < 1:
             raise ValueError(f"kernel, stride, dilation and group must be >= 1: {self}")
-        if self.out_h < 1 or self.out_w < 1:
-            raise ValueError(f"output would be {self.out_h} x {self.out_w}: {self}")
+        # Caffe computes the output size without a check; Blob::Reshape then refuses
+        # a negative one (CHECK_GE(shape[i], 0), blob.cpp) and runs a zero one.
+        if self.out_h < 0 or self.out_w < 0:
+            raise ValueError(f"the output would be {self.out_h} x {self.out_w}; a size may be 0, not negative")
 
     # Extent of one dilated kernel window.
     @property
@@ -68,13 +72,18 @@ class ConvGeometry:
         return _truncating_div(self.in_w + 2 * self.pad_w - self.extent_w, self.stride_w) + 1
 
     # Rows (columns) the last window reads past the padded input: nonzero only when
-    # the kernel extent exceeds the padded input (by less than the stride).
+    # the kernel extent exceeds the padded input (by less than the stride); none
+    # when there is no window (an empty output).
     @property
     def overrun_h(self):
+        if not self.out_h:
+            return 0
         return max(0, self.stride_h * (self.out_h - 1) + self.extent_h - self.in_h - 2 * self.pad_h)
 
     @property
     def overrun_w(self):
+        if not self.out_w:
+            return 0
         return max(0, self.stride_w * (self.out_w - 1) + self.extent_w - self.in_w - 2 * self.pad_w)
 
     # The zero-bordered frame the lowerings read: pad on both sides, plus the overrun.
@@ -85,6 +94,13 @@ class ConvGeometry:
     @property
     def padded_w(self):
         return self.in_w + 2 * self.pad_w + self.overrun_w
+
+    @property
+    def empty(self):
+        """Nothing to lower: no input channels or pixels, or an empty output. A
+        forward then gives the bias alone (every window reads only padding), a
+        backward zero gradients (cct.lowering skips these, as an empty batch)."""
+        return not (self.channels and self.num_output and self.in_h and self.in_w and self.out_h and self.out_w)
 
     @property
     def has_border(self):
@@ -110,14 +126,16 @@ class ConvGeometry:
         return (batch, self.num_output, self.out_h, self.out_w)
 
     def rows(self, i):
-        """Slice of padded rows read by kernel row i for every output row."""
+        """Slice of padded rows read by kernel row i for every output row (none
+        for an empty output: its stop would be before its start, which a slice
+        would read from the end)."""
         start = i * self.dilation_h
-        return slice(start, start + self.stride_h * (self.out_h - 1) + 1, self.stride_h)
+        return slice(start, start + self.stride_h * (self.out_h - 1) + 1 if self.out_h else start, self.stride_h)
 
     def cols(self, j):
         """Slice of padded columns read by kernel column j for every output column."""
         start = j * self.dilation_w
-        return slice(start, start + self.stride_w * (self.out_w - 1) + 1, self.stride_w)
+        return slice(start, start + self.stride_w * (self.out_w - 1) + 1 if self.out_w else start, self.stride_w)
 
 
 def pad_channels_first(x, geom, out=None):

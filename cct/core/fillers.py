@@ -15,6 +15,9 @@ def fill(blob, filler_param, where="filler"):
     filler = FILLERS.get(kind)
     if filler is None:
         raise ConfigError(f"{where}: type: unknown filler {kind!r}; known: {', '.join(sorted(FILLERS))}")
+    if not blob.count and kind != "bilinear":     # Caffe's fillers CHECK(count); bilinear checks only its axes
+        raise ConfigError(f"{where}: the {kind} filler cannot fill a blob of shape {blob.shape}, which holds "
+                          "no values (Caffe refuses it too)")
     blob.data[...] = filler(blob.shape, filler_param, where)
     return blob
 

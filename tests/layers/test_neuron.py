@@ -332,10 +332,13 @@ def test_in_place_relu_keeps_its_input_only_for_a_negative_slope(slope, saves):
     np.testing.assert_allclose(dx, np.where(x > 0, dy, dy * np.float32(slope)))
 
 
-def test_prelu_of_a_blob_without_channels_runs():
+def test_prelu_of_a_blob_without_channels_is_refused_by_its_filler():
     """Found by the fuzzer: an input of 0 channels failed in numpy's
-    reshape(N, 0, -1) (ValueError); its slopes are then empty too."""
+    reshape(N, 0, -1) (ValueError). Its slopes would be empty, and Caffe's
+    fillers refuse an empty blob (CHECK(count), filler.hpp): so does cct."""
     net_text = """force_backward: true
     layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 0 dim: 4 dim: 5 } } }
     layer { name: "l" type: "PReLU" bottom: "data" top: "data" }"""
-    assert run_net_text(net_text, cct.TRAIN).params["l"][0].shape == (0,)
+    with pytest.raises(cct.ConfigError, match=r"layer 'l' \(PReLU\): prelu_param.filler: the constant filler "
+                                              r"cannot fill a blob of shape \(0,\)"):
+        run_net_text(net_text, cct.TRAIN)

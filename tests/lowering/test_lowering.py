@@ -308,7 +308,10 @@ def test_output_size_truncates_toward_zero():
         assert geom.padded_h == size + 2 * pad + geom.overrun_h
     plain = ConvGeometry(1, 1, 6, 6, 3, 3, 2, 2, 1, 1)
     assert (plain.overrun_h, plain.padded_h, plain.out_h) == (0, 8, 3)      # unused last row: no overrun
-    for size, kernel, stride in [(2, 5, 2), (3, 5, 1), (1, 4, 3)]:          # trunc(-3/2), -2, -3/3: size <= 0
+    for size, kernel, stride in [(2, 5, 2), (1, 4, 3)]:                     # trunc(-3/2), -3/3: size 0, empty
+        geom = ConvGeometry(1, 1, size, size, kernel, kernel, stride, stride)
+        assert (geom.out_h, geom.overrun_h, geom.empty) == (0, 0, True)
+    for size, kernel, stride in [(3, 5, 1), (1, 5, 1)]:                     # -2 + 1, -4 + 1: negative, refused
         with pytest.raises(ValueError, match="output"):
             ConvGeometry(1, 1, size, size, kernel, kernel, stride, stride)
 
@@ -319,7 +322,7 @@ def test_geometry_output_size_and_errors():
     with pytest.raises(ValueError, match="group"):
         ConvGeometry(3, 4, 5, 5, 3, 3, group=2)
     with pytest.raises(ValueError, match="output"):
-        ConvGeometry(3, 4, 2, 2, 3, 3)
+        ConvGeometry(3, 4, 2, 2, 4, 4)
     with pytest.raises(ValueError, match="lowering type"):
         lowering(4)
 
