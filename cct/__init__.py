@@ -1,5 +1,6 @@
 """cct: Caffe con Troll in Python. A Caffe-compatible CNN framework whose
 Python API mirrors pycaffe name for name (`import cct as caffe`)."""
+from cct.core import allocation
 from cct.core.blob import Blob
 from cct.core.errors import CctError, ConfigError, DataError, MemoryLimitError, ShapeError, WeightsError
 from cct.core.layer import TEST, TRAIN, Layer, layer_type_list, register
@@ -40,6 +41,13 @@ def set_schedule(mode):
     `cct train --schedule` sets (cct.runtime.settings, cct.runtime.scheduler)."""
     from cct.runtime import settings
     settings.set_schedule(mode)
+
+
+def set_memory_limit(nbytes):
+    """cct's extension: refuse nets whose planned peak, and arrays, exceed
+    `nbytes` (None: the machine's memory); what `--memory_limit` sets.
+    Returns the previous limit (cct.core.allocation, cct.runtime.memory_plan)."""
+    return allocation.set_memory_limit(nbytes)
 
 
 def set_device(device_id):

@@ -21,7 +21,7 @@ from cct.core.layer import Layer, register
 from cct.lowering import (ConvGeometry, chooser, conv_backward, conv_backward_data, conv_backward_weights,
                           conv_forward, lowering, type1)
 from cct.core.workspace import thread_arena
-from cct.lowering.chunking import DEFAULT_BUDGET_MB, cache_chunk, chunk_size
+from cct.lowering.chunking import DEFAULT_BUDGET_MB, cache_chunk, chunk_size, slot_bytes
 
 DEFAULT_LOWERING = 1          # before the first reshape, and where nothing decides
 
@@ -238,6 +238,17 @@ class _ConvolutionBase(Layer):
         except ValueError as error:
             raise self.config_error("lowering_type", str(error)) from None
         return kind
+
+    def planned_bytes(self, bottom, top, partitions):
+        """The workspace of one partition's call: its lowering (chosen at the
+        reshape after configure) on its chunk of images."""
+        if not bottom or not bottom[0].shape:
+            return {}
+        batch, itemsize = -(-bottom[0].shape[0] // partitions), bottom[0].dtype.itemsize
+        kind = self.lowering_type
+        chunk = min(chunk_size(self.geom, kind, batch, itemsize, max(1, self._owner._lowering_budget // partitions)),
+                    cache_chunk(self.geom, kind, batch, itemsize))
+        return {"lowering": sum(slot_bytes(self.geom, kind, chunk, itemsize).values())}
 
     def _chunk(self, lowering_type, x):
         batch = x.shape[0]

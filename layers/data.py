@@ -24,7 +24,7 @@ from cct.core import rng as cct_rng
 from cct.data.images import decode_image, read_image, resize_image
 from cct.data.transformer import DataTransformer, read_image_list
 from cct.data.db import backend_name, open_db
-from cct.core.blob import check_allocation
+from cct.core.allocation import check_allocation
 from cct.core.errors import CctError, DataError
 from cct.core.layer import Layer, register
 from cct.formats import hdf5
@@ -137,6 +137,11 @@ class PrefetchingDataLayer(Layer):
         load_batch, count = self.data_setup(top)
         self._prefetcher = Prefetcher(load_batch, count, f"cct-prefetch-{self.name}")
         self._finalizer = weakref.finalize(self, _shut_down, self._prefetcher, load_batch)
+        self._prefetch_count = max(1, int(count))
+
+    def planned_bytes(self, bottom, top, partitions):
+        # the batches waiting in the queue, and the one the thread is loading
+        return {"prefetch": (self._prefetch_count + 1) * sum(blob.count * 4 for blob in top)}
 
     def reshape(self, bottom, top):
         pass                            # forward sizes the tops to each batch (Caffe's Forward)

@@ -35,6 +35,11 @@ class InnerProduct(Layer):
         gemm = 2 * self.m * self.blobs[0].count
         return gemm, gemm, gemm
 
+    def planned_bytes(self, bottom, top, partitions):
+        rows, cols = self.blobs[0].shape if self.blobs else (0, 0)
+        block = max(64, min(rows, WEIGHT_GRADIENT_BLOCK // max(1, cols)))
+        return {"work.ip_weight_gradient": block * cols * self.blobs[0].dtype.itemsize} if self.blobs else {}
+
     def setup(self, bottom, top):
         p = self.layer_param.inner_product_param
         self.num_output = p.num_output

@@ -428,6 +428,9 @@ class Dropout(Neuron):
         self.ratio = ratio
         self.scale = 1.0 / (1.0 - ratio)
 
+    def planned_bytes(self, bottom, top, partitions):
+        return {"work.dropout_uniform": bottom[0].count * 4} if self.phase == TRAIN else {}
+
     def forward(self, bottom, top):
         x = bottom[0].data
         if self.phase != TRAIN:

@@ -61,10 +61,12 @@ class Split(Layer):
 
     def backward(self, top, propagate_down, bottom):
         if propagate_down[0]:
-            total = top[0].diff.copy()
+            # summed in place, in the tops' order (no whole-blob temporary): a
+            # bottom never shares a diff store with its own tops (cct.runtime.memory)
+            total = bottom[0].diff
+            np.copyto(total, top[0].diff)
             for blob in top[1:]:
                 total += blob.diff
-            bottom[0].diff[...] = total
 
 
 @register("Concat")

@@ -53,7 +53,7 @@ def memory_limit():
     """cct.core.blob.set_memory_limit, the process's own limit restored after
     the test: `memory_limit(16 << 30)` refuses any one array above 16 GiB,
     whatever the machine has (a test machine may have more than a test asks)."""
-    from cct.core.blob import set_memory_limit
+    from cct.core.allocation import set_memory_limit
     previous = set_memory_limit(None)
     set_memory_limit(previous)
     yield set_memory_limit

@@ -49,6 +49,29 @@ def apply_schedule(args):
         settings.set_schedule(args.schedule)
 
 
+MEMORY_LIMIT = flag("--memory_limit", default="",
+                    help="refuse a net whose planned peak memory exceeds this (bytes, or with a unit: "
+                         "512M, 4G, 2.5GiB; default: the machine's memory or its cgroup limit)")
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def apply_memory_limit(args):
+    """--memory_limit, when given, for every net and array made from now on."""
+    if not args.memory_limit:
+        return
+    text = args.memory_limit.strip().upper().replace("IB", "").rstrip("B")
+    number, unit = (text[:-1], text[-1]) if text[-1:] in _UNITS else (text, "")
+    try:
+        nbytes = int(float(number) * _UNITS[unit])
+    except ValueError:
+        nbytes = 0
+    if nbytes <= 0:
+        raise ConfigError(f"--memory_limit: must be a positive size such as 4G or 512M, got {args.memory_limit!r}")
+    from cct.core.allocation import set_memory_limit
+    set_memory_limit(nbytes)
+
+
 def stages(text):
     return [stage for stage in (text or "").split(",") if stage]
 

@@ -7,8 +7,8 @@ import time
 import numpy as np
 
 from cct.core.errors import ConfigError
-from cct.cli.commands import (GPU, LEVEL, PHASE, SCHEDULE, STAGE, apply_schedule, arguments,
-                              check_iterations, command, flag, fmt, note_gpu, phase, require, stages)
+from cct.cli.commands import (GPU, LEVEL, MEMORY_LIMIT, PHASE, SCHEDULE, STAGE, apply_memory_limit, apply_schedule,
+                              arguments, check_iterations, command, flag, fmt, note_gpu, phase, require, stages)
 
 log = logging.getLogger("cct.cli")
 
@@ -23,13 +23,13 @@ log = logging.getLogger("cct.cli")
          help="first choose each layer's batch partitions by measurement (net.executor.tune())"),
     flag("--peak_size", type=int, default=2048,
          help="square sgemm size for the GEMM peak measured at the start (0: skip it)"),
-    PHASE, LEVEL, STAGE, GPU, SCHEDULE,
+    PHASE, LEVEL, STAGE, GPU, SCHEDULE, MEMORY_LIMIT,
     flag("--trace", default="",
          help="with --schedule streams or auto: write one streamed backward as a Chrome trace (.json, for "
               "Perfetto or chrome://tracing) or a timeline picture (.png, needs matplotlib)"),
 )
 def time_command(args):
-    from cct.runtime import profile
+    from cct.runtime import memory_plan, profile
     from cct.core.layer import TRAIN
     from cct.core.net import Net
     require(args.model, "--model", "need a model definition to time")
@@ -41,7 +41,11 @@ def time_command(args):
                           f"got --trace={args.trace} --schedule={args.schedule or 'sequential'}")
     note_gpu(args)
     apply_schedule(args)
+    apply_memory_limit(args)
     net = Net(args.model, phase(args, TRAIN), level=args.level, stages=stages(args.stage))
+    memory = net.executor.memory_plan
+    memory.add("runtime", "numba and OpenBLAS buffers", memory_plan.runtime_bytes())     # what timing loads
+    log.info("Memory plan: %s", memory)
     for path in stages(args.weights):
         net.copy_from(path)
     peak = None
@@ -94,6 +98,7 @@ def time_command(args):
         log.info("%s", line)
     if args.schedule in ("streams", "auto"):
         _time_streams(net, args.trace)
+    log.info("%s", memory_plan.measured_line(memory))
     log.info("*** Benchmark ends ***")
     return 0
 

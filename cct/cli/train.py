@@ -6,8 +6,9 @@ import numpy as np
 
 from cct.core import caffe_name
 from cct.core.errors import ConfigError
-from cct.cli.commands import (EFFECTS, GPU, LEVEL, PHASE, SCHEDULE, STAGE, apply_schedule, arguments,
-                              check_iterations, command, flag, fmt, note_gpu, phase, require, stages)
+from cct.cli.commands import (EFFECTS, GPU, LEVEL, MEMORY_LIMIT, PHASE, SCHEDULE, STAGE, apply_memory_limit,
+                              apply_schedule, arguments, check_iterations, command, flag, fmt, note_gpu, phase,
+                              require, stages)
 
 log = logging.getLogger("cct.cli")
 
@@ -15,11 +16,12 @@ log = logging.getLogger("cct.cli")
 # --- train -----------------------------------------------------------------------------------
 @command("train", "train or fine-tune a model")
 @arguments(
-    flag("--solver", default="", help="the solver definition (prototxt)"),
+    flag("--solver", default="", help="the solver definition (prototxt); a Python layer in its nets runs the "
+                                      "code of the module it names, as in Caffe: train only files you trust"),
     flag("--weights", default="", help="weights to fine-tune from, comma separated .caffemodel/.h5 files; "
                                        "not with --snapshot"),
     flag("--snapshot", default="", help="a .solverstate(.h5) to resume training from; not with --weights"),
-    LEVEL, STAGE, GPU, SCHEDULE,
+    LEVEL, STAGE, GPU, SCHEDULE, MEMORY_LIMIT,
     flag("--sigint_effect", default="stop", choices=EFFECTS,
          help="what Ctrl-C (SIGINT) does: stop (and snapshot, if snapshot_after_train), snapshot, none"),
     flag("--sighup_effect", default="snapshot", choices=EFFECTS,
@@ -28,11 +30,13 @@ log = logging.getLogger("cct.cli")
 def train(args):
     from cct.training.solver import get_solver, load_solver_param
     from cct.proto import caffe_pb2
+    from cct.runtime import memory_plan
     require(args.solver, "--solver", "need a solver definition to train")
     if args.snapshot and args.weights:
         raise ConfigError("--snapshot, --weights: give a snapshot to resume training or weights to "
                           "fine-tune, not both")
     apply_schedule(args)
+    apply_memory_limit(args)
     param = load_solver_param(args.solver)
     # The first line of a run: the module a Python layer's `import caffe` gets decides what it runs on.
     log.info("import caffe: %s", caffe_name.caffe_import())
@@ -50,6 +54,7 @@ def train(args):
     solver = get_solver(param, source=args.solver, share_diffs=True)
     with _signal_effects(solver, args.sigint_effect, args.sighup_effect):
         solver.solve(args.snapshot or None)
+    log.info("%s", memory_plan.measured_line(solver.memory_plan))
     return 0
 
 
@@ -86,10 +91,11 @@ class _signal_effects:
 # --- test --------------------------------------------------------------------------------------
 @command("test", "score a model: mean of every output over --iterations batches")
 @arguments(
-    flag("--model", default="", help="the net definition (prototxt)"),
+    flag("--model", default="", help="the net definition (prototxt); a Python layer in it runs the code of "
+                                     "the module it names, as in Caffe: score only files you trust"),
     flag("--weights", default="", help="trained weights, comma separated .caffemodel/.h5 files"),
     flag("--iterations", type=int, default=50, help="number of batches to run"),
-    PHASE, LEVEL, STAGE, GPU,
+    PHASE, LEVEL, STAGE, GPU, MEMORY_LIMIT,
 )
 def test(args):
     from cct.core.layer import TEST
@@ -99,6 +105,7 @@ def test(args):
     require(args.weights, "--weights", "need model weights to score")
     check_iterations(args.iterations)
     note_gpu(args)
+    apply_memory_limit(args)
     net = Net(args.model, phase(args, TEST), level=args.level, stages=stages(args.stage))
     for path in stages(args.weights):
         net.copy_from(path)

@@ -8,62 +8,17 @@ The diff's storage is allocated on first use of `diff` (Caffe's SyncedMemory is
 lazy too): in training, the input images' gradient (158 MB for CaffeNet at batch
 256) and the labels' are never asked for.
 """
-import functools
 import math
-import os
 import threading
 
 import numpy as np
 
-from cct.core.errors import MemoryLimitError, ShapeError
+from cct.core.errors import ShapeError
+from cct.core.allocation import charge_store, check_allocation
 
 # Batch partitions (cct.runtime.executor) may ask for one blob's diff from several
 # threads at once: it must be made once, not once per thread.
 _ALLOCATION_LOCK = threading.Lock()
-
-_limit = None                  # bytes one array may take; None: the machine's memory
-
-
-def set_memory_limit(nbytes):
-    """Refuse any one blob or work array larger than `nbytes` (None: larger than
-    the machine's physical memory, the default). Returns the previous setting."""
-    global _limit
-    previous, _limit = _limit, None if nbytes is None else int(nbytes)
-    return previous
-
-
-@functools.lru_cache(maxsize=None)
-def _physical_memory():
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _limit_text():
-    if _limit is not None:
-        return f"the limit of {format_bytes(_limit)} set by cct.core.blob.set_memory_limit"
-    return f"the {format_bytes(_physical_memory())} of memory this machine has"
-
-
-def check_allocation(shape, dtype, what="blob", blob=None):
-    """Raise MemoryLimitError, before numpy tries, when an array of `shape` and
-    `dtype` could not fit: numpy would raise MemoryError or "array is too big",
-    or the kernel would kill the process at first touch of a lazily mapped one."""
-    shape, itemsize = tuple(int(d) for d in shape), np.dtype(dtype).itemsize
-    nbytes = math.prod(shape) * itemsize                                  # Python ints: no overflow
-    if nbytes > (_physical_memory() if _limit is None else _limit):
-        raise MemoryLimitError(what, f" of shape {shape} needs {format_bytes(nbytes)}, more than {_limit_text()}",
-                               blob)
-    if math.prod(d for d in shape if d) * itemsize >= 1 << 63:     # numpy refuses even an empty one
-        raise MemoryLimitError(what, f" of shape {shape} is too large for numpy (its non-zero axes "
-                                     "would take 2^63 bytes or more)", blob)
-
-
-def format_bytes(nbytes):
-    """238 GiB, 12.5 MiB, 512 bytes."""
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            value = nbytes / size
-            return f"{value:.0f} {unit}" if value >= 100 else f"{value:.4g} {unit}"
-    return f"{nbytes} bytes"
 
 
 class Blob:
@@ -85,6 +40,7 @@ class Blob:
         check_allocation(shape, self.dtype, blob=self)
         count = math.prod(shape)
         if count > self._data_store.size:
+            charge_store((count - self._data_store.size) * self.dtype.itemsize, shape, self)
             self._data_store = _grown(self._data_store, count)
             if self._diff_store is not None:
                 self._diff_store = _grown(self._diff_store, count)

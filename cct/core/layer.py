@@ -45,7 +45,8 @@ import copy
 import numpy as np
 
 from cct.core import fillers
-from cct.core.blob import Blob, check_allocation
+from cct.core.blob import Blob
+from cct.core.allocation import check_allocation
 from cct.core.errors import ConfigError, MemoryLimitError, ShapeError, layer_where
 from cct.core.workspace import thread_arena
 
@@ -179,6 +180,15 @@ class Layer:
         the bottom gradients, backward_params of the parameter gradients. 0 for
         memory-bound layers."""
         return 0, 0, 0
+
+    def planned_bytes(self, bottom, top, partitions):
+        """Memory the layer will take beyond its blobs and the arrays it holds,
+        for the memory plan (cct.runtime.memory_plan), in bytes by kind:
+        "lowering" or "work.NAME", what one of its `partitions` asks that slot
+        of its thread's arena for (Layer.work); "transient", an array made and
+        freed within a call; "prefetch", batches a prefetch thread keeps ready.
+        Layers with big work arrays say so."""
+        return {}
 
     def configure(self, settings):
         """Take {key: value} for the keys in run_settings (cct.runtime.settings)."""

@@ -12,6 +12,7 @@ from collections import OrderedDict
 import numpy as np
 
 from cct.core.blob import Blob
+from cct.core.allocation import charging
 from cct.core.errors import ConfigError, ShapeError, WeightsError
 from cct.core.layer import TEST, TRAIN, check_layer_type, create_layer
 from cct.core.passes import filter_net, insert_splits
@@ -50,7 +51,9 @@ class Net:
         param.state.CopyFrom(state)
         self.phase = phase
         self.net_param = insert_splits(filter_net(param, state, str(self.source)), str(self.source))
-        self._build()
+        with charging(f"net '{param.name}' ({self.source})") as charge:
+            self.memory_baseline = charge.in_use     # the process before the net: the plan's first term
+            self._build()
         if weights:
             self.copy_from(weights)
 

@@ -25,7 +25,7 @@ import threading
 
 import numpy as np
 
-from cct.core.blob import check_allocation
+from cct.core.allocation import check_allocation
 
 
 class Fresh:

@@ -87,11 +87,13 @@ def write_binary(message, path):
 
 
 def atomic_write(path, payload):
-    """Write bytes so that `path` is either the old file or the whole new one:
-    a crash or kill mid-write never leaves a truncated snapshot."""
+    """Write bytes (or a list of bytes-like pieces, written in turn) so that
+    `path` is either the old file or the whole new one: a crash or kill
+    mid-write never leaves a truncated snapshot."""
     with atomic_path(path) as temp_path:
         with open(temp_path, "wb") as out:
-            out.write(payload)
+            for piece in [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else payload:
+                out.write(piece)
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ import time
 import weakref
 
 from cct.core.progress import Progress
-from cct.runtime import scheduler
+from cct.runtime import memory_plan, scheduler
 from cct.runtime import settings
 from cct.runtime.choice import FasterOf
 from cct.runtime import threads as threads_module
@@ -81,6 +81,9 @@ class Executor:
                 if self.batch(index) is not None:
                     self.plan[index] = forced
         settings.apply(self)
+        # Refused now, before the first forward touches the blobs setup mapped.
+        self.memory_plan = memory_plan.net_plan(net, self)
+        self.memory_plan.check(f"net '{net.name}' ({net.source})")
 
     @property
     def net(self):

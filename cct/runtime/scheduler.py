@@ -101,6 +101,7 @@ class CpuStream:
         self._worker.submit(function)
 
 
+CPU_STREAMS = 3          # a chain's sub-task types: data gradients, weight gradients, the rest (critical_path)
 _streams = []
 _streams_lock = threading.Lock()
 
@@ -203,7 +204,7 @@ class Schedule:
         inputs and makes the ready ones available. A worker that finishes a
         sub-task goes straight on to its next one, with no hop through another
         thread."""
-        streams = streams or cpu_streams(3)
+        streams = streams or cpu_streams(CPU_STREAMS)
         state = _RunState(self, len(streams), delay)
         done = threading.Barrier(len(streams) + 1)
 

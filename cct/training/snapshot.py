@@ -10,10 +10,12 @@ import numpy as np
 from cct.core.errors import ConfigError, WeightsError
 from cct.formats import hdf5
 from cct.formats.prototxt import atomic_path, atomic_write, read_binary
-from cct.formats.weights import array_to_blob_proto, blob_proto_to_array
+from cct.formats.weights import blob_pieces, blob_proto_to_array, field_pieces
 from cct.proto import caffe_pb2
 
 log = logging.getLogger("cct.training.solver")
+
+_STATE_HISTORY = 3                        # SolverState.history
 
 
 def filename(solver, extension):
@@ -39,10 +41,12 @@ def write(solver):
         solver.net.save(model, write_diff=param.snapshot_diff)
         state_path = filename(solver, ".solverstate")
         log.info("Snapshotting solver state to binary proto file %s", state_path)
-        state = caffe_pb2.SolverState(iter=solver.iter, learned_net=model, current_step=solver.current_step)
+        # SolverState's fields in protobuf's order: iter (1), learned_net (2), history (3), current_step (4)
+        pieces = [caffe_pb2.SolverState(iter=solver.iter, learned_net=model).SerializeToString()]
         for history in solver.history:
-            state.history.add().CopyFrom(array_to_blob_proto(history))
-        atomic_write(state_path, state.SerializeToString())
+            pieces += field_pieces(_STATE_HISTORY, blob_pieces(history))
+        pieces.append(caffe_pb2.SolverState(current_step=solver.current_step).SerializeToString())
+        atomic_write(state_path, pieces)
     return state_path
 
 def _write_state_hdf5(solver, path, model):

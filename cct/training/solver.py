@@ -32,6 +32,7 @@ import time
 
 import numpy as np
 
+from cct.core.allocation import charging
 from cct.core.errors import ConfigError
 from cct.core.layer import TEST, TRAIN
 from cct.core.net import Net
@@ -39,7 +40,7 @@ from cct.core.rng import set_random_seed
 from cct.formats.prototxt import read_net, read_solver
 from cct.formats.upgrade import upgrade_solver
 from cct.proto import caffe_pb2
-from cct.runtime import memory, scheduler
+from cct.runtime import memory, memory_plan, scheduler
 from cct.runtime.choice import FasterOf
 from cct.runtime import settings as run_config
 from cct.runtime.threads import run_all
@@ -125,13 +126,16 @@ class Solver:
         self._check_param()
         if param.random_seed >= 0:
             set_random_seed(param.random_seed)
-        self.net = self._init_train_net()
-        if run_config.share_diffs_enabled(default=share_diffs):
-            # activation diffs then hold no meaning after backward: pycaffe opts in
-            log.info("Sharing the train net's diffs: %s", memory.share_diffs(self.net))
-        self.test_nets = self._init_test_nets()
+        with charging(f"solver {source}") as charge:       # the nets together against the limit
+            self.net = self._init_train_net()
+            if run_config.share_diffs_enabled(default=share_diffs):
+                # activation diffs then hold no meaning after backward: pycaffe opts in
+                log.info("Sharing the train net's diffs: %s", memory.share_diffs(self.net))
+            self.test_nets = self._init_test_nets()
         for net in [self.net] + self.test_nets:
             self._load_weights(net)
+        for net in self.test_nets:       # as every test does: their own parameter stores are freed now
+            self.share_weights(net)
         self._images_per_iter = self._batch_size(self.net) * param.iter_size
         self.history = [np.zeros(p.shape, p.dtype) for p in self.net.learnable_params]
         self._stream_schedules = {}  # (iterations, shapes, partitions) -> scheduler.Schedule
@@ -139,6 +143,10 @@ class Solver:
         self._work = {}              # (dtype, stripe, thread) -> work arrays of UPDATE_PIECE elements (_pieces)
         self._stripe = threading.local()     # which pieces this thread updates (_striped)
         self.pre_solve()
+        # before the first iteration touches what setup mapped (cct.runtime.memory_plan)
+        self.memory_plan = memory_plan.solver_plan(self, charge.in_use)
+        log.info("Memory plan: %s", self.memory_plan)
+        self.memory_plan.check(f"solver {source}")
         log.info("Solver scaffolding done.")
 
     # --- set-up ------------------------------------------------------------------

@@ -125,7 +125,7 @@ def test_diff_made_once_when_asked_from_several_threads():
 def test_a_blob_larger_than_the_limit_is_refused_before_it_is_allocated(memory_limit):
     memory_limit(16 << 30)
     with pytest.raises(cct.core.errors.MemoryLimitError,
-                       match=r"^blob of shape \(64, 1000000000\) needs 238 GiB, more than the limit of 16 GiB"):
+                       match=r"^blob of shape \(64, 1000000000\) needs 238 GiB, more than the memory limit of 16 GiB"):
         Blob((64, 10**9))
 
 
@@ -134,7 +134,7 @@ def test_a_shape_whose_count_overflows_int64_is_refused_not_wrapped(memory_limit
         Blob((10**10, 10**10, 10**10))
     memory_limit(1 << 20)
     blob = Blob((512, 512))                   # 1 MiB: at the limit, allowed
-    with pytest.raises(MemoryError, match=r"of shape \(513, 512\) needs 1.002 MiB, more than the limit of 1 MiB"):
+    with pytest.raises(MemoryError, match=r"of shape \(513, 512\) needs 1.002 MiB, more than the memory limit of 1 MiB"):
         blob.reshape(513, 512)
     assert blob.shape == (512, 512)           # a refused reshape leaves the blob as it was
 

@@ -27,7 +27,7 @@ def test_a_top_too_large_is_refused_at_setup_naming_the_layer_and_top(memory_lim
     memory_limit(16 << 30)
     start = time.perf_counter()
     with pytest.raises(MemoryLimitError, match=r"layer 'data' \(Input\): top 'data' of shape "
-                                               r"\(64, 1000000000\) needs 238 GiB, more than the limit of 16 GiB"):
+                                               r"\(64, 1000000000\) needs 238 GiB, more than the memory limit of 16 GiB"):
         cct.Net(HUGE_INPUT, cct.TEST)
     assert time.perf_counter() - start < 1.0       # refused before anything large was made
 
@@ -50,7 +50,7 @@ def test_a_top_that_grows_too_large_at_forward_is_named_too(memory_limit):
     memory_limit(1 << 20)
     net.blobs["data"].reshape(2, 50000)             # 400 KB; the Tile's top would be 3.8 MiB
     with pytest.raises(MemoryLimitError, match=r"layer 't' \(Tile\): top 't' of shape \(2, 500000\) "
-                                               r"needs 3.815 MiB, more than the limit of 1 MiB"):
+                                               r"needs 3.815 MiB, more than the memory limit of 1 MiB"):
         net.forward()
 
 

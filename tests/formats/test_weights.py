@@ -173,3 +173,43 @@ def test_hdf5_weights_are_checked_before_they_are_read(tmp_path):
 def test_a_folder_given_as_weights_is_a_clean_error(tmp_path):
     with pytest.raises(cct.WeightsError, match="weight file is a folder, expected a file"):
         cct.Net(HDF5_NET, cct.TEST).copy_from(str(tmp_path))
+
+
+@pytest.mark.parametrize("write_diff", [False, True])
+def test_caffemodel_written_in_pieces_is_the_serialized_message(tmp_path, write_diff):
+    """save_caffemodel writes each weight array straight from its blob; the file
+    is byte for byte the NetParameter's own serialization, with layer fields on
+    both sides of `blobs` (phase 10, include 8, inner_product_param 117) and a
+    layer whose prototxt carried blobs of its own."""
+    param = caffe_pb2.NetParameter()
+    param.CopyFrom(weights.net_to_proto(cct.Net(HDF5_NET, cct.TEST)))
+    param.layer[-1].include.add(phase=caffe_pb2.TEST)
+    net = cct.Net(param, cct.TEST)
+    for layer in net.layers:
+        for blob in layer.blobs:
+            blob.data[...] = np.random.default_rng(1).standard_normal(blob.shape)
+            blob.diff[...] = -blob.data
+    path = tmp_path / "net.caffemodel"
+    weights.save_caffemodel(net, str(path), write_diff)
+    assert path.read_bytes() == weights.net_to_proto(net, write_diff).SerializeToString()
+    assert any(layer.blobs for layer in net.layers) and net.layers[-1].layer_param.blobs
+
+
+def test_solver_state_written_in_pieces_is_the_serialized_message(tmp_path):
+    from cct.training import snapshot
+    from cct.training.solver import get_solver
+    net_path = tmp_path / "net.prototxt"
+    net_path.write_text(HDF5_NET.replace('"Input"', '"DummyData"').replace(
+        "input_param { shape { dim: 1 dim: 3 } }", "dummy_data_param { shape { dim: 1 dim: 3 } }"))
+    solver_path = tmp_path / "solver.prototxt"
+    solver_path.write_text(f'net: "{net_path}" base_lr: 0.1 lr_policy: "fixed" momentum: 0.9 '
+                           f'snapshot_prefix: "{tmp_path}/snap" display: 0')
+    solver = get_solver(str(solver_path))
+    for history in solver.history:
+        history[...] = np.random.default_rng(2).standard_normal(history.shape)
+    solver.iter, solver.current_step = 3, 1
+    state_path = snapshot.write(solver)
+    expected = caffe_pb2.SolverState(iter=3, learned_net=f"{tmp_path}/snap_iter_3.caffemodel", current_step=1)
+    for history in solver.history:
+        expected.history.add().CopyFrom(weights.array_to_blob_proto(history))
+    assert open(state_path, "rb").read() == expected.SerializeToString()

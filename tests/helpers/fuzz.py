@@ -33,7 +33,7 @@ from datetime import timedelta
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
-from cct.core.blob import set_memory_limit
+from cct.core.allocation import set_memory_limit
 from cct.core.errors import CctError
 from cct.proto import caffe_pb2
 

@@ -514,7 +514,7 @@ def test_hdf5_data_checks_a_dataset_before_reading_it(tmp_path, memory_limit):
         handle.create_group("group")
     (tmp_path / "huge.txt").write_text(str(tmp_path / "huge.h5"))
     with pytest.raises(MemoryError, match=r"layer 'h' \(HDF5Data\): .*huge.h5: dataset 'data' of shape "
-                                          r"\(2, 1073741824\) needs 8 GiB, more than the limit of 1 GiB"):
+                                          r"\(2, 1073741824\) needs 8 GiB, more than the memory limit of 1 GiB"):
         start(hdf5_layer(tmp_path / "huge.txt", 2))
     grouped = make_layer(f'name: "h" type: "HDF5Data" top: "group" hdf5_data_param {{ '
                          f'source: "{tmp_path / "huge.txt"}" batch_size: 2 }}')

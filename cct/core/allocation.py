@@ -1,0 +1,147 @@
+"""Memory checked before it is taken: the limit, one array against it, and a
+net being built against what is left of it.
+
+The limit is the machine's memory (or a smaller cgroup limit, which is what
+the kernel kills at), or one the user sets (set_memory_limit; `--memory_limit`
+on the command line; "memory_limit" in the run configuration). An array larger
+than the limit is refused before numpy tries (check_allocation): numpy would
+raise MemoryError or "array is too big", or the kernel would kill the process
+at first touch of a lazily mapped one. While a net is built (`charging`), the
+blob stores it makes are added up and the one that would take the sum past
+what the limit leaves is refused the same way; the whole run's plan (diffs,
+workspaces, solver history) is cct.runtime.memory_plan's.
+"""
+import contextlib
+import functools
+import math
+import os
+import resource
+
+import numpy as np
+
+from cct.core.errors import MemoryLimitError
+
+_limit = None                  # bytes the process may take; None: the machine's memory
+_charge = None                 # the _Charge of the net being built (charging), or None
+
+
+def set_memory_limit(nbytes):
+    """Refuse any one blob or work array larger than `nbytes`, and a net whose
+    memory plan (cct.runtime.memory_plan) exceeds it (None: the machine's
+    memory, the default). Returns the previous setting."""
+    global _limit
+    previous, _limit = _limit, None if nbytes is None else int(nbytes)
+    return previous
+
+
+def memory_limit():
+    """The limit set_memory_limit set, or None."""
+    return _limit
+
+
+@functools.lru_cache(maxsize=None)
+def machine_memory():
+    """(bytes, what they are): the physical memory, or a smaller cgroup limit
+    (a container's memory.max)."""
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as limit_file:
+                text = limit_file.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < physical:
+            return int(text), f"the {format_bytes(int(text))} this process's cgroup may use ({path})"
+    return physical, f"the {format_bytes(physical)} of memory this machine has"
+
+
+def available():
+    """(bytes, what they are): the user's limit, else the machine's memory."""
+    if _limit is not None:
+        return _limit, f"the memory limit of {format_bytes(_limit)}"
+    return machine_memory()
+
+
+def resident_bytes():
+    """This process's resident memory now (Linux: /proc/self/statm; elsewhere its peak so far)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return peak_resident_bytes()
+
+
+def peak_resident_bytes():
+    """This process's peak resident memory so far: Linux's VmHWM, which starts
+    afresh at exec (ru_maxrss, the fallback, keeps the parent's peak across a
+    fork and exec, so a run started from a big process would report that)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if os.uname().sysname == "Darwin" else peak * 1024      # KiB on Linux
+
+
+def check_allocation(shape, dtype, what="blob", blob=None):
+    """Raise MemoryLimitError, before numpy tries, when an array of `shape` and
+    `dtype` could not fit in the limit, or numpy could not make it at all."""
+    shape, itemsize = tuple(int(d) for d in shape), np.dtype(dtype).itemsize
+    nbytes = math.prod(shape) * itemsize                                  # Python ints: no overflow
+    limit, limit_text = available()
+    if nbytes > limit:
+        raise MemoryLimitError(what, f" of shape {shape} needs {format_bytes(nbytes)}, more than {limit_text}",
+                               blob)
+    if math.prod(d for d in shape if d) * itemsize >= 1 << 63:     # numpy refuses even an empty one
+        raise MemoryLimitError(what, f" of shape {shape} is too large for numpy (its non-zero axes "
+                                     "would take 2^63 bytes or more)", blob)
+
+
+class _Charge:
+    def __init__(self, in_use, budget, what):
+        self.in_use, self.budget, self.what, self.taken = in_use, budget, what, 0
+
+
+@contextlib.contextmanager
+def charging(source):
+    """Inside the block (a net being built from `source`), add up the bytes of
+    every blob store made or grown, and refuse the one that would take the sum
+    past what the limit leaves after the process's own memory, before numpy
+    allocates it. A block inside another counts in the outer one. Stores are
+    mapped at allocation and taken at first touch (np.zeros), so this is what
+    keeps a net that cannot fit from filling its first parameters anyway."""
+    global _charge
+    if _charge is not None:
+        yield _charge
+        return
+    limit, limit_text = available()
+    in_use = resident_bytes()
+    _charge = _Charge(in_use, limit - in_use, f"{limit_text} leaves ({format_bytes(in_use)} of it in use "
+                                      f"before {source})")
+    try:
+        yield _charge
+    finally:
+        _charge = None
+
+
+def charge_store(nbytes, shape, blob):
+    """Count a blob store of `nbytes` (of a blob of `shape`) made inside `charging`."""
+    charge = _charge
+    if charge is None:
+        return
+    if charge.taken + nbytes > charge.budget:
+        raise MemoryLimitError("blob", f" of shape {shape} would take the net being built to "
+                                       f"{format_bytes(charge.taken + nbytes)}, more than {charge.what}", blob)
+    charge.taken += nbytes
+
+
+def format_bytes(nbytes):
+    """238 GiB, 12.5 MiB, 512 bytes."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            value = nbytes / size
+            return f"{value:.0f} {unit}" if value >= 100 else f"{value:.4g} {unit}"
+    return f"{nbytes} bytes"

@@ -1,0 +1,245 @@
+"""The memory plan: what a net, or a solver with its nets, will hold at its
+peak, added up at setup, before training touches the big arrays, and checked
+against the memory there is (or a limit the user sets).
+
+At setup a blob's store is allocated by np.zeros, which the kernel maps
+lazily: the memory is taken at first touch, in the first iteration. So the
+plan is made from what setup allocated and from what the run will add:
+
+    process        what the process held before the nets (interpreter, libraries)
+    runtime        what the run loads that setup does not: numba and LLVM
+                   (started by the first compiled kernel) and OpenBLAS's
+                   per-thread buffers (the first GEMM on each thread),
+                   measured by loading them now
+    blobs          every blob's data store, the nets' and the layers' own
+                   arrays (parameters, masks, scales), each store counted once
+                   (in-place tops and shared parameters share one)
+    diffs          the diffs backward will ask for: every blob a layer that
+                   needs backward reads or writes the gradient of (shared
+                   diff arenas counted once), parameter diffs, and the private
+                   parameter diffs of batch-partition twins
+    workspace      each thread's arena: per slot (the lowering's, a layer's
+                   work array), the largest request of any layer that runs
+                   on that thread (cct.core.workspace)
+    transient      the largest array a layer makes and frees within a call
+                   (DummyData's refill)
+    prefetch       batches a data layer's prefetch thread keeps ready
+    solver history the solver's per-parameter state (momentum, Adam's moments)
+
+Under "streams" or "auto" each CPU stream's thread keeps an arena too: the
+plan counts every slot on each, an upper bound. Not planned: Python objects,
+the kernels numba compiles or loads, heap memory the C library keeps after
+freeing, and pages of a database file the kernel maps (LMDB). `cct train` and
+`cct time` print the plan at the start and the measured peak at the end, so
+the gap shows: CaffeNet training at batch 256 plans 2.54 GiB and peaks at
+2.62 (BENCHMARKS.md).
+
+While a net is built, cct.core.allocation.charging refuses the blob store
+that would take the net past what the limit leaves, before numpy allocates
+it: a net far too large for the machine fails at its first top that does not
+fit, in well under a second, naming that layer and top. The executor checks
+a net's plan when the net is built, the solver its whole plan before the
+first iteration.
+"""
+import numpy as np
+
+from cct.core.blob import Blob
+from cct.core.allocation import available, format_bytes, peak_resident_bytes, resident_bytes
+from cct.core.errors import MemoryLimitError
+from cct.core.layer import TRAIN
+from cct.devices.jit import kernel
+from cct.runtime import scheduler
+
+KINDS = ("process", "runtime", "blobs", "diffs", "workspace", "transient", "prefetch", "solver history")
+
+
+class MemoryPlan:
+    """Planned bytes by kind, and by owner ("layer 'conv1' (Convolution): top 'conv1'"),
+    each array counted once (Plan.add ignores a store seen before)."""
+
+    def __init__(self, baseline):
+        self.bytes = dict.fromkeys(KINDS, 0)
+        self.bytes["process"] = int(baseline)
+        self.owners = {}             # (kind, owner) -> bytes
+        self._seen = set()           # ids of the root arrays counted
+        self._keep = []              # ... kept alive, so that an id is not reused
+        self._slots = {}             # (thread, arena slot) -> (largest request, its layer)
+        self._transient = None       # the layer of the largest transient array
+
+    @property
+    def total(self):
+        return sum(self.bytes.values())
+
+    def add(self, kind, owner, nbytes, array=None, key=None):
+        """Add `nbytes` of `kind` for `owner`; given an `array`, its whole
+        memory (the array it views) instead, unless that was added before.
+        `key` names memory still to come, to count once (a lazy diff)."""
+        if array is not None:
+            array = _root(array)
+            key, nbytes = id(array), array.nbytes
+        if key is not None:
+            if key in self._seen:
+                return
+            self._seen.add(key)
+            self._keep.append(array)
+        if nbytes:
+            self.bytes[kind] += int(nbytes)
+            self.owners[(kind, owner)] = self.owners.get((kind, owner), 0) + int(nbytes)
+
+    def add_workspace(self, owner, thread, slot, nbytes):
+        """A layer's request for `slot` of worker `thread`'s arena: an arena
+        keeps each slot's largest request (cct.core.workspace)."""
+        largest = self._slots.get((thread, slot), (0, None))
+        if nbytes > largest[0]:
+            self._slots[(thread, slot)] = (int(nbytes), owner)
+            self.bytes["workspace"] = sum(size for size, _ in self._slots.values())
+
+    def add_transient(self, owner, nbytes):
+        """An array a layer makes and frees within its call: the largest one counts."""
+        if nbytes > self.bytes["transient"]:
+            self.bytes["transient"] = int(nbytes)
+            self._transient = owner
+
+    def largest(self, count=5):
+        """The `count` largest planned arrays or workspaces: [(bytes, kind, owner)]."""
+        entries = [(nbytes, kind, owner) for (kind, owner), nbytes in self.owners.items()]
+        entries += [(nbytes, "workspace", f"{owner} ({slot}, thread {thread})")
+                    for (thread, slot), (nbytes, owner) in self._slots.items()]
+        if self._transient:
+            entries.append((self.bytes["transient"], "transient", self._transient))
+        return sorted(entries, key=lambda entry: -entry[0])[:count]
+
+    def __str__(self):
+        parts = ", ".join(f"{kind} {format_bytes(nbytes)}" for kind, nbytes in self.bytes.items() if nbytes)
+        return f"planned peak {format_bytes(self.total)} ({parts})"
+
+    def check(self, source):
+        """Raise MemoryLimitError when the plan does not fit, naming the largest arrays."""
+        limit, what = available()
+        if self.total <= limit:
+            return
+        largest = "; ".join(f"{owner}: {kind} {format_bytes(nbytes)}" for nbytes, kind, owner in self.largest())
+        raise MemoryLimitError(f"{source}", f": the {self} needs more than {what}. Largest: {largest}",
+                               named=True)
+
+
+def _root(array):
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array
+
+
+def plan_net(net, plan, backward=None, executor=None):
+    """Add a net's blobs, its diffs (when it runs backward: by default, a TRAIN
+    net), its layers' workspaces and prefetch buffers to `plan`; `executor`
+    says the partitions (the net's own, by default)."""
+    backward = net.phase == TRAIN if backward is None else backward
+    executor = executor or net.executor
+    for name, blob in net.blobs.items():
+        plan.add("blobs", f"blob '{name}'", 0, blob._data_store)
+    for index, layer in enumerate(net.layers):
+        where = layer.where()
+        for param_index, blob in enumerate(layer.blobs):
+            plan.add("blobs", f"{where}: parameter {param_index}", 0, blob._data_store)
+        for attribute, array in _own_arrays(layer):
+            plan.add("blobs", f"{where}: {attribute}", 0, array)
+        partitions = executor.partitions(index)
+        needs = layer.planned_bytes(net.bottom_vecs[index], net.top_vecs[index], max(1, partitions))
+        for slot, nbytes in needs.items():
+            if slot == "prefetch":
+                plan.add("prefetch", where, nbytes)
+            elif slot == "transient":
+                plan.add_transient(where, nbytes)
+            else:
+                for thread in _threads(executor, partitions, backward):
+                    plan.add_workspace(where, thread, slot, nbytes)
+        if backward and net.layer_need_backward[index]:
+            _plan_diffs(net, index, partitions, plan)
+
+
+def _threads(executor, partitions, backward):
+    """The threads a layer's work arrays may end up on: one per partition,
+    and in training under streams (or "auto", which times them) each CPU
+    stream, whose thread keeps an arena of its own."""
+    threads = list(range(max(1, partitions)))
+    if backward and executor.schedule != "sequential":
+        threads += [f"stream {index}" for index in range(scheduler.CPU_STREAMS)]
+    return threads
+
+
+def _plan_diffs(net, index, partitions, plan):
+    layer, where = net.layers[index], net.layers[index].where()
+    blobs = [(f"top '{name}'", blob) for name, blob in zip(net._top_names[index], net.top_vecs[index])]
+    blobs += [(f"bottom '{name}'", blob)
+              for name, blob, needed in zip(net._bottom_names[index], net.bottom_vecs[index],
+                                            net.bottom_need_backward[index]) if needed]
+    blobs += [(f"parameter {k}", blob) for k, blob in enumerate(layer.blobs)]
+    for what, blob in blobs:
+        _plan_diff(plan, f"{where}: {what}", blob)
+    if partitions > 1 and layer.blobs:      # each twin but the first sums into a private copy
+        twin_bytes = sum(blob.count * blob.dtype.itemsize for blob in layer.blobs)
+        plan.add("diffs", f"{where}: partition twins' parameter diffs", (partitions - 1) * twin_bytes)
+
+
+def _plan_diff(plan, owner, blob):
+    if blob._diff_store is not None:
+        plan.add("diffs", owner, 0, blob._diff_store)
+    else:       # made on first use, as large as the data's store
+        plan.add("diffs", owner, blob._data_store.nbytes, key=("diff of", id(blob._data_store)))
+        plan._keep.append(blob._data_store)
+
+
+def _own_arrays(layer):
+    """(attribute, array) for the numpy arrays and Blobs a layer keeps besides
+    its parameters: masks, scales, winner indices sized at reshape."""
+    for attribute, value in vars(layer).items():
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, np.ndarray):
+                yield attribute, item
+            elif isinstance(item, Blob) and not any(item is blob for blob in layer.blobs):
+                yield attribute, item._data_store
+
+
+def net_plan(net, executor):
+    """The plan of a net alone, from the process's memory before it was built."""
+    plan = MemoryPlan(net.memory_baseline)
+    plan_net(net, plan, executor=executor)
+    return plan
+
+
+def solver_plan(solver, baseline):
+    """The plan of a solver: its train net (with diffs), test nets (forward
+    only; parameters shared with the train net count once), history, and
+    the runtime a training run loads."""
+    plan = MemoryPlan(baseline)
+    plan.add("runtime", "numba and OpenBLAS buffers", runtime_bytes())
+    plan_net(solver.net, plan, backward=True)
+    for net in solver.test_nets:
+        plan_net(net, plan, backward=False)
+    for index, array in enumerate(solver.history):
+        plan.add("solver history", f"history {index}", 0, array)
+    return plan
+
+
+def runtime_bytes():
+    """The resident memory that starting numba (the first compiled kernel a
+    run calls imports numba and starts LLVM: about 120 MiB) and a GEMM on
+    every BLAS thread add, measured now by doing both."""
+    before = resident_bytes()
+    _first_kernel(np.zeros(1))
+    matrix = np.ones((1024, 1024), np.float32)
+    np.matmul(matrix, matrix, out=np.empty_like(matrix))
+    return max(0, resident_bytes() - before - 2 * matrix.nbytes)
+
+
+@kernel
+def _first_kernel(values):
+    values[0] += 1.0
+
+
+def measured_line(plan):
+    """`Peak memory: 2.61 GiB measured, 2.55 GiB planned (-2.3%)`."""
+    measured = peak_resident_bytes()
+    change = 100.0 * (plan.total - measured) / measured
+    return (f"Peak memory: {format_bytes(measured)} measured, {format_bytes(plan.total)} planned "
+            f"({change:+.1f}%)")
