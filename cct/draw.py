@@ -8,7 +8,7 @@ import shutil
 
 from cct.core.errors import CctError
 from cct.proto import caffe_pb2
-from cct.formats.prototxt import read_net
+from cct.formats.prototxt import atomic_write, read_net
 
 LAYER_STYLE_DEFAULT = {"shape": "record", "fillcolor": "#6495ED", "style": "filled"}
 NEURON_LAYER_STYLE = {"shape": "record", "fillcolor": "#90EE90", "style": "filled"}
@@ -158,5 +158,4 @@ def draw_net_to_file(caffe_net, filename, rankdir="LR", phase=None, display_lrm=
     filename = str(filename)
     ext = filename[filename.rfind(".") + 1:]
     image = draw_net(caffe_net, rankdir, ext, phase, display_lrm)
-    with open(filename, "wb") as out:
-        out.write(image)
+    atomic_write(filename, image)

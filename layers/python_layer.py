@@ -1,10 +1,15 @@
 """Python layers: type "Python", a layer written by the user in Python (Caffe's
-PythonLayer, pycaffe's caffe.Layer)."""
+PythonLayer, pycaffe's caffe.Layer). Loading a net with one imports the module
+it names and runs its code, as Caffe does: a prototxt is trusted like a script
+(README, "Trust boundary"), and every import is logged with the module's file."""
 import importlib
+import logging
 import traceback
 
 from cct.core.blob import Blob
 from cct.core.layer import TRAIN, Layer, register
+
+log = logging.getLogger("cct.layers.python_layer")
 
 
 class BlobVec(list):
@@ -67,6 +72,8 @@ class PythonLayer(Layer):
             raise probe.config_error("python_param.layer", "missing: name the layer class in module "
                                      f"'{python_param.module}'")
         module = _import_user_module(probe, python_param.module)
+        log.info("%s: runs Python code: imported module '%s' (%s) for class '%s'", probe.where(),
+                 python_param.module, getattr(module, "__file__", None) or "built in", python_param.layer)
         user_class = getattr(module, python_param.layer, None)
         if user_class is None:
             raise probe.config_error("python_param.layer", f"module '{python_param.module}' "

@@ -22,6 +22,7 @@ from cct.data.transformer import array_to_datum, datum_to_array, save_mean_file
 from cct.core.progress import Progress
 from cct.data.db import LMDB, open_db, record_key
 from cct.core.errors import ConfigError, DataError
+from cct.formats.prototxt import atomic_path
 from cct.proto import caffe_pb2
 
 log = logging.getLogger("cct")
@@ -119,8 +120,12 @@ def convert_imageset(argv):
     is_color = not args.gray
     written = failed = 0
     data_size = None
+    # Written aside and renamed into place: a killed run leaves no half-written database under
+    # DB_NAME. An existing one is refused first, as open_db(DB_NAME, ..., "w") refuses it.
+    if os.path.exists(args.db_name) and (not os.path.isdir(args.db_name) or os.listdir(args.db_name)):
+        raise DataError(f"{args.db_name}: database already exists; remove it or choose another name")
     # A line each 1000 images in a log, as Caffe's "Processed 1000 files."
-    with open_db(args.db_name, args.backend, "w") as db, \
+    with atomic_path(args.db_name) as temp_path, open_db(temp_path, args.backend, "w") as db, \
             Progress("convert_imageset", len(entries), "images", every=1000) as shown:
         for line_id, (name, label, number) in enumerate(shown.track(entries)):
             path = args.root_folder + name

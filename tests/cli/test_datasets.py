@@ -98,6 +98,9 @@ def test_convert_imageset_check_size_and_skips(image_set, tmp_path):
         handle.write("missing.png 9\nbig.png 5\n")
     with pytest.raises(DataError, match="big.png: incorrect data field size"):
         convert_imageset(["--check_size", root, listing, str(tmp_path / "a")])
+    # The database is written aside and renamed into place: a run that fails (or is killed)
+    # leaves nothing under its name for the next run to refuse.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["list.txt", "root"]
     # Without --check_size an unreadable image is skipped, as Caffe does.
     assert convert_imageset([root, listing, str(tmp_path / "b")]) == 0
     keys, _ = read_db(tmp_path / "b")

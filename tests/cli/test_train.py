@@ -109,6 +109,18 @@ def test_train_a_net_with_a_pycaffe_python_layer_unchanged(run_folder, capsys, m
     assert losses[-1] < 0.5 * losses[0]
     module = sys.modules.pop("cct_pycaffe_layer")
     assert module.caffe is cct and issubclass(module.Double, cct.Layer)
+    # The trust boundary, in the log: the code a Python layer brings in is named at load.
+    assert (f"net.prototxt: layer 'double' (Python): runs Python code: imported module 'cct_pycaffe_layer' "
+            f"({module.__file__}) for class 'Double'") in messages(err)
+
+
+@pytest.mark.parametrize("command, flag", [("train", "--solver"), ("test", "--model")])
+def test_help_says_a_python_layer_runs_code(command, flag, capsys):
+    with pytest.raises(SystemExit):
+        run_cct(capsys, command, "--help")
+    shown = " ".join(capsys.readouterr().out.split())
+    assert f"{flag} {flag[2:].upper()} the " in shown
+    assert "a Python layer in" in shown and "runs the code of the module it names, as in Caffe" in shown
 
 
 def test_train_with_the_test_net_on_the_training_lmdb(tmp_path, monkeypatch, capsys):

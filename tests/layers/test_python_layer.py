@@ -2,6 +2,7 @@
 param_str/phase, learnable blobs added through BlobVec.add_blob, gradient
 checked, trained in a net; and the errors for a bad module or class."""
 import json
+import logging
 import sys
 import textwrap
 
@@ -128,6 +129,14 @@ def test_factory_returns_the_user_object_with_param_str_phase_and_blobvec(py_mod
     layer.blobs.add_blob((4,))
     assert [b.shape for b in layer.blobs] == [(2, 3), (4,)]
     assert layer.blobs[0].data.dtype == np.float32
+
+
+def test_loading_logs_the_module_a_python_layer_runs(py_module, caplog):
+    with caplog.at_level(logging.INFO, logger="cct"):
+        python_layer("Recorder")
+    assert [r.getMessage() for r in caplog.records if r.name == "cct.layers.python_layer"] == [
+        f"layer 'python' (Python): runs Python code: imported module '{MODULE}' ({py_module.__file__}) "
+        "for class 'Recorder'"]
 
 
 @pytest.mark.parametrize("shape,init", [((2, 3, 4, 5), {}), ((3, 2), {"scale": -0.5, "shift": 2.0})])

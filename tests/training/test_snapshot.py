@@ -1,7 +1,9 @@
 """Snapshots: file names and contents in both formats, restore continuing
 exactly (N steps + snapshot + restore + M steps == N + M steps, bitwise),
-refused states, and a `cct train` killed mid-run that resumes from its latest
-snapshot."""
+refused states, a `cct train` killed mid-run that resumes from its latest
+snapshot, and --sigint_effect/--sighup_effect as Caffe's (stop, snapshot, none;
+tools/caffe.cpp and Solver::Step). tests/training/test_kill.py kills it at
+random moments."""
 import os
 import re
 import signal
@@ -282,3 +284,41 @@ def test_sighup_snapshots_and_sigint_stops(tmp_path):
     assert "SIGHUP received: snapshot" in log and "SIGINT received: stop" in log
     assert "Optimization stopped early." in log
     assert len(snapshot_iters(tmp_path)) == 2       # SIGHUP's, then the stop's (snapshot_after_train)
+
+
+def test_sigint_effect_snapshot_goes_on_and_sighup_effect_stop_stops(tmp_path):
+    """As Caffe's Solver::Step: a 'snapshot' request snapshots and training goes
+    on; a 'stop' request ends training, with the snapshot_after_train snapshot."""
+    solver_path = write_run(tmp_path, max_iter=10 ** 7, snapshot=0)
+    log_path = tmp_path / "train.log"
+    process = start_train(log_path, "--solver", solver_path, "--sigint_effect=snapshot", "--sighup_effect=stop")
+    wait_for(lambda: "Learning Rate Policy" in log_path.read_text(), process, log_path)
+    process.send_signal(signal.SIGINT)
+    wait_for(lambda: snapshot_iters(tmp_path), process, log_path)
+    process.send_signal(signal.SIGHUP)
+    assert process.wait(timeout=60) == 0, log_path.read_text()
+    log = log_path.read_text()
+    assert "SIGINT received: snapshot" in log and "SIGHUP received: stop" in log
+    assert "Optimization stopped early." in log
+    first, last = snapshot_iters(tmp_path)
+    assert last > first                             # it trained on after the SIGINT snapshot
+
+
+@pytest.mark.parametrize("ignored, stopping", [("SIGINT", "SIGHUP"), ("SIGHUP", "SIGINT")])
+def test_effect_none_ignores_and_stop_without_snapshot_after_train_writes_nothing(ignored, stopping, tmp_path):
+    solver_path = write_run(tmp_path, max_iter=10 ** 7, snapshot=0, extra="snapshot_after_train: false")
+    log_path = tmp_path / "train.log"
+    effects = {ignored: "none", stopping: "stop"}
+    process = start_train(log_path, "--solver", solver_path, f"--sigint_effect={effects['SIGINT']}",
+                          f"--sighup_effect={effects['SIGHUP']}")
+    wait_for(lambda: "Learning Rate Policy" in log_path.read_text(), process, log_path)
+    process.send_signal(getattr(signal, ignored))
+    wait_for(lambda: f"{ignored} received: none" in log_path.read_text(), process, log_path)
+    # Still training: a display line (every 50 iterations) comes after the ignored signal.
+    wait_for(lambda: "] Iteration" in log_path.read_text().split(f"{ignored} received: none")[1],
+             process, log_path)
+    process.send_signal(getattr(signal, stopping))
+    assert process.wait(timeout=60) == 0, log_path.read_text()
+    assert f"{stopping} received: stop" in log_path.read_text()
+    assert "Optimization stopped early." in log_path.read_text()
+    assert snapshot_iters(tmp_path) == []
