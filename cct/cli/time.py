@@ -22,7 +22,8 @@ log = logging.getLogger("cct.cli")
     flag("--tune", action="store_true",
          help="first choose each layer's batch partitions by measurement (net.executor.tune())"),
     flag("--peak_size", type=int, default=2048,
-         help="square sgemm size for the GEMM peak measured at the start (0: skip it)"),
+         help="square sgemm size for the GEMM peak measured at the start, with the memory bandwidth "
+              "(0: skip both, and the ops' limits)"),
     PHASE, LEVEL, STAGE, GPU, SCHEDULE, MEMORY_LIMIT,
     flag("--trace", default="",
          help="with --schedule streams or auto: write one streamed backward as a Chrome trace (.json, for "
@@ -30,6 +31,7 @@ log = logging.getLogger("cct.cli")
 )
 def time_command(args):
     from cct.runtime import memory_plan, profile
+    from cct.core.allocation import reset_peak_resident
     from cct.core.layer import TRAIN
     from cct.core.net import Net
     require(args.model, "--model", "need a model definition to time")
@@ -48,12 +50,15 @@ def time_command(args):
     log.info("Memory plan: %s", memory)
     for path in stages(args.weights):
         net.copy_from(path)
-    peak = None
+    peak = bandwidth = None
     if args.peak_size:
         net.executor.finish()                   # all BLAS threads, as the layers get them
         peak = profile.gemm_peak(args.peak_size, repeats=3)
         log.info("GEMM peak: %.1f GFLOP/s (sgemm %d, %d BLAS threads)", peak, args.peak_size,
                  net.executor.threads)
+        bandwidth = profile.memory_bandwidth(net.executor.threads)
+        log.info("Memory bandwidth: %.1f GB/s (copies of 64 MB, %d threads)", bandwidth, net.executor.threads)
+        reset_peak_resident()           # the measured peak is the net's, not these measurements' arrays
     if args.tune:
         log.info("Tuning batch partitions")
         plan = net.executor.tune()
@@ -94,7 +99,7 @@ def time_command(args):
     log.info("Average Backward pass: %s ms.", fmt(backward_ms.sum()))
     log.info("Average Forward-Backward: %s ms.", fmt(total_ms / args.iterations))
     log.info("Total Time: %s ms.", fmt(total_ms))
-    for line in profile_table(net, forward_ms, backward_ms, peak):
+    for line in profile_table(net, forward_ms, backward_ms, peak, bandwidth):
         log.info("%s", line)
     if args.schedule in ("streams", "auto"):
         _time_streams(net, args.trace)
@@ -175,15 +180,20 @@ def scheduler_trace(schedule, names, origin):
 
 
 PROFILE_HEADER = ("layer", "type", "fwd ms", "bwd ms", "fwd GFLOP/s", "bwd GFLOP/s", "% peak",
-                  "lowering", "partitions")
+                  "limit ms", "x limit", "lowering", "partitions")
 
 
-def profile_table(net, forward_ms, backward_ms, peak):
+def profile_table(net, forward_ms, backward_ms, peak, bandwidth=None):
     """`cct time`'s profile: per layer its times, achieved GFLOP/s (cct.runtime.profile's
-    counts), the share of the GEMM peak (forward and backward together), the
-    lowering type of convolutions and the batch partitions; then the net's total."""
+    counts), the share of the GEMM peak (forward and backward together), its
+    limit on this machine (FLOPs at the GEMM peak or bytes at the memory
+    bandwidth, whichever is longer) and its time over that limit, the
+    lowering type of convolutions and the batch partitions; then the net's
+    total and the ops furthest from their limits."""
     from cct.runtime import profile
     flops = profile.net_flops(net, every_backward=True)
+    limits = [[profile.limit_ms(count, nbytes, peak, bandwidth) for count, nbytes in zip(layer_flops, layer_bytes)]
+              for layer_flops, layer_bytes in zip(flops, profile.net_bytes(net))] if peak and bandwidth else None
 
     def rate(count, ms):
         return count / ms / 1e6 if count and ms > 0 else None
@@ -195,9 +205,11 @@ def profile_table(net, forward_ms, backward_ms, peak):
     for i, layer in enumerate(net.layers):
         (fwd_flops, bwd_flops), fwd, bwd = flops[i], forward_ms[i], backward_ms[i]
         both = rate(fwd_flops + bwd_flops, fwd + bwd)
+        limit = sum(limits[i]) if limits else None
         rows.append((layer.name, layer.type, f"{fwd:.3f}", f"{bwd:.3f}", cell(rate(fwd_flops, fwd), ".1f"),
                      cell(rate(bwd_flops, bwd), ".1f"),
                      cell(100 * both / peak if both is not None and peak else None, ".0f"),
+                     cell(limit, ".3g"), cell((fwd + bwd) / limit if limit else None, ".1f"),
                      str(getattr(layer, "lowering_type", "-")), str(net.executor.partitions(i))))
     total_flops = sum(f + b for f, b in flops)
     total_ms = float(np.sum(forward_ms) + np.sum(backward_ms))
@@ -209,7 +221,25 @@ def profile_table(net, forward_ms, backward_ms, peak):
     lines.append(f"Net: {total_flops / 1e9:.4g} GFLOP per forward-backward, "
                  + (f"{total:.1f} GFLOP/s" if total is not None else "- GFLOP/s")
                  + (f" = {100 * total / peak:.0f}% of the GEMM peak" if total is not None and peak else ""))
+    if limits:
+        lines += furthest_from_limits(net, forward_ms, backward_ms, limits, bandwidth)
     return lines + fewer_partitions(net)
+
+
+def furthest_from_limits(net, forward_ms, backward_ms, limits, bandwidth, count=5):
+    """The net's time over the sum of its ops' limits, and the `count` ops
+    that lose the most time to their limits, forward and backward apart."""
+    ops = [(ms - limit, ms, limit, f"{layer.name} {direction}")
+           for layer, times, layer_limits in zip(net.layers, zip(forward_ms, backward_ms), limits)
+           for direction, ms, limit in zip(("forward", "backward"), times, layer_limits)]
+    total_ms, total_limit = sum(op[1] for op in ops), sum(op[2] for op in ops)
+    lines = [f"Limits (memory bandwidth {bandwidth:.1f} GB/s): the net takes {total_ms:.3f} ms against "
+             f"{total_limit:.3f} ms" + (f", {total_ms / total_limit:.1f}x" if total_limit else "")]
+    worst = sorted(ops, key=lambda op: -op[0])[:count]
+    lines.append("Most time over the limit: " + ", ".join(
+        f"{name} {ms:.3f} ms (limit {limit:.3f}" + (f", {ms / limit:.1f}x)" if limit else ")")
+        for _, ms, limit, name in worst))
+    return lines
 
 
 def fewer_partitions(net):

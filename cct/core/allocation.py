@@ -86,6 +86,17 @@ def peak_resident_bytes():
     return peak if os.uname().sysname == "Darwin" else peak * 1024      # KiB on Linux
 
 
+def reset_peak_resident():
+    """Start the peak (VmHWM) afresh from the current resident memory, where
+    Linux allows it (/proc/self/clear_refs); returns whether it did."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def check_allocation(shape, dtype, what="blob", blob=None):
     """Raise MemoryLimitError, before numpy tries, when an array of `shape` and
     `dtype` could not fit in the limit, or numpy could not make it at all."""

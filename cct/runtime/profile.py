@@ -22,6 +22,15 @@ types count 0: they are memory bound and GFLOP/s says nothing about them.
 
 CaffeNet at batch 1 counts 1.45 GFLOP forward and 4.14 GFLOP for training
 (conv1's bottom needs no gradient), the figures the issue quotes.
+
+Memory traffic (layer_bytes), for each op's limit: the least a layer must
+move, each array touched once. Forward reads its bottoms and parameters and
+writes its tops; backward reads its tops' diffs, its bottoms (and, for an
+in-place or element-wise layer, its tops), its parameters, and writes the
+bottoms' diffs it computes and its parameter diffs (read and written: they
+accumulate). An op's limit is the larger of its FLOPs at the GEMM peak and
+its bytes at the memory bandwidth (the roofline), both measured by `cct time`
+on this machine (gemm_peak, memory_bandwidth); `x limit` is its time over it.
 """
 
 
@@ -50,6 +59,56 @@ def net_flops(net, every_backward=False):
                                         net.bottom_need_backward[i])
         counts.append((forward, backward if every_backward or net.layer_need_backward[i] else 0))
     return counts
+
+
+def layer_bytes(layer, bottoms, tops, bottom_needs_backward=None):
+    """(forward bytes, backward bytes) a layer must move at least (module docstring)."""
+    def size(blobs):
+        return sum(blob.count * blob.dtype.itemsize for blob in blobs)
+    needs = bottom_needs_backward if bottom_needs_backward is not None else [True] * len(bottoms)
+    distinct_tops = [top for top in tops if not any(top is bottom for bottom in bottoms)]
+    params = size(layer.blobs)
+    forward = size(bottoms) + size(tops) + params
+    backward = (size(tops) + size(bottoms) + size(distinct_tops) + params
+                + size(b for b, need in zip(bottoms, needs) if need))
+    if layer.param_propagate_down and layer.param_propagate_down[0]:
+        backward += 2 * params
+    return forward, backward
+
+
+def net_bytes(net):
+    """[(forward, backward)] bytes per layer of a built net (every backward, as `cct time` runs it)."""
+    return [layer_bytes(layer, net.bottom_vecs[i], net.top_vecs[i], net.bottom_need_backward[i])
+            for i, layer in enumerate(net.layers)]
+
+
+def memory_bandwidth(threads=1, megabytes=64, repeats=5):
+    """Best copy rate (GB/s, bytes read plus bytes written) of `threads`
+    threads at once, each copying its own `megabytes` array: the rate an
+    element-wise op can reach. Best of `repeats` after a warm-up copy."""
+    import time
+    import numpy as np
+    from cct.runtime.threads import run_all, workers
+    count = max(1, threads)
+    sources = [np.ones(megabytes << 18, np.float32) for _ in range(count)]
+    targets = [np.empty_like(source) for source in sources]
+    pool = workers(count)
+
+    def copy_all():
+        run_all(pool, np.copyto, zip(targets, sources))
+    copy_all()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        copy_all()
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * count * sources[0].nbytes / best / 1e9
+
+
+def limit_ms(flops, nbytes, peak, bandwidth):
+    """An op's least time on this machine (ms): its FLOPs at the GEMM peak
+    (GFLOP/s) or its bytes at the bandwidth (GB/s), whichever takes longer."""
+    return max(flops / peak if peak else 0.0, nbytes / bandwidth if bandwidth else 0.0) / 1e6
 
 
 def gemm_peak(size=2048, repeats=5):

@@ -59,15 +59,22 @@ def test_time_prints_the_profile_table(tmp_path, capsys):
     rows = {m.split()[0]: m.split() for m in text[start + 2:start + 2 + len(PROFILE_NET_LAYERS)]}
     assert list(rows) == PROFILE_NET_LAYERS
     for name in ("conv", "pool", "norm", "deconv", "fc"):
-        layer_type, fwd_ms, bwd_ms, fwd_rate, bwd_rate, share, lowering, partitions = rows[name][1:]
+        layer_type, fwd_ms, bwd_ms, fwd_rate, bwd_rate, share, limit, over, lowering, partitions = rows[name][1:]
         assert float(fwd_ms) >= 0 and float(bwd_ms) >= 0
         assert fwd_rate == "-" or float(fwd_rate) >= 0
         assert share == "-" or float(share) >= 0
+        assert float(limit) > 0 and float(over) >= 0
         assert partitions == "1"
-    assert rows["conv"][7] in ("1", "2", "3") and rows["deconv"][7] in ("1", "2", "3")
-    assert rows["relu"][4:7] == ["-", "-", "-"] and rows["relu"][7] == "-"
+    assert rows["conv"][9] in ("1", "2", "3") and rows["deconv"][9] in ("1", "2", "3")
+    # ReLU does no GEMM work but has a limit: its bytes at the memory bandwidth
+    assert rows["relu"][4:7] == ["-", "-", "-"] and float(rows["relu"][7]) > 0 and rows["relu"][9] == "-"
     assert any(re.fullmatch(r"Net: [0-9.e+-]+ GFLOP per forward-backward, [0-9.]+ GFLOP/s = \d+% of "
                             r"the GEMM peak", m) for m in text)
+    assert any(re.fullmatch(r"Memory bandwidth: [0-9.]+ GB/s \(copies of 64 MB, \d+ threads\)", m) for m in text)
+    assert any(re.fullmatch(r"Limits \(memory bandwidth [0-9.]+ GB/s\): the net takes [0-9.]+ ms against "
+                            r"[0-9.]+ ms, [0-9.]+x", m) for m in text)
+    worst = next(m for m in text if m.startswith("Most time over the limit: "))
+    assert len(worst.split("), ")) == 5 and all(n in PROFILE_NET_LAYERS for n in re.findall(r"(\w+) (?:for|back)ward", worst))
 
 
 def test_time_tune_shows_the_chosen_partitions(tmp_path, capsys):

@@ -48,3 +48,25 @@ def test_caffenet_counts_match_the_published_figures():
     assert forward / 1e9 == pytest.approx(1.45, abs=0.01)
     conv1 = profile.layer_flops(net.layers[1], net.bottom_vecs[1], net.top_vecs[1], [False])
     assert conv1[0] == 2 * 55 * 55 * 96 * 3 * 11 * 11
+
+
+def test_layer_bytes_count_each_array_once():
+    """An in-place ReLU on 4x5 floats: forward reads and writes the blob (160
+    bytes); backward reads the top's diff and the blob and writes the bottom's
+    diff (240). An InnerProduct 4x5 -> 3 reads x and its 15 + 3 parameters and
+    writes y forward; backward also reads and writes the parameter diffs."""
+    net = Net("""force_backward: true
+    layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 4 dim: 5 } } }
+    layer { name: "relu" type: "ReLU" bottom: "x" top: "x" }
+    layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y" inner_product_param { num_output: 3 } }""",
+              cct.TRAIN)
+    relu, ip = profile.net_bytes(net)[1:]
+    assert relu == (160, 240)
+    params = 4 * (15 + 3)
+    assert ip == (80 + params + 48, 48 + 80 + 48 + params + 80 + 2 * params)
+
+
+def test_an_ops_limit_is_the_longer_of_its_flops_and_bytes():
+    assert profile.limit_ms(2e9, 1e6, peak=100.0, bandwidth=10.0) == pytest.approx(20.0)    # GEMM-bound
+    assert profile.limit_ms(1e3, 1e9, peak=100.0, bandwidth=10.0) == pytest.approx(100.0)   # memory-bound
+    assert profile.memory_bandwidth(threads=2, megabytes=8, repeats=2) > 0
