@@ -16,7 +16,8 @@ log = logging.getLogger("cct.cli")
 # --- time --------------------------------------------------------------------------------------
 @command("time", "benchmark a model's forward and backward, layer by layer")
 @arguments(
-    flag("--model", default="", help="the net definition (prototxt)"),
+    flag("--model", default="", help="the net definition (prototxt); a Python layer in it runs the code of "
+                                     "the module it names, as in Caffe: time only files you trust"),
     flag("--weights", default="", help="optional weights, comma separated"),
     flag("--iterations", type=int, default=50, help="number of forward-backward passes to time"),
     flag("--tune", action="store_true",

@@ -8,6 +8,7 @@ import errno
 import os
 import re
 import shutil
+import socket
 import stat
 import tempfile
 
@@ -108,6 +109,8 @@ def atomic_path(path):
     A folder replacing a folder takes two renames (the old one aside, the new
     one in: a rename cannot replace a non-empty folder); a crash between them
     leaves the old folder in the hidden .tmp-NAME-* folder beside `path`.
+    A scratch folder whose writer was killed is removed by the next write in
+    its folder (_remove_abandoned_scratch), unless it holds such an old folder.
     Permissions are those a plain open(path, "w") gives (see _plain_modes).
 
         with atomic_path("net.caffemodel.h5") as temp_path:
@@ -116,9 +119,10 @@ def atomic_path(path):
     target = os.path.abspath(os.fspath(path))
     folder, name = os.path.split(target)
     os.makedirs(folder, exist_ok=True)
+    _remove_abandoned_scratch(folder)
     # A private folder, not a temporary file: the writer creates its own file
     # or folder under the final name, and a failure removes one thing.
-    scratch = tempfile.mkdtemp(dir=folder, prefix=f".tmp-{name}-")
+    scratch = tempfile.mkdtemp(dir=folder, prefix=f".tmp-{name}-{_HOST}-{os.getpid()}-")
     temp_path = os.path.join(scratch, name)
     try:
         yield temp_path
@@ -133,6 +137,34 @@ def atomic_path(path):
         shutil.rmtree(scratch, ignore_errors=True)
     # The rename (and the scratch folder's removal) last only once the folder is on disk.
     _fsync(folder)
+
+
+_HOST = socket.gethostname().replace("-", "_")
+_SCRATCH = re.compile(r"\.tmp-.+-(?P<host>[^-]+)-(?P<pid>\d+)-[^-]+")
+
+
+def _remove_abandoned_scratch(folder):
+    """Remove the scratch folders a killed writer on this host left in
+    `folder` (a kill skips the cleanup; a partial snapshot can be hundreds of
+    MB): those whose process is gone. Another host's, on a shared file
+    system, are left alone: its processes cannot be seen from here."""
+    for entry in os.listdir(folder):
+        match = _SCRATCH.fullmatch(entry)
+        scratch = os.path.join(folder, entry)
+        # (one holding .old keeps the only copy of a folder a kill caught between its two renames)
+        if (match and match["host"] == _HOST and not _alive(int(match["pid"]))
+                and not os.path.lexists(os.path.join(scratch, ".old"))):
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:          # another user's process
+        return True
+    return True
 
 
 def _plain_modes(temp_path, target):

@@ -114,7 +114,7 @@ def test_train_a_net_with_a_pycaffe_python_layer_unchanged(run_folder, capsys, m
             f"({module.__file__}) for class 'Double'") in messages(err)
 
 
-@pytest.mark.parametrize("command, flag", [("train", "--solver"), ("test", "--model")])
+@pytest.mark.parametrize("command, flag", [("train", "--solver"), ("test", "--model"), ("time", "--model")])
 def test_help_says_a_python_layer_runs_code(command, flag, capsys):
     with pytest.raises(SystemExit):
         run_cct(capsys, command, "--help")

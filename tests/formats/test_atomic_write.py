@@ -271,3 +271,25 @@ def test_weights_and_snapshots_follow_the_umask(net, tmp_path, mask, expected):
         solver.snapshot()
     for name in ("net.caffemodel", "net.caffemodel.h5", "run_iter_1.caffemodel", "run_iter_1.solverstate"):
         assert mode(tmp_path / name) == expected, name
+
+
+def test_a_killed_writers_scratch_is_removed_by_the_next_write(tmp_path):
+    """A kill skips atomic_path's cleanup: the next write in the folder removes
+    the scratch folders of this host's writers that are gone, and leaves a
+    live writer's, and one that holds the only copy of a replaced folder."""
+    import subprocess
+    import sys
+    from cct.formats.prototxt import _HOST
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    dead = tmp_path / f".tmp-net.caffemodel-{_HOST}-{gone}-abc123"
+    live = tmp_path / f".tmp-other.caffemodel-{_HOST}-{os.getpid()}-def456"
+    kept_old = tmp_path / f".tmp-db-{_HOST}-{gone}-ghi789"
+    other_host = tmp_path / f".tmp-x.caffemodel-elsewhere-{gone}-jkl012"
+    for scratch in (dead, live, kept_old, other_host):
+        scratch.mkdir()
+        (scratch / "partial").write_bytes(b"half a snapshot")
+    (kept_old / ".old").mkdir()
+    atomic_write(tmp_path / "net.caffemodel", b"whole")
+    assert not dead.exists() and live.exists() and kept_old.exists() and other_host.exists()
+    assert (tmp_path / "net.caffemodel").read_bytes() == b"whole"

@@ -13,13 +13,13 @@ iteration: an iteration takes about a millisecond, a snapshot of its files
 (1.2 and 2.4 MB) 10 to 30, so a kill at a random moment of training mostly
 lands in a snapshot, and most of those in the writing of a file itself. A
 kill inside the atomic helper leaves its hidden scratch folder .tmp-NAME-*
-behind (the helper's cleanup never runs); one between the weights and the
+behind (the helper's cleanup never runs; the resumed run's first write
+removes it); one between the weights and the
 state leaves weights newer than the newest state: both are counted, and at
 least one of the 20 kills must be such a kill."""
 import os
 import random
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -113,7 +113,7 @@ def kill_chain(folder, snapshot_format, solver_path, loader, moments):
     --snapshot; returns the last state and how many kills hit a snapshot being
     written."""
     model_ext, state_ext = EXTENSIONS[snapshot_format]
-    state, resumed_from, mid_write = None, 0, 0
+    state, resumed_from, mid_write, abandoned = None, 0, 0, set()
     for index, moment in enumerate(moments):
         log_path = folder / f"train_{index}.log"
         process = train(solver_path, *(["--snapshot", state] if state else []), log_path=log_path)
@@ -123,6 +123,8 @@ def kill_chain(folder, snapshot_format, solver_path, loader, moments):
                 assert process.poll() is None, f"cct train ended early:\n{log_path.read_text()}"
                 assert time.monotonic() < deadline, f"no new snapshot:\n{log_path.read_text()}"
                 time.sleep(0.01)
+            # the resumed run's first write removed what the killed one abandoned
+            assert not abandoned & scratch_folders(folder)
             time.sleep(moment)
         finally:
             process.send_signal(signal.SIGKILL)
@@ -139,11 +141,9 @@ def kill_chain(folder, snapshot_format, solver_path, loader, moments):
         assert loader.iter == newest
         # Keep the newest pair only: 1.2 MB files are written every iteration.
         for entry in os.listdir(folder):
-            if entry in scratch:
-                shutil.rmtree(folder / entry)
-            elif entry.startswith("run_iter_") and not entry.startswith(f"run_iter_{newest}."):
+            if entry.startswith("run_iter_") and not entry.startswith(f"run_iter_{newest}."):
                 os.remove(folder / entry)
-        resumed_from = newest
+        resumed_from, abandoned = newest, scratch
     return state, mid_write
 
 
