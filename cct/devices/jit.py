@@ -4,12 +4,17 @@ numpy expresses most layers as a few whole-array passes. Where an operation
 takes numpy many passes, or a strided pass that reads one value per cache
 line, a compiled loop that touches every element once is a numba kernel,
 written next to the numpy code it replaces and checked in the tests against
-that code or Caffe's loops: max pooling's backward (a scatter to each
-window's winner), col2im of the batch-inner layout and the tiled transpose
-back from it (cct.lowering.type1), LRN across channels, and the SGD update.
-Only where it pays: compiled im2col (either layout), channels-first col2im
-and the max-pooling forward were measured slower than numpy's strided copies
-and chunked passes (BENCHMARKS.md), and stay numpy.
+that code or Caffe's loops: max and average pooling's forward and average
+pooling's backward (unit-stride sweeps over column phases of a block of
+planes), max pooling's backward (a scatter to each window's winner), col2im
+of the batch-inner layout and the tiled transpose back from it
+(cct.lowering.type1), LRN across channels, and the SGD update. Only where it
+pays: compiled im2col (either layout) and channels-first col2im were
+measured slower than numpy's strided copies (BENCHMARKS.md), and stay numpy.
+A loop vectorises only over unit-stride slices indexed by its own counter
+(or unsigned indices): numba's check for negative indices otherwise keeps
+LLVM from vectorising, which is why a first compiled max-pooling forward
+ran slower than numpy.
 
 Kernels are serial and release the GIL (`nogil`): cct's parallelism is the
 executor's batch partitions (cct.runtime.executor), each on its own thread, so a

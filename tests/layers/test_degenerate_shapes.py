@@ -335,10 +335,8 @@ def test_no_classes_is_refused_naming_the_field_or_the_labels(case, bottoms, mat
 
 
 # --- Pooling (layers/pooling.py) ---------------------------------------------------------------
-POOLING_CHANGE = "needs the layers/pooling.py change in the issue-15 report (a 0 output size runs, as Caffe's)"
 
 
-@pytest.mark.xfail(strict=True, reason=POOLING_CHANGE)
 @pytest.mark.parametrize("pool", ["MAX", "AVE"])
 def test_pooling_to_an_empty_output_runs(pool):
     """ceil((2 - 3) / 1) + 1 = 0 (pooling_layer.cpp): Blob::Reshape takes it."""
@@ -355,13 +353,11 @@ def test_pooling_to_a_negative_size_is_refused():
                     [np.ones((1, 1, 2, 2))])
 
 
-@pytest.mark.xfail(strict=True, reason="needs the layers/pooling.py change in the issue-15 report (name the fields)")
 def test_pooling_to_a_negative_size_names_the_fields():
     refused(ShapeError, layer_text("Pooling", "pooling_param { pool: MAX kernel_size: 5 }"), [np.ones((1, 1, 2, 2))],
             "pooling_param.kernel_size")
 
 
-@pytest.mark.xfail(strict=True, reason="needs the layers/pooling.py change in the issue-15 report (global, H = 0)")
 def test_global_pooling_of_an_empty_plane_is_refused():
     """The kernel is the bottom's H x W, here 0 x 2: Caffe's CHECK_GT(kernel_h_, 0)
     ("Filter dimensions cannot be zero", pooling_layer.cpp) refuses it."""
@@ -369,7 +365,6 @@ def test_global_pooling_of_an_empty_plane_is_refused():
             [np.ones((1, 1, 0, 2))], "pooling_param.global_pooling")
 
 
-@pytest.mark.xfail(strict=True, reason="needs the layers/pooling.py change in the issue-15 report (SPP at batch 0)")
 def test_spp_of_an_empty_batch_runs():
     _, _, tops = run_forward_backward(layer_text("SPP", "spp_param { pyramid_height: 2 }"), [np.ones((0, 2, 4, 4))])
     assert tops[0].shape == (0, 10)

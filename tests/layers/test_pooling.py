@@ -359,3 +359,152 @@ def test_max_backward_after_a_reshape_without_forward_is_an_error():
     layer.reshape(bottoms, tops)
     with pytest.raises(ShapeError, match="backward needs a forward"):
         layer.backward(tops, [True], bottoms)
+
+
+# --- the compiled kernels against the numpy passes (COMPILED = False) ---------------------
+KERNEL_CASES = [   # prototxt fields, input shape: every geometry the kernels special-case
+    ("kernel_size: 3 stride: 2", (2, 3, 13, 13)),                    # GoogLeNet's pool1-4: ceil overhang
+    ("kernel_size: 3 stride: 1 pad: 1", (1, 5, 7, 7)),               # the inception pools
+    ("kernel_size: 2 stride: 2", (3, 4, 8, 8)),                      # LeNet: planes used as they are
+    ("kernel_size: 3 stride: 2 pad: 1", (2, 2, 6, 7)),
+    ("kernel_size: 2 stride: 2 round_mode: FLOOR", (2, 2, 7, 9)),   # rows and columns no window reaches
+    ("kernel_h: 3 kernel_w: 2 stride_h: 1 stride_w: 3 pad_h: 2 pad_w: 1", (2, 2, 5, 7)),
+    ("kernel_size: 4 stride: 3 pad: 2", (1, 3, 8, 6)),               # stride 3: the general column split
+    ("kernel_size: 1 stride: 4", (1, 2, 6, 9)),                      # stride past the kernel
+    ("kernel_size: 7 stride: 1", (2, 3, 7, 7)),                      # GoogLeNet's pool5: the whole image
+    ("kernel_size: 3 stride: 2", (1, 2, 2, 2)),                      # one window wider than the image
+    ("global_pooling: true", (2, 3, 5, 4)),
+]
+
+
+def forward_in(x, prototxt, num_tops=1):
+    """The layer's tops after one forward, in x's dtype."""
+    layer = make_layer(prototxt, cct.TEST)
+    bottoms, tops = setup_layer(layer, [x], num_tops=num_tops, dtype=x.dtype)
+    layer.forward(bottoms, tops)
+    return tops
+
+
+def forward_backward_both(prototxt, x, dy, monkeypatch, num_tops=1):
+    """(compiled, numpy) results of forward_backward, tops and bottom diff,
+    and the layer (its kernel, stride and pad)."""
+    results = []
+    for compiled in (True, False):
+        monkeypatch.setattr("cct.layers.pooling.COMPILED", compiled)
+        layer = make_layer(prototxt, cct.TRAIN)
+        bottoms, tops = setup_layer(layer, [x], dtype=x.dtype, num_tops=num_tops)
+        layer.forward(bottoms, tops)
+        tops[0].diff[...] = dy
+        layer.backward(tops, [True], bottoms)
+        results.append([top.data.copy() for top in tops] + [bottoms[0].diff.copy()])
+    return results, layer
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("method", ["MAX", "AVE"])
+@pytest.mark.parametrize("fields,shape", KERNEL_CASES)
+def test_kernels_equal_numpy_passes(monkeypatch, fields, shape, method, dtype):
+    """Bit for bit: MAX's values, mask and routed gradients; AVE's window sums
+    (both add a window's cells in scan order from 0; the padding's zeros change
+    nothing). AVE's spread gradients equal Caffe's loop bit for bit (each cell's
+    shares in the order of their outputs), the numpy passes' (window offset
+    order) to rounding. A whole-image AVE sums in scan order where numpy's sum
+    goes pairwise: checked against Caffe's loop below."""
+    x = RNG.standard_normal(shape).astype(dtype)
+    x[0, 0, 0, :2] = x[0, 0, 1, 0]                             # ties: the first in scan order wins
+    prototxt = f'type: "Pooling" pooling_param {{ pool: {method} {fields} }}'
+    top_shape = run_layer(prototxt, [x])[2][0].shape
+    dy = RNG.standard_normal(top_shape).astype(dtype)
+    (compiled, numpy_passes), layer = forward_backward_both(prototxt, x, dy, monkeypatch,
+                                                            num_tops=2 if method == "MAX" else 1)
+    whole_image_ave = method == "AVE" and layer.whole_image
+    tolerance = dict(rtol=1e-6 if dtype == np.float32 else 1e-14, atol=1e-7 if dtype == np.float32 else 1e-15)
+    for ours, theirs in zip(compiled[:-1], numpy_passes[:-1]):
+        if whole_image_ave:
+            np.testing.assert_allclose(ours, theirs, **tolerance)
+        else:
+            np.testing.assert_array_equal(ours, theirs)
+    if method == "MAX":
+        np.testing.assert_array_equal(compiled[-1], numpy_passes[-1])
+    else:
+        np.testing.assert_allclose(compiled[-1], numpy_passes[-1], **tolerance)
+        if not layer.whole_image:
+            caffe = naive_backward(dy, None, shape, "AVE", layer.kernel, layer.stride, layer.pad)
+            np.testing.assert_array_equal(compiled[-1], caffe)
+
+
+def test_whole_image_average_sums_in_caffe_order():
+    x = RNG.standard_normal((2, 3, 7, 7)).astype(np.float32) * 1000
+    tops = forward_in(x, 'type: "Pooling" pooling_param { pool: AVE global_pooling: true }')
+    for index in np.ndindex(2, 3):
+        total = np.float32(0)
+        for value in x[index].ravel():                          # Caffe's loop, float32 throughout
+            total = np.float32(total + value)
+        assert tops[0].data[index][0, 0] == total / np.float32(49)
+
+
+@pytest.mark.parametrize("block_cells", [1, 200])
+@pytest.mark.parametrize("method", ["MAX", "AVE"])
+@pytest.mark.parametrize("fields,shape", KERNEL_CASES[:7])
+def test_kernel_blocks_give_the_one_block_numbers(monkeypatch, fields, shape, method, block_cells):
+    """BLOCK_CELLS below a plane: every plane is its own block; 200: blocks of
+    a few planes, the last one short."""
+    x = RNG.standard_normal(shape).astype(np.float32)
+    prototxt = f'type: "Pooling" pooling_param {{ pool: {method} {fields} }}'
+    dy = RNG.standard_normal(run_layer(prototxt, [x])[2][0].shape).astype(np.float32)
+    whole = forward_backward(prototxt, x, dy)
+    monkeypatch.setattr("cct.layers.pooling.BLOCK_CELLS", block_cells)
+    blocked = forward_backward(prototxt, x, dy)
+    for ours, theirs in zip(blocked, whole):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("fields,kernel,stride,pad", [
+    ("kernel_size: 3 stride: 2", (3, 3), (2, 2), (0, 0)),
+    ("kernel_size: 3 stride: 1 pad: 1", (3, 3), (1, 1), (1, 1)),
+    ("global_pooling: true", (5, 6), (1, 1), (0, 0)),
+])
+def test_max_kernel_skips_nan_and_infinity_as_caffe_does(fields, kernel, stride, pad):
+    """Caffe's `if (x > max)` from -FLT_MAX: NaN, -inf and -FLT_MAX never win;
+    a window of nothing else keeps -FLT_MAX and mask -1."""
+    x = RNG.standard_normal((1, 2, 5, 6)).astype(np.float32)
+    x[0, 0, :2, :3] = np.nan
+    x[0, 0, 3:, 2:] = -np.inf
+    x[0, 1] = -np.inf
+    x[0, 1, 2, 3] = np.nan
+    tops = forward_in(x, f'type: "Pooling" pooling_param {{ pool: MAX {fields} }}', num_tops=2)
+    expected, mask = naive_pool(x, "MAX", kernel, stride, pad)
+    np.testing.assert_array_equal(tops[0].data, expected.astype(np.float32))
+    np.testing.assert_array_equal(tops[1].data, mask)
+
+
+@pytest.mark.parametrize("text", ["pool: MAX kernel_size: 3 stride: 2", "pool: AVE kernel_size: 3 stride: 1 pad: 1",
+                                  "pool: MAX global_pooling: true"])
+def test_parallel_runner_gives_the_one_call_numbers(monkeypatch, text):
+    """Kernels split into ranges of planes (pooling.set_parallel_runner) give
+    the one call's numbers; a batch partition's twin never splits."""
+    from cct.layers import pooling
+    x = distinct((2, 3, 9, 9))
+    prototxt = f'type: "Pooling" pooling_param {{ {text} }}'
+    dy = RNG.standard_normal(run_layer(prototxt, [x])[2][0].shape)
+    whole = forward_backward(prototxt, x, dy)
+    calls = []
+
+    def runner(function, parts):
+        calls.append(len(parts))
+        for arguments in parts:
+            function(*arguments)
+    monkeypatch.setattr(pooling, "PARALLEL_ELEMENTS", 0)
+    pooling.set_parallel_runner(runner, 4)
+    try:
+        split = forward_backward(prototxt, x, dy)
+        assert calls and set(calls) == {4}
+        calls.clear()
+        twin = make_layer(prototxt, cct.TRAIN).clone(2)
+        bottoms, tops = setup_layer(twin, [x])
+        twin.forward(bottoms, tops)
+        assert not calls
+    finally:
+        pooling.set_parallel_runner(None, 1)
+    for ours, theirs in zip(split, whole):
+        np.testing.assert_array_equal(ours, theirs)
