@@ -17,7 +17,7 @@ from cct.core.errors import ConfigError, ShapeError, WeightsError
 from cct.core.layer import TEST, TRAIN, check_layer_type, create_layer
 from cct.core.passes import filter_net, insert_splits
 from cct.formats import weights as weights_io
-from cct.formats.prototxt import read_net
+from cct.formats.prototxt import net_source, read_net
 from cct.formats.upgrade import upgrade_net
 from cct.proto import caffe_pb2
 
@@ -40,7 +40,7 @@ class Net:
             raise TypeError(f"Net() got unexpected arguments {sorted(kwargs)}")
         if phase not in (TRAIN, TEST):
             raise ConfigError(f"Net(): phase must be cct.TRAIN or cct.TEST, got {phase!r}")
-        self.source = network if not isinstance(network, caffe_pb2.NetParameter) else "<NetParameter>"
+        self.source = net_source(network)
         param = upgrade_net(read_net(network), source=str(self.source))
         for layer_param in param.layer:       # named before the passes, which see only blobs
             check_layer_type(layer_param, str(self.source))

@@ -68,11 +68,26 @@ def read_net(path_or_text, *, is_text=None):
     if isinstance(path_or_text, caffe_pb2.NetParameter):
         return path_or_text
     path = os.fspath(path_or_text)
-    if is_text is None and not os.path.exists(path) and ("{" in path or "\n" in path or ":" in path):
-        return parse_text(path, caffe_pb2.NetParameter())
+    if is_text is None and _is_text(path):
+        return parse_text(path, caffe_pb2.NetParameter(), source=TEXT_SOURCE)
     if path.endswith((".caffemodel", ".binaryproto", ".pb")):
         return read_binary(path, caffe_pb2.NetParameter())
     return read_text(path, caffe_pb2.NetParameter())
+
+
+TEXT_SOURCE = "<prototxt text>"           # what errors call a net given as text, not as a file
+
+
+def _is_text(path):
+    return not os.path.exists(path) and ("{" in path or "\n" in path or ":" in path)
+
+
+def net_source(path_or_text):
+    """How messages name a net: its file, "<prototxt text>" or "<NetParameter>"."""
+    if isinstance(path_or_text, caffe_pb2.NetParameter):
+        return "<NetParameter>"
+    path = os.fspath(path_or_text)
+    return TEXT_SOURCE if _is_text(path) else path
 
 
 def read_solver(path):

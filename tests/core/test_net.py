@@ -555,3 +555,14 @@ def test_parse_error_names_file_line_and_layer(tmp_path):
 def test_unknown_type_is_named_before_its_blobs(tmp_path):
     with pytest.raises(cct.ConfigError, match=r"layer 'c' \(Convolutio\): type: unknown layer type"):
         cct.Net('layer { name: "c" type: "Convolutio" bottom: "a" top: "c" }', cct.TEST)
+
+
+def test_a_net_given_as_text_is_named_so_in_errors():
+    """Not by its whole text: a message names "<prototxt text>", the layer and the field."""
+    text = """layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 0 dim: 4 dim: 5 } } }
+    layer { name: "l" type: "PReLU" bottom: "data" top: "data" }"""
+    with pytest.raises(cct.ConfigError) as refused:
+        cct.Net(text, cct.TRAIN)
+    assert str(refused.value).startswith("<prototxt text>: layer 'l' (PReLU): prelu_param.filler: ")
+    with pytest.raises(cct.ConfigError, match=r"^<prototxt text>:1:"):
+        cct.Net("layer { nme: 'x' }", cct.TRAIN)

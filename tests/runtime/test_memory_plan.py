@@ -72,9 +72,11 @@ def test_a_run_whose_plan_does_not_fit_is_refused_before_its_first_iteration(tmp
     solver_path = tmp_path / "solver.prototxt"
     solver_path.write_text(f'net: "{net}" base_lr: 0.01 lr_policy: "fixed" momentum: 0.9 max_iter: 1')
     built = cct.Net(str(net), cct.TRAIN)
-    net_peak = built.executor.memory_plan.total
-    del built
-    memory_limit(net_peak + (12 << 20))
+    net_plan = built.executor.memory_plan
+    net_needs = net_plan.total - net_plan.bytes["process"]        # the net's own, above the process
+    del built, net_plan
+    # the train net fits with 20 MiB to spare; its momentum (32 MiB) and refill (8 MiB) do not
+    memory_limit(resident_bytes() + net_needs + (20 << 20))
     with pytest.raises(cct.MemoryLimitError) as refused:
         get_solver(str(solver_path))
     message = str(refused.value)
