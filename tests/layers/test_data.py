@@ -106,7 +106,10 @@ def test_data_encoded_color_is_bgr_and_gray_stays_gray(tmp_path):
     b, g, r = (color[:, k].astype(np.float64) for k in range(3))
     luma = (r * 299 + g * 587 + b * 114) / 1000
     got = forward(layer, tops)[0][:, 0]
-    assert np.abs(got - luma).max() <= 1.0
+    # libpng's fixed-point grey conversion (OpenCV's grey PNG decode, as Caffe's) rounds to within
+    # about 1.01 of the exact luma (1.009 over 262,144 random pixels); bit-exactness against
+    # Caffe's own pipeline is tests/data/test_images.py's
+    assert np.abs(got - luma).max() <= 1.02
     layer.close()
 
 
