@@ -93,11 +93,6 @@ class DummyData(Layer):
     def reshape(self, bottom, top):
         pass
 
-    def planned_bytes(self, bottom, top, partitions):
-        # a refill draws the filler's values into a new array, then copies them
-        return {"transient": max((blob.count * blob.dtype.itemsize for blob, filler in zip(top, self._fillers)
-                                  if filler.type != "constant"), default=0)}
-
     def forward(self, bottom, top):
         for index, (blob, filler) in enumerate(zip(top, self._fillers)):
             if filler.type != "constant":

@@ -185,8 +185,8 @@ class Layer:
         """Memory the layer will take beyond its blobs and the arrays it holds,
         for the memory plan (cct.runtime.memory_plan), in bytes by kind:
         "lowering" or "work.NAME", what one of its `partitions` asks that slot
-        of its thread's arena for (Layer.work); "transient", an array made and
-        freed within a call; "prefetch", batches a prefetch thread keeps ready.
+        of its thread's arena for (Layer.work); "prefetch", batches a
+        prefetch thread keeps ready.
         Layers with big work arrays say so."""
         return {}
 

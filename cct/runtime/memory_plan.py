@@ -21,8 +21,6 @@ plan is made from what setup allocated and from what the run will add:
     workspace      each thread's arena: per slot (the lowering's, a layer's
                    work array), the largest request of any layer that runs
                    on that thread (cct.core.workspace)
-    transient      the largest array a layer makes and frees within a call
-                   (DummyData's refill)
     prefetch       batches a data layer's prefetch thread keeps ready
     solver history the solver's per-parameter state (momentum, Adam's moments)
 
@@ -50,7 +48,7 @@ from cct.core.layer import TRAIN
 from cct.devices.jit import kernel
 from cct.runtime import scheduler
 
-KINDS = ("process", "runtime", "blobs", "diffs", "workspace", "transient", "prefetch", "solver history")
+KINDS = ("process", "runtime", "blobs", "diffs", "workspace", "prefetch", "solver history")
 
 
 class MemoryPlan:
@@ -64,7 +62,6 @@ class MemoryPlan:
         self._seen = set()           # ids of the root arrays counted
         self._keep = []              # ... kept alive, so that an id is not reused
         self._slots = {}             # (thread, arena slot) -> (largest request, its layer)
-        self._transient = None       # the layer of the largest transient array
 
     @property
     def total(self):
@@ -94,19 +91,11 @@ class MemoryPlan:
             self._slots[(thread, slot)] = (int(nbytes), owner)
             self.bytes["workspace"] = sum(size for size, _ in self._slots.values())
 
-    def add_transient(self, owner, nbytes):
-        """An array a layer makes and frees within its call: the largest one counts."""
-        if nbytes > self.bytes["transient"]:
-            self.bytes["transient"] = int(nbytes)
-            self._transient = owner
-
     def largest(self, count=5):
         """The `count` largest planned arrays or workspaces: [(bytes, kind, owner)]."""
         entries = [(nbytes, kind, owner) for (kind, owner), nbytes in self.owners.items()]
         entries += [(nbytes, "workspace", f"{owner} ({slot}, thread {thread})")
                     for (thread, slot), (nbytes, owner) in self._slots.items()]
-        if self._transient:
-            entries.append((self.bytes["transient"], "transient", self._transient))
         return sorted(entries, key=lambda entry: -entry[0])[:count]
 
     def __str__(self):
@@ -148,8 +137,6 @@ def plan_net(net, plan, backward=None, executor=None):
         for slot, nbytes in needs.items():
             if slot == "prefetch":
                 plan.add("prefetch", where, nbytes)
-            elif slot == "transient":
-                plan.add_transient(where, nbytes)
             else:
                 for thread in _threads(executor, partitions, backward):
                     plan.add_workspace(where, thread, slot, nbytes)
