@@ -29,8 +29,8 @@ plan counts every slot on each, an upper bound. Not planned: Python objects,
 the kernels numba compiles or loads, heap memory the C library keeps after
 freeing, and pages of a database file the kernel maps (LMDB). `cct train` and
 `cct time` print the plan at the start and the measured peak at the end, so
-the gap shows: CaffeNet training at batch 256 plans 2.54 GiB and peaks at
-2.62 (BENCHMARKS.md).
+the gap shows: CaffeNet training at batch 256 plans 2.39 GiB and peaks at
+2.53 (BENCHMARKS.md).
 
 While a net is built, cct.core.allocation.charging refuses the blob store
 that would take the net past what the limit leaves, before numpy allocates
