@@ -33,16 +33,17 @@ from datetime import timedelta
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
-from cct.core.allocation import set_memory_limit
+from cct.core.allocation import resident_bytes, set_memory_limit
 from cct.core.errors import CctError
 from cct.proto import caffe_pb2
 
 EXAMPLES_ENV = "CCT_FUZZ_EXAMPLES"
 KEEP_GOING_ENV = "CCT_FUZZ_KEEP_GOING"
 DEFAULT_EXAMPLES = 100
-# One blob or work array may take this much: a mutated net that asks for more
-# gets a clean MemoryLimitError instead of a long run through a huge array.
-MEMORY_LIMIT = 16 << 20
+# An input may take this much above what the process holds (cct's limit counts
+# the whole process: cct.core.allocation): a mutated net that asks for more
+# gets a clean MemoryLimitError instead of a long run through huge arrays.
+MEMORY_HEADROOM = 64 << 20
 HANG_SECONDS = 30
 
 TALLY = defaultdict(Counter)                 # kind -> tried, clean, ran, foreign
@@ -74,7 +75,7 @@ def attempt(kind, action, describe=lambda: ""):
     tally = TALLY[kind]
     tally["tried"] += 1
     try:
-        with _alarm(HANG_SECONDS), _memory_limit(MEMORY_LIMIT):
+        with _alarm(HANG_SECONDS), _memory_limit(resident_bytes() + MEMORY_HEADROOM):
             _unwrapped(action)
     except CctError:
         tally["clean"] += 1
