@@ -43,6 +43,15 @@ def set_schedule(mode):
     settings.set_schedule(mode)
 
 
+def set_fusion(enabled):
+    """cct's extension: whether TEST-phase nets built from now on run chains
+    of BatchNorm, Scale, ReLU, Eltwise sums as one pass and Split tops as
+    aliases (None: back to CCT_FUSION / the run configuration / on;
+    cct.runtime.fusion)."""
+    from cct.runtime import settings
+    settings.set_fusion(enabled)
+
+
 def set_memory_limit(nbytes):
     """cct's extension: refuse nets whose planned peak, and arrays, exceed
     `nbytes` (None: the machine's memory); what `--memory_limit` sets.

@@ -70,6 +70,13 @@ class Eltwise(Layer):
         if out is not top[0].data:
             top[0].data[...] = out
 
+    def epilogue(self, bottom, top):
+        """A sum of two bottoms, for inference fusion (cct.runtime.fusion):
+        ("sum", (coeff0, coeff1), False); None for other operations and counts."""
+        if self.op != _ELTWISE.SUM or len(bottom) != 2:
+            return None
+        return "sum", tuple(self.coeffs), False
+
     def backward(self, top, propagate_down, bottom):
         top_diff = top[0].diff
         # Backwards over the bottoms: when the top is bottom[0] (in place) its diff is
@@ -140,6 +147,20 @@ class Reduction(Layer):
             np.multiply(x, 2 * scale, out=out)
         else:
             out[...] = scale
+
+
+def _per_channel(bottom, blocks, operand):
+    """The operand as one value per channel of bottom viewed as (N, C, rest)
+    (C = 1 for a 1-d bottom), when the broadcast `blocks` (outer, dim, inner)
+    are that view or the operand is one value; else None."""
+    shape = bottom.shape
+    channels = shape[1] if len(shape) > 1 else 1
+    values = operand.data.reshape(-1)
+    if blocks[1] == 1:
+        return np.full(channels, values[0], values.dtype)
+    if blocks[:2] == (shape[0], channels):        # then inner is the rest
+        return values
+    return None
 
 
 def _learned_shape(layer, bottom, section):
@@ -215,6 +236,24 @@ class Scale(Layer):
         if self.layer_param.scale_param.bias_term:
             out += self.blobs[-1].data.reshape(1, dim, 1)
 
+    def epilogue(self, bottom, top):
+        """A learned scale (and bias) of one value per channel, or one value,
+        for inference fusion (cct.runtime.fusion): ("affine", (None, scale,
+        bias), whether backward reads the input: in place, the parameter
+        gradients do). None for a scale given as bottom[1] or other axes.
+        In place, the input is then not kept: a backward forced on the
+        parameters (`cct time`) reads the output in its stead."""
+        if len(bottom) != 1:
+            return None
+        scale = _per_channel(bottom[0], self._blocks, self.blobs[0])
+        bias = (_per_channel(bottom[0], self._blocks, self.blobs[-1])
+                if self.layer_param.scale_param.bias_term else None)
+        if scale is None or (self.layer_param.scale_param.bias_term and bias is None):
+            return None
+        self._saved_input = None
+        in_place = top[0] is bottom[0]
+        return "affine", (None, scale, bias), in_place and any(map(self.param_wanted, range(len(self.blobs))))
+
     # backward (Layer.backward): the learned scale's and bias's gradients, then
     # the bottoms': a scale given as bottom[1] gets its gradient before bottom[0]'s
     # is written, which in place is the top's
@@ -274,6 +313,15 @@ class Bias(Layer):
         outer, dim, inner = self._blocks
         np.add(bottom[0].data.reshape(outer, dim, inner), self._bias(bottom).data.reshape(1, dim, 1),
                out=top[0].data.reshape(outer, dim, inner))
+
+    def epilogue(self, bottom, top):
+        """A learned bias of one value per channel, or one value, for inference
+        fusion (cct.runtime.fusion): ("affine", (None, None, bias), False);
+        None for a bias given as bottom[1] or other axes."""
+        if len(bottom) != 1:
+            return None
+        bias = _per_channel(bottom[0], self._blocks, self.blobs[0])
+        return None if bias is None else ("affine", (None, None, bias), False)
 
     # backward (Layer.backward): the learned bias's gradient, then the bottoms'
     def backward_param(self, index, top, bottom):

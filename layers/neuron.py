@@ -65,6 +65,14 @@ class ReLU(Neuron):
         else:
             top[0].data[...] = np.where(x > 0, x, x * x.dtype.type(self.slope))
 
+    def epilogue(self, bottom, top):
+        """For inference fusion (cct.runtime.fusion): ("relu", negative_slope,
+        False); None in place with a negative slope, whose backward needs the
+        input that a fused pass does not keep."""
+        if top[0] is bottom[0] and self.needs_input:
+            return None
+        return "relu", self.slope, False
+
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
@@ -430,6 +438,11 @@ class Dropout(Neuron):
 
     def planned_bytes(self, bottom, top, partitions):
         return {"work.dropout_uniform": bottom[0].count * 4} if self.phase == TRAIN else {}
+
+    def epilogue(self, bottom, top):
+        """TEST: the identity, for inference fusion (cct.runtime.fusion):
+        ("copy", None, False); TRAIN draws a mask: None."""
+        return None if self.phase == TRAIN else ("copy", None, False)
 
     def forward(self, bottom, top):
         x = bottom[0].data

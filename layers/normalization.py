@@ -400,6 +400,22 @@ class BatchNorm(Layer):
         self.x_norm = centred / self.std                                # kept: top may be overwritten
         self._grouped(top[0].data)[...] = self.x_norm
 
+    def epilogue(self, bottom, top):
+        """With global statistics, forward as a per-channel affine map for
+        inference fusion (cct.runtime.fusion): ("affine", (shift, scale, None),
+        False), y = (x + shift) * scale with shift = -mean and scale =
+        1 / sqrt(var + eps). Sets what backward reads (std), as forward
+        does; None in batch mode."""
+        if not self.use_global_stats:
+            return None
+        dtype = bottom[0].data.dtype
+        factor = self.blobs[2].data[0]
+        factor = 0.0 if factor == 0 else 1.0 / factor
+        mean = (self.blobs[0].data * factor).astype(dtype)
+        variance = (self.blobs[1].data * factor).astype(dtype)
+        self.std = np.sqrt(variance + dtype.type(self.eps))[:, None]   # (C, 1)
+        return "affine", (-mean, dtype.type(1) / self.std[:, 0], None), False
+
     def _update_running_stats(self, mean, variance, m):
         maf = self.maf
         self.blobs[2].data[...] = self.blobs[2].data * maf + 1

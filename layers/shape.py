@@ -46,15 +46,25 @@ def axis_slices(axis, bounds):
 @register("Split")
 class Split(Layer):
     """Copies its bottom to every top; backward sums the tops' diffs.
-    Inserted by the net for blobs read by several layers."""
+    Inserted by the net for blobs read by several layers.
+
+    `aliases = True` (set by inference fusion, cct.runtime.fusion, where no
+    layer writes the bottom or a top afterwards): the tops share the bottom's
+    data (Caffe's ShareData), shared again at every reshape, and forward
+    copies nothing. Diffs stay the tops' own."""
     exact_bottoms = 1
     min_tops = 1
+    aliases = False
 
     def reshape(self, bottom, top):
         for blob in top:
             blob.reshape(bottom[0].shape)
+            if self.aliases and blob is not bottom[0]:
+                blob.share_data(bottom[0])
 
     def forward(self, bottom, top):
+        if self.aliases:
+            return
         for blob in top:
             if blob is not bottom[0]:
                 blob.data[...] = bottom[0].data

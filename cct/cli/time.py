@@ -31,7 +31,7 @@ log = logging.getLogger("cct.cli")
               "Perfetto or chrome://tracing) or a timeline picture (.png, needs matplotlib)"),
 )
 def time_command(args):
-    from cct.runtime import memory_plan, profile
+    from cct.runtime import fusion, memory_plan, profile
     from cct.core.allocation import reset_peak_resident
     from cct.core.layer import TRAIN
     from cct.core.net import Net
@@ -46,6 +46,8 @@ def time_command(args):
     apply_schedule(args)
     apply_memory_limit(args)
     net = Net(args.model, phase(args, TRAIN), level=args.level, stages=stages(args.stage))
+    for line in fusion.describe(net):
+        log.info("%s", line)
     memory = net.executor.memory_plan
     memory.add("runtime", "numba and OpenBLAS buffers", memory_plan.runtime_bytes())     # what timing loads
     log.info("Memory plan: %s", memory)

@@ -101,12 +101,14 @@ def test(args):
     from cct.core.layer import TEST
     from cct.core.net import Net
     from cct.core.progress import Progress
+    from cct.runtime import fusion
     require(args.model, "--model", "need a model definition to score")
     require(args.weights, "--weights", "need model weights to score")
     check_iterations(args.iterations)
     note_gpu(args)
     apply_memory_limit(args)
     net = Net(args.model, phase(args, TEST), level=args.level, stages=stages(args.stage))
+    fusion.forward_only(net)        # scoring runs no backward: every chain may fuse
     for path in stages(args.weights):
         net.copy_from(path)
     log.info("Running for %d iterations.", args.iterations)

@@ -30,6 +30,10 @@ What the runtime reads (declarations, never type names):
       bottom's diff is the top's, which the data gradient overwrites. A layer may
       keep a backward of its own that shares work between them (a convolution's
       lifted gradient), as long as the numbers are bitwise the sub-tasks' (tested).
+    epilogue(bottom, top)  the forward as one element-wise step inference fusion may
+                           chain into one pass (cct.runtime.fusion), or None
+    aliases                (Split) set by fusion: the tops share the bottom's data
+    planned_bytes(...)     work memory the memory plan counts (cct.runtime.memory_plan)
 
 Work arrays: big temporaries are mmapped and page-faulted afresh on every
 allocation (tens of ms for CaffeNet's blobs), so hot paths reuse arrays:

@@ -15,6 +15,12 @@ calling thread, k >= 1 on worker k), so the per-thread arenas exist once per
 partition index, not once per layer; a twin's lowering budget is the layer's
 divided by p, so p partitions at once stay within one budget.
 
+Inference fusion (cct.runtime.fusion): a TEST-phase net, unless the run
+settings turn it off, gets a Fusion plan when its executor is made (before
+the memory plan, so aliased Split tops count once); forward(i) hands the
+layers of a fused run to it, and finish() and every backward run a pass it
+still holds.
+
 Events: `subscribe(kind, callback)` with kind before_forward, after_forward,
 before_backward or after_backward calls callback(layer_index) around every
 layer forward(i) or backward(i) runs (pycaffe's Net.before_forward & co.).
@@ -24,6 +30,7 @@ import time
 import weakref
 
 from cct.core.progress import Progress
+from cct.runtime import fusion as fusion_module
 from cct.runtime import memory_plan, scheduler
 from cct.runtime import settings
 from cct.runtime.choice import FasterOf
@@ -81,6 +88,7 @@ class Executor:
                 if self.batch(index) is not None:
                     self.plan[index] = forced
         settings.apply(self)
+        self.fusion = fusion_module.plan(net) if settings.fusion_enabled(net.phase) else None
         # Refused now, before the first forward touches the blobs setup mapped.
         self.memory_plan = memory_plan.net_plan(net, self)
         self.memory_plan.check(f"net '{net.name}' ({net.source})")
@@ -192,9 +200,25 @@ class Executor:
         """Run layer `index` forward (reshape first, as Caffe's Layer::Forward),
         set its loss tops' diffs to their loss weights, and return its weighted
         loss. set_blas=False leaves the BLAS thread count as it is (a stream
-        of cct.runtime.scheduler, which splits the threads between streams)."""
+        of cct.runtime.scheduler, which splits the threads between streams).
+        A layer of a fused run (cct.runtime.fusion) is reshaped and left to
+        its run's pass; per-layer callbacks and streams see every layer run."""
         if self._listeners:
             self._emit("before_forward", index)
+        fusion = self.fusion
+        if fusion is not None:
+            if self._listeners or not set_blas:
+                fusion.flush(self)
+            elif fusion.forward(self, index):
+                return self.net.layer_loss(index)
+        self.run_layer(index, set_blas)
+        loss = self.net.layer_loss(index)
+        if self._listeners:
+            self._emit("after_forward", index)
+        return loss
+
+    def run_layer(self, index, set_blas=True):
+        """Layer `index`'s reshape and forward, in its batch partitions."""
         layer, bottoms, tops = self._layer(index)
         with layer.naming_allocations(tops):
             layer.reshape(bottoms, tops)
@@ -207,14 +231,12 @@ class Executor:
                 layer.forward(bottoms, tops)
             else:
                 self._runner(index, partitions).forward(self.workers(partitions), bottoms, tops)
-        loss = self.net.layer_loss(index)
-        if self._listeners:
-            self._emit("after_forward", index)
-        return loss
 
     def backward(self, index, force=False):
         """Run layer `index` backward if the net needs its backward (or `force`:
         `cct time` runs every layer's, as Caffe's does). The events fire either way."""
+        if self.fusion is not None:
+            self.fusion.before_backward(self)
         if self._listeners:
             self._emit("before_backward", index)
         if force or self.net.layer_need_backward[index]:
@@ -238,7 +260,10 @@ class Executor:
                 self._runner(index, partitions).backward(self.workers(partitions), tops, propagate_down, bottoms)
 
     def finish(self):
-        """All BLAS threads again, for whatever runs after the net."""
+        """The pass of a fused run a forward stopped inside, then all BLAS
+        threads again, for whatever runs after the net."""
+        if self.fusion is not None:
+            self.fusion.flush(self)
         self.blas.set(self.threads)
 
     @property
@@ -253,6 +278,8 @@ class Executor:
         faster of the two as measured on this net and shape. Per-layer
         callbacks see layers one at a time, so with a subscriber the mode is
         sequential. The numbers are the same in every mode."""
+        if self.fusion is not None:
+            self.fusion.before_backward(self)
         if self._listeners or self.schedule != "auto":
             self._backward_in("sequential" if self._listeners else self.schedule)
             return

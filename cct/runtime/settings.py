@@ -16,13 +16,15 @@ Environment variables:
     CCT_CACHE_DIR           where the lowering chooser caches its measurements
     CCT_SCHEDULE            sequential, streams or auto: how a net runs its
                             backward (cct.runtime.scheduler)
+    CCT_FUSION              1 or 0: whether TEST-phase nets run with
+                            inference fusion (cct.runtime.fusion)
 
 The run configuration, a JSON file named by CCT_CONFIG or loaded with
 `cct.runtime.settings.load(path)`:
 
     {"layers":  {"conv1": {"lowering": 3, "partitions": 2}},
      "default": {"lowering": "auto", "measure": false},
-     "share_diffs": false, "schedule": "sequential"}
+     "share_diffs": false, "schedule": "sequential", "fusion": false}
 
 Keys, per layer (under "layers", by layer name) or for every layer ("default"):
 
@@ -62,6 +64,15 @@ is the schedule for runs that must repeat bit for bit. Top-level "priorities": {
 gradient (beta) rank below their layer's data gradient in the streams
 schedule (cct.runtime.critical_path; defaults in cct.runtime.scheduler).
 
+Top-level "fusion": false turns inference fusion off (cct.runtime.fusion:
+chains of BatchNorm, Scale, Bias, ReLU, Dropout and Eltwise sums run as one
+pass over a blob, Split tops alias their bottom). It is on by default for
+every TEST-phase net (`cct test`, deploy nets, a solver's test nets, pycaffe
+nets built with cct.TEST); TRAIN-phase nets never fuse, whatever the
+setting. Precedence: set_fusion(), then CCT_FUSION, then the configuration,
+then on. The switch is read when a net's executor is made (as the net is
+built); a net keeps what it was built with.
+
 Unknown keys and bad values are errors naming the file and the key. Layers a
 net does not have are ignored (a train and a test net share one file).
 Precedence for a convolution's lowering type: the layer's entry, then the
@@ -72,6 +83,7 @@ import json
 import os
 
 from cct.core.errors import ConfigError
+from cct.core.layer import TEST
 from cct.lowering import chooser
 from cct.lowering.chunking import DEFAULT_BUDGET_MB
 
@@ -82,10 +94,11 @@ PARTITIONS_ENV = "CCT_PARTITIONS"
 LOWERING_ENV = "CCT_LOWERING"
 BUDGET_ENV = "CCT_LOWERING_BUDGET_MB"
 CACHE_ENV = "CCT_CACHE_DIR"
-TOP_KEYS = ("layers", "default", "share_diffs", "schedule", "priorities")
+TOP_KEYS = ("layers", "default", "share_diffs", "schedule", "priorities", "fusion")
 PRIORITY_KEYS = ("alpha", "beta")
 SCHEDULE_ENV = "CCT_SCHEDULE"
 SCHEDULES = ("sequential", "streams", "auto")
+FUSION_ENV = "CCT_FUSION"
 KEYS = ("lowering", "measure", "lowering_budget_mb", "partitions")
 
 
@@ -160,6 +173,9 @@ class RunConfig:
                               f"got {json.dumps(self.schedule)}")
         self.priorities = _check_priorities(self.source, contents.get("priorities", {}))
         self.share_diffs = contents.get("share_diffs")           # None: the caller's default
+        self.fusion = contents.get("fusion")                     # None: not set here
+        if "fusion" in contents and not isinstance(self.fusion, bool):
+            raise ConfigError(f"{self.source}: fusion: must be true or false, got {json.dumps(self.fusion)}")
         if "share_diffs" in contents and not isinstance(self.share_diffs, bool):
             raise ConfigError(f"{self.source}: share_diffs: must be true or false, "
                               f"got {json.dumps(self.share_diffs)}")
@@ -252,21 +268,59 @@ def schedule(config=None):
     return config.schedule if config is not None and config.schedule else "auto"
 
 
+_fusion = None              # set by set_fusion(); wins over CCT_FUSION
+
+
+def set_fusion(enabled):
+    """Make fusion on (True) or off (False) for TEST-phase nets built from now
+    on; None: back to CCT_FUSION and the configuration."""
+    global _fusion
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ConfigError(f"fusion: must be True, False or None, got {enabled!r}")
+    _fusion = enabled
+
+
+def fusion_enabled(phase, config=None):
+    """Whether a net built in `phase` runs with inference fusion
+    (cct.runtime.fusion), by the precedence in the module docstring. Never
+    for a TRAIN-phase net: it runs backward, and its BatchNorm and Dropout
+    layers compute what fusion cannot."""
+    if phase != TEST:
+        return False
+    if _fusion is not None:
+        return _fusion
+    given = _env_bool(FUSION_ENV)
+    if given is not None:
+        return given
+    config = config or active()
+    if config is None or config.fusion is None:
+        return True
+    return config.fusion
+
+
 def share_diffs_enabled(config=None, default=False):
     """Whether the solver shares its train net's diffs (cct.runtime.memory):
     CCT_SHARE_DIFFS when set (1/true/yes/on or 0/false/no/off), else the
     configuration's "share_diffs" when it has one, else `default`."""
-    given = _env(SHARE_DIFFS_ENV)
-    if given:
-        if given.lower() in ("1", "true", "yes", "on"):
-            return True
-        if given.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{SHARE_DIFFS_ENV}: must be 1 or 0, got {given!r}")
+    given = _env_bool(SHARE_DIFFS_ENV)
+    if given is not None:
+        return given
     config = config or active()
     if config is None or config.share_diffs is None:
         return default
     return config.share_diffs
+
+
+def _env_bool(name):
+    """An on/off environment variable (1/true/yes/on or 0/false/no/off), None when unset."""
+    given = _env(name)
+    if not given:
+        return None
+    if given.lower() in ("1", "true", "yes", "on"):
+        return True
+    if given.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}: must be 1 or 0, got {given!r}")
 
 
 def _env_int(name, least):

@@ -1,0 +1,451 @@
+"""Inference fusion (issue 20): a pass over a built TEST-phase net that makes
+each chain of cheap element-wise layers one pass over memory, and lets Split
+tops share their bottom's data. On by default for TEST-phase nets, off with
+the run configuration's "fusion": false, CCT_FUSION=0 or set_fusion(False)
+(cct.runtime.settings); TRAIN-phase nets never fuse.
+
+Rules, each applied only where every blob a user can read (net.blobs) ends a
+forward holding Caffe's value:
+
+1. Element-wise runs. A layer whose `epilogue(bottom, top)` describes its
+   forward as one of
+       ("affine", (shift, scale, bias), r)   y = (x + shift) * scale + bias per channel
+                                             (BatchNorm with global statistics,
+                                             Scale and Bias of one value per channel)
+       ("relu", negative_slope, r)           ReLU
+       ("copy", None, r)                     Dropout at TEST
+       ("sum", (coeff0, coeff1), r)          Eltwise SUM of two bottoms
+   (r: whether its backward reads its input) joins the layer just before it
+   when that one is also such a layer and the two chain: it runs in place on
+   the run's latest value, or sums that value with a blob the run does not
+   write. A run is affine maps, then a ReLU, then a sum, then a ReLU, each
+   part optional (conv -> BatchNorm -> Scale -> ReLU in place is
+   one; so is ResNet's conv -> BatchNorm -> Scale -> Eltwise -> ReLU). The
+   run's layers are channels of a blob viewed as (N, C, rest) and run as one
+   compiled pass after the layer that produced their input (usually a
+   Convolution or InnerProduct): it reads the input once, and writes the
+   run's first blob and the sum's blob, each with the value its last writer
+   gives it in Caffe's order. A blob written in place holds only its last
+   value in Caffe too, so every blob a user can read is filled. The
+   producing op's own parameters (net.params) are never touched, and the
+   per-channel maps are read from the layers' blobs at every forward: weights
+   loaded or set after the net was built take effect.
+   Not joined: a layer whose backward reads an input the pass does not keep
+   (a Scale in place whose parameters get gradients, r above) when the net
+   runs its backward (layer_need_backward; forward_only(net) says it never
+   will, for `cct test`), and a layer with a loss weight.
+   Every other backward reads what it reads unfused (BatchNorm's std is set
+   by its epilogue), so forward and backward of a TEST net with losses, or
+   with force_backward, give the unfused numbers. A run of one layer runs
+   that layer's own forward.
+2. Split as aliases: a Split's tops share its bottom's data, so no copy runs,
+   where no later layer writes the bottom or a top (in place). The diffs stay
+   apart, so a backward is unchanged. (Before the Split runs in a forward
+   that stops early, net.forward(end=...), its tops show the bottom's new
+   value rather than the last forward's copy.)
+
+How it runs (the executor, cct.runtime.executor): a run's layers are
+reshaped as they come and their pass runs when its last layer has been
+reached, or when the forward stops inside the run (Executor.finish, which
+ends every Net.forward), or before any layer outside it runs: a forward over
+any range (start=, end=) leaves every blob as Caffe would. With per-layer
+callbacks subscribed, and for forwards a stream runs, layers run one by one.
+
+Why a pass after the producing op, not BatchNorm and Scale folded into its
+weights: pycaffe reads and writes net.params, so folded weights would be
+copies, and a write into a numpy view cannot be seen: the copies would be
+folded again at every forward (twice the weights' bytes), and ResNet's every
+BatchNorm + Scale is followed by a ReLU or an Eltwise that needs a pass over
+the output anyway. The pass could move into the convolution's own output
+store (cct.lowering's `bias=`) once that takes a per-channel scale and a
+ReLU.
+
+Numbers: the per-channel maps are composed, so a fused BatchNorm + Scale
+rounds differently from Caffe's two passes (a few float32 ulps); a ReLU,
+copy or sum alone rounds the same. Reference cases stay within their 1e-4.
+`describe(net)` gives printable lines of what a net fuses (`cct time`).
+"""
+import numpy as np
+
+from cct.core.errors import ConfigError
+from cct.core.layer import TEST
+from cct.devices.jit import kernel
+from cct.runtime import threads as threads_module
+
+# Elements per thread below which a pass runs on one thread. Handing pieces
+# to a worker right after a GEMM waits on cores OpenBLAS's threads still spin
+# on: at 1 << 17, ResNet-50's passes at batch 1 took 3x longer split in two;
+# at 1 << 21 only batch 16's large ones split, and they took 0.7x as long.
+PARALLEL_ELEMENTS = 1 << 21
+
+
+# --- the pass ---------------------------------------------------------------------------------------
+@kernel
+def _fused_pass(source, shift, scale, bias, affine, slope1, relu1, value, store_value, other, self_coeff,
+                other_coeff, summed, slope2, relu2, out):
+    """One pass over source (N, C, S), element by element:
+        v = (x + shift[c]) * scale[c] + bias[c]    if affine
+        v = ReLU(v, slope1)                        if relu1
+        value[n, c, s] = v                         if store_value
+        v = v * self_coeff + other[n, c, s] * other_coeff   if summed
+        v = ReLU(v, slope2)                        if relu2
+        out[n, c, s] = v
+    Each element's reads come before its writes, so any of the arrays may be
+    the same one (in place). ReLU as cct's layer: max(v, 0), or v where v > 0
+    else v * slope."""
+    batch, channels, inner = source.shape
+    for n in range(batch):
+        for c in range(channels):
+            p, q, r = shift[c], scale[c], bias[c]
+            for s in range(inner):
+                v = source[n, c, s]
+                if affine:
+                    v = (v + p) * q + r
+                if relu1:
+                    if slope1 == 0:
+                        if v <= 0:          # -0.0 too, as np.maximum(v, 0)
+                            v = slope1         # 0 in the arrays' type
+                    elif not v > 0:
+                        v = v * slope1
+                if store_value:
+                    value[n, c, s] = v
+                if summed:
+                    v = v * self_coeff + other[n, c, s] * other_coeff
+                if relu2:
+                    if slope2 == 0:
+                        if v <= 0:          # -0.0 too, as np.maximum(v, 0)
+                            v = slope2         # 0 in the arrays' type
+                    elif not v > 0:
+                        v = v * slope2
+                out[n, c, s] = v
+
+
+def _relu(v, slope):
+    return np.maximum(v, 0) if slope == 0 else np.where(v > 0, v, v * v.dtype.type(slope))
+
+
+def reference_pass(source, shift, scale, bias, affine, slope1, relu1, value, store_value, other, self_coeff,
+                   other_coeff, summed, slope2, relu2, out):
+    """_fused_pass in whole-array numpy steps (the tests' reference)."""
+    v = source.astype(source.dtype, copy=True)
+    if affine:
+        v = (v + shift[:, None]) * scale[:, None] + bias[:, None]
+    if relu1:
+        v = _relu(v, slope1)
+    if store_value:
+        value[...] = v
+    if summed:
+        v = v * self_coeff + other * other_coeff
+    if relu2:
+        v = _relu(v, slope2)
+    out[...] = v
+
+
+# --- a run of layers ----------------------------------------------------------------------------------
+class Run:
+    """A run of fusable layers being gathered: what its pass reads and writes.
+
+    source          the blob the pass reads (the first layer's bottom)
+    shift, scale,   the composed per-channel affine map, (x + shift) * scale + bias;
+    bias            None where a part is absent
+    relu1           the negative slope of a ReLU after the map, or None
+    value           the blob the affine part and relu1 write (None: the run starts with a sum)
+    other, coeffs   the sum's second operand and (coefficient of the run's value, of other)
+    out, relu2      the blob the sum writes, and the negative slope of a ReLU on it
+    """
+
+    def __init__(self):
+        self.members = []
+        self.source = self.value = self.other = self.out = None
+        self.shift = self.scale = self.bias = None
+        self.relu1 = self.relu2 = self.coeffs = None
+
+    @property
+    def latest(self):
+        """The blob holding the run's latest value."""
+        return self.out if self.other is not None else self.value
+
+    def add(self, index, op, bottom, top):
+        """Take layer `index` (its epilogue `op` and blobs) into the run, if it
+        chains (module docstring, rule 1); whether it did."""
+        kind, args, _ = op
+        if not self.members:
+            self.source = bottom[0]
+            if kind == "sum":
+                self.other, self.coeffs, self.out = bottom[1], tuple(args), top[0]
+            else:
+                self.value = top[0]
+                self._apply(kind, args)
+            self.members.append(index)
+            return True
+        latest = self.latest
+        if kind == "sum":
+            if self.other is not None or len(bottom) != 2:
+                return False
+            mine = [k for k in (0, 1) if bottom[k] is latest]
+            if len(mine) != 1:
+                return False
+            k = mine[0]
+            self.other, self.coeffs, self.out = bottom[1 - k], (args[k], args[1 - k]), top[0]
+        elif bottom[0] is not latest or top[0] is not latest:
+            return False                  # joins only in place on the run's latest value
+        elif self.other is not None:      # after the sum: a ReLU (or a copy)
+            if kind == "copy":
+                pass
+            elif kind == "relu" and self.relu2 is None:
+                self.relu2 = args
+            else:
+                return False
+        elif not self._apply(kind, args):
+            return False
+        self.members.append(index)
+        return True
+
+    def _apply(self, kind, args):
+        if kind == "copy":
+            return True
+        if self.relu1 is not None:
+            return False                  # an affine map or a second ReLU after a ReLU: another pass
+        if kind == "relu":
+            self.relu1 = args
+            return True
+        shift, scale, bias = args
+        if self.shift is None and self.scale is None and self.bias is None:
+            self.shift, self.scale, self.bias = shift, scale, bias
+            return True
+        # ((x + P) * Q + R + p) * q + r = (x + P) * (Q q) + ((R + p) q + r)
+        carried = self.bias
+        if shift is not None:
+            carried = shift if carried is None else carried + shift
+        if scale is not None:
+            self.scale = scale if self.scale is None else self.scale * scale
+            carried = None if carried is None else carried * scale
+        if bias is not None:
+            carried = bias if carried is None else carried + bias
+        self.bias = carried
+        return True
+
+    def run(self, threads=1):
+        """The pass, on up to `threads` threads (pieces of the batch, or of
+        the channels for a batch of one)."""
+        source = self.source.data
+        batch = source.shape[0] if source.ndim else 1
+        channels = source.shape[1] if source.ndim > 1 else 1
+        shape = (batch, channels, source.size // max(1, batch * channels))
+        dtype = source.dtype
+
+        def per_channel(values, default):
+            return np.full(channels, default, dtype) if values is None else np.asarray(values, dtype)
+
+        affine = not (self.shift is None and self.scale is None and self.bias is None)
+        nothing = np.zeros((0, 0, 0), dtype)
+        summed = self.other is not None
+        out = self.out if summed else self.value
+        store_value = summed and self.value is not None and self.value is not self.out
+        arrays = [source.reshape(shape), per_channel(self.shift, 0), per_channel(self.scale, 1),
+                  per_channel(self.bias, 0), self.value.data.reshape(shape) if store_value else nothing,
+                  self.other.data.reshape(shape) if summed else nothing, out.data.reshape(shape)]
+        coeffs = self.coeffs or (1, 1)
+        flags = (affine, dtype.type(self.relu1 or 0), self.relu1 is not None, store_value,
+                 dtype.type(coeffs[0]), dtype.type(coeffs[1]), summed, dtype.type(self.relu2 or 0),
+                 self.relu2 is not None)
+
+        def piece(part):
+            s, shift, scale, bias, value, other, o = part
+            _fused_pass(s, shift, scale, bias, flags[0], flags[1], flags[2], value, flags[3], other, flags[4],
+                        flags[5], flags[6], flags[7], flags[8], o)
+
+        parts = max(1, min(threads, source.size // PARALLEL_ELEMENTS))
+        if parts == 1:
+            piece(arrays)
+            return
+        along = 0 if batch >= parts else 1
+        edges = np.linspace(0, shape[along], parts + 1).astype(int)
+        pieces = [(_piece(arrays, along, start, stop),) for start, stop in zip(edges[:-1], edges[1:])]
+        threads_module.run_all(threads_module.workers(parts), piece, pieces)
+
+
+def _piece(arrays, along, start, stop):
+    """Every array's slice [start, stop) along the batch (0) or channel (1)
+    axis; the per-channel vectors follow a channel slice, empty arrays stay."""
+    sliced = []
+    for array in arrays:
+        if array.ndim == 1:
+            sliced.append(array[start:stop] if along == 1 else array)
+        elif array.size == 0:
+            sliced.append(array)
+        else:
+            sliced.append(array[start:stop] if along == 0 else array[:, start:stop])
+    return sliced
+
+
+# --- the plan over a net --------------------------------------------------------------------------------
+class Fusion:
+    """A built net's fusion plan and the run being gathered. `runs`: the
+    layer indices of each run of two or more layers; `aliases`: the indices
+    of the Split layers whose tops alias their bottom; `forward_only`: the
+    runs were planned for a net that never runs backward (forward_only())."""
+
+    def __init__(self, net):
+        self.forward_only = False
+        self.plan_runs(net)
+        self.aliases = _plan_aliases(net)
+        for index in self.aliases:
+            layer = net.layers[index]
+            layer.aliases = True
+            layer.reshape(net.bottom_vecs[index], net.top_vecs[index])   # the tops' own stores are dropped now
+        self.pending = None           # the Run being gathered
+        self._pending_run = None      # its number in runs, and the index expected next
+        self._expected = None
+
+    def plan_runs(self, net):
+        """(Re)plan the runs: at construction, and when forward_only() says so."""
+        self.runs = _plan_runs(net, self.forward_only)
+        self.run_of = {index: number for number, run in enumerate(self.runs) for index in run}
+
+    def before_backward(self, executor):
+        """Run a pass still pending; refuse a backward of a forward-only plan."""
+        self.flush(executor)
+        if self.forward_only:
+            raise ConfigError(f"net '{executor.net.name}': its fusion was planned forward only "
+                              "(cct.runtime.fusion.forward_only), so a fused layer's backward would read "
+                              "an input its pass did not keep; build the net again to run backward")
+
+    def forward(self, executor, index):
+        """Take layer `index` into the current run (True) or, when it is no
+        run's, run the pending pass first and leave the layer to the caller
+        (False)."""
+        number = self.run_of.get(index)
+        if self.pending is not None and (number != self._pending_run or index != self._expected):
+            self.flush(executor)
+        if number is None:
+            return False
+        net = executor.net
+        layer, bottom, top = net.layers[index], net.bottom_vecs[index], net.top_vecs[index]
+        with layer.naming_allocations(top):
+            layer.reshape(bottom, top)
+        op = layer.epilogue(bottom, top)
+        if op is None:                    # the shapes no longer allow it
+            self.flush(executor)
+            return False
+        if self.pending is None or not self.pending.add(index, op, bottom, top):
+            self.flush(executor)
+            self.pending = Run()
+            self.pending.add(index, op, bottom, top)
+        run = self.runs[number]
+        self._pending_run, self._expected = number, index + 1
+        if index == run[-1]:
+            self.flush(executor)
+        return True
+
+    def flush(self, executor):
+        """Run the pending pass, if any: a run of one layer runs that layer."""
+        pending, self.pending = self.pending, None
+        self._pending_run = self._expected = None
+        if pending is None:
+            return
+        if len(pending.members) == 1:
+            executor.run_layer(pending.members[0])
+            return
+        pending.run(executor.threads)
+
+
+def _op(net, index, forward_only=False):
+    """Layer `index`'s epilogue when it may join a run: it has one, no loss
+    weight, and a backward the net runs reads no input the pass drops
+    (unless the net never runs backward)."""
+    layer = net.layers[index]
+    epilogue = getattr(layer, "epilogue", None)
+    if epilogue is None or any(layer.loss_weights):
+        return None
+    op = epilogue(net.bottom_vecs[index], net.top_vecs[index])
+    if op is None or (op[2] and net.layer_need_backward[index] and not forward_only):
+        return None
+    return op
+
+
+def _plan_runs(net, forward_only=False):
+    """[[layer index, ...]] of the runs of two or more consecutive layers that chain."""
+    runs, current = [], None
+    for index in range(len(net.layers)):
+        op = _op(net, index, forward_only)
+        if op is not None and current is not None and current.add(index, op, net.bottom_vecs[index],
+                                                                     net.top_vecs[index]):
+            continue
+        if current is not None and len(current.members) > 1:
+            runs.append(current.members)
+        current = None
+        if op is not None:
+            current = Run()
+            current.add(index, op, net.bottom_vecs[index], net.top_vecs[index])
+    if current is not None and len(current.members) > 1:
+        runs.append(current.members)
+    return runs
+
+
+def _plan_aliases(net):
+    """Indices of the Split layers (layers with `aliases`) no later layer
+    writes the bottom or a top of."""
+    chosen = []
+    for index, layer in enumerate(net.layers):
+        if not hasattr(layer, "aliases"):
+            continue
+        shared = [net.bottom_vecs[index][0]] + [top for top in net.top_vecs[index]]
+        written_later = any(top is blob for later in net.top_vecs[index + 1:] for top in later for blob in shared)
+        if not written_later:
+            chosen.append(index)
+    return chosen
+
+
+def plan(net):
+    """The net's Fusion (it sets the aliases at once)."""
+    return Fusion(net)
+
+
+def forward_only(net):
+    """Tell a fused net it will never run backward (`cct test`, a
+    classifier): its runs are planned again with every layer that may join
+    one, in-place Scales whose parameters learn included (a TEST net built
+    from a train_val prototxt keeps those out otherwise), and a backward is
+    refused from then on. Returns the net's Fusion, or None (fusion off)."""
+    executor = net.executor
+    fusion = executor.fusion
+    if fusion is not None:
+        fusion.flush(executor)
+        fusion.forward_only = True
+        fusion.plan_runs(net)
+    return fusion
+
+
+# --- what a net fuses, for cct time ------------------------------------------------------------------------
+def describe(net):
+    """Printable lines: whether the net fuses, each run (the layer whose output
+    it follows, its layers, the blobs its one pass writes) and the aliased
+    Splits. Timed layer by layer, a run's pass counts as its last layer's
+    forward; the others take next to nothing, as do aliased Splits."""
+    fusion = net.executor.fusion
+    if fusion is None:
+        why = ("switched off by the run configuration's \"fusion\", CCT_FUSION or set_fusion"
+               if net.phase == TEST else "a TRAIN-phase net")
+        return [f"Fusion: off ({why})"]
+    names = {id(blob): name for name, blob in net.blobs.items()}
+    fused = sum(len(run) for run in fusion.runs)
+    lines = [f"Fusion: {fused} layers run as {len(fusion.runs)} passes; "
+             f"{len(fusion.aliases)} Split layers as aliases"]
+    for run in fusion.runs:
+        first = run[0]
+        source = net.bottom_vecs[first][0]
+        producer = next((net.layers[i].name for i in range(first - 1, -1, -1)
+                         if any(top is source for top in net.top_vecs[i])), None)
+        written = []
+        for index in run:
+            for top in net.top_vecs[index]:
+                if all(top is not blob for blob in written):
+                    written.append(top)
+        after = f"after {producer}: " if producer else ""
+        lines.append(f"  {after}{' + '.join(net.layers[i].name for i in run)} "
+                     f"(one pass writing {', '.join(repr(names[id(b)]) for b in written)})")
+    for index in fusion.aliases:
+        tops = ", ".join(repr(names[id(top)]) for top in net.top_vecs[index])
+        lines.append(f"  {net.layers[index].name}: {tops} share '{names[id(net.bottom_vecs[index][0])]}'")
+    return lines

@@ -1,0 +1,428 @@
+"""cct.runtime.fusion: one test per fusion rule, each checking that the fused
+and the unfused net agree and that every blob a user can read holds Caffe's
+value (from naive numpy below, never from cct's layers); weights set after
+the net was built, forwards over part of the net, backward after a fused
+forward, callbacks, the switch, and the compiled pass against its numpy
+reference."""
+import numpy as np
+import pytest
+
+import cct
+from cct.core.errors import ConfigError
+from cct.runtime import fusion, settings
+from helpers.reference import TOLERANCE, relative_error
+
+RNG = np.random.default_rng(20)
+EPS = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def clean(monkeypatch):
+    for name in (settings.FUSION_ENV, settings.CONFIG_ENV):
+        monkeypatch.delenv(name, raising=False)
+    settings.set_fusion(None)
+    settings.load(None)
+    yield
+    settings.set_fusion(None)
+    settings.load(None)
+
+
+def build(text, fused, phase=cct.TEST):
+    settings.set_fusion(fused)
+    try:
+        return cct.Net(text, phase)
+    finally:
+        settings.set_fusion(None)
+
+
+def randomize(net, rng=RNG):
+    """Every parameter random; BatchNorm statistics sane, with a factor != 1."""
+    for layer in net.layers:
+        if layer.type == "BatchNorm":
+            mean, variance, factor = layer.blobs
+            factor.data[...] = 2.5
+            mean.data[...] = rng.normal(0, 0.5, mean.shape) * 2.5
+            variance.data[...] = rng.uniform(0.2, 2.0, variance.shape) * 2.5
+        else:
+            for blob in layer.blobs:
+                blob.data[...] = rng.normal(0, 0.5, blob.shape)
+
+
+def pair(text, **inputs):
+    """(fused net, unfused net) with the same parameters and inputs, both run forward."""
+    fused, unfused = build(text, True), build(text, False)
+    randomize(fused)
+    unfused.share_with(fused)
+    for net in (fused, unfused):
+        for name, values in inputs.items():
+            net.blobs[name].data[...] = values
+        net.forward()
+    return fused, unfused
+
+
+def assert_agree(fused, unfused, expected):
+    """Fused and unfused hold the same value in every blob, and each blob in
+    `expected` holds it within the reference cases' tolerance."""
+    for name in unfused.blobs:
+        assert relative_error(fused.blobs[name].data, unfused.blobs[name].data) <= 1e-5, name
+    for name, values in expected.items():
+        for net in (fused, unfused):
+            assert relative_error(net.blobs[name].data, values) <= TOLERANCE, name
+
+
+# --- Caffe's layers, naively ------------------------------------------------------------------
+def conv(x, w, b, pad):
+    """Caffe's convolution, stride 1: x (N, C, H, W), w (O, C, KH, KW)."""
+    n, c, h, width = x.shape
+    o, _, kh, kw = w.shape
+    xp = np.zeros((n, c, h + 2 * pad, width + 2 * pad))
+    xp[:, :, pad:pad + h, pad:pad + width] = x
+    oh, ow = h + 2 * pad - kh + 1, width + 2 * pad - kw + 1
+    y = np.zeros((n, o, oh, ow))
+    for i in range(kh):
+        for j in range(kw):
+            y += np.einsum("nchw,oc->nohw", xp[:, :, i:i + oh, j:j + ow], w[:, :, i, j])
+    return y + b.reshape(1, -1, 1, 1)
+
+
+def channels(values, ndim):
+    return np.asarray(values, np.float64).reshape((1, -1) + (1,) * (ndim - 2))
+
+
+def batch_norm(net, name, x):
+    mean, variance, factor = (blob.data.astype(np.float64) for blob in net.params[name])
+    scale = 1 / factor[0]
+    return (x - channels(mean * scale, x.ndim)) / np.sqrt(channels(variance * scale, x.ndim) + EPS)
+
+
+def scale(net, name, x):
+    gamma, beta = net.params[name]
+    return x * channels(gamma.data, x.ndim) + channels(beta.data, x.ndim)
+
+
+def relu(x, slope=0.0):
+    return np.where(x > 0, x, slope * x)
+
+
+def params(net, name):
+    return [blob.data.astype(np.float64) for blob in net.params[name]]
+
+
+def runs(net):
+    """The fused runs by layer name."""
+    return [[net.layers[i].name for i in run] for run in net.executor.fusion.runs]
+
+
+# --- rule 1: element-wise runs ----------------------------------------------------------------
+CHAIN = """name: "chain"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 3 dim: 3 dim: 7 dim: 6 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 5 kernel_size: 3 pad: 1 } }
+layer { name: "bn1" type: "BatchNorm" bottom: "conv1" top: "conv1" }
+layer { name: "sc1" type: "Scale" bottom: "conv1" top: "conv1" scale_param { bias_term: true } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+"""
+
+
+def chain_value(net, x):
+    y = conv(x, *params(net, "conv1"), pad=1)
+    return relu(scale(net, "sc1", batch_norm(net, "bn1", y)))
+
+
+def test_convolution_batchnorm_scale_relu_in_place_run_as_one_pass(partitions):
+    x = RNG.normal(size=(3, 3, 7, 6)).astype(np.float32)
+    fused, unfused = pair(CHAIN, data=x)
+    assert runs(fused) == [["bn1", "sc1", "relu1"]]
+    weights = [blob.data.copy() for blob in fused.params["conv1"]]
+    assert_agree(fused, unfused, {"data": x, "conv1": chain_value(unfused, x)})
+    # the convolution's own parameters are what pycaffe set, not folded copies
+    assert all(np.array_equal(blob.data, w) for blob, w in zip(fused.params["conv1"], weights))
+
+
+def test_a_batchnorm_with_its_own_top_leaves_the_convolution_output_visible():
+    text = CHAIN.replace('"bn1" type: "BatchNorm" bottom: "conv1" top: "conv1"',
+                         '"bn1" type: "BatchNorm" bottom: "conv1" top: "bn1"')
+    text = text.replace('bottom: "conv1" top: "conv1" scale_param', 'bottom: "bn1" top: "bn1" scale_param')
+    text = text.replace('"relu1" type: "ReLU" bottom: "conv1" top: "conv1"',
+                        '"relu1" type: "ReLU" bottom: "bn1" top: "bn1"')
+    x = RNG.normal(size=(3, 3, 7, 6)).astype(np.float32)
+    fused, unfused = pair(text, data=x)
+    assert runs(fused) == [["bn1", "sc1", "relu1"]]
+    y = conv(x, *params(unfused, "conv1"), pad=1)
+    assert_agree(fused, unfused, {"conv1": y, "bn1": relu(scale(unfused, "sc1", batch_norm(unfused, "bn1", y)))})
+
+
+def test_inner_product_batchnorm_scale_relu():
+    text = """name: "ip"
+    layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 4 dim: 2 dim: 3 dim: 3 } } }
+    layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" inner_product_param { num_output: 6 } }
+    layer { name: "bn" type: "BatchNorm" bottom: "ip" top: "ip" }
+    layer { name: "sc" type: "Scale" bottom: "ip" top: "ip" scale_param { bias_term: true } }
+    layer { name: "relu" type: "ReLU" bottom: "ip" top: "ip" relu_param { negative_slope: 0.1 } }
+    layer { name: "drop" type: "Dropout" bottom: "ip" top: "ip" }
+    """
+    x = RNG.normal(size=(4, 2, 3, 3)).astype(np.float32)
+    fused, unfused = pair(text, data=x)
+    assert runs(fused) == [["bn", "sc", "relu", "drop"]]
+    w, b = params(unfused, "ip")
+    y = x.reshape(4, -1) @ w.T + b
+    assert_agree(fused, unfused, {"ip": relu(scale(unfused, "sc", batch_norm(unfused, "bn", y)), 0.1)})
+
+
+RESIDUAL = """name: "residual"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 4 dim: 5 dim: 5 } } }
+layer { name: "conv_a" type: "Convolution" bottom: "data" top: "a" convolution_param { num_output: 4 kernel_size: 1 } }
+layer { name: "relu_a" type: "ReLU" bottom: "a" top: "a" }
+layer { name: "conv_b" type: "Convolution" bottom: "a" top: "b"
+        convolution_param { num_output: 4 kernel_size: 3 pad: 1 } }
+layer { name: "bn_b" type: "BatchNorm" bottom: "b" top: "b" }
+layer { name: "sc_b" type: "Scale" bottom: "b" top: "b" scale_param { bias_term: true } }
+layer { name: "sum" type: "Eltwise" bottom: "a" bottom: "b" top: "sum" eltwise_param { coeff: 0.5 coeff: -2 } }
+layer { name: "relu_sum" type: "ReLU" bottom: "sum" top: "sum" }
+"""
+
+
+def test_an_eltwise_sum_and_its_relu_join_the_branch_that_feeds_them():
+    x = RNG.normal(size=(2, 4, 5, 5)).astype(np.float32)
+    fused, unfused = pair(RESIDUAL, data=x)
+    assert runs(fused) == [["bn_b", "sc_b", "sum", "relu_sum"]]
+    a = relu(conv(x, *params(unfused, "conv_a"), pad=0))
+    b = scale(unfused, "sc_b", batch_norm(unfused, "bn_b", conv(a, *params(unfused, "conv_b"), pad=1)))
+    # the branch's blob keeps the Scale's value; the sum's blob gets the ReLU's
+    assert_agree(fused, unfused, {"a": a, "b": b, "sum": relu(0.5 * a - 2 * b)})
+
+
+def test_a_relu_after_relu_starts_a_new_pass():
+    text = CHAIN + """layer { name: "sc2" type: "Scale" bottom: "conv1" top: "conv1" }
+    layer { name: "relu2" type: "ReLU" bottom: "conv1" top: "conv1" }"""
+    x = RNG.normal(size=(3, 3, 7, 6)).astype(np.float32)
+    fused, unfused = pair(text, data=x)
+    assert runs(fused) == [["bn1", "sc1", "relu1"], ["sc2", "relu2"]]
+    gamma = params(unfused, "sc2")[0]
+    assert_agree(fused, unfused, {"conv1": relu(chain_value(unfused, x) * channels(gamma, 4))})
+
+
+# --- rule 2: Split as aliases -----------------------------------------------------------------
+def test_split_tops_alias_their_bottom_unless_a_later_layer_writes_them():
+    x = RNG.normal(size=(2, 4, 5, 5)).astype(np.float32)
+    # an explicit Split whose first top a later ReLU writes in place
+    text = RESIDUAL + """layer { name: "fork" type: "Split" bottom: "sum" top: "s1" top: "s2" }
+    layer { name: "relu_s1" type: "ReLU" bottom: "s1" top: "s1" relu_param { negative_slope: -1 } }
+    layer { name: "conv_c" type: "Convolution" bottom: "s2" top: "c"
+            convolution_param { num_output: 2 kernel_size: 1 } }
+    layer { name: "conv_d" type: "Convolution" bottom: "s1" top: "d"
+            convolution_param { num_output: 2 kernel_size: 1 } }"""
+    fused, unfused = pair(text, data=x)
+    aliased = [fused.layers[i].name for i in fused.executor.fusion.aliases]
+    (split_a,) = [layer.name for layer in fused.layers if layer.type == "Split" and layer.name != "fork"]
+    assert aliased == [split_a]
+    for name in fused.top_names[split_a]:
+        assert np.shares_memory(fused.blobs[name].data, fused.blobs["a"].data)
+        assert not np.shares_memory(unfused.blobs[name].data, unfused.blobs["a"].data)
+    a = relu(conv(x, *params(unfused, "conv_a"), pad=0))
+    b = scale(unfused, "sc_b", batch_norm(unfused, "bn_b", conv(a, *params(unfused, "conv_b"), pad=1)))
+    total = relu(0.5 * a - 2 * b)
+    expected = {name: a for name in fused.top_names[split_a]}
+    expected.update({"s1": np.abs(total), "s2": total, "c": conv(total, *params(unfused, "conv_c"), pad=0),
+                     "d": conv(np.abs(total), *params(unfused, "conv_d"), pad=0)})
+    assert_agree(fused, unfused, expected)
+
+
+# --- what the rules keep: current weights, any range, backward, callbacks -----------------------------
+def test_weights_set_or_loaded_after_building_take_effect(tmp_path):
+    x = RNG.normal(size=(3, 3, 7, 6)).astype(np.float32)
+    fused, unfused = pair(CHAIN, data=x)
+    # set in place through pycaffe's views
+    fused.params["conv1"][0].data[...] *= -1.5
+    fused.params["bn1"][1].data[...] *= 3
+    fused.params["sc1"][0].data[...] += 0.25
+    fused.forward()
+    unfused.forward()
+    assert_agree(fused, unfused, {"conv1": chain_value(unfused, x)})
+    # loaded from another net's weights
+    other = build(CHAIN, False)
+    randomize(other, np.random.default_rng(3))
+    other.save(str(tmp_path / "other.caffemodel"))
+    fused.copy_from(str(tmp_path / "other.caffemodel"))
+    fused.forward()
+    for name in ("conv1", "bn1", "sc1"):
+        assert all(np.array_equal(a.data, b.data) for a, b in zip(fused.params[name], other.params[name]))
+    assert relative_error(fused.blobs["conv1"].data, chain_value(other, x)) <= TOLERANCE
+
+
+def test_a_forward_over_part_of_a_run_leaves_caffes_values():
+    x = RNG.normal(size=(3, 3, 7, 6)).astype(np.float32)
+    fused, unfused = pair(CHAIN, data=x)
+    y = conv(x, *params(unfused, "conv1"), pad=1)
+    fused.forward(end="conv1")
+    assert relative_error(fused.blobs["conv1"].data, y) <= TOLERANCE
+    fused.forward(end="bn1")
+    assert relative_error(fused.blobs["conv1"].data, batch_norm(unfused, "bn1", y)) <= TOLERANCE
+    fused.forward(start="sc1")                  # the rest of the run, from where the last forward stopped
+    assert relative_error(fused.blobs["conv1"].data, chain_value(unfused, x)) <= TOLERANCE
+    fused.forward(end="sc1")
+    assert relative_error(fused.blobs["conv1"].data, scale(unfused, "sc1", batch_norm(unfused, "bn1", y))) \
+        <= TOLERANCE
+    fused.forward(start="relu1", end="relu1")
+    assert relative_error(fused.blobs["conv1"].data, chain_value(unfused, x)) <= TOLERANCE
+
+
+LOSS = CHAIN.replace('scale_param { bias_term: true }',
+                     'param { lr_mult: 0 } param { lr_mult: 0 } scale_param { bias_term: true }') + """
+layer { name: "label" type: "Input" top: "label" input_param { shape { dim: 3 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "conv1" top: "ip" inner_product_param { num_output: 4 } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.mark.parametrize("learned_scale", [False, True])
+def test_backward_after_a_fused_forward_gives_the_unfused_gradients(learned_scale):
+    """A TEST net with a loss runs backward: a Scale in place whose parameters
+    learn needs its input back, so it stays out of the run; one that does
+    not learn joins it."""
+    text = LOSS.replace("lr_mult: 0", "lr_mult: 1") if learned_scale else LOSS
+    x = RNG.normal(size=(3, 3, 7, 6)).astype(np.float32)
+    fused, unfused = pair(text, data=x, label=np.array([0, 3, 1], np.float32))
+    assert runs(fused) == ([] if learned_scale else [["bn1", "sc1", "relu1"]])
+    for net in (fused, unfused):
+        net.backward()
+    for name in unfused.blobs:
+        assert relative_error(fused.blobs[name].diff, unfused.blobs[name].diff) <= 1e-5, name
+    for name in unfused.params:
+        for ours, theirs in zip(fused.params[name], unfused.params[name]):
+            assert relative_error(ours.diff, theirs.diff) <= 1e-5, name
+
+
+def test_a_net_told_it_runs_forward_only_fuses_learning_scales_and_refuses_backward():
+    text = LOSS.replace("lr_mult: 0", "lr_mult: 1")
+    x = RNG.normal(size=(3, 3, 7, 6)).astype(np.float32)
+    fused, unfused = pair(text, data=x, label=np.array([0, 3, 1], np.float32))
+    assert runs(fused) == []
+    assert fusion.forward_only(fused) is fused.executor.fusion
+    assert runs(fused) == [["bn1", "sc1", "relu1"]]
+    fused.forward()
+    assert_agree(fused, unfused, {"conv1": chain_value(unfused, x)})
+    with pytest.raises(ConfigError, match="net 'chain': its fusion was planned forward only"):
+        fused.backward()
+    assert fusion.forward_only(build(text, False)) is None
+
+
+def test_backward_with_force_backward_after_a_fused_forward_gives_the_unfused_gradients():
+    """force_backward: every layer runs backward and every Scale learns, so
+    the Scales stay out; the sum and its ReLU still run as one pass."""
+    text = RESIDUAL.replace('name: "residual"', 'name: "residual" force_backward: true')
+    x = RNG.normal(size=(2, 4, 5, 5)).astype(np.float32)
+    fused, unfused = pair(text, data=x)
+    assert runs(fused) == [["sum", "relu_sum"]]
+    diff = RNG.normal(size=(2, 4, 5, 5)).astype(np.float32)
+    for net in (fused, unfused):
+        net.backward(sum=diff)
+    for name in unfused.blobs:
+        assert relative_error(fused.blobs[name].diff, unfused.blobs[name].diff) <= 1e-5, name
+    for name in unfused.params:
+        for ours, theirs in zip(fused.params[name], unfused.params[name]):
+            assert relative_error(ours.diff, theirs.diff) <= 1e-5, name
+
+
+def test_callbacks_see_every_layer_run_by_itself():
+    x = RNG.normal(size=(3, 3, 7, 6)).astype(np.float32)
+    fused, unfused = pair(CHAIN, data=x)
+    seen = {}
+    fused.after_forward(lambda index: seen.setdefault(fused.layers[index].name, fused.blobs["conv1"].data.copy()))
+    fused.forward()
+    y = conv(x, *params(unfused, "conv1"), pad=1)
+    assert relative_error(seen["bn1"], batch_norm(unfused, "bn1", y)) <= TOLERANCE
+    assert relative_error(seen["relu1"], chain_value(unfused, x)) <= TOLERANCE
+
+
+def test_cct_time_style_forced_backward_runs_after_a_fused_forward():
+    """`cct time` runs every layer forward one by one, then every backward
+    with force=True: no fused layer lacks what its backward reads."""
+    fused = build(RESIDUAL, True)
+    randomize(fused)
+    executor = fused.executor
+    for index in range(len(fused.layers)):
+        executor.forward(index)
+    for index in reversed(range(len(fused.layers))):
+        executor.backward(index, force=True)
+    executor.finish()
+
+
+# --- the switch -------------------------------------------------------------------------------
+def test_on_for_test_nets_off_by_switch_never_for_train_nets(tmp_path, monkeypatch):
+    assert build(CHAIN, None).executor.fusion is not None
+    assert build(CHAIN, None, cct.TRAIN).executor.fusion is None
+    assert build(CHAIN, True, cct.TRAIN).executor.fusion is None
+    assert build(CHAIN, False).executor.fusion is None
+    assert fusion.describe(build(CHAIN, False)) == [
+        'Fusion: off (switched off by the run configuration\'s "fusion", CCT_FUSION or set_fusion)']
+    assert fusion.describe(build(CHAIN, None, cct.TRAIN)) == ["Fusion: off (a TRAIN-phase net)"]
+    config = tmp_path / "run.json"
+    config.write_text('{"fusion": false}')
+    settings.load(config)
+    assert build(CHAIN, None).executor.fusion is None
+    monkeypatch.setenv(settings.FUSION_ENV, "1")            # the environment wins over the file
+    assert build(CHAIN, None).executor.fusion is not None
+    monkeypatch.setenv(settings.FUSION_ENV, "maybe")
+    with pytest.raises(ConfigError, match="CCT_FUSION: must be 1 or 0, got 'maybe'"):
+        build(CHAIN, None)
+    with pytest.raises(ConfigError, match=r"run.json: fusion: must be true or false, got \"no\""):
+        settings.parse('{"fusion": "no"}', "run.json")
+    with pytest.raises(ConfigError, match="fusion: must be True, False or None"):
+        settings.set_fusion(1)
+
+
+def test_describe_names_each_pass_and_alias():
+    fused = build(RESIDUAL + """layer { name: "conv_c" type: "Convolution" bottom: "a" top: "c"
+                                 convolution_param { num_output: 2 kernel_size: 1 } }""", True)
+    split = next(layer for layer in fused.layers if layer.type == "Split")
+    tops = ", ".join(repr(name) for name in fused.top_names[split.name])
+    assert fusion.describe(fused) == [
+        "Fusion: 4 layers run as 1 passes; 1 Split layers as aliases",
+        "  after conv_b: bn_b + sc_b + sum + relu_sum (one pass writing 'b', 'sum')",
+        f"  {split.name}: {tops} share 'a'"]
+
+
+# --- the compiled pass ------------------------------------------------------------------------
+@pytest.mark.parametrize("affine, relu1, summed, relu2", [(True, True, False, False), (True, False, True, True),
+                                                          (False, True, True, False), (True, True, True, True),
+                                                          (False, False, True, False)])
+@pytest.mark.parametrize("slope", [0.0, 0.2])
+def test_the_compiled_pass_matches_its_numpy_reference(affine, relu1, summed, relu2, slope):
+    shape = (3, 5, 7)
+    source = RNG.normal(size=shape).astype(np.float32)
+    other = RNG.normal(size=shape).astype(np.float32)
+    shift, gain, bias = (RNG.normal(size=5).astype(np.float32) for _ in range(3))
+    f = np.float32
+    results = []
+    for function in (fusion._fused_pass, fusion.reference_pass):
+        value, out = np.empty(shape, np.float32), np.empty(shape, np.float32)
+        function(source, shift, gain, bias, affine, f(slope), relu1, value, summed, other, f(0.5), f(-2.0),
+                 summed, f(slope), relu2, out)
+        results.append((out, value if summed else None))
+    (out, value), (expected_out, expected_value) = results
+    np.testing.assert_allclose(out, expected_out, rtol=1e-6, atol=1e-6)
+    if summed:
+        np.testing.assert_allclose(value, expected_value, rtol=1e-6, atol=1e-6)
+    # in place: the source is the output
+    in_place = source.copy()
+    fusion._fused_pass(in_place, shift, gain, bias, affine, f(slope), relu1, np.zeros((0, 0, 0), np.float32),
+                       False, other, f(0.5), f(-2.0), summed, f(slope), relu2, in_place)
+    np.testing.assert_allclose(in_place, expected_out, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_pass_split_between_threads_gives_the_same_numbers(batch, monkeypatch):
+    """Pieces of the batch, or of the channels for a batch of one."""
+    x = RNG.normal(size=(batch, 4, 5, 5)).astype(np.float32)
+    text = RESIDUAL.replace("dim: 2 dim: 4", f"dim: {batch} dim: 4")
+    whole, pieces = build(text, True), build(text, True)
+    randomize(whole)
+    pieces.share_with(whole)
+    for net, elements in ((whole, fusion.PARALLEL_ELEMENTS), (pieces, 16)):
+        monkeypatch.setattr(fusion, "PARALLEL_ELEMENTS", elements)
+        net.executor.threads = 2
+        net.blobs["data"].data[...] = x
+        net.forward()
+    for name in whole.blobs:
+        assert np.array_equal(pieces.blobs[name].data, whole.blobs[name].data), name
