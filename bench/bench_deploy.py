@@ -93,7 +93,15 @@ def run_opencv(cv_net, images, layer):
     return cv_net.forward(layer)
 
 
+# Before each timed forward: the other framework's worker threads (OpenBLAS's
+# spin after a GEMM, OpenCV's pool) would otherwise still hold the cores.
+# Without it, OpenCV right after cct measured 1.5x its time alone (GoogLeNet
+# at batch 1: 54 against 37 ms), which flattered cct.
+SETTLE_SECONDS = 0.5
+
+
 def timed(function, *args):
+    time.sleep(SETTLE_SECONDS)
     start = time.perf_counter()
     result = function(*args)
     return time.perf_counter() - start, result
