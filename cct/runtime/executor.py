@@ -259,6 +259,29 @@ class Executor:
             else:
                 self._runner(index, partitions).backward(self.workers(partitions), tops, propagate_down, bottoms)
 
+    def layer_backward_param(self, index, param):
+        """Layer `index`'s gradient of parameter `param` (Layer.backward_param),
+        in its batch partitions: a stream's sub-task, the BLAS count left as it is."""
+        layer, bottoms, tops = self._layer(index)
+        partitions = self.partitions(index)
+        with layer.naming_allocations(tops):
+            if partitions == 1:
+                layer.backward_param(param, tops, bottoms)
+            else:
+                self._runner(index, partitions).backward_param(self.workers(partitions), param, tops, bottoms)
+
+    def layer_backward_data(self, index):
+        """Layer `index`'s bottom gradients (Layer.backward_data), in its batch partitions."""
+        layer, bottoms, tops = self._layer(index)
+        propagate_down = self.net.bottom_need_backward[index]
+        partitions = self.partitions(index)
+        with layer.naming_allocations(tops):
+            if partitions == 1:
+                layer.backward_data(tops, propagate_down, bottoms)
+            else:
+                self._runner(index, partitions).backward_data(self.workers(partitions), tops, propagate_down,
+                                                              bottoms)
+
     def finish(self):
         """The pass of a fused run a forward stopped inside, then all BLAS
         threads again, for whatever runs after the net."""

@@ -137,10 +137,10 @@ def iteration_tasks(net, iteration=0, update=True, splits=None, passes=1):
     """The sub-tasks of one iteration in the sequential reference order:
     `passes` forward and backward passes (the solver's iter_size) adding into
     the parameter gradients. `splits(i)`: whether layer i's backward runs as
-    sub-tasks (default: the layer's splits_backward, where it runs whole: a
-    batch-partitioned layer keeps its forward state in its partitions' twins,
-    so its backward stays one sub-task run in them)."""
-    splits = splits or (lambda i: net.layers[i].splits_backward and net.executor.partitions(i) == 1)
+    sub-tasks (default: the layer's splits_backward; a batch-partitioned
+    layer's sub-tasks run in the same twins as its forward, which keep its
+    forward state)."""
+    splits = splits or (lambda i: net.layers[i].splits_backward)
     tasks = [Task(CLEAR, param=p, iteration=iteration) for p in range(len(net.learnable_params))] if update else []
     for pass_ in range(passes):
         tasks += [Task(FORWARD, i, iteration=iteration, pass_=pass_) for i in range(len(net.layers))]
@@ -197,10 +197,10 @@ def build(net, iterations=1, update=True, drop=(), splits=None, clip=False, pass
 
 class Runner:
     """Runs sub-tasks on a net (and its solver, for clear, rate and update) on
-    the calling thread: what a scheduler's streams call. A whole backward runs
-    in the layer's batch partitions; split sub-tasks run the layer whole (the
-    scheduler splits only layers that run whole); the BLAS thread count is
-    left to the caller. Iteration k's rate sets the solver's iteration count
+    the calling thread: what a scheduler's streams call. A layer's forward,
+    whole backward and split sub-tasks run in its batch partitions (each
+    partition's twin on a worker thread); the BLAS thread count is left to
+    the caller. Iteration k's rate sets the solver's iteration count
     to the first one plus k; `finish()` moves it past the last. `losses`:
     each forward's weighted loss, by (iteration, pass, layer)."""
 
@@ -224,14 +224,12 @@ class Runner:
         elif task.kind == UPDATE:
             self.solver.update_param(task.param)
         else:
-            i = task.layer
-            layer, bottoms, tops = net.layers[i], net.bottom_vecs[i], net.top_vecs[i]
             if task.kind == BACKWARD_PARAM:
-                layer.backward_param(task.param, tops, bottoms)
+                net.executor.layer_backward_param(task.layer, task.param)
             elif task.kind == BACKWARD_DATA:
-                layer.backward_data(tops, net.bottom_need_backward[i], bottoms)
+                net.executor.layer_backward_data(task.layer)
             else:
-                net.executor.layer_backward(i)
+                net.executor.layer_backward(task.layer)
 
     def finish(self):
         """After the last task: the solver counts the iterations run."""

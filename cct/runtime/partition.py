@@ -110,10 +110,29 @@ class PartitionedLayer:
             clone.param_propagate_down = self.layer.param_propagate_down
             clone.backward(top_views, propagate_down, bottom_views)
         run_all(workers, run, self._views(bottoms, tops))
-        for index, blob in enumerate(self.layer.blobs):
+        for index in range(len(self.layer.blobs)):
             if self.layer.param_propagate_down[index]:
-                for clone in self.clones[1:]:        # clone 0 wrote into blob.diff itself
-                    private = clone.blobs[index]._diff
-                    if private is not None:
-                        blob.diff += private
-                        private[...] = 0
+                self._sum_private_diffs(index)
+
+    def backward_param(self, workers, index, tops, bottoms):
+        """Parameter `index`'s gradient (Layer.backward_param) in the partitions,
+        the twins' private parts then summed in: bitwise the whole backward's
+        (each parameter's parts are added in the same order)."""
+        def run(clone, bottom_views, top_views):
+            clone.backward_param(index, top_views, bottom_views)
+        run_all(workers, run, self._views(bottoms, tops))
+        self._sum_private_diffs(index)
+
+    def backward_data(self, workers, tops, propagate_down, bottoms):
+        """The bottoms' gradients (Layer.backward_data), each partition its rows."""
+        def run(clone, bottom_views, top_views):
+            clone.backward_data(top_views, propagate_down, bottom_views)
+        run_all(workers, run, self._views(bottoms, tops))
+
+    def _sum_private_diffs(self, index):
+        blob = self.layer.blobs[index]
+        for clone in self.clones[1:]:        # clone 0 wrote into blob.diff itself
+            private = clone.blobs[index]._diff
+            if private is not None:
+                blob.diff += private
+                private[...] = 0

@@ -255,12 +255,11 @@ class _RunState:
     def _share_blas(self, index, task):
         """Before a GEMM-heavy sub-task (under the lock): the BLAS threads
         shared among the GEMMs that run at once, this sub-task's (one per
-        batch partition of a whole layer) and the other streams'. The count
+        batch partition of its layer) and the other streams'. The count
         is process-wide, so a change also reaches the other streams' next
         BLAS calls: the shares follow which streams compute, call by call."""
         executor = self.schedule.net.executor
-        whole_layer = task.kind in (graph_module.FORWARD, graph_module.BACKWARD)
-        self.computing[index] = executor.partitions(task.layer) if whole_layer else 1
+        self.computing[index] = executor.partitions(task.layer) if task.layer >= 0 else 1
         executor.blas.set(blas_threads(executor.threads, sum(self.computing)))
 
     def serve(self, index):

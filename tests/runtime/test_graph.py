@@ -161,3 +161,24 @@ def test_without_one_derived_edge_some_order_differs(source, sequential):
                 and (later.kind, later.layer, later.iteration) == ("forward", data, 1))
     results = [run_in_random_order(make_solver(source), seed, drop=[edge]) for seed in range(20)]
     assert any(not all(np.array_equal(a, b) for a, b in zip(result, sequential)) for result in results)
+
+
+def test_a_partitioned_layer_splits_its_backward_too(source, monkeypatch):
+    """With every layer in 2 batch partitions, a convolution's backward is still
+    a data-gradient and parameter-gradient sub-task each (run in the partitions'
+    twins, which keep the forward state), and any order the edges allow gives
+    the partitioned sequential weights bitwise (each parameter's partition
+    parts are added in the same order as in the whole backward)."""
+    monkeypatch.setenv("CCT_PARTITIONS", "2")
+    solver = make_solver(source)
+    net = solver.net
+    convs = [i for i, layer in enumerate(net.layers) if layer.type == "Convolution"]
+    assert convs and all(net.executor.partitions(i) == 2 for i in convs)
+    kinds = {(task.layer, task.kind) for task in graph.iteration_tasks(net)}
+    for i in convs:
+        assert (i, graph.BACKWARD_DATA) in kinds or not any(net.bottom_need_backward[i])
+        assert (i, graph.BACKWARD_PARAM) in kinds and (i, graph.BACKWARD) not in kinds
+    partitioned_sequential = make_solver(source)
+    partitioned_sequential.step(ITERATIONS)
+    for seed in range(3):
+        assert_same(run_in_random_order(make_solver(source), seed), weights(partitioned_sequential))
