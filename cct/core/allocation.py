@@ -2,8 +2,8 @@
 net being built against what is left of it.
 
 The limit is the machine's memory (or a smaller cgroup limit, which is what
-the kernel kills at), or one the user sets (set_memory_limit; `--memory_limit`
-on the command line; "memory_limit" in the run configuration). An array larger
+the kernel kills at), or one the user sets (set_memory_limit, which
+`--memory_limit` on the command line and cct.set_memory_limit call). An array larger
 than the limit is refused before numpy tries (check_allocation): numpy would
 raise MemoryError or "array is too big", or the kernel would kill the process
 at first touch of a lazily mapped one. While a net is built (`charging`), the
@@ -16,13 +16,14 @@ import functools
 import math
 import os
 import resource
+import threading
 
 import numpy as np
 
 from cct.core.errors import MemoryLimitError
 
 _limit = None                  # bytes the process may take; None: the machine's memory
-_charge = None                 # the _Charge of the net being built (charging), or None
+_building = threading.local()  # .charge: the _Charge of the net this thread builds (charging), or None
 
 
 def set_memory_limit(nbytes):
@@ -124,23 +125,24 @@ def charging(source):
     allocates it. A block inside another counts in the outer one. Stores are
     mapped at allocation and taken at first touch (np.zeros), so this is what
     keeps a net that cannot fit from filling its first parameters anyway."""
-    global _charge
-    if _charge is not None:
-        yield _charge
+    outer = getattr(_building, "charge", None)
+    if outer is not None:
+        yield outer
         return
     limit, limit_text = available()
     in_use = resident_bytes()
-    _charge = _Charge(in_use, limit - in_use, f"{limit_text} leaves ({format_bytes(in_use)} of it in use "
-                                      f"before {source})")
+    _building.charge = _Charge(in_use, limit - in_use, f"{limit_text} leaves ({format_bytes(in_use)} of it in "
+                                                       f"use before {source})")
     try:
-        yield _charge
+        yield _building.charge
     finally:
-        _charge = None
+        _building.charge = None
 
 
 def charge_store(nbytes, shape, blob):
-    """Count a blob store of `nbytes` (of a blob of `shape`) made inside `charging`."""
-    charge = _charge
+    """Count a blob store of `nbytes` (of a blob of `shape`) made inside `charging`
+    on this thread (a prefetch thread's batches are the plan's, not the build's)."""
+    charge = getattr(_building, "charge", None)
     if charge is None:
         return
     if charge.taken + nbytes > charge.budget:
