@@ -26,6 +26,14 @@ class BlasThreads:
     context manager re-scans the loaded libraries on every call)."""
 
     def __init__(self):
+        # Streams set the count from their own threads, and OpenBLAS 0.3.31 does
+        # not always take a raise asked from one of them (set_num_threads(2)
+        # reads back 1 while another thread is in a BLAS call): so a set
+        # compares with the count the library reports, not only the one last
+        # asked, or the main thread's restore saw 2 asked and skipped it while
+        # OpenBLAS ran at 1, and every forward after an "auto" backward ran its
+        # GEMMs on one thread. The lock keeps concurrent sets from interleaving.
+        self._lock = threading.Lock()
         self._libraries = ThreadpoolController().select(user_api="blas").lib_controllers
         # the lowest count: a limit the user set (threadpool_limits) may have
         # reached only the libraries loaded then (numpy's, not scipy's later one)
@@ -34,9 +42,10 @@ class BlasThreads:
 
     def set(self, count):
         count = max(1, int(count))
-        if count != self.current:
+        with self._lock:
             for lib in self._libraries:
-                lib.set_num_threads(count)
+                if count != self.current or lib.get_num_threads() != count:
+                    lib.set_num_threads(count)
             self.current = count
 
     def restore(self):
