@@ -259,14 +259,8 @@ def _ave_forward(x, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, block_
                 cell = phases[j % stride_w, start:start + span]
                 for t in range(span):
                     total_t[t] += cell[t]
-        out = value[first:last].reshape((last - first) * out_h * out_w)
-        for p in range(last - first):
-            for oh in range(out_h):
-                t = _U((p * rows // stride_h + oh) * pitch)
-                o = _U((p * out_h + oh) * out_w)
-                size = divisor[oh]
-                for ow in range(_U(out_w)):
-                    out[o + ow] = total_t[t + ow] / size[ow]
+        _divided(total_t, value[first:last].reshape((last - first) * out_h * out_w), divisor, last - first,
+                 rows, stride_h, pitch, True)
 
 
 @kernel
@@ -313,6 +307,26 @@ def _block_to_image(phases, count, stride_w, pad_h, pad_w, rows, padded, dx):
 
 
 @kernel
+def _divided(rowed, compact, divisor, planes, rows, stride_h, pitch, to_compact):
+    """Each output cell over its divisor (PH, PW), between the block's rowed
+    layout (output row oh of plane p at (p * rows // SH + oh) * pitch) and the
+    compact (P * PH * PW) one: into `compact` (forward's sums), or into
+    `rowed` (backward's shares)."""
+    out_h, out_w = divisor.shape
+    for p in range(planes):
+        for oh in range(out_h):
+            t = _U((p * rows // stride_h + oh) * pitch)
+            o = _U((p * out_h + oh) * out_w)
+            size = divisor[oh]
+            if to_compact:
+                for ow in range(_U(out_w)):
+                    compact[o + ow] = rowed[t + ow] / size[ow]
+            else:
+                for ow in range(_U(out_w)):
+                    rowed[t + ow] = compact[o + ow] / size[ow]
+
+
+@kernel
 def _ave_backward(dy, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, block_cells, divisor, dx):
     """dx (P, H, W) = the gradient of x from dy (P, PH, PW): each output's
     gradient / its divisor (PH, PW) spread over its window, each cell's shares
@@ -330,14 +344,8 @@ def _ave_backward(dy, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, bloc
         last = min(planes, first + block)
         count = (last - first) * rows * phase_w
         span = count - (rows - (out_h - 1) * stride_h - 1) * phase_w
-        grad = dy[first:last].reshape((last - first) * out_h * out_w)
-        for p in range(last - first):
-            for oh in range(out_h):
-                t = _U((p * rows // stride_h + oh) * pitch)
-                o = _U((p * out_h + oh) * out_w)
-                size = divisor[oh]
-                for ow in range(_U(out_w)):
-                    share[t + ow] = grad[o + ow] / size[ow]
+        _divided(share, dy[first:last].reshape((last - first) * out_h * out_w), divisor, last - first,
+                 rows, stride_h, pitch, False)
         _spread_block(share[:span], kernel_h, kernel_w, stride_w, phase_w, span, count + reach, phases)
         _block_to_image(phases, count, stride_w, pad_h, pad_w, rows, padded[:count * stride_w], dx[first:last])
 

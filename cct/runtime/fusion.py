@@ -111,7 +111,7 @@ def _fused_pass(source, shift, scale, bias, affine, slope1, relu1, value, store_
                     value[n, c, s] = v
                 if summed:
                     v = v * self_coeff + other[n, c, s] * other_coeff
-                if relu2:
+                if relu2:           # (relu1's lines again: a called kernel measured 15-20% slower)
                     if slope2 == 0:
                         if v <= 0:          # -0.0 too, as np.maximum(v, 0)
                             v = slope2         # 0 in the arrays' type

@@ -289,26 +289,25 @@ def fusion_enabled(phase, config=None):
         return False
     if _fusion is not None:
         return _fusion
-    given = _env_bool(FUSION_ENV)
-    if given is not None:
-        return given
-    config = config or active()
-    if config is None or config.fusion is None:
-        return True
-    return config.fusion
+    return _switch(FUSION_ENV, "fusion", True, config)
 
 
 def share_diffs_enabled(config=None, default=False):
     """Whether the solver shares its train net's diffs (cct.runtime.memory):
     CCT_SHARE_DIFFS when set (1/true/yes/on or 0/false/no/off), else the
     configuration's "share_diffs" when it has one, else `default`."""
-    given = _env_bool(SHARE_DIFFS_ENV)
+    return _switch(SHARE_DIFFS_ENV, "share_diffs", default, config)
+
+
+def _switch(env_name, key, default, config=None):
+    """An on/off setting: the environment variable when set, else the
+    configuration's top-level `key` when it has one, else `default`."""
+    given = _env_bool(env_name)
     if given is not None:
         return given
     config = config or active()
-    if config is None or config.share_diffs is None:
-        return default
-    return config.share_diffs
+    configured = None if config is None else getattr(config, key)
+    return default if configured is None else configured
 
 
 def _env_bool(name):

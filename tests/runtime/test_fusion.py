@@ -129,6 +129,15 @@ def chain_value(net, x):
     return relu(scale(net, "sc1", batch_norm(net, "bn1", y)))
 
 
+def assert_same_gradients(fused, unfused):
+    """Every blob's and parameter's diff within 1e-5 of the unfused net's."""
+    for name in unfused.blobs:
+        assert relative_error(fused.blobs[name].diff, unfused.blobs[name].diff) <= 1e-5, name
+    for name in unfused.params:
+        for ours, theirs in zip(fused.params[name], unfused.params[name]):
+            assert relative_error(ours.diff, theirs.diff) <= 1e-5, name
+
+
 def test_convolution_batchnorm_scale_relu_in_place_run_as_one_pass(partitions):
     x = RNG.normal(size=(3, 3, 7, 6)).astype(np.float32)
     fused, unfused = pair(CHAIN, data=x)
@@ -286,11 +295,7 @@ def test_backward_after_a_fused_forward_gives_the_unfused_gradients(learned_scal
     assert runs(fused) == ([] if learned_scale else [["bn1", "sc1", "relu1"]])
     for net in (fused, unfused):
         net.backward()
-    for name in unfused.blobs:
-        assert relative_error(fused.blobs[name].diff, unfused.blobs[name].diff) <= 1e-5, name
-    for name in unfused.params:
-        for ours, theirs in zip(fused.params[name], unfused.params[name]):
-            assert relative_error(ours.diff, theirs.diff) <= 1e-5, name
+    assert_same_gradients(fused, unfused)
 
 
 def test_a_net_told_it_runs_forward_only_fuses_learning_scales_and_refuses_backward():
@@ -317,11 +322,7 @@ def test_backward_with_force_backward_after_a_fused_forward_gives_the_unfused_gr
     diff = RNG.normal(size=(2, 4, 5, 5)).astype(np.float32)
     for net in (fused, unfused):
         net.backward(sum=diff)
-    for name in unfused.blobs:
-        assert relative_error(fused.blobs[name].diff, unfused.blobs[name].diff) <= 1e-5, name
-    for name in unfused.params:
-        for ours, theirs in zip(fused.params[name], unfused.params[name]):
-            assert relative_error(ours.diff, theirs.diff) <= 1e-5, name
+    assert_same_gradients(fused, unfused)
 
 
 def test_callbacks_see_every_layer_run_by_itself():
