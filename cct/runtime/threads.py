@@ -26,15 +26,17 @@ class BlasThreads:
     context manager re-scans the loaded libraries on every call)."""
 
     def __init__(self):
-        # Streams set the count from their own threads, and OpenBLAS 0.3.31 does
-        # not always take a raise asked from one of them (set_num_threads(2)
-        # reads back 1 while another thread is in a BLAS call): so a set
+        # Streams set the count from their own threads. threadpoolctl 3.8 lets
+        # only the first thread that set an OpenBLAS (pthreads) count set it
+        # again and silently drops the others' calls, so the stream threads'
+        # sets went nowhere: a lone GEMM on a stream ran on the one thread the
+        # main thread had left. cct serializes every set under its own lock,
+        # so it calls OpenBLAS's own setter (`_setters`) from any thread. A set
         # compares with the count the library reports, not only the one last
-        # asked, or the main thread's restore saw 2 asked and skipped it while
-        # OpenBLAS ran at 1, and every forward after an "auto" backward ran its
-        # GEMMs on one thread. The lock keeps concurrent sets from interleaving.
+        # asked: a count changed behind cct's back is set again.
         self._lock = threading.Lock()
         self._libraries = ThreadpoolController().select(user_api="blas").lib_controllers
+        self._setters = [_setter(lib) for lib in self._libraries]
         # the lowest count: a limit the user set (threadpool_limits) may have
         # reached only the libraries loaded then (numpy's, not scipy's later one)
         self.default = min([lib.num_threads for lib in self._libraries] or [1])
@@ -43,14 +45,33 @@ class BlasThreads:
     def set(self, count):
         count = max(1, int(count))
         with self._lock:
-            for lib in self._libraries:
+            for lib, setter in zip(self._libraries, self._setters):
                 if count != self.current or lib.get_num_threads() != count:
-                    lib.set_num_threads(count)
+                    setter(count)
             self.current = count
 
     def restore(self):
         """Back to the process's default count."""
         self.set(self.default)
+
+
+# OpenBLAS's setter is exported with the build's affixes: plain, 64-bit
+# integer ("64_"), and the scipy-openblas wheels' prefix ("scipy_").
+_OPENBLAS_SETTERS = [prefix + "openblas_set_num_threads" + suffix
+                     for prefix in ("", "scipy_") for suffix in ("", "64_")]
+
+
+def _setter(lib):
+    """The function that sets `lib`'s process-wide count from any thread:
+    OpenBLAS's own symbol for its pthreads builds (threadpoolctl's set would
+    drop calls from threads other than the first that set it), else
+    threadpoolctl's set (OpenMP builds and other libraries)."""
+    if lib.internal_api == "openblas" and lib.threading_layer != "openmp":
+        for name in _OPENBLAS_SETTERS:
+            function = getattr(lib.dynlib, name, None)
+            if function is not None:
+                return function
+    return lib.set_num_threads
 
 
 def blas():

@@ -64,10 +64,9 @@ def test_blas_thread_count_is_set_and_restored():
 
 @pytest.mark.parametrize("mode", ["streams", "auto"])
 def test_a_streamed_backward_leaves_every_blas_thread(mode, monkeypatch):
-    """The streams lower and raise the BLAS count from their own threads, and
-    OpenBLAS does not always take a raise asked from one of them: the count
-    the library reports, not only the one last asked, must be back at the
-    executor's after each backward (it was left at 1 in 11 of 12 "auto"
+    """The streams lower and raise the BLAS count from their own threads: the
+    count the library reports, not only the one last asked, must be back at
+    the executor's after each backward (it was left at 1 in 11 of 12 "auto"
     iterations of LeNet, and every forward after ran its GEMMs on one thread)."""
     monkeypatch.setattr(threads, "_blas", None)
     with threadpool_limits(limits=2, user_api="blas"):
@@ -78,3 +77,23 @@ def test_a_streamed_backward_leaves_every_blas_thread(mode, monkeypatch):
             net.forward()
             net.backward()
             assert blas_count() == 2
+
+
+def test_any_thread_sets_the_count():
+    """threadpoolctl 3.8 drops an OpenBLAS set from every thread but the first
+    that set one (here the main thread, by threadpool_limits): the streams'
+    threads must reach the library all the same."""
+    import threading
+    with threadpool_limits(limits=2, user_api="blas"):
+        blas = BlasThreads()
+        seen = []
+
+        def on_another_thread():
+            blas.set(1)
+            seen.append(blas_count())
+            blas.set(2)
+            seen.append(blas_count())
+        thread = threading.Thread(target=on_another_thread)
+        thread.start()
+        thread.join()
+        assert seen == [1, 2]
