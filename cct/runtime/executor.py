@@ -200,7 +200,7 @@ class Executor:
         """Run layer `index` forward (reshape first, as Caffe's Layer::Forward),
         set its loss tops' diffs to their loss weights, and return its weighted
         loss. set_blas=False leaves the BLAS thread count as it is (a stream
-        of cct.runtime.scheduler, which splits the threads between streams).
+        of cct.runtime.scheduler, which sets it for the sub-tasks it runs at once).
         A layer of a fused run (cct.runtime.fusion) is reshaped and left to
         its run's pass; per-layer callbacks and streams see every layer run."""
         if self._listeners:

@@ -37,10 +37,12 @@ entry). Branch distances come from the layers' FLOP counts until `profile()`
 has measured the data-gradient times. Equal priorities keep the sequential
 order.
 
-OpenBLAS's thread count is process-wide: while streams run, each GEMM gets
-T / (streams that run GEMM-heavy sub-tasks at that moment) threads
-(`blas_threads`, set as each such sub-task starts), so two concurrent GEMMs
-do not oversubscribe the cores and a lone one gets them all.
+Cores: a sub-task holds its width (Schedule.widths) of the executor's
+threads while it runs, and starts only when they are idle and the BLAS count
+it needs is the one in force (OpenBLAS's count is process-wide), so streams
+never oversubscribe the cores; a sub-task's batch partitions run on workers
+it leases for the while (cct.runtime.threads.leased). The widths are the
+sequential schedule's, so the two give the same numbers bitwise.
 """
 import heapq
 import threading
@@ -48,7 +50,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from cct.runtime import critical_path, graph as graph_module
+from cct.runtime import critical_path, graph as graph_module, threads as threads_module
 
 DATA_STREAM, WEIGHT_STREAM, OTHER_STREAM = 0, 1, 2
 
@@ -142,7 +144,32 @@ class Schedule:
         self.stream = {task: stream_of(task, weights) for task in tasks}
         self.times = dict(times) if times else self._estimated_times()
         self.priority = self._priorities()
+        self.widths = self._widths(clip=solver is not None and solver.param.clip_gradients >= 0)
+        # the budget the widths share: the executor's threads, or more where
+        # a layer was asked for more batch partitions than that
+        self.cores = max([net.executor.threads] + [cores for cores, _ in self.widths.values()])
         self.trace = []                     # Span per sub-task of the last run
+
+    def _widths(self, clip):
+        """(cores, BLAS count) per sub-task, as the sequential schedule runs
+        it, so both give the same numbers whatever the timing: a layer's
+        sub-task on all the executor's threads, as its batch partitions (one
+        BLAS count of threads / partitions each) or as the BLAS threads of a
+        whole layer; the clears and updates (element-wise, no BLAS) on one
+        core, so they fill in beside each other and before the next forward;
+        the rate too, unless it clips the gradients (a dot product over all
+        of them, in BLAS)."""
+        executor, widths = self.net.executor, {}
+        total = executor.threads
+        for task in self.tasks:
+            if task.layer >= 0:
+                partitions = executor.partitions(task.layer)
+                widths[task] = (partitions, max(1, total // partitions)) if partitions > 1 else (total, total)
+            elif task.kind == graph_module.RATE and clip:
+                widths[task] = (total, total)
+            else:
+                widths[task] = (1, None)
+        return widths
 
     # --- priorities -----------------------------------------------------------------
     def _estimated_times(self):
@@ -184,6 +211,9 @@ class Schedule:
         best = {}
         for _ in range(runs):
             for task in self.tasks:
+                blas = self.widths[task][1]
+                if blas is not None:
+                    self.net.executor.blas.set(blas)
                 start = time.perf_counter()
                 run(task)
                 elapsed = time.perf_counter() - start
@@ -211,6 +241,8 @@ class Schedule:
         def serve(index):
             try:
                 state.serve(index)
+            except BaseException as error:        # the bookkeeping's own: the other workers stop too
+                state.fail(error)
             finally:
                 done.wait()
         for index, stream in enumerate(streams):
@@ -223,14 +255,20 @@ class Schedule:
         return state.runner
 
 
-# Sub-tasks with no GEMM: they leave the BLAS thread count alone.
-MEMORY_BOUND = (graph_module.CLEAR, graph_module.RATE, graph_module.UPDATE)
-ADAPTIVE_BLAS = True
-
-
 class _RunState:
-    """The counts, ready heaps and trace of one Schedule.run, shared by its
-    stream workers under one condition variable."""
+    """The counts, ready heaps, core budget and trace of one Schedule.run,
+    shared by its stream workers under one condition variable.
+
+    The cores: a sub-task holds `cores` of the executor's threads while it
+    runs (Schedule.widths): its batch partitions' threads, its stream's own
+    thread first and workers leased from the pool after, or the BLAS threads
+    of its one GEMM call at a time. A stream's next sub-task starts when its
+    cores are idle and the BLAS count it needs is the one in force (the
+    count is process-wide: sub-tasks that call BLAS at once must agree on
+    it), so the cores are never oversubscribed. A sub-task may not take
+    cores ahead of a more urgent one another stream waits with, unless its
+    own estimated time ends before the running sub-tasks' (Liu et al.'s
+    Strategy 3: it cannot delay the waiting one)."""
 
     def __init__(self, schedule, stream_count, delay):
         self.schedule, self.delay = schedule, delay
@@ -241,7 +279,11 @@ class _RunState:
         self.became_ready, self.spans = {}, {}
         self.left, self.failure = len(schedule.tasks), None
         self.condition = threading.Condition()
-        self.computing = [0] * stream_count             # per stream: GEMMs at once in its running sub-task
+        executor = schedule.net.executor
+        self.blas = executor.blas
+        self.idle = schedule.cores
+        self.pool = list(threads_module.workers(schedule.cores))     # leased to sub-tasks, a part each
+        self.blas_users, self.running = 0, {}          # running: task -> estimated end (perf_counter)
         for task in schedule.tasks:
             if not self.waiting[task]:
                 self._make_ready(task)
@@ -252,63 +294,87 @@ class _RunState:
         heapq.heappush(self.ready[self.schedule.stream[task]],
                        (task.iteration, task.pass_, -self.schedule.priority[task], self.order[task], task))
 
-    def _share_blas(self, index, task):
-        """Before a GEMM-heavy sub-task (under the lock): the BLAS threads
-        shared among the GEMMs that run at once, this sub-task's (one per
-        batch partition of its layer) and the other streams'. The count
-        is process-wide, so a change also reaches the other streams' next
-        BLAS calls: the shares follow which streams compute, call by call."""
-        executor = self.schedule.net.executor
-        self.computing[index] = executor.partitions(task.layer) if task.layer >= 0 else 1
-        executor.blas.set(blas_threads(executor.threads, sum(self.computing)))
+    def _fits(self, task):
+        cores, blas = self.schedule.widths[task]
+        return cores <= self.idle and (blas is None or not self.blas_users or blas == self.blas.current)
+
+    def _startable(self, index):
+        """Stream `index`'s most urgent ready sub-task if it may start now (under the lock)."""
+        heap = self.ready[index]
+        if not heap or not self._fits(heap[0][-1]):
+            return None
+        rank = heap[0][:-1]
+        for other, waiting in enumerate(self.ready):
+            if other != index and waiting and waiting[0][:-1] < rank and not self._fits(waiting[0][-1]):
+                # a more urgent sub-task waits for cores: only fill in before it
+                ends = max(self.running.values(), default=0.0)
+                if time.perf_counter() + self.schedule.times[heap[0][-1]] > ends:
+                    return None
+        return heapq.heappop(heap)[-1]
+
+    def _take(self, task):
+        """Its cores, leased workers and BLAS count (under the lock)."""
+        cores, blas = self.schedule.widths[task]
+        self.idle -= cores
+        lease = [self.pool.pop() for _ in range(cores - 1)]
+        if blas is not None:
+            if not self.blas_users:
+                self.blas.set(blas)
+            self.blas_users += 1
+        self.running[task] = time.perf_counter() + self.schedule.times[task]
+        return lease
+
+    def _give_back(self, task, lease):
+        cores, blas = self.schedule.widths[task]
+        self.idle += cores
+        self.pool.extend(lease)
+        self.blas_users -= blas is not None
+        del self.running[task]
+
+    def fail(self, error):
+        """Record the first failure and wake every worker to stop."""
+        with self.condition:
+            self.failure = self.failure or error
+            self.condition.notify_all()
 
     def serve(self, index):
         clock, condition = time.perf_counter, self.condition
         while True:
             with condition:
-                while not self.ready[index] and self.left and self.failure is None:
+                while True:
+                    if not self.left or self.failure is not None:
+                        return
+                    task = self._startable(index)
+                    if task is not None:
+                        break
                     condition.wait()
-                if not self.left or self.failure is not None:
-                    return
-                task = heapq.heappop(self.ready[index])[-1]
-                if ADAPTIVE_BLAS and task.kind not in MEMORY_BOUND:
-                    self._share_blas(index, task)
+                lease = self._take(task)
             dispatched = clock()
             try:
                 if self.delay is not None:
                     time.sleep(self.delay(task))
                 began = clock()
-                self.runner(task)
+                with threads_module.leased(lease):
+                    self.runner(task)
             except BaseException as error:          # re-raised by run(); the other workers stop
-                with condition:
-                    self.failure = self.failure or error
-                    condition.notify_all()
+                self.fail(error)
                 return
             self.spans[task] = Span(task, index, self.became_ready[task], dispatched, began, clock())
             with condition:
-                self.computing[index] = 0
+                self._give_back(task, lease)
                 self.left -= 1
-                woken = False
                 for successor in self.schedule.following[task]:
                     self.waiting[successor] -= 1
                     if not self.waiting[successor]:
                         self._make_ready(successor)
-                        woken = woken or self.schedule.stream[successor] != index
-                if woken or not self.left:
-                    condition.notify_all()
-
-
-def blas_threads(total, streams_running_gemms=2):
-    """BLAS threads per GEMM while streams run (the count is process-wide)."""
-    return max(1, total // streams_running_gemms)
+                # cores came back and sub-tasks may have become ready: every
+                # stream looks again (three workers: waking all is cheap)
+                condition.notify_all()
 
 
 def run_on_streams(net, schedule):
-    """schedule.run() with the BLAS threads split between the GEMM streams,
-    the count restored after; returns its graph.Runner."""
-    executor = net.executor
-    executor.blas.set(blas_threads(executor.threads))
+    """schedule.run(), every BLAS thread given back after; returns its graph.Runner."""
     try:
         return schedule.run()
     finally:
-        executor.finish()
+        net.executor.finish()

@@ -9,16 +9,19 @@ gets the same default instead of whatever count the last layer left behind.
 
 Worker k - 1 of `workers()` runs unit k of every parallel run (a batch
 partition, an update stripe), so the per-thread work stores (the lowering
-arenas, Layer.work) exist once per unit index, not once per net.
+arenas, Layer.work) exist once per worker, not once per net. A stream's
+sub-task runs its units on the workers it leased (`leased`) instead.
 """
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 
 from threadpoolctl import ThreadpoolController
 
 _lock = threading.Lock()
 _blas = None
 _workers = []
+_lease = threading.local()     # .workers: the workers a stream's sub-task holds (leased), or None
 
 
 class BlasThreads:
@@ -85,12 +88,31 @@ def blas():
 
 def workers(count):
     """The persistent worker threads for `count` units run at once (the caller
-    runs unit 0 itself): worker k - 1 runs unit k. The list may be longer."""
+    runs unit 0 itself): worker k - 1 runs unit k. The list may be longer.
+    On a thread that holds a lease (a stream's sub-task), the leased workers."""
+    lease = getattr(_lease, "workers", None)
+    if lease is not None:
+        if len(lease) < count - 1:
+            raise RuntimeError(f"a run of {count} units on a lease of {len(lease)} workers")
+        return lease
     with _lock:
         while len(_workers) < count - 1:
             _workers.append(ThreadPoolExecutor(max_workers=1,
                                                thread_name_prefix=f"cct-worker-{len(_workers) + 1}"))
         return list(_workers)
+
+
+@contextmanager
+def leased(lease):
+    """Parallel runs started on this thread inside the block use the workers of
+    `lease` only. Sub-tasks running at once on several streams each lease
+    their own, so their batch partitions never queue behind each other's on
+    one worker (each worker serves one unit at a time)."""
+    _lease.workers = lease
+    try:
+        yield
+    finally:
+        _lease.workers = None
 
 
 def run_all(workers, function, work):

@@ -580,10 +580,14 @@ class Solver:
     def _log_rate(self):
         log.info("Iteration %d, lr = %s", self.iter, _fmt(self._rate))
 
-    def update_param(self, index):
+    def update_param(self, index, stripes=1):
         """Learnable parameter `index`'s part of the update begun by
-        begin_update (a sub-task of the streams schedule, cct.runtime.graph)."""
-        self._update_param(index, self._rate)
+        begin_update (a sub-task of the streams schedule, cct.runtime.graph),
+        on `stripes` threads (the same numbers: see _striped)."""
+        if stripes > 1:
+            self._striped(self._update_param, index, self._rate, stripes=stripes)
+        else:
+            self._update_param(index, self._rate)
 
     def _update_params(self, rate):
         for index in range(len(self.net.learnable_params)):
@@ -601,7 +605,7 @@ class Solver:
         for data, diff in self._pieces(blob.data, blob.diff, temps=0):
             data -= diff                           # Caffe's Blob::Update
 
-    def _striped(self, function, *args):
+    def _striped(self, function, *args, stripes=None):
         """Run function(*args) on the executor's threads at once, thread k doing
         the pieces k, k + T, k + 2T, ... of every parameter (_pieces): the update
         is element-wise, so each element gets the same operations in the same
@@ -610,7 +614,8 @@ class Solver:
         working on whole arrays would be applied once per thread. numpy releases the GIL
         in each piece's passes (CaffeNet's 61M parameters: 4 passes of 233 MB)."""
         executor = self.net.executor
-        stripes = max(1, min(executor.threads, 8))      # memory-bound: more threads add nothing
+        if stripes is None:
+            stripes = max(1, min(executor.threads, 8))      # memory-bound: more threads add nothing
         workers = executor.workers(stripes)
 
         def run(stripe):

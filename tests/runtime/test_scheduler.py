@@ -12,6 +12,7 @@ import cct
 from cct.proto import caffe_pb2
 from cct.runtime import graph, scheduler
 from helpers.nets import FORK_RESIDUAL
+from helpers.schedules import loose
 
 FILL = 'weight_filler { type: "gaussian" std: 0.2 } bias_filler { type: "gaussian" std: 0.1 }'
 NET = f"""
@@ -65,7 +66,7 @@ def test_streams_give_the_sequential_gradients(sequential):
 def test_random_delays_on_every_stream_change_nothing(sequential, seed):
     net = make_net()
     shaker = random.Random(seed)
-    scheduler.Schedule(net).run(delay=lambda task: shaker.random() * 2e-4)
+    loose(scheduler.Schedule(net)).run(delay=lambda task: shaker.random() * 2e-4)
     assert_bitwise(gradients(net), sequential)
 
 
@@ -74,7 +75,7 @@ def test_without_one_derived_edge_some_timing_differs(sequential):
     the top diff before its data gradient overwrites it; without that edge,
     delaying the bias gradient changes it."""
     net = make_net()
-    schedule = scheduler.Schedule(net)
+    schedule = loose(scheduler.Schedule(net))
     scale = net.layer_names.index("scale")
     bias_gradient = next(task for task in schedule.tasks if (task.kind, task.layer, task.param)
                          == (graph.BACKWARD_PARAM, scale, 1))
@@ -119,10 +120,29 @@ def test_a_ready_sub_task_never_waits_behind_a_lower_priority_one():
     """From the trace: a sub-task handed to its stream while a higher-priority
     sub-task of the same stream was already ready is an inversion; there are none."""
     net = make_net()
-    schedule = scheduler.Schedule(net)
+    schedule = loose(scheduler.Schedule(net))
     shaker = random.Random(3)
     schedule.run(delay=lambda task: shaker.random() * 3e-4)
     inversions = [(span.task, other.task) for span in schedule.trace for other in schedule.trace
                   if other.stream == span.stream and other.ready <= span.dispatched < other.dispatched
                   and schedule.priority[other.task] > schedule.priority[span.task]]
     assert len(schedule.trace) == len(schedule.tasks) and inversions == []
+
+
+def test_sub_tasks_at_once_never_hold_more_cores_than_the_budget(monkeypatch):
+    """From the trace of a streamed run at the real widths on two threads: at
+    every sub-task's start, the widths of the sub-tasks running then add up
+    to at most the budget, and those calling BLAS agree on its count."""
+    from threadpoolctl import threadpool_limits
+    from cct.runtime import threads
+    monkeypatch.setattr(threads, "_blas", None)
+    with threadpool_limits(limits=2, user_api="blas"):
+        net = make_net()
+        schedule = scheduler.Schedule(net)
+        assert schedule.cores == 2
+        shaker = random.Random(4)
+        schedule.run(delay=lambda task: shaker.random() * 2e-4)
+    for span in schedule.trace:
+        running = [other.task for other in schedule.trace if other.dispatched <= span.dispatched < other.end]
+        assert sum(schedule.widths[task][0] for task in running) <= schedule.cores
+        assert len({schedule.widths[task][1] for task in running} - {None}) <= 1
