@@ -37,9 +37,9 @@ PHASE = flag("--phase", default="", choices=("", "TRAIN", "TEST"),
              help="the phase to build the net in (default: TEST for test, TRAIN for time)")
 EFFECTS = ("stop", "snapshot", "none")
 SCHEDULE = flag("--schedule", default="", choices=("", "sequential", "streams", "auto"),
-                help="how training runs: layer after layer (bit-repeatable), as sub-tasks on concurrent "
-                     "streams, or the faster of the two as measured (default: CCT_SCHEDULE, the run "
-                     "configuration, auto)")
+                help="how training runs: layer after layer, as sub-tasks on concurrent streams (the "
+                     "same numbers), or the faster of the two as measured (default: CCT_SCHEDULE, the "
+                     "run configuration, auto)")
 
 
 def apply_schedule(args):

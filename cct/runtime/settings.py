@@ -55,11 +55,10 @@ on concurrent streams, cct.runtime.scheduler; a solver runs windows of whole
 iterations that way) or "auto" (each solver times windows of iterations in
 both and keeps the faster; a net's backward from Python likewise). Precedence:
 set_schedule() (the CLI's --schedule), then CCT_SCHEDULE, then the
-configuration, then "auto". With one BLAS thread every schedule gives the same
-numbers bit for bit; with more, the streams split the threads between two
-GEMMs, which OpenBLAS sums in another order, so the last bits can differ and
-an "auto" run is bit-repeatable only where it chooses the same: "sequential"
-is the schedule for runs that must repeat bit for bit. Top-level "priorities": {"alpha": a,
+configuration, then "auto". Every schedule gives the same numbers bit for
+bit, at any thread count: a streamed sub-task runs at the width the
+sequential schedule gives its layer (cct.runtime.scheduler's core budget).
+Top-level "priorities": {"alpha": a,
 "beta": b} sets how far a weight gradient (alpha) and any other parameter
 gradient (beta) rank below their layer's data gradient in the streams
 schedule (cct.runtime.critical_path; defaults in cct.runtime.scheduler).

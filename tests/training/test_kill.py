@@ -71,8 +71,8 @@ def write_solver(folder, name, max_iter, snapshot, kind="SGD", snapshot_format="
 
 
 def train(solver_path, *flags, log_path):
-    """`cct train` in its own process, layer after layer (the bit-repeatable
-    schedule) on one thread (several run at once); its log goes to a file (a
+    """`cct train` in its own process, layer after layer (no timing of
+    schedules for "auto") on one thread (several run at once); its log goes to a file (a
     pipe could fill up)."""
     with open(log_path, "w") as log_file:
         return subprocess.Popen([sys.executable, "-m", "cct.cli", "train", f"--solver={solver_path}",
