@@ -5,12 +5,17 @@ solver runs windows of up to 8 iterations as one graph), so a noisy host's
 drift falls on both, and the ratio of the medians (per iteration) is printed,
 with one streamed backward's span, busy time and dispatch cost per sub-task.
 
-    python bench/bench_schedule.py [--net lenet|caffenet|googlenet|resnet50] [--batch 64] [--iterations 8] [--rounds 5] [--whole]
+    python bench/bench_schedule.py [--net lenet|caffenet|googlenet|resnet50] [--batch 64] [--iterations 8] [--rounds 5] [--whole] [--tuned]
 
 --whole adds both schedules with every layer whole (one batch partition,
 instead of the default plan's one per thread for large layers), alternating
 with the other two: what the streams give where partitions do not already
 keep the cores busy.
+
+--tuned adds the tuned schedule (cct.runtime.tuner: thread counts per
+sub-task from profiling iterations, co-running by Strategy 3), alternating
+with the others, and prints one tuned window's concurrency: sub-tasks
+running at once, averaged over start and finish events (Liu et al.'s Fig. 4).
 
 Nets: models/lenet (train net, batch 64 by default), CaffeNet
 (models/bvlc_reference_caffenet/train_synthetic.prototxt), GoogLeNet
@@ -20,6 +25,8 @@ BatchNorm computing batch statistics and a SoftmaxWithLoss head: weights
 constant, the time is the same).
 """
 import argparse
+import bisect
+import collections
 import os
 import statistics
 import sys
@@ -85,6 +92,40 @@ def step_time(solver, mode, iterations, whole=False):
     return (time.perf_counter() - start) / iterations
 
 
+def concurrency(spans):
+    """The paper's Fig. 4 measure: sub-tasks running at once, averaged over
+    the start and finish events of a trace (each event counts what runs just
+    after it)."""
+    events = sorted([(span.start, 1) for span in spans] + [(span.end, -1) for span in spans])
+    running, counts = 0, []
+    for _, change in events:
+        running += change
+        counts.append(running)
+    counts = [count for count in counts if count > 0]
+    return statistics.mean(counts) if counts else 0.0
+
+
+def tuned_window(solver, iterations):
+    """One window in the tuned schedule: its trace and the profiling steps spent."""
+    solver.net.executor.schedule = "tuned"
+    solver.step(iterations)
+    schedule = next(s for key, s in reversed(solver._stream_schedules.items()) if key[1] and s.trace)
+    [tuner] = solver._tuners.values()
+    return schedule.trace, tuner.steps
+
+
+def dispatch_costs(spans):
+    """Per sub-task, the time from the last event that could have let it start
+    (it became ready, or the latest sub-task before it ended and gave back
+    its cores) to its start: the scheduler's own cost, not waiting for cores."""
+    ends = sorted(span.end for span in spans)
+    costs = []
+    for span in spans:
+        freed = ends[bisect.bisect_right(ends, span.start) - 1] if ends[0] <= span.start else span.ready
+        costs.append(span.start - max(span.ready, freed))
+    return costs
+
+
 def trace_figures(solver):
     """(span, summed sub-task time, dispatch cost per sub-task) of one streamed backward, ms."""
     schedule = solver.net.executor.stream_schedule()
@@ -94,7 +135,7 @@ def trace_figures(solver):
     spans = schedule.trace
     span = max(s.end for s in spans) - min(s.ready for s in spans)
     busy = sum(s.end - s.start for s in spans)
-    dispatch = statistics.median(s.start - s.ready for s in spans)
+    dispatch = statistics.median(dispatch_costs(spans))
     solver.net.clear_param_diffs()
     return span * 1e3, busy * 1e3, dispatch * 1e6, len(spans)
 
@@ -106,12 +147,15 @@ def main():
     parser.add_argument("--iterations", type=int, default=8, help="iterations per mode and round (one step)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
     parser.add_argument("--whole", action="store_true", help="also both schedules with every layer whole")
+    parser.add_argument("--tuned", action="store_true",
+                        help="also the tuned schedule (per-sub-task thread counts and co-running, issue 12)")
     args = parser.parse_args()
     p = common.print_flush
     p(common.machine_line())
     solver = solver_for(args.net, args.batch)
-    variants = [("sequential", False), ("streams", False)] + ([("sequential", True), ("streams", True)]
-                                                              if args.whole else [])
+    modes = ["sequential", "streams"] + (["tuned"] if args.tuned else [])
+    variants = [(mode, False) for mode in modes] + ([("sequential", True), ("streams", True)]
+                                                    if args.whole else [])
     for mode, whole in variants:
         step_time(solver, mode, args.iterations, whole)  # warm: buffers, the streams' schedules
     times = {variant: [] for variant in variants}
@@ -119,16 +163,23 @@ def main():
         for mode, whole in variants:
             times[mode, whole].append(step_time(solver, mode, args.iterations, whole))
     whole_layers(solver.net.executor, False)
-    medians = {mode: statistics.median(times[mode, False]) * 1e3 for mode in ("sequential", "streams")}
+    medians = {mode: statistics.median(times[mode, False]) * 1e3 for mode in modes}
     span, busy, dispatch, count = trace_figures(solver)
     p(f"{args.net} batch {args.batch}, training iteration: sequential {medians['sequential']:.2f} ms, "
       f"streams {medians['streams']:.2f} ms; streams / sequential time {medians['streams'] / medians['sequential']:.3f}")
+    if args.tuned:
+        spans, steps = tuned_window(solver, args.iterations)
+        p(f"  tuned {medians['tuned']:.2f} ms; tuned / sequential time {medians['tuned'] / medians['sequential']:.3f}, "
+          f"tuned / streams {medians['tuned'] / medians['streams']:.3f}; {steps} profiling iterations; "
+          f"sub-tasks at once per start/finish {concurrency(spans):.2f}; threads per sub-task "
+          f"{dict(sorted(collections.Counter(span.threads for span in spans).items()))}")
     if args.whole:
         seq, streams = (statistics.median(times[mode, True]) * 1e3 for mode in ("sequential", "streams"))
         p(f"  every layer whole: sequential {seq:.2f} ms, streams {streams:.2f} ms; "
           f"streams / sequential time {streams / seq:.3f}")
     p(f"  one streamed backward: {count} sub-tasks, span {span:.2f} ms, sub-tasks' own time {busy:.2f} ms "
-      f"(overlap {busy / span:.2f}x), dispatch {dispatch:.0f} us per sub-task (ready to started, median)")
+      f"(overlap {busy / span:.2f}x), dispatch {dispatch:.0f} us per sub-task (median, from the "
+      f"sub-task being ready and cores free to its start)")
     p(f"load after the runs: {common.load_average():.2f}")
 
 

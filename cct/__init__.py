@@ -36,8 +36,8 @@ def set_mode_gpu():
 
 
 def set_schedule(mode):
-    """cct's extension: how nets made from now on train, "sequential", "streams"
-    or "auto" (None: back to CCT_SCHEDULE / the run configuration / "auto"); what
+    """cct's extension: how nets made from now on train, "sequential", "streams",
+    "tuned" or "auto" (None: back to CCT_SCHEDULE / the run configuration / "auto"); what
     `cct train --schedule` sets (cct.runtime.settings, cct.runtime.scheduler)."""
     from cct.runtime import settings
     settings.set_schedule(mode)

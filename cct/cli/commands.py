@@ -36,10 +36,11 @@ GPU = flag("--gpu", default=None, help="accepted for Caffe scripts; cct runs on 
 PHASE = flag("--phase", default="", choices=("", "TRAIN", "TEST"),
              help="the phase to build the net in (default: TEST for test, TRAIN for time)")
 EFFECTS = ("stop", "snapshot", "none")
-SCHEDULE = flag("--schedule", default="", choices=("", "sequential", "streams", "auto"),
+SCHEDULE = flag("--schedule", default="", choices=("", "sequential", "streams", "tuned", "auto"),
                 help="how training runs: layer after layer, as sub-tasks on concurrent streams (the "
-                     "same numbers), or the faster of the two as measured (default: CCT_SCHEDULE, the "
-                     "run configuration, auto)")
+                     "same numbers), as streams with each sub-task's thread count profiled and co-running "
+                     "(tuned: not bit-repeatable), or the fastest as measured (default: CCT_SCHEDULE, "
+                     "the run configuration, auto)")
 
 
 def apply_schedule(args):

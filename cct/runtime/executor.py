@@ -316,7 +316,7 @@ class Executor:
         choice.record(mode, time.perf_counter() - start)
 
     def _backward_in(self, mode):
-        if mode == "streams":
+        if mode in ("streams", "tuned"):       # a backward alone is not tuned: streams
             scheduler.run_on_streams(self.net, self.stream_schedule())
             return
         for index in reversed(range(len(self.net.layers))):

@@ -4,7 +4,8 @@
 A net's backward becomes the sub-tasks of cct.runtime.graph: per layer its
 data gradient (the critical chain: the layer below waits for it) and one
 sub-task per parameter gradient (needed only by the update). They run on a
-few streams, one worker thread each serving its stream in order:
+few streams, each an ordered queue with one sub-task running at a time, served
+by as many threads as streams:
 
     stream 0  data gradients, and the whole backward of layers that do not split it
     stream 1  weight gradients (parameter 0)
@@ -21,12 +22,16 @@ gradients and updates are still running. clip_gradients makes the rate a
 barrier (it scales every gradient by their global norm). Ready sub-tasks of
 an earlier iteration go first.
 
-The stream count does not grow with depth. Nothing blocks a worker on an
+The stream count does not grow with depth. Nothing blocks a thread on an
 unready input: each sub-task's unfinished predecessors are counted, and a
-stream's worker, when idle, takes the highest-priority ready sub-task of its
-stream, so a critical sub-task that becomes ready later still overtakes
+free thread starts the highest-priority ready sub-task of a stream with none
+running, so a critical sub-task that becomes ready later still overtakes
 waiting non-critical ones (the CPU has no hardware stream priorities: the
-paper's "method one", done by the workers themselves).
+paper's "method one", done by the threads themselves). A stream's sub-tasks
+need not run on one thread: the thread that ends a sub-task starts the next
+one itself, whatever its stream, so a chain hands over no work between
+threads (a hand-over cost LeNet 16% of an iteration: the woken thread waits
+for the GIL and the cores).
 
 Priority: TurboDL's Algorithm 1 (cct.runtime.critical_path): blocks from a
 fork layer to its merge, the longest branch first; a data gradient keeps its
@@ -50,7 +55,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from cct.runtime import critical_path, graph as graph_module, threads as threads_module
+from cct.runtime import critical_path, graph as graph_module, thread_model, threads as threads_module
+from cct.runtime import tuner as tuner_module
 
 DATA_STREAM, WEIGHT_STREAM, OTHER_STREAM = 0, 1, 2
 
@@ -58,13 +64,15 @@ DATA_STREAM, WEIGHT_STREAM, OTHER_STREAM = 0, 1, 2
 @dataclass(frozen=True)
 class Span:
     """One sub-task of a run, perf_counter seconds: when it became ready, when
-    its stream's worker took it, and when it started and ended there."""
+    its stream's worker took it, and when it started and ended there; and
+    the threads (cores) it held."""
     task: object
     stream: int
     ready: float
     dispatched: float
     start: float
     end: float
+    threads: int = 1
 
 # Taken off a layer's priority for its weight gradient, and for its other
 # parameter gradients: below the layer's data gradient and above the data
@@ -148,6 +156,7 @@ class Schedule:
         # the budget the widths share: the executor's threads, or more where
         # a layer was asked for more batch partitions than that
         self.cores = max([net.executor.threads] + [cores for cores, _ in self.widths.values()])
+        self.tuner = None                   # a done cct.runtime.tuner.Tuner: the "tuned" schedule's counts
         self.trace = []                     # Span per sub-task of the last run
 
     def _widths(self, clip):
@@ -228,25 +237,24 @@ class Schedule:
         returns the graph.Runner that ran them once every one is done.
         `delay(task)`: seconds to sleep before a sub-task (tests shake timing).
 
-        Each stream's worker runs a loop (one submission per stream and run):
-        when idle it takes its stream's highest-priority ready sub-task; when
-        a sub-task ends, the worker that ran it counts down its successors'
-        inputs and makes the ready ones available. A worker that finishes a
-        sub-task goes straight on to its next one, with no hop through another
-        thread."""
+        Each stream thread runs _RunState.serve (one submission per thread
+        and run): a stream runs one sub-task at a time, its most urgent ready
+        one first, on whichever stream thread is free; the thread that ends a
+        sub-task counts down its successors' inputs and starts the next one
+        itself, with no hop through another thread."""
         streams = streams or cpu_streams(CPU_STREAMS)
         state = _RunState(self, len(streams), delay)
         done = threading.Barrier(len(streams) + 1)
 
-        def serve(index):
+        def serve():
             try:
-                state.serve(index)
+                state.serve()
             except BaseException as error:        # the bookkeeping's own: the other workers stop too
                 state.fail(error)
             finally:
                 done.wait()
-        for index, stream in enumerate(streams):
-            stream.submit(lambda index=index: serve(index))
+        for stream in streams:
+            stream.submit(serve)
         done.wait()
         self.trace = sorted(state.spans.values(), key=lambda span: span.start)
         if state.failure is not None:
@@ -284,6 +292,8 @@ class _RunState:
         self.idle = schedule.cores
         self.pool = list(threads_module.workers(schedule.cores))     # leased to sub-tasks, a part each
         self.blas_users, self.running = 0, {}          # running: task -> estimated end (perf_counter)
+        self.granted = {}                               # running: task -> (cores, BLAS count) it holds
+        self.busy = [False] * stream_count              # per stream: a sub-task of it runs
         for task in schedule.tasks:
             if not self.waiting[task]:
                 self._make_ready(task)
@@ -294,38 +304,88 @@ class _RunState:
         heapq.heappush(self.ready[self.schedule.stream[task]],
                        (task.iteration, task.pass_, -self.schedule.priority[task], self.order[task], task))
 
-    def _fits(self, task):
-        cores, blas = self.schedule.widths[task]
+    def _fits(self, task, width=None):
+        cores, blas = width or self.schedule.widths[task]
         return cores <= self.idle and (blas is None or not self.blas_users or blas == self.blas.current)
 
-    def _startable(self, index):
-        """Stream `index`'s most urgent ready sub-task if it may start now (under the lock)."""
-        heap = self.ready[index]
-        if not heap or not self._fits(heap[0][-1]):
-            return None
-        rank = heap[0][:-1]
-        for other, waiting in enumerate(self.ready):
-            if other != index and waiting and waiting[0][:-1] < rank and not self._fits(waiting[0][-1]):
-                # a more urgent sub-task waits for cores: only fill in before it
-                ends = max(self.running.values(), default=0.0)
-                if time.perf_counter() + self.schedule.times[heap[0][-1]] > ends:
-                    return None
-        return heapq.heappop(heap)[-1]
+    def _candidates(self):
+        """The most urgent ready sub-task of each stream with none running,
+        most urgent first (their heap entries)."""
+        return sorted(heap[0] for stream, heap in enumerate(self.ready) if heap and not self.busy[stream])
 
-    def _take(self, task):
+    def _next(self):
+        """The sub-task to start now and its width, taken off its stream's
+        heap (under the lock), or None: the most urgent one that fits the
+        idle cores, except that a sub-task may not take cores ahead of a more
+        urgent one that waits for them unless it is estimated to end before
+        the running ones (it cannot delay the waiting one)."""
+        if self.schedule.tuner is not None:
+            return self._chosen()
+        blocked = False
+        for entry in self._candidates():
+            task = entry[-1]
+            if not self._fits(task):
+                blocked = True
+                continue
+            if blocked and time.perf_counter() + self.schedule.times[task] > max(self.running.values(), default=0.0):
+                continue
+            heapq.heappop(self.ready[self.schedule.stream[task]])
+            return task, self.schedule.widths[task]
+        return None
+
+    def _chosen(self):
+        """The tuned schedule: Strategy 3 (thread_model.pick) over the
+        candidates, each with its counts that fit the idle cores and the BLAS
+        count in force (its 3 best, its type's Strategy-2 count as the
+        fallback), or its fixed width; the critical-path order ranks them."""
+        tuner, now = self.schedule.tuner, time.perf_counter()
+        if self.idle < 1:
+            return None
+        items = []
+        for entry in self._candidates():
+            task = entry[-1]
+            key = tuner_module.key_of(task)
+            if key in tuner.curves:
+                curve = tuner.curves[key]
+                fitting = tuple((threads, seconds) for threads, seconds in curve.candidates()
+                                if self._fits(task, (threads, threads)))
+                count = tuner.count(key)
+                if fitting:
+                    items.append(thread_model.Ready(task, fitting, count, curve.time(count), curve))
+            elif self._fits(task):
+                width = self.schedule.widths[task][0]
+                items.append(thread_model.Ready(task, ((width, tuner.predicted(task, width)),)))
+        remaining = [end - now for end in self.running.values()]
+        choice = thread_model.pick(self.idle, remaining, items, {item.op: -n for n, item in enumerate(items)})
+        if choice is None:
+            return None
+        task = choice.op
+        tuned = tuner_module.key_of(task) in tuner.curves
+        width = (choice.threads, choice.threads) if tuned else self.schedule.widths[task]
+        if not self._fits(task, width):              # a fallback count the BLAS count in force rules out
+            return None
+        heap = self.ready[self.schedule.stream[task]]
+        assert heap[0][-1] is task
+        heapq.heappop(heap)
+        return task, width
+
+    def _take(self, task, width):
         """Its cores, leased workers and BLAS count (under the lock)."""
-        cores, blas = self.schedule.widths[task]
+        cores, blas = width
+        self.granted[task] = width
         self.idle -= cores
         lease = [self.pool.pop() for _ in range(cores - 1)]
         if blas is not None:
             if not self.blas_users:
                 self.blas.set(blas)
             self.blas_users += 1
-        self.running[task] = time.perf_counter() + self.schedule.times[task]
+        tuner = self.schedule.tuner
+        seconds = tuner.predicted(task, cores) if tuner is not None else self.schedule.times[task]
+        self.running[task] = time.perf_counter() + seconds
         return lease
 
     def _give_back(self, task, lease):
-        cores, blas = self.schedule.widths[task]
+        cores, blas = self.granted.pop(task)
         self.idle += cores
         self.pool.extend(lease)
         self.blas_users -= blas is not None
@@ -337,39 +397,49 @@ class _RunState:
             self.failure = self.failure or error
             self.condition.notify_all()
 
-    def serve(self, index):
+    def serve(self):
+        """One stream thread's loop: start the next sub-task (_next) of any
+        stream with none running, run it, count its successors' inputs down,
+        and go on. The thread that ends a sub-task starts the next one
+        itself, so a chain runs on one thread with no hand-over; the others
+        are woken only when cores stay idle beside what runs."""
         clock, condition = time.perf_counter, self.condition
         while True:
             with condition:
                 while True:
                     if not self.left or self.failure is not None:
                         return
-                    task = self._startable(index)
-                    if task is not None:
+                    started = self._next()
+                    if started is not None:
                         break
                     condition.wait()
-                lease = self._take(task)
+                task, width = started
+                stream = self.schedule.stream[task]
+                self.busy[stream] = True
+                lease = self._take(task, width)
+                if self.idle and self._candidates():
+                    condition.notify_all()          # another sub-task may start beside this one
             dispatched = clock()
             try:
                 if self.delay is not None:
                     time.sleep(self.delay(task))
                 began = clock()
                 with threads_module.leased(lease):
-                    self.runner(task)
+                    self.runner(task, width[0])
             except BaseException as error:          # re-raised by run(); the other workers stop
                 self.fail(error)
                 return
-            self.spans[task] = Span(task, index, self.became_ready[task], dispatched, began, clock())
+            self.spans[task] = Span(task, stream, self.became_ready[task], dispatched, began, clock(), width[0])
             with condition:
                 self._give_back(task, lease)
+                self.busy[stream] = False
                 self.left -= 1
                 for successor in self.schedule.following[task]:
                     self.waiting[successor] -= 1
                     if not self.waiting[successor]:
                         self._make_ready(successor)
-                # cores came back and sub-tasks may have become ready: every
-                # stream looks again (three workers: waking all is cheap)
-                condition.notify_all()
+                if not self.left:
+                    condition.notify_all()
 
 
 def run_on_streams(net, schedule):

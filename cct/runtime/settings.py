@@ -14,7 +14,7 @@ Environment variables:
     CCT_LOWERING_BUDGET_MB  largest lowering workspace, MB (default 64)
     CCT_SHARE_DIFFS         1 or 0: whether a solver's train net shares diffs
     CCT_CACHE_DIR           where the lowering chooser caches its measurements
-    CCT_SCHEDULE            sequential, streams or auto: how a net runs its
+    CCT_SCHEDULE            sequential, streams, tuned or auto: how a net runs its
                             backward (cct.runtime.scheduler)
     CCT_FUSION              1 or 0: whether TEST-phase nets run with
                             inference fusion (cct.runtime.fusion)
@@ -52,12 +52,16 @@ solver made from Python (pycaffe scripts read any blob's diff).
 
 Top-level "schedule": "sequential" (layer after layer), "streams" (sub-tasks
 on concurrent streams, cct.runtime.scheduler; a solver runs windows of whole
-iterations that way) or "auto" (each solver times windows of iterations in
-both and keeps the faster; a net's backward from Python likewise). Precedence:
+iterations that way), "tuned" (the streams with each sub-task's thread count
+profiled on the first iterations and sub-tasks co-running, cct.runtime.tuner)
+or "auto" (each solver times windows of iterations in all three and keeps
+the fastest; a net's backward from Python chooses between the first two). Precedence:
 set_schedule() (the CLI's --schedule), then CCT_SCHEDULE, then the
 configuration, then "auto". Every schedule gives the same numbers bit for
 bit, at any thread count: a streamed sub-task runs at the width the
 sequential schedule gives its layer (cct.runtime.scheduler's core budget).
+"tuned" does not: a GEMM's thread count there may differ, and depends on
+timing, so "auto" repeats bit for bit only where it keeps another schedule.
 Top-level "priorities": {"alpha": a,
 "beta": b} sets how far a weight gradient (alpha) and any other parameter
 gradient (beta) rank below their layer's data gradient in the streams
@@ -96,7 +100,7 @@ CACHE_ENV = "CCT_CACHE_DIR"
 TOP_KEYS = ("layers", "default", "share_diffs", "schedule", "priorities", "fusion")
 PRIORITY_KEYS = ("alpha", "beta")
 SCHEDULE_ENV = "CCT_SCHEDULE"
-SCHEDULES = ("sequential", "streams", "auto")
+SCHEDULES = ("sequential", "streams", "tuned", "auto")
 FUSION_ENV = "CCT_FUSION"
 KEYS = ("lowering", "measure", "lowering_budget_mb", "partitions")
 

@@ -40,7 +40,7 @@ from cct.core.rng import set_random_seed
 from cct.formats.prototxt import read_net, read_solver
 from cct.formats.upgrade import upgrade_solver
 from cct.proto import caffe_pb2
-from cct.runtime import memory, memory_plan, scheduler
+from cct.runtime import memory, memory_plan, scheduler, tuner as tuner_module
 from cct.runtime.choice import FasterOf
 from cct.runtime import settings as run_config
 from cct.runtime.threads import run_all
@@ -138,7 +138,8 @@ class Solver:
             self.share_weights(net)
         self._images_per_iter = self._batch_size(self.net) * param.iter_size
         self.history = [np.zeros(p.shape, p.dtype) for p in self.net.learnable_params]
-        self._stream_schedules = {}  # (iterations, shapes, partitions) -> scheduler.Schedule
+        self._stream_schedules = {}  # (iterations, tuned, shapes, partitions) -> scheduler.Schedule
+        self._tuners = {}            # (shapes, partitions) -> tuner.Tuner, the "tuned" schedule's profile
         self._auto = {}              # (shapes, partitions) -> FasterOf, the "auto" schedule's choice
         self._work = {}              # (dtype, stripe, thread) -> work arrays of UPDATE_PIECE elements (_pieces)
         self._stripe = threading.local()     # which pieces this thread updates (_striped)
@@ -416,11 +417,11 @@ class Solver:
         if (executor.schedule == "sequential" or self.callbacks or executor.listened
                 or param.debug_info):
             return None
-        if executor.schedule == "streams":
-            return "streams"
+        if executor.schedule in ("streams", "tuned"):
+            return executor.schedule
         key = self.net.executor.shape_key()
         if key not in self._auto:
-            self._auto[key] = FasterOf(("sequential", "streams"), "schedule auto (time per iteration)")
+            self._auto[key] = FasterOf(("sequential", "streams", "tuned"), "schedule auto (time per iteration)")
         return self._auto[key].next()
 
     def _window_in(self, mode, count):
@@ -430,6 +431,8 @@ class Solver:
         start = time.perf_counter()
         if mode == "streams":
             self._iterations_on_streams(count)
+        elif mode == "tuned":
+            self._iterations_tuned(count)
         else:
             executor.schedule = "sequential"
             try:
@@ -457,7 +460,11 @@ class Solver:
         of one iteration overlap the next one's forward where the edges allow
         (the same numbers as _iteration's, bitwise)."""
         first = self.iter
-        runner = scheduler.run_on_streams(self.net, self._stream_schedule(count))
+        self._count_iterations(scheduler.run_on_streams(self.net, self._stream_schedule(count)), first, count)
+
+    def _count_iterations(self, runner, first, count):
+        """The solver's books after a graph.Runner ran `count` iterations from
+        iteration `first` (the runner has moved self.iter past them)."""
         for k in range(count):
             self.iter = first + k
             self._update_smoothed_loss(runner.loss(k), self._start_iter)
@@ -465,11 +472,33 @@ class Solver:
             self._log_rate()
         self.iter = first + count
 
-    def _stream_schedule(self, count):
+    def _iterations_tuned(self, count):
+        """The "tuned" schedule (cct.runtime.tuner): the net's first
+        iterations profile each sub-task's thread counts, one iteration at a
+        time; then windows on the streams with those counts and co-running."""
+        tuner = self._tuner()
+        while count and not tuner.done:
+            first = self.iter
+            self._count_iterations(tuner.profile_step(), first, 1)
+            count -= 1
+        if count:
+            schedule = self._stream_schedule(count, tuned=True)
+            schedule.tuner = tuner
+            first = self.iter
+            self._count_iterations(scheduler.run_on_streams(self.net, schedule), first, count)
+
+    def _tuner(self):
+        """The profile of the net's current shapes and partitions."""
+        key = self.net.executor.shape_key()
+        if key not in self._tuners:
+            self._tuners[key] = tuner_module.Tuner(self._stream_schedule(1))
+        return self._tuners[key]
+
+    def _stream_schedule(self, count, tuned=False):
         """The Schedule of `count` iterations for the net's current shapes and
-        partitions (built once for each)."""
+        partitions (built once for each, and once more for the tuned schedule)."""
         net = self.net
-        key = (count,) + self.net.executor.shape_key()
+        key = (count, tuned) + self.net.executor.shape_key()
         if key not in self._stream_schedules:
             self._stream_schedules[key] = scheduler.Schedule(
                 net, solver=self, iterations=count, **run_config.priorities())

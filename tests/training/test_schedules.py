@@ -107,11 +107,11 @@ def test_with_two_blas_threads_streams_give_the_sequential_weights(monkeypatch):
 
 def test_auto_measures_both_then_keeps_one():
     """A solver in the "auto" schedule times windows of iterations in each
-    mode (after one warm-up each) and keeps the faster; net.backward() from
+    mode (after one warm-up each; the tuned one's profiles) and keeps the faster; net.backward() from
     Python does the same for the backward alone (the executor's choice)."""
     settings.set_schedule("auto")
     try:
-        solver, _ = train(NETS["blocks"](), iterations=8)
+        solver, _ = train(NETS["blocks"](), iterations=16)
         net = cct.Net(NETS["blocks"](), cct.TRAIN)
         for _ in range(8):
             net.forward()
@@ -119,7 +119,7 @@ def test_auto_measures_both_then_keeps_one():
     finally:
         settings.set_schedule(None)
     [choice] = solver._auto.values()
-    assert choice.chosen in ("sequential", "streams") and all(len(runs) == 3 for runs in choice.times.values())
+    assert choice.chosen in ("sequential", "streams", "tuned") and all(len(runs) == 3 for runs in choice.times.values())
     _, choice = net.executor._auto
     assert choice.chosen in ("sequential", "streams") and all(len(runs) == 3 for runs in choice.times.values())
 
@@ -153,7 +153,7 @@ def test_schedule_from_the_environment_and_the_configuration(monkeypatch, tmp_pa
     monkeypatch.setenv("CCT_SCHEDULE", "streams")
     assert settings.schedule() == "streams"
     monkeypatch.setenv("CCT_SCHEDULE", "fastest")
-    with pytest.raises(ConfigError, match="CCT_SCHEDULE: must be one of sequential, streams, auto"):
+    with pytest.raises(ConfigError, match="CCT_SCHEDULE: must be one of sequential, streams, tuned, auto"):
         settings.schedule()
     monkeypatch.delenv("CCT_SCHEDULE")
     assert settings.schedule(settings.parse('{"schedule": "auto"}')) == "auto"
@@ -241,3 +241,68 @@ def test_the_next_iterations_forward_does_not_wait_for_the_whole_update():
     assert solver.iter == 3
     for ours, theirs in zip(net.learnable_params, reference.net.learnable_params):
         assert np.array_equal(ours.data, theirs.data)
+
+
+# --- the "tuned" schedule (cct.runtime.tuner): thread counts per sub-task profiled
+# on the first training iterations (Liu et al.'s model B), then the streams with
+# Strategy 3's co-running inside the core budget
+
+@pytest.fixture
+def two_threads(monkeypatch):
+    monkeypatch.setattr(threads, "_blas", None)      # a controller made under 2 threads
+    with threadpool_limits(limits=2, user_api="blas"):
+        yield
+
+
+@pytest.mark.parametrize("name", ["lenet", "inception", "resnet"])
+def test_tuned_training_keeps_the_sequential_weights_to_rounding(name, two_threads):
+    """A GEMM's thread count may differ from the sequential schedule's (OpenBLAS
+    may then sum a long product in another order): the same weights to float32
+    rounding, after 12 iterations (2 of them profiling)."""
+    theirs, their_loss, _ = train_in_windows(name, "sequential")
+    ours, our_loss, solver = train_in_windows(name, "tuned")
+    [tuner] = solver._tuners.values()
+    assert tuner.done and solver.iter == 12
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert our_loss == pytest.approx(their_loss, rel=1e-4)
+
+
+def test_profiling_steps_stay_within_the_papers_bound(two_threads):
+    """Every tunable sub-task climbs 1, 2 (step 1 on 2 cores): at most
+    2 * cores / step profiling iterations, each count's time measured, and
+    one Strategy-2 count per op type, the best of its largest instance."""
+    _, _, solver = train_in_windows("lenet", "tuned", iterations=4)
+    [tuner] = solver._tuners.values()
+    assert tuner.cores == 2 and tuner.steps <= 2 * tuner.cores / tuner.step
+    report = tuner.report()
+    assert report and all(set(tried) <= {1, 2} and 1 in tried for _, _, tried, _ in report)
+    for key, op_type, tried, count in report:
+        largest = max((curve.tried[1], key_) for key_, curve in tuner.curves.items()
+                      if tuner_type(tuner, key_) == op_type)[1]
+        assert count == tuner.curves[largest].best()
+
+
+def tuner_type(tuner, key):
+    from cct.runtime.tuner import op_type
+    return op_type(tuner.schedule.net, key)
+
+
+def test_a_tuned_window_never_holds_more_cores_than_the_budget(two_threads):
+    """From the trace of a tuned window: at every start the threads held by
+    the sub-tasks running add up to the cores at most, and a sub-task ran
+    on one of its counts."""
+    _, _, solver = train_in_windows("inception", "tuned", iterations=8)
+    schedule = next(s for key, s in solver._stream_schedules.items() if key[1] and s.trace)
+    for span in schedule.trace:
+        running = [other for other in schedule.trace if other.dispatched <= span.dispatched < other.end]
+        assert sum(other.threads for other in running) <= schedule.cores
+        assert 1 <= span.threads <= schedule.cores
+
+
+def test_tuned_is_a_schedule_setting():
+    settings.set_schedule("tuned")
+    try:
+        assert settings.schedule() == "tuned"
+    finally:
+        settings.set_schedule(None)

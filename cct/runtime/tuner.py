@@ -1,0 +1,147 @@
+"""Per-sub-task thread counts for the "tuned" schedule: Liu et al.'s model B
+(hill climbing with interpolation, cct.runtime.thread_model) profiled on real
+training iterations, as the paper does, then handed to the streams' core
+budget (cct.runtime.scheduler), which co-runs sub-tasks by Strategy 3.
+
+Profiling: the first iterations run one at a time in the graph's order on
+the calling thread, every sub-task timed. In profiling step j each tunable
+sub-task runs at the next count of its climb (1, 1 + step, ...; all at once,
+one count per step, so the steps spent are the longest climb: at most
+2 * cores / step); a sub-task whose time rose stops climbing and runs at its
+best count in the steps left. These iterations train as any other: they are
+the graph's sub-tasks in an order that keeps every edge.
+
+Tunable: a layer's sub-task run whole (its plan has one batch partition),
+a count k realized as k BLAS threads. Its layer's batch partitions, a data
+layer (it must not draw extra batches), the clears, the rate and the
+updates keep the widths of the streams schedule; they are timed too, so the
+dispatcher can predict them.
+
+Strategy 2 keeps one count per op type, (layer type, sub-task kind,
+parameter), the best count of the type's largest instance by its 1-thread
+time; Strategy 3 (thread_model.pick) may co-run a sub-task on one of its 3
+best counts.
+
+A tuned run's numbers differ from the sequential schedule's in the last bits
+where a GEMM runs on another thread count than there (OpenBLAS may split a
+long reduction by threads), and a count chosen at dispatch depends on
+timing: "tuned" is not bit-repeatable; "sequential" and "streams" are.
+"""
+import time
+
+from cct.runtime import graph as graph_module, thread_model
+
+STEP = 1        # hill climbing's step x: every count on a few cores
+
+
+class Tuner:
+    """The profile of one net shape: per sub-task, the times measured at each
+    count tried, and once done, its Curve and its type's Strategy-2 count.
+    `schedule`: a one-iteration scheduler.Schedule of the net (its tasks of
+    iteration 0 key the profile; a window's sub-tasks look theirs up by
+    (kind, layer, param))."""
+
+    def __init__(self, schedule, step=STEP):
+        self.schedule, self.step = schedule, step
+        self.cores = schedule.cores
+        self.counts = thread_model.profiled_counts(self.cores, step)
+        self.tried = {}                  # key -> {count: seconds}
+        self.fixed = {}                  # key -> seconds at its fixed width (the fastest seen)
+        self.climbing = set()
+        net = schedule.net
+        for task in schedule.tasks:
+            if self.tunable(net, task):
+                self.tried[key_of(task)] = {}
+                self.climbing.add(key_of(task))
+        self.steps = 0
+        self.curves, self.type_counts = None, None
+
+    @staticmethod
+    def tunable(net, task):
+        return (task.layer >= 0 and net.executor.partitions(task.layer) == 1
+                and bool(net.bottom_vecs[task.layer]))
+
+    @property
+    def done(self):
+        return self.curves is not None
+
+    def next_count(self, key):
+        """The count a climbing sub-task runs at in the coming step, else its best so far."""
+        tried = self.tried[key]
+        if key in self.climbing:
+            return self.counts[len(tried)]
+        return min(tried, key=lambda count: (tried[count], count))
+
+    def profile_step(self):
+        """One training iteration, sub-task after sub-task on this thread, each
+        timed at its count; returns the graph.Runner that ran it."""
+        schedule, net = self.schedule, self.schedule.net
+        runner = graph_module.Runner(net, schedule.solver)
+        blas = net.executor.blas
+        for task in schedule.tasks:
+            key = key_of(task)
+            if key in self.tried:
+                cores = blas_count = self.next_count(key)
+            else:
+                cores, blas_count = schedule.widths[task]
+            if blas_count is not None:
+                blas.set(blas_count)
+            start = time.perf_counter()
+            runner(task, cores if task.layer < 0 else 1)      # a clear's or update's stripes
+            seconds = time.perf_counter() - start
+            if key in self.tried:
+                self._record(key, cores, seconds)
+            else:
+                self.fixed[key] = min(seconds, self.fixed.get(key, seconds))
+        runner.finish()
+        net.executor.finish()
+        self.steps += 1
+        if not self.climbing or self.steps >= len(self.counts):
+            self._finish()
+        return runner
+
+    def _record(self, key, count, seconds):
+        tried = self.tried[key]
+        if key not in self.climbing:
+            tried[count] = min(seconds, tried.get(count, seconds))
+            return
+        previous = tried[self.counts[len(tried) - 1]] if tried else None
+        tried[count] = seconds
+        if (previous is not None and seconds > previous) or len(tried) == len(self.counts):
+            self.climbing.discard(key)
+
+    def _finish(self):
+        net = self.schedule.net
+        self.curves = {}
+        for key, tried in self.tried.items():
+            self.curves[key] = thread_model.hill_climb(lambda count, tried=tried: tried[count], self.cores, self.step)
+        self.type_counts = thread_model.per_type_counts(
+            (op_type(net, key), thread_model.size_by_time(curve), curve) for key, curve in self.curves.items())
+
+    def count(self, key):
+        """The Strategy-2 count of a tunable sub-task's type."""
+        return self.type_counts[op_type(self.schedule.net, key)]
+
+    def predicted(self, task, cores):
+        """Seconds a sub-task is predicted to take on `cores` (tunable), or at
+        its fixed width."""
+        key = key_of(task)
+        if key in self.curves:
+            return self.curves[key].time(cores)
+        return self.fixed.get(key, 0.0)
+
+    def report(self):
+        """(sub-task key, op type, {count: seconds tried}, Strategy-2 count) per tunable sub-task."""
+        net = self.schedule.net
+        return [(key, op_type(net, key), dict(sorted(self.tried[key].items())), self.count(key))
+                for key in self.tried]
+
+
+def key_of(task):
+    """What identifies a sub-task across iterations and windows."""
+    return task.kind, task.layer, task.param
+
+
+def op_type(net, key):
+    kind, layer, param = key
+    return net.layers[layer].type, kind, param
