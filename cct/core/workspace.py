@@ -21,6 +21,7 @@ what keeps CaffeNet at batch 256 under Caffe's memory), and the batch-partition
 twins of a layer, which run at the same time on different worker threads,
 never share a buffer.
 """
+import contextlib
 import threading
 
 import numpy as np
@@ -108,8 +109,25 @@ _local = threading.local()
 
 
 def thread_arena():
-    """The calling thread's arena (created on first use)."""
+    """The calling thread's arena (created on first use), or the one lent to
+    it for the while (`lent`)."""
+    arena = getattr(_local, "lent", None)
+    if arena is not None:
+        return arena
     arena = getattr(_local, "arena", None)
     if arena is None:
         arena = _local.arena = Arena()
     return arena
+
+
+@contextlib.contextmanager
+def lent(arena):
+    """thread_arena() on this thread is `arena` inside the block: a stream
+    thread runs each sub-task on an arena of a pool shared by the streams
+    (cct.runtime.scheduler), so the streams hold one arena per sub-task that
+    may run at once, not one per thread."""
+    _local.lent = arena
+    try:
+        yield
+    finally:
+        _local.lent = None

@@ -24,8 +24,9 @@ plan is made from what setup allocated and from what the run will add:
     prefetch       batches a data layer's prefetch thread keeps ready
     solver history the solver's per-parameter state (momentum, Adam's moments)
 
-Under "streams" or "auto" each CPU stream's thread keeps an arena too: the
-plan counts every slot on each, an upper bound. Not planned: Python objects,
+Under "streams" or "auto" the streams lend each running sub-task an arena
+from a pool, the calling thread's and one spare per further thread: the plan
+counts every slot on each spare, an upper bound. Not planned: Python objects,
 the kernels numba compiles or loads, heap memory the C library keeps after
 freeing, and pages of a database file the kernel maps (LMDB). `cct train` and
 `cct time` print the plan at the start and the measured peak at the end, so
@@ -46,7 +47,6 @@ from cct.core.allocation import available, format_bytes, peak_resident_bytes, re
 from cct.core.errors import MemoryLimitError
 from cct.core.layer import TRAIN
 from cct.devices.jit import kernel
-from cct.runtime import scheduler
 
 KINDS = ("process", "runtime", "blobs", "diffs", "workspace", "prefetch", "solver history")
 
@@ -145,12 +145,14 @@ def plan_net(net, plan, backward=None, executor=None):
 
 
 def _threads(executor, partitions, backward):
-    """The threads a layer's work arrays may end up on: one per partition,
-    and in training under streams (or "auto", which times them) each CPU
-    stream, whose thread keeps an arena of its own."""
+    """The arenas a layer's work arrays may end up in: one per partition's
+    thread, and in training under streams (or "auto", which times them) the
+    spare arenas the streams lend to sub-tasks running beside another (a
+    sub-task's first partition may run on one; the calling thread's own is
+    partition 0's)."""
     threads = list(range(max(1, partitions)))
     if backward and executor.schedule != "sequential":
-        threads += [f"stream {index}" for index in range(scheduler.CPU_STREAMS)]
+        threads += [f"spare {index}" for index in range(1, executor.threads)]
     return threads
 
 

@@ -55,6 +55,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from cct.core import workspace
 from cct.runtime import critical_path, graph as graph_module, thread_model, threads as threads_module
 from cct.runtime import tuner as tuner_module
 
@@ -114,6 +115,18 @@ class CpuStream:
 CPU_STREAMS = 3          # a chain's sub-task types: data gradients, weight gradients, the rest (critical_path)
 _streams = []
 _streams_lock = threading.Lock()
+
+
+_spare_arenas = []
+
+
+def spare_arenas(count):
+    """`count` arenas the streams lend to sub-tasks beside the calling thread's
+    (made on first use, kept for every run: their stores stay grown)."""
+    with _streams_lock:
+        while len(_spare_arenas) < count:
+            _spare_arenas.append(workspace.Arena())
+        return _spare_arenas[:count]
 
 
 def cpu_streams(count):
@@ -291,6 +304,9 @@ class _RunState:
         self.blas = executor.blas
         self.idle = schedule.cores
         self.pool = list(threads_module.workers(schedule.cores))     # leased to sub-tasks, a part each
+        # one arena per sub-task that may run at once: the calling thread's
+        # (it waits for the run) and spares, lent to the sub-tasks as they start
+        self.arenas = [workspace.thread_arena()] + spare_arenas(schedule.cores - 1)
         self.blas_users, self.running = 0, {}          # running: task -> estimated end (perf_counter)
         self.granted = {}                               # running: task -> (cores, BLAS count) it holds
         self.busy = [False] * stream_count              # per stream: a sub-task of it runs
@@ -417,6 +433,7 @@ class _RunState:
                 stream = self.schedule.stream[task]
                 self.busy[stream] = True
                 lease = self._take(task, width)
+                arena = self.arenas.pop()
                 if self.idle and self._candidates():
                     condition.notify_all()          # another sub-task may start beside this one
             dispatched = clock()
@@ -424,7 +441,7 @@ class _RunState:
                 if self.delay is not None:
                     time.sleep(self.delay(task))
                 began = clock()
-                with threads_module.leased(lease):
+                with threads_module.leased(lease), workspace.lent(arena):
                     self.runner(task, width[0])
             except BaseException as error:          # re-raised by run(); the other workers stop
                 self.fail(error)
@@ -432,6 +449,7 @@ class _RunState:
             self.spans[task] = Span(task, stream, self.became_ready[task], dispatched, began, clock(), width[0])
             with condition:
                 self._give_back(task, lease)
+                self.arenas.append(arena)
                 self.busy[stream] = False
                 self.left -= 1
                 for successor in self.schedule.following[task]:

@@ -144,7 +144,7 @@ def test_the_planned_peak_is_within_ten_percent_of_the_measured_one(tmp_path):
     solver_path = tmp_path / "solver.prototxt"
     solver_path.write_text(f'net: "{wide(tmp_path)}" base_lr: 0.01 lr_policy: "fixed" momentum: 0.9 '
                            'max_iter: 3 display: 0')
-    # sequential: under streams the plan gives each stream thread an arena, an upper bound
+    # sequential: under streams the plan counts the spare arenas the streams lend, an upper bound
     done = subprocess.run([sys.executable, "-c", PLAN_AND_MEASURE, str(solver_path)], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "CCT_SCHEDULE": "sequential"})
     assert done.returncode == 0, done.stderr
