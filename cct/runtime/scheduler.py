@@ -305,8 +305,10 @@ class _RunState:
         self.idle = schedule.cores
         self.pool = list(threads_module.workers(schedule.cores))     # leased to sub-tasks, a part each
         # one arena per sub-task that may run at once: the calling thread's
-        # (it waits for the run) and spares, lent to the sub-tasks as they start
-        self.arenas = [workspace.thread_arena()] + spare_arenas(schedule.cores - 1)
+        # (it waits for the run) and spares, lent to the sub-tasks as they
+        # start, last given back first: the calling thread's, grown already,
+        # serves every sub-task while they run one at a time
+        self.arenas = spare_arenas(schedule.cores - 1) + [workspace.thread_arena()]
         self.blas_users, self.running = 0, {}          # running: task -> estimated end (perf_counter)
         self.granted = {}                               # running: task -> (cores, BLAS count) it holds
         self.busy = [False] * stream_count              # per stream: a sub-task of it runs
