@@ -5,12 +5,17 @@ solver runs windows of up to 8 iterations as one graph), so a noisy host's
 drift falls on both, and the ratio of the medians (per iteration) is printed,
 with one streamed backward's span, busy time and dispatch cost per sub-task.
 
-    python bench/bench_schedule.py [--net lenet|caffenet|googlenet|resnet50] [--batch 64] [--iterations 8] [--rounds 5] [--whole] [--tuned]
+    python bench/bench_schedule.py [--net lenet|caffenet|googlenet|resnet50] [--batch 64] [--iterations 8] [--rounds 5] [--whole] [--tuned] [--decompose]
 
 --whole adds both schedules with every layer whole (one batch partition,
 instead of the default plan's one per thread for large layers), alternating
 with the other two: what the streams give where partitions do not already
 keep the cores busy.
+
+--decompose then runs the streams' sub-tasks three ways, alternating: in the
+graph's order on the calling thread, through the dispatcher on one stream,
+and on the three streams, each against the sequential median: where the
+streams' time goes.
 
 --tuned adds the tuned schedule (cct.runtime.tuner: thread counts per
 sub-task from profiling iterations, co-running by Strategy 3), alternating
@@ -83,6 +88,44 @@ def whole_layers(executor, whole):
             executor.plan.pop(index, None)
 
 
+def graph_on_this_thread(solver, count):
+    """`count` iterations of the streams' graph run on the calling thread, one
+    sub-task after another in the graph's order at the widths the streams
+    give them: the sub-tasks' own cost, without any dispatching."""
+    from cct.runtime import graph
+    schedule = solver._stream_schedule(count)
+    runner = graph.Runner(solver.net, solver)
+    blas = solver.net.executor.blas
+    first = solver.iter
+    for task in graph.topological_order(graph.Graph(schedule.tasks, schedule.edges), lambda ready: ready[0]):
+        cores, count_in_force = schedule.widths[task]
+        if count_in_force is not None:
+            blas.set(count_in_force)
+        runner(task, cores if task.layer < 0 else 1)
+    runner.finish()
+    solver.net.executor.finish()
+    solver._count_iterations(runner, first, count)
+
+
+def decomposed_time(solver, variant, iterations, caches):
+    """Seconds per iteration of the streams' work run three ways: "graph" on
+    this thread (graph_on_this_thread), "one stream" (every sub-task on
+    stream 0: the dispatcher, no concurrency), "three streams" (as run)."""
+    from cct.runtime import scheduler
+    start = time.perf_counter()
+    if variant == "graph":
+        graph_on_this_thread(solver, iterations)
+        return (time.perf_counter() - start) / iterations
+    chosen = scheduler.stream_of
+    if variant == "one stream":
+        scheduler.stream_of = lambda task, weights=frozenset(): scheduler.DATA_STREAM
+    solver._stream_schedules = caches.setdefault(variant, {})
+    try:
+        return step_time(solver, "streams", iterations)
+    finally:
+        scheduler.stream_of = chosen
+
+
 def step_time(solver, mode, iterations, whole=False):
     """Seconds per iteration of one solver.step(iterations) in `mode`."""
     whole_layers(solver.net.executor, whole)
@@ -140,6 +183,20 @@ def trace_figures(solver):
     return span * 1e3, busy * 1e3, dispatch * 1e6, len(spans)
 
 
+def decompose(solver, args, sequential_ms):
+    """The streams' work on this thread, on one stream and on three, alternating."""
+    caches, variants = {}, ("graph", "one stream", "three streams")
+    for variant in variants:
+        decomposed_time(solver, variant, args.iterations, caches)
+    times = {variant: [] for variant in variants}
+    for _ in range(args.rounds):
+        for variant in variants:
+            times[variant].append(decomposed_time(solver, variant, args.iterations, caches))
+    common.print_flush("  the streams' sub-tasks / sequential: " + ", ".join(
+        f"{variant} {statistics.median(times[variant]) * 1e3 / sequential_ms:.3f}" for variant in variants)
+        + " (graph: in the graph's order on this thread; one stream: through the dispatcher)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--net", choices=sorted(NETS) + ["resnet50"], default="lenet")
@@ -147,6 +204,8 @@ def main():
     parser.add_argument("--iterations", type=int, default=8, help="iterations per mode and round (one step)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
     parser.add_argument("--whole", action="store_true", help="also both schedules with every layer whole")
+    parser.add_argument("--decompose", action="store_true",
+                        help="also the streams' sub-tasks on this thread and on one stream (where the time goes)")
     parser.add_argument("--tuned", action="store_true",
                         help="also the tuned schedule (per-sub-task thread counts and co-running, issue 12)")
     args = parser.parse_args()
@@ -167,6 +226,8 @@ def main():
     span, busy, dispatch, count = trace_figures(solver)
     p(f"{args.net} batch {args.batch}, training iteration: sequential {medians['sequential']:.2f} ms, "
       f"streams {medians['streams']:.2f} ms; streams / sequential time {medians['streams'] / medians['sequential']:.3f}")
+    if args.decompose:
+        decompose(solver, args, medians["sequential"])
     if args.tuned:
         spans, steps = tuned_window(solver, args.iterations)
         p(f"  tuned {medians['tuned']:.2f} ms; tuned / sequential time {medians['tuned'] / medians['sequential']:.3f}, "
