@@ -30,7 +30,6 @@ BatchNorm computing batch statistics and a SoftmaxWithLoss head: weights
 constant, the time is the same).
 """
 import argparse
-import bisect
 import collections
 import os
 import statistics
@@ -157,18 +156,6 @@ def tuned_window(solver, iterations):
     return schedule.trace, tuner.steps
 
 
-def dispatch_costs(spans):
-    """Per sub-task, the time from the last event that could have let it start
-    (it became ready, or the latest sub-task before it ended and gave back
-    its cores) to its start: the scheduler's own cost, not waiting for cores."""
-    ends = sorted(span.end for span in spans)
-    costs = []
-    for span in spans:
-        freed = ends[bisect.bisect_right(ends, span.start) - 1] if ends[0] <= span.start else span.ready
-        costs.append(span.start - max(span.ready, freed))
-    return costs
-
-
 def trace_figures(solver):
     """(span, summed sub-task time, dispatch cost per sub-task) of one streamed backward, ms."""
     schedule = solver.net.executor.stream_schedule()
@@ -178,7 +165,8 @@ def trace_figures(solver):
     spans = schedule.trace
     span = max(s.end for s in spans) - min(s.ready for s in spans)
     busy = sum(s.end - s.start for s in spans)
-    dispatch = statistics.median(dispatch_costs(spans))
+    from cct.runtime import scheduler
+    dispatch = statistics.median(scheduler.dispatch_costs(spans))
     solver.net.clear_param_diffs()
     return span * 1e3, busy * 1e3, dispatch * 1e6, len(spans)
 

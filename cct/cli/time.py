@@ -2,6 +2,7 @@
 profile table (GFLOP/s, share of the GEMM peak, lowering type, partitions)."""
 import json
 import logging
+import statistics
 import time
 
 import numpy as np
@@ -135,6 +136,9 @@ def _time_streams(net, trace_path):
     alone = sum(schedule.times.values())
     log.info("Streamed backward: %s ms (sub-tasks alone, one after another: %s ms)", fmt(1e3 * (end - origin)),
              fmt(1e3 * alone))
+    costs = scheduler.dispatch_costs(schedule.trace)
+    log.info("Scheduling cost per sub-task: %s us median, %s us mean (from ready with its cores free to started)",
+             fmt(1e6 * statistics.median(costs)), fmt(1e6 * statistics.mean(costs)))
     critical = [span for span in schedule.trace if scheduler.stream_of(span.task) == scheduler.DATA_STREAM]
     log.info("Last data gradient at %s ms (the data gradients alone, one after another: %s ms)",
              fmt(1e3 * (max(span.end for span in critical) - origin)),

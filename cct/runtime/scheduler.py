@@ -49,6 +49,7 @@ never oversubscribe the cores; a sub-task's batch partitions run on workers
 it leases for the while (cct.runtime.threads.leased). The widths are the
 sequential schedule's, so the two give the same numbers bitwise.
 """
+import bisect
 import heapq
 import threading
 import time
@@ -460,6 +461,20 @@ class _RunState:
                         self._make_ready(successor)
                 if not self.left:
                     condition.notify_all()
+
+
+def dispatch_costs(trace):
+    """Per Span of a trace, the scheduler's own cost: the time from the last
+    event that could have let the sub-task start (it became ready, or the
+    latest sub-task before it ended and gave back its cores) to its start,
+    not the time it waited for cores."""
+    ends = sorted(span.end for span in trace)
+    costs = []
+    for span in trace:
+        before = bisect.bisect_right(ends, span.start)
+        freed = ends[before - 1] if before else span.ready
+        costs.append(span.start - max(span.ready, freed))
+    return costs
 
 
 def run_on_streams(net, schedule):

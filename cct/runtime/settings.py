@@ -84,6 +84,7 @@ budget likewise with CCT_LOWERING_BUDGET_MB.
 """
 import json
 import os
+from pathlib import Path
 
 from cct.core.errors import ConfigError
 from cct.core.layer import TEST
@@ -113,6 +114,11 @@ def _env(name):
 # The chooser (below the runtime) is told how to find its cache folder; set on
 # import, since a convolution may choose before any executor exists.
 chooser.cache_folder = lambda: _env(CACHE_ENV) or None
+
+
+def cache_dir():
+    """The folder of cct's measurement caches: CCT_CACHE_DIR, else ~/.cache/cct."""
+    return Path(_env(CACHE_ENV) or Path.home() / ".cache" / "cct")
 
 
 def _check_value(source, where, key, value):

@@ -22,14 +22,29 @@ parameter), the best count of the type's largest instance by its 1-thread
 time; Strategy 3 (thread_model.pick) may co-run a sub-task on one of its 3
 best counts.
 
+The profile is cached per net, shapes and batch partitions, thread count and
+machine (host, CPU count, each BLAS library's kind, version and kernels):
+`<cache dir>/tuned/<key>.json` (cct.runtime.settings.cache_dir), so a run
+on the same net and machine starts tuned with no profiling iterations.
+A file that does not parse is profiled afresh and rewritten.
+
 A tuned run's numbers differ from the sequential schedule's in the last bits
 where a GEMM runs on another thread count than there (OpenBLAS may split a
 long reduction by threads), and a count chosen at dispatch depends on
 timing: "tuned" is not bit-repeatable; "sequential" and "streams" are.
 """
+import hashlib
+import json
+import logging
+import os
+import platform
 import time
 
-from cct.runtime import graph as graph_module, thread_model
+from cct.formats.prototxt import atomic_write
+from cct.runtime import graph as graph_module, settings, thread_model
+
+log = logging.getLogger("cct.runtime.tuner")
+CACHE_VERSION = 1
 
 STEP = 1        # hill climbing's step x: every count on a few cores
 
@@ -41,8 +56,9 @@ class Tuner:
     iteration 0 key the profile; a window's sub-tasks look theirs up by
     (kind, layer, param))."""
 
-    def __init__(self, schedule, step=STEP):
-        self.schedule, self.step = schedule, step
+    def __init__(self, schedule, step=STEP, cache=None):
+        """cache: the profile's file (cache_path), read now if it holds one, written when done."""
+        self.schedule, self.step, self.cache = schedule, step, cache
         self.cores = schedule.cores
         self.counts = thread_model.profiled_counts(self.cores, step)
         self.tried = {}                  # key -> {count: seconds}
@@ -55,6 +71,8 @@ class Tuner:
                 self.climbing.add(key_of(task))
         self.steps = 0
         self.curves, self.type_counts = None, None
+        if cache is not None:
+            self._load()
 
     @staticmethod
     def tunable(net, task):
@@ -110,13 +128,53 @@ class Tuner:
         if (previous is not None and seconds > previous) or len(tried) == len(self.counts):
             self.climbing.discard(key)
 
-    def _finish(self):
+    def _load(self):
+        try:
+            contents = json.loads(self.cache.read_text())
+            if contents.get("version") != CACHE_VERSION or contents.get("step") != self.step:
+                return
+            tried = {tuple(key): {int(count): float(seconds) for count, seconds in counts.items()}
+                     for key, counts in contents["tried"]}
+            fixed = {tuple(key): float(seconds) for key, seconds in contents["fixed"]}
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            log.warning("%s: not a tuned profile (%s); profiling afresh", self.cache, error)
+            return
+        if set(tried) != set(self.tried):
+            log.warning("%s: its sub-tasks are not this net's; profiling afresh", self.cache)
+            return
+        self.tried, self.fixed, self.climbing = tried, fixed, set()
+        self._finish(save=False)
+        log.info("Tuned thread counts from %s: %s", self.cache, self.summary())
+
+    def _save(self):
+        contents = {"version": CACHE_VERSION, "step": self.step, "cores": self.cores,
+                    "tried": [[list(key), {str(count): seconds for count, seconds in counts.items()}]
+                              for key, counts in self.tried.items()],
+                    "fixed": [[list(key), seconds] for key, seconds in self.fixed.items()]}
+        try:
+            self.cache.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.cache, json.dumps(contents, indent=1).encode())
+        except OSError as error:                  # a read-only cache only loses the caching
+            log.warning("%s: could not save the tuned profile (%s)", self.cache, error)
+
+    def summary(self):
+        """The Strategy-2 count per op type, one line."""
+        return ", ".join(f"{layer_type} {kind}{'' if param < 0 else f'.{param}'}: {count}"
+                         for (layer_type, kind, param), count in sorted(self.type_counts.items()))
+
+    def _finish(self, save=True):
         net = self.schedule.net
         self.curves = {}
         for key, tried in self.tried.items():
             self.curves[key] = thread_model.hill_climb(lambda count, tried=tried: tried[count], self.cores, self.step)
         self.type_counts = thread_model.per_type_counts(
             (op_type(net, key), thread_model.size_by_time(curve), curve) for key, curve in self.curves.items())
+        if save:
+            log.info("Tuned thread counts after %d profiling iterations: %s", self.steps, self.summary())
+            if self.cache is not None:
+                self._save()
 
     def count(self, key):
         """The Strategy-2 count of a tunable sub-task's type."""
@@ -145,3 +203,16 @@ def key_of(task):
 def op_type(net, key):
     kind, layer, param = key
     return net.layers[layer].type, kind, param
+
+
+def cache_path(net):
+    """Where the profile of `net` at its current shapes, partitions and thread
+    count on this machine is kept."""
+    executor = net.executor
+    libraries = [(lib.internal_api, lib.version, getattr(lib, "architecture", None))
+                 for lib in executor.blas._libraries]
+    identity = json.dumps([net.net_param.SerializeToString(deterministic=True).hex(),
+                           [list(shape) for shape in executor.shape_key()[0]], list(executor.shape_key()[1]),
+                           executor.threads, platform.node(), platform.machine(), os.cpu_count(), libraries],
+                          default=str)
+    return settings.cache_dir() / "tuned" / (hashlib.sha256(identity.encode()).hexdigest()[:24] + ".json")

@@ -491,7 +491,8 @@ class Solver:
         """The profile of the net's current shapes and partitions."""
         key = self.net.executor.shape_key()
         if key not in self._tuners:
-            self._tuners[key] = tuner_module.Tuner(self._stream_schedule(1))
+            self._tuners[key] = tuner_module.Tuner(self._stream_schedule(1),
+                                                   cache=tuner_module.cache_path(self.net))
         return self._tuners[key]
 
     def _stream_schedule(self, count, tuned=False):

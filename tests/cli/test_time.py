@@ -121,6 +121,8 @@ def test_time_streams_prints_the_sub_tasks_and_writes_a_trace(tmp_path, capsys):
                             r"[0-9.e+-]+ ms\)", m) for m in text)
     assert any(re.fullmatch(r"Last data gradient at [0-9.e+-]+ ms \(the data gradients alone, one after "
                             r"another: [0-9.e+-]+ ms\)", m) for m in text)
+    assert any(re.fullmatch(r"Scheduling cost per sub-task: [0-9.e+-]+ us median, [0-9.e+-]+ us mean .*", m)
+               for m in text)
     # a chain: every data gradient at priority 0, weight gradients at -alpha
     assert {row[3] for row in rows if row[1] == "backward_data"} == {"0.000"}
     assert {row[3] for row in rows if row[1] == "backward_param.0"} == {"-0.250"}

@@ -3,6 +3,8 @@ auto) gives bitwise the same weights: LeNet, CaffeNet-mini, an inception unit,
 residual blocks (BatchNorm, Scale, Eltwise), and a net with both, at 1 and 2
 batch partitions. The schedule comes from the run settings (CCT_SCHEDULE, the
 configuration's "schedule", settings.set_schedule)."""
+import json
+
 import numpy as np
 import pytest
 from google.protobuf import text_format
@@ -248,10 +250,12 @@ def test_the_next_iterations_forward_does_not_wait_for_the_whole_update():
 # Strategy 3's co-running inside the core budget
 
 @pytest.fixture
-def two_threads(monkeypatch):
+def two_threads(monkeypatch, tmp_path):
+    """Two BLAS threads, and a cache of tuned profiles of the test's own."""
     monkeypatch.setattr(threads, "_blas", None)      # a controller made under 2 threads
+    monkeypatch.setenv("CCT_CACHE_DIR", str(tmp_path / "cache"))
     with threadpool_limits(limits=2, user_api="blas"):
-        yield
+        yield tmp_path / "cache"
 
 
 @pytest.mark.parametrize("name", ["lenet", "inception", "resnet"])
@@ -298,6 +302,25 @@ def test_a_tuned_window_never_holds_more_cores_than_the_budget(two_threads):
         running = [other for other in schedule.trace if other.dispatched <= span.dispatched < other.end]
         assert sum(other.threads for other in running) <= schedule.cores
         assert 1 <= span.threads <= schedule.cores
+
+
+def test_the_tuned_profile_is_cached_per_net_and_machine(two_threads, caplog):
+    """A second run of the same net and shapes on this machine starts tuned
+    from the cached profile, with no profiling iteration and the same counts;
+    a damaged file is profiled afresh (and said so), then rewritten."""
+    _, _, first = train_in_windows("lenet", "tuned", iterations=4)
+    [profiled] = first._tuners.values()
+    assert profiled.steps == 2 and profiled.cache.is_file()
+    _, _, second = train_in_windows("lenet", "tuned", iterations=4)
+    [cached] = second._tuners.values()
+    assert cached.steps == 0 and cached.done and cached.type_counts == profiled.type_counts
+    assert cached.cache == profiled.cache
+    profiled.cache.write_text("{ not json")
+    with caplog.at_level("WARNING", logger="cct.runtime.tuner"):
+        _, _, third = train_in_windows("lenet", "tuned", iterations=4)
+    [afresh] = third._tuners.values()
+    assert afresh.steps == 2 and "not a tuned profile" in caplog.text
+    assert json.loads(profiled.cache.read_text())["version"] == 1
 
 
 def test_tuned_is_a_schedule_setting():
