@@ -40,8 +40,8 @@ def time_command(args):
     check_iterations(args.iterations)
     if args.peak_size < 0:
         raise ConfigError(f"--peak_size: must be >= 0, got {args.peak_size}")
-    if args.trace and (args.schedule not in ("streams", "auto") or not args.trace.endswith((".json", ".png"))):
-        raise ConfigError(f"--trace: needs --schedule streams (or auto) and a .json or .png file, "
+    if args.trace and (args.schedule not in STREAMED or not args.trace.endswith((".json", ".png"))):
+        raise ConfigError(f"--trace: needs --schedule streams (or tuned, or auto) and a .json or .png file, "
                           f"got --trace={args.trace} --schedule={args.schedule or 'sequential'}")
     note_gpu(args)
     apply_schedule(args)
@@ -105,32 +105,46 @@ def time_command(args):
     log.info("Total Time: %s ms.", fmt(total_ms))
     for line in profile_table(net, forward_ms, backward_ms, peak, bandwidth):
         log.info("%s", line)
-    if args.schedule in ("streams", "auto"):
-        _time_streams(net, args.trace)
+    if args.schedule in STREAMED:
+        _time_streams(net, args.trace, tuned=args.schedule == "tuned")
     log.info("%s", memory_plan.measured_line(memory))
     log.info("*** Benchmark ends ***")
     return 0
 
 
-def _time_streams(net, trace_path):
+STREAMED = ("streams", "tuned", "auto")
+
+
+def _time_streams(net, trace_path, tuned=False):
     """The backward as sub-tasks: each one's stream, priority and time measured
-    alone, then one streamed backward's span (and its trace, when asked)."""
+    alone, then one streamed backward's span (and its trace, when asked).
+    tuned: first each sub-task's thread counts profiled (cct.runtime.tuner,
+    one backward per count), and the streamed backward co-runs by them."""
     from cct.runtime import scheduler
     schedule = net.executor.stream_schedule()
+    if not schedule.tasks:
+        log.info("Backward sub-tasks on streams: none (no layer of this net needs a backward)")
+        return
     net._forward()
     schedule.profile()                     # sub-tasks one at a time: times, then priorities from them
-    net._forward()
-    scheduler.run_on_streams(net, schedule)
+    try:
+        if tuned:
+            schedule.tuner = _tuned_counts(net, schedule)
+        net._forward()
+        scheduler.run_on_streams(net, schedule)
+    finally:
+        schedule.tuner = None              # the executor's streams schedule, shared with "streams"
     started = {span.task: span for span in schedule.trace}
     origin = min(span.ready for span in schedule.trace)
     log.info("Backward sub-tasks on streams (priority: Algorithm 1's, the layer's branch rank; "
-             "alpha %g / beta %g off parameter gradients):", schedule.alpha, schedule.beta)
-    log.info("  %-36s %6s %10s %9s %12s", "sub-task", "stream", "priority", "alone ms", "streamed at")
+             "alpha %g / beta %g off parameter gradients; threads: the cores it held):",
+             schedule.alpha, schedule.beta)
+    log.info("  %-36s %6s %10s %9s %7s %12s", "sub-task", "stream", "priority", "alone ms", "threads", "streamed at")
     for task in schedule.tasks:
         span = started[task]
-        log.info("  %-36s %6d %10.3f %9.3f %5.2f-%.2f", f"{net.layers[task.layer].name}: {task.kind}"
+        log.info("  %-36s %6d %10.3f %9.3f %7d %5.2f-%.2f", f"{net.layers[task.layer].name}: {task.kind}"
                  + (f".{task.param}" if task.kind == "backward_param" else ""), span.stream,
-                 schedule.priority[task], 1e3 * schedule.times[task],
+                 schedule.priority[task], 1e3 * schedule.times[task], span.threads,
                  1e3 * (span.start - origin), 1e3 * (span.end - origin))
     end = max(span.end for span in schedule.trace)
     alone = sum(schedule.times.values())
@@ -147,6 +161,23 @@ def _time_streams(net, trace_path):
         _write_trace(net, schedule, trace_path)
         log.info("Trace written to %s", trace_path)
     net.clear_param_diffs()
+
+
+def _tuned_counts(net, schedule):
+    """The backward's sub-tasks profiled at each thread count (a forward, then
+    one backward per profiling step), their times and counts logged."""
+    from cct.runtime import tuner as tuner_module
+    tuner = tuner_module.Tuner(schedule)
+    while not tuner.done:
+        net._forward()
+        tuner.profile_step()
+    log.info("Thread counts per sub-task (hill climbing over %d profiling backwards; ms at each count tried):",
+             tuner.steps)
+    for (kind, layer, param), op_type, tried, count in tuner.report():
+        name = f"{net.layers[layer].name}: {kind}" + (f".{param}" if param >= 0 else "")
+        times = ", ".join(f"{threads}: {1e3 * seconds:.3f}" for threads, seconds in tried.items())
+        log.info("  %-36s %s -> best %d, its type's %d", name, times, tuner.curves[kind, layer, param].best(), count)
+    return tuner
 
 
 def _write_trace(net, schedule, path):
@@ -181,7 +212,7 @@ def scheduler_trace(schedule, names, origin):
     for span in schedule.trace:
         events.append({"name": names[span.task], "ph": "X", "pid": 0, "tid": span.stream,
                        "ts": 1e6 * (span.start - origin), "dur": 1e6 * (span.end - span.start),
-                       "args": {"priority_ms": 1e3 * schedule.priority[span.task],
+                       "args": {"priority_ms": 1e3 * schedule.priority[span.task], "threads": span.threads,
                                 "waited_ms": 1e3 * (span.start - span.ready)}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 

@@ -131,11 +131,39 @@ def test_time_streams_prints_the_sub_tasks_and_writes_a_trace(tmp_path, capsys):
     assert len(spans) == len(rows) and {event["tid"] for event in spans} <= {0, 1, 2}
 
 
+def test_time_tuned_prints_each_sub_tasks_thread_counts(capsys, tmp_path):
+    """--schedule tuned: the backward's sub-tasks profiled at each thread count
+    (times per count tried, the best and its op type's count), then the
+    streamed backward with the threads each sub-task held, in the table and
+    the trace."""
+    import json
+
+    from cct.runtime import settings
+    path = tmp_path / "tiny.prototxt"
+    path.write_text(PROFILE_NET)
+    trace = tmp_path / "trace.json"
+    try:
+        code, _, err = run_cct(capsys, "time", "--model", path, "--iterations", "1", "--peak_size", "0",
+                               "--schedule", "tuned", "--trace", trace)
+    finally:
+        settings.set_schedule(None)
+    assert code == 0, err
+    text = messages(err)
+    start = next(i for i, m in enumerate(text) if m.startswith("Thread counts per sub-task"))
+    assert re.fullmatch(r"  conv: backward_param\.0 +1: [0-9.]+(, \d+: [0-9.]+)* -> best \d+, its type's \d+",
+                        next(m for m in text[start:] if m.startswith("  conv: backward_param.0")))
+    table = next(i for i, m in enumerate(text) if m.startswith("Backward sub-tasks on streams"))
+    rows = [m.split() for m in text[table + 2:] if m.startswith("  ")]
+    assert rows and all(int(row[5]) >= 1 for row in rows)
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert all(event["args"]["threads"] >= 1 for event in events if event["ph"] == "X")
+
+
 def test_time_trace_needs_the_streams(tmp_path, capsys):
     path = tmp_path / "tiny.prototxt"
     path.write_text(PROFILE_NET)
     code, _, err = run_cct(capsys, "time", "--model", path, "--trace", tmp_path / "t.json")
-    assert_one_line_error(code, err, "--trace: needs --schedule streams (or auto) and a .json or .png file")
+    assert_one_line_error(code, err, "--trace: needs --schedule streams (or tuned, or auto) and a .json or .png file")
 
 
 def test_time_shows_the_partitions_a_small_batch_really_runs(tmp_path, capsys, monkeypatch):
