@@ -1,6 +1,7 @@
 """`cct time` (cct.cli.time): Caffe's per-layer and average lines, the phase
 flag, and the profile table it prints after them (FLOP rates, lowering,
 partitions; --tune's chosen partitions)."""
+import json
 import re
 
 from helpers.cli import assert_one_line_error, messages, run_cct
@@ -100,19 +101,24 @@ def test_time_refuses_a_negative_peak_size(tmp_path, capsys):
     assert_one_line_error(code, err, "--peak_size: must be >= 0, got -1")
 
 
-def test_time_streams_prints_the_sub_tasks_and_writes_a_trace(tmp_path, capsys):
-    import json
+def time_streamed(capsys, tmp_path, schedule):
+    """`cct time` of the profile net in `schedule` with a JSON trace: its log
+    messages and the trace's events."""
     from cct.runtime import settings
     path = tmp_path / "tiny.prototxt"
     path.write_text(PROFILE_NET)
     trace = tmp_path / "trace.json"
     try:
         code, _, err = run_cct(capsys, "time", "--model", path, "--iterations", "1", "--peak_size", "0",
-                               "--schedule", "streams", "--trace", trace)
+                               "--schedule", schedule, "--trace", trace)
     finally:
         settings.set_schedule(None)
     assert code == 0, err
-    text = messages(err)
+    return messages(err), json.loads(trace.read_text())["traceEvents"]
+
+
+def test_time_streams_prints_the_sub_tasks_and_writes_a_trace(tmp_path, capsys):
+    text, events = time_streamed(capsys, tmp_path, "streams")
     start = next(i for i, m in enumerate(text) if m.startswith("Backward sub-tasks on streams"))
     rows = [m.split() for m in text[start + 2:] if m.startswith("  ")]
     assert any(row[:2] == ["conv:", "backward_param.0"] and row[2] == "1" for row in rows)
@@ -126,7 +132,6 @@ def test_time_streams_prints_the_sub_tasks_and_writes_a_trace(tmp_path, capsys):
     # a chain: every data gradient at priority 0, weight gradients at -alpha
     assert {row[3] for row in rows if row[1] == "backward_data"} == {"0.000"}
     assert {row[3] for row in rows if row[1] == "backward_param.0"} == {"-0.250"}
-    events = json.loads(trace.read_text())["traceEvents"]
     spans = [event for event in events if event["ph"] == "X"]
     assert len(spans) == len(rows) and {event["tid"] for event in spans} <= {0, 1, 2}
 
@@ -136,26 +141,13 @@ def test_time_tuned_prints_each_sub_tasks_thread_counts(capsys, tmp_path):
     (times per count tried, the best and its op type's count), then the
     streamed backward with the threads each sub-task held, in the table and
     the trace."""
-    import json
-
-    from cct.runtime import settings
-    path = tmp_path / "tiny.prototxt"
-    path.write_text(PROFILE_NET)
-    trace = tmp_path / "trace.json"
-    try:
-        code, _, err = run_cct(capsys, "time", "--model", path, "--iterations", "1", "--peak_size", "0",
-                               "--schedule", "tuned", "--trace", trace)
-    finally:
-        settings.set_schedule(None)
-    assert code == 0, err
-    text = messages(err)
+    text, events = time_streamed(capsys, tmp_path, "tuned")
     start = next(i for i, m in enumerate(text) if m.startswith("Thread counts per sub-task"))
     assert re.fullmatch(r"  conv: backward_param\.0 +1: [0-9.]+(, \d+: [0-9.]+)* -> best \d+, its type's \d+",
                         next(m for m in text[start:] if m.startswith("  conv: backward_param.0")))
     table = next(i for i, m in enumerate(text) if m.startswith("Backward sub-tasks on streams"))
     rows = [m.split() for m in text[table + 2:] if m.startswith("  ")]
     assert rows and all(int(row[5]) >= 1 for row in rows)
-    events = json.loads(trace.read_text())["traceEvents"]
     assert all(event["args"]["threads"] >= 1 for event in events if event["ph"] == "X")
 
 
