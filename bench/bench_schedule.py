@@ -153,7 +153,7 @@ def tuned_window(solver, iterations):
     solver.step(iterations)
     schedule = next(s for key, s in reversed(solver._stream_schedules.items()) if key[1] and s.trace)
     [tuner] = solver._tuners.values()
-    return schedule.trace, tuner.steps
+    return schedule.trace, tuner
 
 
 def trace_figures(solver):
@@ -217,9 +217,12 @@ def main():
     if args.decompose:
         decompose(solver, args, medians["sequential"])
     if args.tuned:
-        spans, steps = tuned_window(solver, args.iterations)
+        spans, tuner = tuned_window(solver, args.iterations)
+        overhead = tuner.seconds - tuner.steps * medians["sequential"] / 1e3    # over sequential iterations
         p(f"  tuned {medians['tuned']:.2f} ms; tuned / sequential time {medians['tuned'] / medians['sequential']:.3f}, "
-          f"tuned / streams {medians['tuned'] / medians['streams']:.3f}; {steps} profiling iterations; "
+          f"tuned / streams {medians['tuned'] / medians['streams']:.3f}; {tuner.steps} profiling iterations "
+          f"({1e3 * tuner.seconds:.1f} ms, {1e3 * overhead:.1f} ms over sequential ones: "
+          f"{100 * overhead / (10000 * medians['sequential'] / 1e3):.4f}% of 10,000 sequential iterations); "
           f"sub-tasks at once per start/finish {concurrency(spans):.2f}; threads per sub-task "
           f"{dict(sorted(collections.Counter(span.threads for span in spans).items()))}")
     if args.whole:

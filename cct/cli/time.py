@@ -127,13 +127,15 @@ def _time_streams(net, trace_path, tuned=False):
         return
     net._forward()
     schedule.profile()                     # sub-tasks one at a time: times, then priorities from them
+    alone = schedule.times, schedule.priority
     try:
         if tuned:
-            schedule.tuner = _tuned_counts(net, schedule)
+            schedule.tune(_tuned_counts(net, schedule))
         net._forward()
         scheduler.run_on_streams(net, schedule)
-    finally:
-        schedule.tuner = None              # the executor's streams schedule, shared with "streams"
+    finally:                               # the executor's streams schedule, shared with "streams"
+        schedule.tuner = None
+        schedule.times, schedule.priority = alone
     started = {span.task: span for span in schedule.trace}
     origin = min(span.ready for span in schedule.trace)
     log.info("Backward sub-tasks on streams (priority: Algorithm 1's, the layer's branch rank; "

@@ -170,7 +170,7 @@ class Schedule:
         # the budget the widths share: the executor's threads, or more where
         # a layer was asked for more batch partitions than that
         self.cores = max([net.executor.threads] + [cores for cores, _ in self.widths.values()])
-        self.tuner = None                   # a done cct.runtime.tuner.Tuner: the "tuned" schedule's counts
+        self.tuner = None                   # a done cct.runtime.tuner.Tuner: the "tuned" schedule's counts (tune())
         self.trace = []                     # Span per sub-task of the last run
 
     def _widths(self, clip):
@@ -226,6 +226,14 @@ class Schedule:
                 offset = self.beta                   # off the critical chain, like a gradient
             priority[task] = layer_priority.get(task.layer, 0.0) - offset
         return priority
+
+    def tune(self, tuner):
+        """Run by `tuner`'s thread counts and co-running (the tuned schedule),
+        with its measured times as the critical-path distances: one profile
+        for both."""
+        self.tuner = tuner
+        self.times = tuner.times_for(self)
+        self.priority = self._priorities()
 
     def profile(self, runs=2):
         """Measure each sub-task's time (sequentially, `runs` times, keeping the

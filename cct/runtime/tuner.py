@@ -69,7 +69,7 @@ class Tuner:
             if self.tunable(net, task):
                 self.tried[key_of(task)] = {}
                 self.climbing.add(key_of(task))
-        self.steps = 0
+        self.steps, self.seconds = 0, 0.0       # profiling iterations run, and their wall time
         self.curves, self.type_counts = None, None
         if cache is not None:
             self._load()
@@ -94,6 +94,7 @@ class Tuner:
         """One training iteration, sub-task after sub-task on this thread, each
         timed at its count; returns the graph.Runner that ran it."""
         schedule, net = self.schedule, self.schedule.net
+        began = time.perf_counter()
         runner = graph_module.Runner(net, schedule.solver)
         blas = net.executor.blas
         for task in schedule.tasks:
@@ -114,6 +115,7 @@ class Tuner:
         runner.finish()
         net.executor.finish()
         self.steps += 1
+        self.seconds += time.perf_counter() - began
         if not self.climbing or self.steps >= len(self.counts):
             self._finish()
         return runner
@@ -179,6 +181,13 @@ class Tuner:
     def count(self, key):
         """The Strategy-2 count of a tunable sub-task's type."""
         return self.type_counts[op_type(self.schedule.net, key)]
+
+    def times_for(self, schedule):
+        """Seconds per sub-task of `schedule` (a window of the same net) at its
+        type's Strategy-2 count, or its fixed width: the profile the
+        critical-path priorities are computed from too."""
+        return {task: self.predicted(task, self.count(key_of(task)) if key_of(task) in self.curves
+                                     else schedule.widths[task][0]) for task in schedule.tasks}
 
     def predicted(self, task, cores):
         """Seconds a sub-task is predicted to take on `cores` (tunable), or at

@@ -483,7 +483,8 @@ class Solver:
             count -= 1
         if count:
             schedule = self._stream_schedule(count, tuned=True)
-            schedule.tuner = tuner
+            if schedule.tuner is not tuner:
+                schedule.tune(tuner)
             first = self.iter
             self._count_iterations(scheduler.run_on_streams(self.net, schedule), first, count)
 
