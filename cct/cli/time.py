@@ -179,6 +179,9 @@ def _tuned_counts(net, schedule):
         name = f"{net.layers[layer].name}: {kind}" + (f".{param}" if param >= 0 else "")
         times = ", ".join(f"{threads}: {1e3 * seconds:.3f}" for threads, seconds in tried.items())
         log.info("  %-36s %s -> best %d, its type's %d", name, times, tuner.curves[kind, layer, param].best(), count)
+    for (kind, layer, param), count in tuner.pinned.items():
+        name = f"{net.layers[layer].name}: {kind}" + (f".{param}" if param >= 0 else "")
+        log.info("  %-36s fixed by the run configuration: %d", name, count)
     return tuner
 
 

@@ -379,8 +379,8 @@ class _RunState:
                 count = tuner.count(key)
                 if fitting:
                     items.append(thread_model.Ready(task, fitting, count, curve.time(count), curve))
-            elif self._fits(task):
-                width = self.schedule.widths[task][0]
+            elif self._fits(task, tuner.width(task, self.schedule)):
+                width = tuner.width(task, self.schedule)[0]
                 items.append(thread_model.Ready(task, ((width, tuner.predicted(task, width)),)))
         remaining = [end - now for end in self.running.values()]
         choice = thread_model.pick(self.idle, remaining, items, {item.op: -n for n, item in enumerate(items)})
@@ -388,7 +388,7 @@ class _RunState:
             return None
         task = choice.op
         tuned = tuner_module.key_of(task) in tuner.curves
-        width = (choice.threads, choice.threads) if tuned else self.schedule.widths[task]
+        width = (choice.threads, choice.threads) if tuned else tuner.width(task, self.schedule)
         if not self._fits(task, width):              # a fallback count the BLAS count in force rules out
             return None
         heap = self.ready[self.schedule.stream[task]]

@@ -38,10 +38,13 @@ Keys, per layer (under "layers", by layer name) or for every layer ("default"):
                         A layer runs at most one partition per sample of the
                         batch it has at each forward: a smaller test net, or a
                         net reshaped to one image, runs fewer than asked
+    threads             in the "tuned" schedule, the thread count of each of
+                        the layer's sub-tasks run whole, fixed instead of
+                        profiled (cct.runtime.tuner); at most the cores
 
 A layer takes the keys its class declares in `run_settings` (Convolution and
 Deconvolution: lowering, measure, lowering_budget_mb), and every layer takes
-partitions.
+partitions and threads.
 
 Top-level "share_diffs": true lets the solver's train net keep the diffs of
 blobs whose gradients are never live together in shared buffers (cct.runtime.memory);
@@ -103,7 +106,8 @@ PRIORITY_KEYS = ("alpha", "beta")
 SCHEDULE_ENV = "CCT_SCHEDULE"
 SCHEDULES = ("sequential", "streams", "tuned", "auto")
 FUSION_ENV = "CCT_FUSION"
-KEYS = ("lowering", "measure", "lowering_budget_mb", "partitions")
+KEYS = ("lowering", "measure", "lowering_budget_mb", "partitions", "threads")
+EVERY_LAYER_KEYS = ("partitions", "threads")       # the keys every layer takes
 
 
 def _env(name):
@@ -133,7 +137,7 @@ def _check_value(source, where, key, value):
     elif key == "lowering_budget_mb":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise bad("a number of MB > 0")
-    elif key == "partitions":
+    elif key in ("partitions", "threads"):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise bad("an integer >= 1")
 
@@ -430,8 +434,9 @@ def apply(executor, config=None):
 
 def _check_layer_keys(config, layer, declared):
     for key in config.layers.get(layer.name, {}):
-        if key != "partitions" and key not in declared:
-            takes = f"takes {', '.join(declared)} and partitions" if declared else "takes only partitions"
+        if key not in EVERY_LAYER_KEYS and key not in declared:
+            takes = (f"takes {', '.join(declared)}, partitions and threads" if declared
+                     else "takes only partitions and threads")
             raise ConfigError(f"{config.source}: layers.{layer.name}.{key}: layer '{layer.name}' "
                               f"({layer.type}) {takes}")
 

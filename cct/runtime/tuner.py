@@ -12,7 +12,9 @@ best count in the steps left. These iterations train as any other: they are
 the graph's sub-tasks in an order that keeps every edge.
 
 Tunable: a layer's sub-task run whole (its plan has one batch partition),
-a count k realized as k BLAS threads. Its layer's batch partitions, a data
+a count k realized as k BLAS threads. The run configuration's "threads"
+(per layer, or as the default) fixes the count of a layer's sub-tasks
+instead: they are not profiled, and Strategy 3 does not change it. Its layer's batch partitions, a data
 layer (it must not draw extra batches), the clears, the rate and the
 updates keep the widths of the streams schedule; they are timed too, so the
 dispatcher can predict them.
@@ -64,9 +66,15 @@ class Tuner:
         self.tried = {}                  # key -> {count: seconds}
         self.fixed = {}                  # key -> seconds at its fixed width (the fastest seen)
         self.climbing = set()
-        net = schedule.net
+        self.pinned = {}                 # key -> the count the run configuration fixes ("threads")
+        net, config = schedule.net, settings.active()
         for task in schedule.tasks:
-            if self.tunable(net, task):
+            if not self.tunable(net, task):
+                continue
+            count = config.value(net.layers[task.layer].name, "threads") if config else None
+            if count is not None:
+                self.pinned[key_of(task)] = min(count, self.cores)
+            else:
                 self.tried[key_of(task)] = {}
                 self.climbing.add(key_of(task))
         self.steps, self.seconds = 0, 0.0       # profiling iterations run, and their wall time
@@ -102,7 +110,7 @@ class Tuner:
             if key in self.tried:
                 cores = blas_count = self.next_count(key)
             else:
-                cores, blas_count = schedule.widths[task]
+                cores, blas_count = self.width(task)
             if blas_count is not None:
                 blas.set(blas_count)
             start = time.perf_counter()
@@ -144,7 +152,8 @@ class Tuner:
             log.warning("%s: not a tuned profile (%s); profiling afresh", self.cache, error)
             return
         if set(tried) != set(self.tried):
-            log.warning("%s: its sub-tasks are not this net's; profiling afresh", self.cache)
+            log.warning("%s: its sub-tasks are not the ones this net tunes (the configuration's "
+                        "\"threads\" changed?); profiling afresh", self.cache)
             return
         self.tried, self.fixed, self.climbing = tried, fixed, set()
         self._finish(save=False)
@@ -182,12 +191,21 @@ class Tuner:
         """The Strategy-2 count of a tunable sub-task's type."""
         return self.type_counts[op_type(self.schedule.net, key)]
 
+    def width(self, task, schedule=None):
+        """(cores, BLAS count) of a sub-task the tuner does not choose for:
+        the count the configuration fixes, else its width in `schedule` (the
+        tuner's own by default)."""
+        count = self.pinned.get(key_of(task))
+        if count is not None:
+            return count, count
+        return (schedule or self.schedule).widths[task]
+
     def times_for(self, schedule):
         """Seconds per sub-task of `schedule` (a window of the same net) at its
         type's Strategy-2 count, or its fixed width: the profile the
         critical-path priorities are computed from too."""
         return {task: self.predicted(task, self.count(key_of(task)) if key_of(task) in self.curves
-                                     else schedule.widths[task][0]) for task in schedule.tasks}
+                                     else self.width(task, schedule)[0]) for task in schedule.tasks}
 
     def predicted(self, task, cores):
         """Seconds a sub-task is predicted to take on `cores` (tunable), or at

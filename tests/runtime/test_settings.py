@@ -69,6 +69,8 @@ def test_parse_reads_layers_and_default():
     ({"layers": {"conv1": {"lowering": "3"}}}, "layers.conv1.lowering"),
     ({"layers": {"conv1": {"lowering": True}}}, "layers.conv1.lowering"),
     ({"layers": {"conv1": {"partitions": 0}}}, "layers.conv1.partitions: must be an integer >= 1"),
+    ({"layers": {"conv1": {"threads": 0}}}, "layers.conv1.threads: must be an integer >= 1"),
+    ({"default": {"threads": True}}, "default.threads: must be an integer >= 1"),
     ({"layers": {"conv1": {"partitions": 1.5}}}, "layers.conv1.partitions"),
     ({"layers": {"conv1": {"measure": "yes"}}}, "layers.conv1.measure: must be true or false"),
     ({"default": {"lowering_budget_mb": 0}}, "default.lowering_budget_mb: must be a number"),
@@ -171,7 +173,7 @@ def test_default_partitions_apply_where_allowed(tmp_path):
 
 @pytest.mark.parametrize("contents,message", [
     ({"layers": {"loss": {"partitions": 2}}}, "layers.loss.partitions: .*cannot be batch-partitioned"),
-    ({"layers": {"ip": {"lowering": 2}}}, r"layers.ip.lowering: layer .ip. \(InnerProduct\) takes only partitions"),
+    ({"layers": {"ip": {"lowering": 2}}}, r"layers.ip.lowering: layer .ip. \(InnerProduct\) takes only partitions and threads"),
 ])
 def test_apply_refuses_settings_that_do_not_fit(tmp_path, contents, message):
     config.load(write(tmp_path, contents))

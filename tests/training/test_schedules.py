@@ -323,6 +323,25 @@ def test_the_tuned_profile_is_cached_per_net_and_machine(two_threads, caplog):
     assert json.loads(profiled.cache.read_text())["version"] == 1
 
 
+def test_the_configuration_fixes_a_layers_thread_count(two_threads):
+    """"threads" in the run configuration: the layer's sub-tasks are not
+    profiled and run on that many threads in every tuned window."""
+    settings.load(settings.parse('{"layers": {"ip1": {"threads": 1}, "conv2": {"threads": 2}}}', "run.json"))
+    try:
+        _, _, solver = train_in_windows("lenet", "tuned", iterations=8)
+    finally:
+        settings.load(None)
+    [tuner] = solver._tuners.values()
+    net = solver.net
+    pinned = {net.layer_names[layer]: count for (_, layer, _), count in tuner.pinned.items()}
+    assert pinned == {"ip1": 1, "conv2": 2}
+    assert not any(net.layer_names[layer] in pinned for _, layer, _ in tuner.tried)
+    spans = [span for key, schedule in solver._stream_schedules.items() if key[1] for span in schedule.trace]
+    held = {(net.layer_names[span.task.layer], span.threads) for span in spans
+            if span.task.layer >= 0 and net.layer_names[span.task.layer] in pinned}
+    assert held == {("ip1", 1), ("conv2", 2)}
+
+
 def test_tuned_is_a_schedule_setting():
     settings.set_schedule("tuned")
     try:
