@@ -169,12 +169,13 @@ def _tuned_counts(net, schedule):
     """The backward's sub-tasks profiled at each thread count (a forward, then
     one backward per profiling step), their times and counts logged."""
     from cct.runtime import tuner as tuner_module
-    tuner = tuner_module.Tuner(schedule)
+    tuner = tuner_module.Tuner(schedule, cache=tuner_module.cache_path(net, scope="backward"))
     while not tuner.done:
         net._forward()
         tuner.profile_step()
-    log.info("Thread counts per sub-task (hill climbing over %d profiling backwards; ms at each count tried):",
-             tuner.steps)
+    source = (f"hill climbing over {tuner.steps} profiling backwards" if tuner.steps
+              else f"the profile cached in {tuner.cache}")
+    log.info("Thread counts per sub-task (%s; ms at each count tried):", source)
     for (kind, layer, param), op_type, tried, count in tuner.report():
         name = f"{net.layers[layer].name}: {kind}" + (f".{param}" if param >= 0 else "")
         times = ", ".join(f"{threads}: {1e3 * seconds:.3f}" for threads, seconds in tried.items())

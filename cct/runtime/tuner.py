@@ -232,14 +232,16 @@ def op_type(net, key):
     return net.layers[layer].type, kind, param
 
 
-def cache_path(net):
+def cache_path(net, scope="iteration"):
     """Where the profile of `net` at its current shapes, partitions and thread
-    count on this machine is kept."""
+    count on this machine is kept: of whole training iterations, or of the
+    backward alone (scope "backward": `cct time`)."""
     executor = net.executor
     libraries = [(lib.internal_api, lib.version, getattr(lib, "architecture", None))
                  for lib in executor.blas._libraries]
     identity = json.dumps([net.net_param.SerializeToString(deterministic=True).hex(),
                            [list(shape) for shape in executor.shape_key()[0]], list(executor.shape_key()[1]),
-                           executor.threads, platform.node(), platform.machine(), os.cpu_count(), libraries],
+                           executor.threads, platform.node(), platform.machine(), os.cpu_count(), libraries,
+                           scope],
                           default=str)
     return settings.cache_dir() / "tuned" / (hashlib.sha256(identity.encode()).hexdigest()[:24] + ".json")

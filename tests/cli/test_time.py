@@ -136,11 +136,12 @@ def test_time_streams_prints_the_sub_tasks_and_writes_a_trace(tmp_path, capsys):
     assert len(spans) == len(rows) and {event["tid"] for event in spans} <= {0, 1, 2}
 
 
-def test_time_tuned_prints_each_sub_tasks_thread_counts(capsys, tmp_path):
+def test_time_tuned_prints_each_sub_tasks_thread_counts(capsys, tmp_path, monkeypatch):
     """--schedule tuned: the backward's sub-tasks profiled at each thread count
     (times per count tried, the best and its op type's count), then the
     streamed backward with the threads each sub-task held, in the table and
     the trace."""
+    monkeypatch.setenv("CCT_CACHE_DIR", str(tmp_path / "cache"))        # a profile cache of its own
     text, events = time_streamed(capsys, tmp_path, "tuned")
     start = next(i for i, m in enumerate(text) if m.startswith("Thread counts per sub-task"))
     assert re.fullmatch(r"  conv: backward_param\.0 +1: [0-9.]+(, \d+: [0-9.]+)* -> best \d+, its type's \d+",
@@ -149,6 +150,9 @@ def test_time_tuned_prints_each_sub_tasks_thread_counts(capsys, tmp_path):
     rows = [m.split() for m in text[table + 2:] if m.startswith("  ")]
     assert rows and all(int(row[5]) >= 1 for row in rows)
     assert all(event["args"]["threads"] >= 1 for event in events if event["ph"] == "X")
+    assert any(re.match(r"Thread counts per sub-task \(hill climbing over \d+ profiling backwards", m) for m in text)
+    again, _ = time_streamed(capsys, tmp_path, "tuned")         # the same net and machine: from the cache
+    assert any(m.startswith("Thread counts per sub-task (the profile cached in ") for m in again)
 
 
 def test_time_trace_needs_the_streams(tmp_path, capsys):
