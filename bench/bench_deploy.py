@@ -16,7 +16,6 @@ installed by hand beside cct's own OpenCV and put first on the path:
 cv2.setNumThreads(--threads), and cct's BLAS at the same count. Deploy nets:
 models/bvlc_reference_caffenet, models/bvlc_googlenet, models/resnet50.
 """
-import cct  # noqa: F401  (before numpy: cct shortens OpenBLAS's spin as it loads, as for users)
 import argparse
 import os
 import statistics

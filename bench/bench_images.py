@@ -13,7 +13,6 @@ HxW; 0x0 decodes only. Each case reads in colour and in grey (is_color false).
 Reported: images/s per path (median over rounds of `repeat` passes over the
 images) and the per-round ratio new / old (median).
 """
-import cct  # noqa: F401  (before numpy: cct shortens OpenBLAS's spin as it loads, as for users)
 import argparse
 import os
 import statistics

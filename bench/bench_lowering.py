@@ -13,7 +13,6 @@ smallest d/o at which type 3 beats type 1.
     python bench/bench_lowering.py                      # defaults below
     python bench/bench_lowering.py --threads 1 --repeats 9
 """
-import cct  # noqa: F401  (before numpy: cct shortens OpenBLAS's spin as it loads, as for users)
 import argparse
 import os
 import platform

@@ -15,7 +15,6 @@ routes by the argmax the last forward kept). The GoogLeNet part runs
 models/bvlc_googlenet/deploy.prototxt forward once per round and sums its
 pooling layers' forward times, measured in each mode as the executor runs them.
 """
-import cct  # noqa: F401  (before numpy: cct shortens OpenBLAS's spin as it loads, as for users)
 import argparse
 import os
 import statistics

@@ -12,7 +12,6 @@ forward and then backward from a fixed top diff. Reported: microseconds per
 time step (median over rounds), the per-round ratio numpy / cct (median), and
 cct's GFLOP/s (the layer's FLOP count) against the sgemm peak of the same run.
 """
-import cct  # noqa: F401  (before numpy: cct shortens OpenBLAS's spin as it loads, as for users)
 import argparse
 import os
 import statistics

@@ -32,14 +32,22 @@ within noise (a BLAS count does not touch an op without GEMM at all). The
 noise ceiling: how often the first half of the timed rounds names the same
 best count as the second half; a model cannot be judged above it.
 """
-import cct  # noqa: F401  (before numpy: cct shortens OpenBLAS's spin as it loads, as for users)
-import argparse
 import os
-import statistics
-import sys
-import time
 
-import numpy as np
+# OpenBLAS reads this once, when numpy loads it. With its default (2^28
+# cycles, about 0.1 s) its idle pool thread spins after every 2-thread call
+# and takes a core from the partition workers: the "parts" runs that follow a
+# "blas 2" run here ran at half speed (LeNet 64 conv2 forward, 2 partitions:
+# 4.0-4.5 ms against 2.0-2.5). The bench measures each op alone, so it keeps
+# the spin short unless told otherwise, and prints the value.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "21")
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
@@ -309,7 +317,7 @@ def main(argv=None):
     p = common.print_flush
     from cct.runtime.threads import blas
     cores = args.cores or blas().default
-    p(common.machine_line())
+    p(common.machine_line() + f"; OPENBLAS_THREAD_TIMEOUT {os.environ['OPENBLAS_THREAD_TIMEOUT']}")
     p(f"counts 1..{cores}, hill climbing step {args.step}; per layer 1 warm-up round, {args.profile_runs} "
       f"profiling rounds, {args.repeats} timed rounds")
     realizations = ("blas", "parts", "either")

@@ -7,7 +7,6 @@ schedule, which agrees only to rounding: it is reported, not required.
 
     python bench/check_schedules_bitwise.py [--iterations 50] [--threads 1]
 """
-import cct  # noqa: F401  (before numpy: cct shortens OpenBLAS's spin as it loads, as for users)
 import argparse
 import importlib.util
 import os

@@ -4,8 +4,6 @@ benchmark nets with their data layers replaced by Input blobs filled once.
 
 Run the benchmarks from the repository root: `python bench/bench_caffenet.py`.
 """
-import cct  # noqa: F401  (first: cct sets OpenBLAS's spin time before numpy loads it, as for users)
-
 import argparse
 import json
 import os

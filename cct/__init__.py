@@ -1,18 +1,5 @@
 """cct: Caffe con Troll in Python. A Caffe-compatible CNN framework whose
 Python API mirrors pycaffe name for name (`import cct as caffe`)."""
-import os
-
-# Before numpy loads OpenBLAS (it reads this once, when loaded): OpenBLAS's
-# pool threads spin for 2^28 cycles (about 0.1 s) after each threaded call and
-# take a core from cct's batch-partition workers meanwhile (CaffeNet's conv1
-# weight gradient: 14 ms alone, 27 ms right after a 2-thread GEMM). 2^21
-# cycles (under 1 ms) keeps them awake between back-to-back GEMMs only:
-# sequential training, three alternations in separate processes, CaffeNet 8
-# 410-438 ms against 455-498, GoogLeNet 8 790-927 against 912-1018, LeNet 64
-# 16.7-18.5 against 18.8-21.9 (BENCHMARKS.md). A value the user set wins; a
-# process that loaded numpy before cct keeps OpenBLAS's default.
-os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "21")
-
 from cct.core import allocation
 from cct.core.blob import Blob
 from cct.core.errors import CctError, ConfigError, DataError, MemoryLimitError, ShapeError, WeightsError

@@ -98,18 +98,3 @@ def test_any_thread_sets_the_count():
         thread.join()
         assert seen == [1, 2]
 
-
-@pytest.mark.parametrize("given,expected", [(None, "21"), ("28", "28")])
-def test_importing_cct_first_shortens_openblas_spinning(given, expected):
-    """cct sets OPENBLAS_THREAD_TIMEOUT before numpy loads OpenBLAS (which reads
-    it once), unless the user set it: in a fresh process that imports cct first."""
-    import os
-    import subprocess
-    import sys
-    env = {key: value for key, value in os.environ.items() if key != "OPENBLAS_THREAD_TIMEOUT"}
-    if given is not None:
-        env["OPENBLAS_THREAD_TIMEOUT"] = given
-    shown = subprocess.run([sys.executable, "-c", "import cct, os; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"],
-                           capture_output=True, text=True, env=env, timeout=120)
-    assert shown.returncode == 0, shown.stderr
-    assert shown.stdout.strip() == expected
