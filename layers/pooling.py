@@ -157,6 +157,18 @@ def _block_phases(x, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, out_h
 
 
 @kernel
+def _keep_larger(candidate, label, best, where):
+    """Where candidate[t] > best[t]: take it, and `label` as its winner (the
+    running max over a window's cells, in window order: the first of equal
+    values stays, as in Caffe)."""
+    for t in range(best.shape[0]):
+        v, b = candidate[t], best[t]
+        better = v > b
+        best[t] = v if better else b
+        where[t] = label if better else where[t]
+
+
+@kernel
 def _max_forward(x, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, block_cells, value, winner):
     """value (P, PH, PW) = the window maxima of x (P, H, W), winner the offset
     i*KW + j of each window's first maximum in scan order (Caffe's loop: start
@@ -192,14 +204,8 @@ def _max_forward(x, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, block_
             row_best_t[:] = -_FLT_MAX
             row_where_t[:] = -1
             for j in range(kernel_w):
-                k = winner.dtype.type(j)
                 start = j // stride_w
-                cell = phases[j % stride_w, start:start + count]
-                for t in range(count):
-                    v, b = cell[t], row_best_t[t]
-                    better = v > b
-                    row_best_t[t] = v if better else b
-                    row_where_t[t] = k if better else row_where_t[t]
+                _keep_larger(phases[j % stride_w, start:start + count], winner.dtype.type(j), row_best_t, row_where_t)
             for i in range(kernel_h):
                 k = winner.dtype.type(i * kernel_w)
                 row = row_best[i * phase_w:i * phase_w + span]
@@ -212,14 +218,9 @@ def _max_forward(x, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, block_
         else:
             for i in range(kernel_h):
                 for j in range(kernel_w):
-                    k = winner.dtype.type(i * kernel_w + j)
                     start = i * phase_w + j // stride_w
-                    cell = phases[j % stride_w, start:start + span]
-                    for t in range(span):
-                        v, b = cell[t], best_t[t]
-                        better = v > b
-                        best_t[t] = v if better else b
-                        where_t[t] = k if better else where_t[t]
+                    _keep_larger(phases[j % stride_w, start:start + span], winner.dtype.type(i * kernel_w + j),
+                                 best_t, where_t)
         out_value = value[first:last].reshape((last - first) * out_h * out_w)
         out_winner = winner[first:last].reshape((last - first) * out_h * out_w)
         for p in range(last - first):
