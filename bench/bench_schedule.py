@@ -94,13 +94,9 @@ def graph_on_this_thread(solver, count):
     from cct.runtime import graph
     schedule = solver._stream_schedule(count)
     runner = graph.Runner(solver.net, solver)
-    blas = solver.net.executor.blas
     first = solver.iter
     for task in graph.topological_order(graph.Graph(schedule.tasks, schedule.edges), lambda ready: ready[0]):
-        cores, count_in_force = schedule.widths[task]
-        if count_in_force is not None:
-            blas.set(count_in_force)
-        runner(task, cores if task.layer < 0 else 1)
+        runner.alone(task, schedule.widths[task])
     runner.finish()
     solver.net.executor.finish()
     solver._count_iterations(runner, first, count)

@@ -235,6 +235,16 @@ class Runner:
             else:
                 net.executor.layer_backward(task.layer)
 
+    def alone(self, task, width):
+        """Run `task` on this thread at `width`, (cores, BLAS count) as a
+        scheduler gives it: the BLAS count set first (None: left as it is),
+        the cores a clear's or an update's stripes (a layer's partitions are
+        its plan's)."""
+        cores, blas = width
+        if blas is not None:
+            self.net.executor.blas.set(blas)
+        self(task, cores if task.layer < 0 else 1)
+
     def finish(self):
         """After the last task: the solver counts the iterations run."""
         if self.solver is not None and self.last_iteration >= 0:

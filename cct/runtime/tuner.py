@@ -104,20 +104,18 @@ class Tuner:
         schedule, net = self.schedule, self.schedule.net
         began = time.perf_counter()
         runner = graph_module.Runner(net, schedule.solver)
-        blas = net.executor.blas
         for task in schedule.tasks:
             key = key_of(task)
             if key in self.tried:
-                cores = blas_count = self.next_count(key)
+                count = self.next_count(key)
+                width = (count, count)
             else:
-                cores, blas_count = self.width(task)
-            if blas_count is not None:
-                blas.set(blas_count)
+                width = self.width(task)
             start = time.perf_counter()
-            runner(task, cores if task.layer < 0 else 1)      # a clear's or update's stripes
+            runner.alone(task, width)
             seconds = time.perf_counter() - start
             if key in self.tried:
-                self._record(key, cores, seconds)
+                self._record(key, width[0], seconds)
             else:
                 self.fixed[key] = min(seconds, self.fixed.get(key, seconds))
         runner.finish()
