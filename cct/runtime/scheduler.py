@@ -442,7 +442,7 @@ class _RunState:
                 self.busy[stream] = True
                 lease = self._take(task, width)
                 arena = self.arenas.pop()
-                if self.idle and self._candidates():
+                if self.idle and any(heap and not busy for heap, busy in zip(self.ready, self.busy)):
                     condition.notify_all()          # another sub-task may start beside this one
             dispatched = clock()
             try:
