@@ -26,13 +26,17 @@ __cct_version__ = __version__
 
 
 def set_mode_cpu():
-    """cct runs on the CPU unless a layer is given an OpenCL device."""
+    """Layers run on the host (the default)."""
+    from cct.runtime import settings
+    settings.set_mode("cpu")
 
 
 def set_mode_gpu():
-    """pycaffe scripts call this; cct has no CUDA backend, so it says so and runs on the CPU."""
-    import warnings
-    warnings.warn("cct.set_mode_gpu(): cct has no CUDA backend; computing on the CPU", stacklevel=2)
+    """Layers run on the OpenCL device of set_device (device 0 unless set;
+    `cct device_query` lists them), each with its device path where it has
+    one, else on the host with its blobs synced (cct.runtime.executor)."""
+    from cct.runtime import settings
+    settings.set_mode("gpu")
 
 
 def set_schedule(mode):
@@ -60,4 +64,6 @@ def set_memory_limit(nbytes):
 
 
 def set_device(device_id):
-    """Kept for pycaffe scripts; device selection happens per run configuration."""
+    """The OpenCL device id set_mode_gpu runs on (`cct device_query`'s list)."""
+    from cct.runtime import settings
+    settings.set_device_id(device_id)

@@ -65,6 +65,27 @@ class ReLU(Neuron):
         else:
             top[0].data[...] = np.where(x > 0, x, x * x.dtype.type(self.slope))
 
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top)
+
+    def forward_on(self, device, bottom, top):
+        # in place too: y > 0 exactly where x > 0 when slope >= 0, and with a
+        # negative slope the device's backward reads the saved input
+        x = bottom[0].device_data(device)
+        if top[0] is bottom[0] and self.needs_input:
+            saved = self._device_input = self.device_scratch(device, "relu_input", bottom[0].count)
+            device.copy(saved, x, bottom[0].count)
+            x = saved
+        device.relu_forward(x, top[0].mutable_device_data(device), bottom[0].count, self.slope)
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        in_place_input = top[0] is bottom[0] and self.needs_input
+        x = self._device_input if in_place_input else bottom[0].device_data(device)
+        device.relu_backward(x, top[0].device_diff(device), bottom[0].mutable_device_diff(device),
+                             bottom[0].count, self.slope)
+
     def epilogue(self, bottom, top):
         """For inference fusion (cct.runtime.fusion): ("relu", negative_slope,
         False); None in place with a negative slope, whose backward needs the

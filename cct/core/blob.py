@@ -7,6 +7,15 @@ so views handed out before a reshape stay valid and iterations reuse memory.
 The diff's storage is allocated on first use of `diff` (Caffe's SyncedMemory is
 lazy too): in training, the input images' gradient (158 MB for CaffeNet at batch
 256) and the labels' are never asked for.
+
+On a device (cct.devices), each store has a Mirror: its copy in a device
+buffer and a head that says which side is current, as Caffe's SyncedMemory.
+`device_data(device)` hands a layer's device path the buffer, copied up when
+the host was written since; `mutable_device_data(device)` also marks the
+device as the only current side. `data` and `diff` copy back when the device
+is ahead and, since numpy views are writable, make the host the current side
+(pycaffe's `blob.data` is Caffe's mutable_cpu_data too). A device that shares
+host memory (the numpy CPU device) gets the host store itself.
 """
 import math
 import threading
@@ -20,12 +29,72 @@ from cct.core.allocation import charge_store, check_allocation
 # threads at once: it must be made once, not once per thread.
 _ALLOCATION_LOCK = threading.Lock()
 
+HOST, DEVICE, SYNCED = "host", "device", "synced"      # which side of a Mirror is current
+
+
+class Mirror:
+    """A host store's copy on one device (Caffe's SyncedMemory): `head` says
+    which side is current; the buffer is made on the first device use."""
+    __slots__ = ("store", "device", "buffer", "head")
+
+    def __init__(self, store):
+        self.store = store            # the flat host array this mirrors
+        self.device = None
+        self.buffer = None
+        self.head = HOST
+
+    def to_host(self):
+        """Make the host current (copying down when the device is ahead)."""
+        if self.head == DEVICE:
+            self.device.download(self.buffer, self.store)
+        self.head = SYNCED if self.buffer is not None else HOST
+
+    def on(self, device):
+        """The current contents in `device`'s buffer (copied up when stale)."""
+        if device.shares_host:
+            self.to_host()
+            return self.store
+        if self.device is not device:
+            if self.device is not None:
+                self.to_host()            # leave the other device: the host holds the values
+            self.device, self.buffer, self.head = device, device.empty(self.store.size), HOST
+        if self.head == HOST:
+            device.upload(self.buffer, self.store)
+            self.head = SYNCED
+        return self.buffer
+
+    def written_on(self, device):
+        """The device buffer, to be written: from now on only the device is current."""
+        buffer = self.on(device)
+        self.head = HOST if device.shares_host else DEVICE
+        return buffer
+
+
+class HostOnly:
+    """The mirror of a store that never leaves the host (a batch partition's
+    view of a blob, cct.runtime.partition): always current, refuses devices."""
+    head = HOST
+    buffer = None
+
+    def to_host(self):
+        pass
+
+    def on(self, device):
+        raise RuntimeError("a view of a blob's rows lives on the host; run its layer whole on a device")
+
+    written_on = on
+
+
+HOST_ONLY = HostOnly()
+
 
 class Blob:
     def __init__(self, shape=(), dtype=np.float32):
         self.dtype = np.dtype(dtype)
         self._data_store = np.zeros(0, self.dtype)   # flat storage, may exceed count
         self._diff_store = None                      # same capacity as the data's, once used
+        self._data_mirror = Mirror(self._data_store)
+        self._diff_mirror = None                     # made with the diff store
         self._shape = ()
         self.reshape(shape)
 
@@ -41,9 +110,13 @@ class Blob:
         count = math.prod(shape)
         if count > self._data_store.size:
             charge_store((count - self._data_store.size) * self.dtype.itemsize, shape, self)
+            self._data_mirror.to_host()                  # the values move to the grown store
             self._data_store = _grown(self._data_store, count)
+            self._data_mirror = Mirror(self._data_store)
             if self._diff_store is not None:
+                self._diff_mirror.to_host()
                 self._diff_store = _grown(self._diff_store, count)
+                self._diff_mirror = Mirror(self._diff_store)
         self._shape = shape
         self._make_views()
 
@@ -88,16 +161,61 @@ class Blob:
     # --- data and diff -----------------------------------------------------------
     @property
     def data(self):
+        if self._data_mirror.head != HOST:
+            self._data_mirror.to_host()
+            self._data_mirror.head = HOST
         return self._data
 
     @data.setter
     def data(self, value):
-        self._data[...] = value
+        self.data[...] = value
 
     @property
     def diff(self):
         diff = self._diff
-        return diff if diff is not None else self._allocate_diff()
+        if diff is None:
+            return self._allocate_diff()
+        if self._diff_mirror.head != HOST:
+            self._diff_mirror.to_host()
+            self._diff_mirror.head = HOST
+        return diff
+
+    # --- on a device (cct.devices) -----------------------------------------------------
+    def device_data(self, device):
+        """The data in `device`'s flat buffer (of the store's capacity), to read."""
+        return self._data_mirror.on(device)
+
+    def mutable_device_data(self, device):
+        """The data's device buffer, to write: the host copy is stale from now on."""
+        return self._data_mirror.written_on(device)
+
+    def device_diff(self, device):
+        if self._diff is None:
+            self._allocate_diff()
+        return self._diff_mirror.on(device)
+
+    def mutable_device_diff(self, device):
+        if self._diff is None:
+            self._allocate_diff()
+        return self._diff_mirror.written_on(device)
+
+    def sync_to_host(self):
+        """Copy down what a device wrote, leaving both sides current (a host
+        reader that writes nothing, e.g. a layer run on the CPU reading its bottoms)."""
+        self._data_mirror.to_host()
+        if self._diff_mirror is not None:
+            self._diff_mirror.to_host()
+
+    def keep_device_copy(self, diff=False):
+        """After a host reader that wrote nothing since sync_to_host: the
+        device copy is current again (the data's, and with `diff` the diff's)."""
+        for mirror in (self._data_mirror, self._diff_mirror if diff else None):
+            if mirror is not None and mirror.buffer is not None and mirror.head == HOST:
+                mirror.head = SYNCED
+
+    def heads(self):
+        """(data head, diff head or None): which side is current."""
+        return self._data_mirror.head, None if self._diff_mirror is None else self._diff_mirror.head
 
     @diff.setter
     def diff(self, value):
@@ -108,13 +226,14 @@ class Blob:
         with _ALLOCATION_LOCK:
             if self._diff_store is None:
                 self._diff_store = np.zeros(self._data_store.size, self.dtype)
+                self._diff_mirror = Mirror(self._diff_store)
                 self._make_views()
         return self._diff
 
     def share_data(self, other):
         """Use `other`'s data storage (Caffe's ShareData); counts must agree."""
         self._check_same_count(other)
-        self._data_store = other._data_store
+        self._data_store, self._data_mirror = other._data_store, other._data_mirror
         self._make_views()
 
     def share_diff(self, other):
@@ -122,7 +241,7 @@ class Blob:
         self._check_same_count(other)
         if other._diff_store is None:
             other._allocate_diff()
-        self._diff_store = other._diff_store
+        self._diff_store, self._diff_mirror = other._diff_store, other._diff_mirror
         self._make_views()
 
     def use_diff_storage(self, store):
@@ -130,7 +249,10 @@ class Blob:
         sharing hands out slices of shared arenas, cct.runtime.memory); None: in
         a store of its own, made on first use."""
         with _ALLOCATION_LOCK:                     # no lazy allocation racing the swap
+            if self._diff_mirror is not None:
+                self._diff_mirror.to_host()
             self._diff_store = store
+            self._diff_mirror = None if store is None else Mirror(store)
             self._make_views()
 
     def _check_same_count(self, other):

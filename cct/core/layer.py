@@ -35,6 +35,18 @@ What the runtime reads (declarations, never type names):
     aliases                (Split) set by fusion: the tops share the bottom's data
     planned_bytes(...)     work memory the memory plan counts (cct.runtime.memory_plan)
 
+On a device (cct.devices; Caffe's Forward_gpu, with its fallback):
+    runs_on(device, bottom, top)            whether the layer's device path covers
+                                            its settings at these blobs; else the
+                                            runtime runs forward/backward on the host,
+                                            the blobs synced (cct.runtime.executor)
+    forward_on(device, bottom, top)         forward with the device's primitives, on
+                                            the blobs' device buffers (Blob.device_data)
+    backward_on(device, top, propagate_down, bottom)
+                                            the same contract as backward
+  Written once against cct.devices.base: the numpy CPU device runs it too, and
+  the layer tests check it against the layer's own forward and backward.
+
 Work arrays: big temporaries are mmapped and page-faulted afresh on every
 allocation (tens of ms for CaffeNet's blobs), so hot paths reuse arrays:
 `self.scratch(...)` for state a layer keeps from forward to backward (its own,
@@ -171,6 +183,33 @@ class Layer:
     def backward_data(self, top, propagate_down, bottom):
         """Set the diffs of the bottoms propagate_down asks for."""
         raise NotImplementedError(f"{self.where()}: backward_data not implemented")
+
+    # --- on a device ---------------------------------------------------------------
+    def runs_on(self, device, bottom, top):
+        """Whether forward_on and backward_on cover this layer at these blobs."""
+        return False
+
+    def device_scratch(self, device, name, count):
+        """A buffer of at least `count` elements on `device` that this layer
+        keeps from forward_on to backward_on (its own, as scratch(); a saved
+        input, a pooling mask); made anew for another device or a larger count."""
+        key = f"_scratch_device_{name}"
+        kept = self.__dict__.get(key)
+        if kept is None or kept[0] is not device or kept[1].size < count:
+            kept = (device, device.empty(count))
+            self.__dict__[key] = kept
+        return kept[1]
+
+    @staticmethod
+    def all_float32(*blob_lists):
+        """Devices compute in float32 (the gradient checks' float64 blobs stay on the host)."""
+        return all(blob.dtype == np.float32 for blobs in blob_lists for blob in blobs)
+
+    def forward_on(self, device, bottom, top):
+        raise NotImplementedError(f"{self.where()}: no device path")
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        raise NotImplementedError(f"{self.where()}: no device path")
 
     # --- what the runtime reads ---------------------------------------------------
     def can_partition(self, bottom, top):

@@ -54,6 +54,20 @@ EVENTS = ("before_forward", "after_forward", "before_backward", "after_backward"
 log = logging.getLogger("cct.runtime.executor")
 
 
+def on_host(call, read, written, diffs=False):
+    """Run `call` on the host for a layer without a device path: what it reads
+    and writes copied down first; afterwards the blobs it only read are
+    current on the device again (their host views were read, not written),
+    so the next device layer copies nothing up. `diffs`: it reads and
+    writes diffs too (a backward)."""
+    for blob in read + written:
+        blob.sync_to_host()
+    call()
+    for blob in read:
+        if not any(blob is other for other in written):
+            blob.keep_device_copy(diff=diffs)
+
+
 class Executor:
     """Runs a net's layers, each with its chosen number of batch partitions.
 
@@ -206,6 +220,15 @@ class Executor:
         if self._listeners:
             self._emit("before_forward", index)
         fusion = self.fusion
+        device = settings.device()
+        if device is not None:
+            if fusion is not None:
+                fusion.flush(self)
+            self.run_on(device, index)
+            loss = self.net.layer_loss(index)
+            if self._listeners:
+                self._emit("after_forward", index)
+            return loss
         if fusion is not None:
             if self._listeners or not set_blas:
                 fusion.flush(self)
@@ -232,6 +255,32 @@ class Executor:
             else:
                 self._runner(index, partitions).forward(self.workers(partitions), bottoms, tops)
 
+    def run_on(self, device, index):
+        """Layer `index`'s reshape and forward on `device`, whole: with its
+        device path where it has one for these blobs, else on the host with
+        the blobs synced (Caffe's fallback to Forward_cpu)."""
+        layer, bottoms, tops = self._layer(index)
+        with layer.naming_allocations(tops):
+            layer.reshape(bottoms, tops)
+            layer.run_partitions(1)
+            if layer.runs_on(device, bottoms, tops):
+                layer.forward_on(device, bottoms, tops)
+            else:
+                self.blas.set(self.threads)
+                on_host(lambda: layer.forward(bottoms, tops), read=bottoms, written=tops)
+
+    def backward_on(self, device, index):
+        """Layer `index`'s backward on `device` (see run_on)."""
+        layer, bottoms, tops = self._layer(index)
+        propagate_down = self.net.bottom_need_backward[index]
+        with layer.naming_allocations(tops):
+            if layer.runs_on(device, bottoms, tops):
+                layer.backward_on(device, tops, propagate_down, bottoms)
+            else:
+                self.blas.set(self.threads)
+                on_host(lambda: layer.backward(tops, propagate_down, bottoms), read=tops + layer.blobs,
+                        written=bottoms + layer.blobs, diffs=True)
+
     def backward(self, index, force=False):
         """Run layer `index` backward if the net needs its backward (or `force`:
         `cct time` runs every layer's, as Caffe's does). The events fire either way."""
@@ -239,7 +288,10 @@ class Executor:
             self.fusion.before_backward(self)
         if self._listeners:
             self._emit("before_backward", index)
-        if force or self.net.layer_need_backward[index]:
+        device = settings.device()
+        if device is not None and (force or self.net.layer_need_backward[index]):
+            self.backward_on(device, index)
+        elif force or self.net.layer_need_backward[index]:
             partitions = self.partitions(index)
             self.blas.set(self.threads if partitions == 1 else max(1, self.threads // partitions))
             self.layer_backward(index, partitions)
@@ -303,8 +355,10 @@ class Executor:
         sequential. The numbers are the same in every mode."""
         if self.fusion is not None:
             self.fusion.before_backward(self)
-        if self._listeners or self.schedule != "auto":
-            self._backward_in("sequential" if self._listeners else self.schedule)
+        if self._listeners or self.schedule != "auto" or settings.device() is not None:
+            # a device's one in-order queue runs the layers in turn: sequential
+            sequential = self._listeners or settings.device() is not None
+            self._backward_in("sequential" if sequential else self.schedule)
             return
         key = self.shape_key()
         if self._auto is None or self._auto[0] != key:

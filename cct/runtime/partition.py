@@ -9,13 +9,14 @@ layer's after backward (no race on `+=`).
 """
 import numpy as np
 
-from cct.core.blob import Blob
+from cct.core.blob import HOST_ONLY, Blob
 from cct.core.errors import ShapeError
 from cct.runtime.threads import run_all
 
 
 class BlobSlice(Blob):
-    """Rows [start, stop) of a blob's batch axis, as a Blob of fixed shape."""
+    """Rows [start, stop) of a blob's batch axis, as a Blob of fixed shape (on the host)."""
+    _data_mirror = _diff_mirror = HOST_ONLY
 
     def __init__(self, blob, start, stop):
         self.dtype = blob.dtype
@@ -43,7 +44,8 @@ class BlobSlice(Blob):
 
 class ParamView(Blob):
     """A clone's parameter: the layer's data; the layer's diff (`shares_diff`) or
-    a private one, made on first use."""
+    a private one, made on first use (on the host)."""
+    _data_mirror = _diff_mirror = HOST_ONLY
 
     def __init__(self, blob, shares_diff):
         self.dtype = blob.dtype

@@ -281,6 +281,54 @@ def schedule(config=None):
     return config.schedule if config is not None and config.schedule else "auto"
 
 
+_device_mode = None         # set by set_mode(): "cpu" or "gpu"; None: CCT_GPU decides
+_device_id = 0              # set by set_device_id()
+GPU_ENV = "CCT_GPU"
+
+
+def set_mode(mode):
+    """pycaffe's set_mode_cpu/set_mode_gpu: "cpu" or "gpu" (the device of
+    set_device_id, an OpenCL device); None: back to CCT_GPU. Read by every
+    layer run from then on (cct.runtime.executor), as Caffe reads its mode."""
+    global _device_mode
+    if mode not in (None, "cpu", "gpu"):
+        raise ConfigError(f"mode: must be 'cpu' or 'gpu', got {mode!r}")
+    _device_mode = mode
+
+
+def set_device_id(index):
+    """pycaffe's set_device: the OpenCL device id "gpu" mode runs on
+    (`cct device_query` lists them)."""
+    global _device_id
+    index = int(index)
+    if index < 0:
+        raise ConfigError(f"device id: must be >= 0, got {index}")
+    _device_id = index
+
+
+def device():
+    """The OpenCL device layers run on (cct.devices.opencl), or None for the
+    host: "gpu" mode's set_device_id device; unless a mode was set, CCT_GPU
+    (a device id, as `cct train --gpu`; "" or "cpu": the host)."""
+    if _device_mode == "cpu":
+        return None
+    index = _device_id
+    if _device_mode is None:
+        given = _env(GPU_ENV)
+        if not given or given == "cpu":
+            return None
+        try:
+            index = int(given)
+        except ValueError:
+            raise ConfigError(f"{GPU_ENV}: must be a device id (0, 1, ...) or 'cpu', got {given!r}") from None
+    return opencl_device(index)
+
+
+def opencl_device(index):
+    from cct.devices import opencl
+    return opencl.device(index)
+
+
 _fusion = None              # set by set_fusion(); wins over CCT_FUSION
 
 

@@ -270,9 +270,18 @@ def test_timer():
     assert not timer.running
 
 
-def test_set_mode_gpu_warns_and_stays_on_the_cpu():
-    with pytest.warns(UserWarning, match="no CUDA backend"):
+def test_set_mode_gpu_and_set_device_pick_the_opencl_device_layers_run_on():
+    from cct.runtime import settings
+    from helpers.devices import opencl_or_skip
+    device = opencl_or_skip()
+    try:
+        cct.set_device(0)
         cct.set_mode_gpu()
+        assert settings.device() is device
+        cct.set_mode_cpu()
+        assert settings.device() is None
+    finally:
+        settings.set_mode(None)
 
 
 def test_multi_process_api_as_a_build_without_nccl(monkeypatch):

@@ -1,0 +1,234 @@
+"""The OpenCL device: cct.devices.base's primitives on one OpenCL device,
+with pyopencl (context, one in-order queue, buffers) and CLBlast's SGEMM
+(pyclblast). Kernels are the `.cl` files in cct/devices/kernels/, built once
+per device and kept; a kernel that does not build raises DeviceError with
+the compiler's log.
+
+Buffers are flat pyopencl arrays of float32; ops address them by element
+offsets (pyclblast ignores an array view's own offset, so views are never
+handed to it). Scalars are passed to kernels as int32 and float32.
+
+OpenCL is optional: `available()` says whether pyopencl and a platform with
+a device exist, and `devices()` lists them in a fixed order (platform, then
+device), which is what a device id (`cct.set_device(i)`, `--gpu i`) counts.
+"""
+import functools
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from cct.devices.base import Device, DeviceError
+
+KERNELS = Path(__file__).with_name("kernels")
+WORK_GROUP = 256              # items per work group, rounded up to: one size fits every kernel here
+
+
+def _pyopencl():
+    try:
+        import pyopencl
+    except ImportError:
+        raise DeviceError("OpenCL needs pyopencl (pip install 'cct[opencl]')") from None
+    return pyopencl
+
+
+def platform_devices():
+    """Every OpenCL device of every platform, in device-id order; [] where
+    pyopencl or an OpenCL platform is missing."""
+    try:
+        pyopencl = _pyopencl()
+        platforms = pyopencl.get_platforms()
+    except Exception:
+        return []
+    found = []
+    for platform in platforms:
+        try:
+            found.extend(platform.get_devices())
+        except Exception:                      # a platform with no devices raises
+            continue
+    return found
+
+
+def why_unavailable():
+    """None when an OpenCL device exists, else the reason in a few words."""
+    try:
+        _pyopencl()
+    except DeviceError as error:
+        return str(error)
+    if not platform_devices():
+        return "no OpenCL platform with a device (install an ICD, e.g. pocl-opencl-icd)"
+    return None
+
+
+def available():
+    return why_unavailable() is None
+
+
+_opened = {}
+_open_lock = threading.Lock()
+
+
+def device(index=0):
+    """The OpenCLDevice for device id `index`, made once per process."""
+    with _open_lock:
+        if index not in _opened:
+            found = platform_devices()
+            if not found:
+                raise DeviceError(f"OpenCL device {index}: {why_unavailable()}")
+            if not 0 <= index < len(found):
+                raise DeviceError(f"OpenCL device {index}: there are {len(found)} device(s), ids 0 to "
+                                  f"{len(found) - 1}")
+            _opened[index] = OpenCLDevice(found[index], index)
+        return _opened[index]
+
+
+class OpenCLDevice(Device):
+    kind = "opencl"
+
+    def __init__(self, cl_device, index=0):
+        pyopencl = _pyopencl()
+        self._cl = pyopencl
+        import pyopencl.array
+        self._arrays = pyopencl.array
+        self.cl_device = cl_device
+        self.index = index
+        self.name = cl_device.name.strip()
+        self.context = pyopencl.Context([cl_device])
+        self.queue = pyopencl.CommandQueue(self.context)
+        self._programs = {}
+        self._kernels = {}            # (file, kernel name) -> cl.Kernel, made once: each retrieval builds one
+        self._lock = threading.RLock()
+
+    # --- programs ----------------------------------------------------------------
+    def program(self, filename):
+        """The built program of kernels/`filename`, built on first use."""
+        with self._lock:
+            built = self._programs.get(filename)
+            if built is None:
+                source = (KERNELS / filename).read_text()
+                built = self._programs[filename] = self.build(source, filename)
+            return built
+
+    def build(self, source, name="<source>"):
+        try:
+            return self._cl.Program(self.context, source).build()
+        except self._cl.RuntimeError as error:
+            log = getattr(error, "what", lambda: str(error))()
+            raise DeviceError(f"OpenCL kernel {name} does not build on {self.name}:\n{log}") from None
+
+    def launch(self, filename, kernel, items, *args):
+        """Run kernels/filename's `kernel` over `items` work items (rounded up
+        to whole work groups; each kernel checks its index). Python ints go as
+        int32, floats as float32, buffers as their cl.Buffer."""
+        if items <= 0:
+            return
+        size = -(-int(items) // WORK_GROUP) * WORK_GROUP
+        with self._lock:                        # a kernel's arguments are set, then it is queued
+            function = self._kernels.get((filename, kernel))
+            if function is None:
+                function = self._kernels[filename, kernel] = self._cl.Kernel(self.program(filename), kernel)
+            function(self.queue, (size,), (WORK_GROUP,), *[_argument(value) for value in args])
+
+    # --- memory ------------------------------------------------------------------
+    def empty(self, count):
+        return self._arrays.empty(self.queue, (max(int(count), 1),), np.float32)
+
+    def upload(self, buffer, host, offset=0):
+        host = np.ascontiguousarray(host, np.float32)
+        if host.size:
+            self._cl.enqueue_copy(self.queue, buffer.base_data, host, dst_offset=4 * (buffer.offset // 4 + offset),
+                                  is_blocking=True)
+
+    def download(self, buffer, host, offset=0):
+        if host.size:
+            if not host.flags.c_contiguous or host.dtype != np.float32:
+                raise DeviceError("download needs a contiguous float32 host array")
+            self._cl.enqueue_copy(self.queue, host, buffer.base_data, src_offset=4 * (buffer.offset // 4 + offset),
+                                  is_blocking=True)
+
+    def copy(self, dst, src, count, dst_offset=0, src_offset=0):
+        if count:
+            self._cl.enqueue_copy(self.queue, dst.base_data, src.base_data, byte_count=4 * count,
+                                  dst_offset=dst.offset + 4 * dst_offset, src_offset=src.offset + 4 * src_offset)
+
+    def fill(self, buffer, value, count, offset=0):
+        if count:
+            self._cl.enqueue_fill_buffer(self.queue, buffer.base_data, np.float32(value),
+                                         buffer.offset + 4 * offset, 4 * count)
+
+    def finish(self):
+        self.queue.finish()
+
+    # --- math ----------------------------------------------------------------------
+    def gemm(self, trans_a, trans_b, m, n, k, alpha, a, b, beta, c, a_offset=0, b_offset=0, c_offset=0):
+        if not (m and n):
+            return
+        if not k:                               # nothing summed: C = beta * C
+            self.axpby(m * n, 0.0, c, beta, c, c_offset, c_offset)
+            return
+        pyclblast = _pyclblast()
+        pyclblast.gemm(self.queue, m, n, k, _matrix(a), _matrix(b), _matrix(c),
+                       a_ld=m if trans_a else k, b_ld=k if trans_b else n, c_ld=n,
+                       alpha=float(alpha), beta=float(beta), a_transp=bool(trans_a), b_transp=bool(trans_b),
+                       a_offset=a_offset, b_offset=b_offset, c_offset=c_offset)
+
+    def axpby(self, count, alpha, x, beta, y, x_offset=0, y_offset=0):
+        self.launch("core.cl", "axpby", count, count, float(alpha), x, x_offset, float(beta), y, y_offset)
+
+    def sum_axis(self, x, outer, axis, inner, out, beta=0.0):
+        self.launch("core.cl", "sum_axis", outer * inner, outer, axis, inner, x, out, float(beta))
+
+    def relu_forward(self, x, y, count, slope=0.0):
+        self.launch("core.cl", "relu_forward", count, count, x, y, float(slope))
+
+    def relu_backward(self, x, dy, dx, count, slope=0.0):
+        self.launch("core.cl", "relu_backward", count, count, x, dy, dx, float(slope))
+
+    # --- lowering type 1 ---------------------------------------------------------
+    def _geometry_args(self, geom, batch, group):
+        return (batch, geom.channels, geom.in_h, geom.in_w, geom.channels // geom.group, group,
+                geom.kernel_h, geom.kernel_w, geom.pad_h, geom.pad_w, geom.stride_h, geom.stride_w,
+                geom.dilation_h, geom.dilation_w, geom.out_h, geom.out_w)
+
+    def im2col(self, x, geom, batch, cols, group=0, first=0):
+        total = geom.channels // geom.group * geom.kernel_h * geom.kernel_w * batch * geom.out_h * geom.out_w
+        self.launch("core.cl", "im2col", total, total, x, cols, first, *self._geometry_args(geom, batch, group))
+
+    def col2im(self, cols, geom, batch, x, group=0, first=0):
+        total = batch * geom.channels // geom.group * geom.in_h * geom.in_w
+        self.launch("core.cl", "col2im", total, total, cols, x, first, *self._geometry_args(geom, batch, group))
+
+    def to_channels_first(self, y, batch, channels, pixels, out, first=0):
+        self.launch("core.cl", "to_channels_first", batch * channels * pixels, first, batch, channels, pixels,
+                    y, out)
+
+    def from_channels_first(self, product, batch, channels, pixels, y, bias=None, first=0):
+        self.launch("core.cl", "from_channels_first", batch * channels * pixels, first, batch, channels, pixels,
+                    product, y, product if bias is None else bias, int(bias is not None))
+
+
+    # --- pooling, LRN, BatchNorm (layers/pooling.py, layers/normalization.py) ---
+
+    # --- softmax, losses, Eltwise, Concat, Scale, Dropout (layers/loss.py, elementwise.py, shape.py) ---
+
+def _argument(value):
+    if isinstance(value, (bool, int, np.integer)):
+        return np.int32(value)
+    if isinstance(value, (float, np.floating)):
+        return np.float32(value)
+    return value.base_data if hasattr(value, "base_data") else value
+
+
+def _matrix(buffer):
+    """The flat buffer as the 2-d array pyclblast checks for (offsets are passed apart)."""
+    return buffer.reshape(1, buffer.size)
+
+
+@functools.lru_cache(maxsize=None)
+def _pyclblast():
+    try:
+        import pyclblast
+    except ImportError:
+        raise DeviceError("the OpenCL device's GEMM needs pyclblast (pip install pyclblast; it builds "
+                          "against CLBlast: apt-get install libclblast-dev)") from None
+    return pyclblast
