@@ -20,6 +20,7 @@ import numpy as np
 from cct.core.layer import Layer, register
 from cct.lowering import (ConvGeometry, chooser, conv_backward, conv_backward_data, conv_backward_weights,
                           conv_forward, lowering, type1)
+from cct.lowering import device as device_lowering
 from cct.core.workspace import thread_arena
 from cct.lowering.chunking import DEFAULT_BUDGET_MB, cache_chunk, chunk_size, slot_bytes
 
@@ -268,6 +269,28 @@ class _ConvolutionBase(Layer):
         for blob in top:
             self.blobs[1].diff[...] += blob.diff.sum(axis=(0, 2, 3))
 
+    # --- on a device: lowering type 1 (cct.lowering.device) --------------------------
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top, self.blobs)
+
+    def forward_on(self, device, bottom, top):
+        weight = self.blobs[0].device_data(device)
+        bias = self.blobs[1].device_data(device) if self.bias_term else None
+        for b, t in zip(bottom, top):
+            self._forward_on(device, b, t, weight, bias)
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        if self.bias_term and self.param_wanted(1):
+            bias_diff = self.blobs[1].mutable_device_diff(device)
+            for t in top:
+                device_lowering.bias_gradient(device, t.device_diff(device), t.shape[0], t.shape[1],
+                                              t.count_range(2), bias_diff)
+        weight = self.blobs[0].device_data(device)
+        weight_diff = self.blobs[0].mutable_device_diff(device) if self.param_wanted(0) else None
+        for t, down, b in zip(top, propagate_down, bottom):
+            if down or weight_diff is not None:
+                self._backward_on(device, t, b, weight, weight_diff, down)
+
     def backward_param(self, index, top, bottom):
         """Parameter 0's gradient (the weights: _weight_gradient, the family's
         own) or parameter 1's (the bias)."""
@@ -333,6 +356,14 @@ class Convolution(_ConvolutionBase):
                                   ws=arena, chunk=self._chunk(kind, b.data))
             self.blobs[0].diff[...] += dw
 
+    def _forward_on(self, device, b, t, weight, bias):
+        device_lowering.forward(device, b.device_data(device), weight, self.geom, b.shape[0],
+                                t.mutable_device_data(device), bias)
+
+    def _backward_on(self, device, t, b, weight, weight_diff, down):
+        device_lowering.backward(device, b.device_data(device), t.device_diff(device), weight, self.geom,
+                                 b.shape[0], dx=b.mutable_device_diff(device) if down else None, dw=weight_diff)
+
     def backward_data(self, top, propagate_down, bottom):
         kind, arena = self._lowering(), thread_arena()
         for t, down, b in zip(top, propagate_down, bottom):
@@ -377,6 +408,21 @@ class Deconvolution(_ConvolutionBase):
         for t, b in zip(top, bottom):
             self.blobs[0].diff[...] += conv_backward_weights(t.diff, b.data, self.geom, kind, ws=arena,
                                                              chunk=self._chunk(kind, b.data))
+
+    # on a device: the convolution's gradients and forward with the roles swapped
+    def _forward_on(self, device, b, t, weight, bias):
+        batch, output = b.shape[0], t.mutable_device_data(device)
+        device_lowering.backward(device, None, b.device_data(device), weight, self.geom, batch, dx=output)
+        if bias is not None:
+            device_lowering.add_bias(device, output, batch, t.shape[1], t.count_range(2), bias)
+
+    def _backward_on(self, device, t, b, weight, weight_diff, down):
+        batch, top_diff = b.shape[0], t.device_diff(device)
+        if weight_diff is not None:
+            device_lowering.backward(device, top_diff, b.device_data(device), None, self.geom, batch,
+                                     dw=weight_diff)
+        if down:
+            device_lowering.forward(device, top_diff, weight, self.geom, batch, b.mutable_device_diff(device))
 
     def backward_data(self, top, propagate_down, bottom):
         kind, arena = self._lowering(), thread_arena()

@@ -106,6 +106,34 @@ class InnerProduct(Layer):
             dy = top[0].diff.reshape(self.m, self.num_output)
             np.matmul(dy, self._weight_nk(dy.dtype), out=bottom[0].diff.reshape(self.m, self.k))
 
+    # --- on a device: the same GEMMs on device buffers ----------------------------------
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top, self.blobs)
+
+    def forward_on(self, device, bottom, top):
+        m, n, k = self.m, self.num_output, self.k
+        y = top[0].mutable_device_data(device)
+        # y (M, N) = x (M, K) @ W^T, W stored (N, K), or (K, N) when transposed
+        device.gemm(False, not self.transpose, m, n, k, 1.0, bottom[0].device_data(device),
+                    self.blobs[0].device_data(device), 0.0, y)
+        if self.bias_term:             # y += ones (M, 1) @ bias (1, N)
+            device.gemm(False, False, m, n, 1, 1.0, device.ones(m), self.blobs[1].device_data(device), 1.0, y)
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        m, n, k = self.m, self.num_output, self.k
+        dy = top[0].device_diff(device)
+        if self.param_wanted(0):
+            x, weight_diff = bottom[0].device_data(device), self.blobs[0].mutable_device_diff(device)
+            if self.transpose:         # dW (K, N) += x^T @ dy
+                device.gemm(True, False, k, n, m, 1.0, x, dy, 1.0, weight_diff)
+            else:                      # dW (N, K) += dy^T @ x
+                device.gemm(True, False, n, k, m, 1.0, dy, x, 1.0, weight_diff)
+        if self.bias_term and self.param_wanted(1):
+            device.sum_axis(dy, 1, m, n, self.blobs[1].mutable_device_diff(device), beta=1.0)
+        if propagate_down[0]:          # dx (M, K) = dy @ W (N, K), or dy @ W^T when stored (K, N)
+            device.gemm(False, self.transpose, m, k, n, 1.0, dy, self.blobs[0].device_data(device), 0.0,
+                        bottom[0].mutable_device_diff(device))
+
     def _accumulate_weight_gradient(self, x, dy):
         """weight.diff += dy^T x ((N, K); x^T dy (K, N) when transposed), a block of
         weight rows at a time through a small work array: a whole-matrix temporary

@@ -93,6 +93,7 @@ class Executor:
         self.schedule = settings.schedule()   # sequential, streams or auto (cct.runtime.scheduler)
         self._streams = None          # (net shape, scheduler.Schedule) for the streams mode
         self._auto = None             # (shape_key, FasterOf): "auto"'s choice for the backward alone
+        self.placed = {}              # layer index -> where its last forward ran on a device: its name or "host"
         # CCT_PARTITIONS=p partitions every layer that allows it (the conformance
         # suite runs with it to check partitioned results equal unpartitioned
         # ones); CCT_PARTITIONS=1 runs every layer whole.
@@ -265,9 +266,11 @@ class Executor:
             layer.run_partitions(1)
             if layer.runs_on(device, bottoms, tops):
                 layer.forward_on(device, bottoms, tops)
+                self.placed[index] = device.name
             else:
                 self.blas.set(self.threads)
                 on_host(lambda: layer.forward(bottoms, tops), read=bottoms, written=tops)
+                self.placed[index] = "host"
 
     def backward_on(self, device, index):
         """Layer `index`'s backward on `device` (see run_on)."""

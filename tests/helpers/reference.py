@@ -59,3 +59,31 @@ def assert_matches_caffe(net, name):
     folder = CASES / name
     assert mismatches(net, np.load(folder / "forward.npz"), "data") == {}
     assert mismatches(net, np.load(folder / "backward.npz"), "diff") == {}
+
+
+def run_solver_case(case):
+    """A solver case (steps.npz) from its folder, which must be the current
+    directory (its solver names net.prototxt relatively): Caffe's weights
+    loaded, each step fed its batch. Returns the solver; assert_solver_matches_caffe checks it."""
+    from cct.training import solver as solver_module
+    steps = np.load("steps.npz")
+    solver = solver_module.get_solver("solver.prototxt")
+    solver.net.copy_from("weights.caffemodel")
+    batch = {key[len("batch/"):]: steps[key] for key in steps.files if key.startswith("batch/")}
+    solver.case_losses = []
+    for _ in range(len(steps["losses"])):
+        for name, values in batch.items():
+            solver.net.blobs[name].data[...] = values
+        solver.step(1)
+        solver.case_losses.append(float(solver.net.blobs["loss"].data))
+    return solver
+
+
+def assert_solver_matches_caffe(solver, tolerance=1e-3):
+    """The losses after each step and the final weights within `tolerance` of Caffe's."""
+    steps = np.load("steps.npz")
+    assert relative_error(solver.case_losses, steps["losses"]) < tolerance
+    for key in steps.files:
+        if key.startswith("final/"):
+            _, layer, index = key.split("/")
+            assert relative_error(solver.net.params[layer][int(index)].data, steps[key]) < tolerance, key

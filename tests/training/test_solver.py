@@ -18,7 +18,7 @@ from cct.proto import caffe_pb2
 from cct.training import solver as solver_module
 from helpers.linreg import (B0, BATCHES, SOLVER_CASES, D, M, N, T, W0, X, assert_params, gradients, make_solver,
                             net_text, reference_run, set_weights, solver_param)
-from helpers.reference import CASES
+from helpers.reference import CASES, assert_solver_matches_caffe, run_solver_case
 
 RNG = np.random.default_rng(8)
 
@@ -294,26 +294,8 @@ def test_a_failing_stripe_is_waited_for_and_raised(monkeypatch):
 # --- BVLC Caffe's solver reference cases ---------------------------------------------------
 @pytest.mark.parametrize("case", ["lenet_sgd", "caffenet_mini_sgd"])
 def test_reference_solver_case(case, monkeypatch):
-    folder = CASES / case
-    monkeypatch.chdir(folder)                       # the solver names net.prototxt relatively
-    steps = np.load("steps.npz")
-    solver = solver_module.get_solver("solver.prototxt")
-    solver.net.copy_from("weights.caffemodel")
-    batch = {key[len("batch/"):]: steps[key] for key in steps.files if key.startswith("batch/")}
-    losses = []
-    for _ in range(len(steps["losses"])):
-        for name, values in batch.items():
-            solver.net.blobs[name].data[...] = values
-        solver.step(1)
-        losses.append(float(solver.net.blobs["loss"].data))
-    reference = steps["losses"]
-    assert np.max(np.abs(np.array(losses) - reference)) / max(np.abs(reference).max(), 1e-6) < 1e-3
-    for key in steps.files:
-        if key.startswith("final/"):
-            _, layer, index = key.split("/")
-            ours = solver.net.params[layer][int(index)].data
-            scale = max(float(np.abs(steps[key]).max()), 1e-6)
-            assert float(np.abs(ours - steps[key]).max()) / scale < 1e-3, key
+    monkeypatch.chdir(CASES / case)                 # the solver names net.prototxt relatively
+    assert_solver_matches_caffe(run_solver_case(case))
 
 
 def test_add_callback_takes_a_callback_object_or_refuses_it():

@@ -1,0 +1,68 @@
+"""Convolution, Deconvolution and InnerProduct on a device (lowering type 1,
+cct.lowering.device) against their host paths, on the numpy CPU device and
+on OpenCL: forward, data and parameter gradients (accumulated)."""
+import numpy as np
+import pytest
+
+from cct.devices.cpu import CPU
+from cct.lowering import device as device_lowering, ConvGeometry
+from helpers.devices import assert_close_both_ways, opencl_or_skip, run_both_ways
+
+
+@pytest.fixture(params=["cpu", "opencl"])
+def device(request):
+    return CPU if request.param == "cpu" else opencl_or_skip()
+
+
+CONVOLUTIONS = [
+    "num_output: 4 kernel_size: 3",
+    "num_output: 6 kernel_size: 3 stride: 2 pad: 1 group: 2",
+    "num_output: 3 kernel_h: 2 kernel_w: 3 stride_h: 1 stride_w: 2 pad_h: 0 pad_w: 1 bias_term: false",
+    "num_output: 4 kernel_size: 3 dilation: 2 pad: 2",
+    "num_output: 2 kernel_size: 3 stride: 2",                  # the last window overruns a 6-wide input
+    "num_output: 5 kernel_size: 1",
+]
+FILLERS = 'weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 }'
+
+
+@pytest.mark.parametrize("kind", ["Convolution", "Deconvolution"])
+@pytest.mark.parametrize("fields", CONVOLUTIONS)
+def test_convolution_on_device_matches_the_host(device, kind, fields):
+    x = np.random.default_rng(1).standard_normal((3, 4, 6, 7))
+    text = f'type: "{kind}" convolution_param {{ {fields} {FILLERS} }}'
+    assert_close_both_ways(run_both_ways(device, text, [x]), 1e-5)
+
+
+def test_convolution_on_device_with_two_bottoms_shares_the_weights(device):
+    rng = np.random.default_rng(2)
+    x, x2 = rng.standard_normal((2, 3, 5, 5)), rng.standard_normal((2, 3, 5, 5))
+    text = f'type: "Convolution" convolution_param {{ num_output: 4 kernel_size: 3 {FILLERS} }}'
+    assert_close_both_ways(run_both_ways(device, text, [x, x2], num_tops=2), 1e-5)
+
+
+def test_device_lowering_runs_a_batch_in_chunks_within_the_budget(device):
+    """A budget of two images' lowered matrices: chunks of 2, 2, 1, the same numbers."""
+    geom = ConvGeometry(3, 4, 6, 6, 3, 3, pad_h=1, pad_w=1)
+    per_image = 3 * 9 * 36
+    assert device_lowering.chunks(geom, 5, 2 * per_image) == [(0, 2), (2, 2), (4, 1)]
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((5, 3, 6, 6)).astype(np.float32), rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    outputs = []
+    for budget in (2 * per_image, device_lowering.DEFAULT_BUDGET):
+        buffers = [device.empty(a.size) for a in (x, w)]
+        for buffer, array in zip(buffers, (x, w)):
+            device.upload(buffer, array.reshape(-1))
+        y = device.empty(5 * 4 * 36)
+        device_lowering.forward(device, buffers[0], buffers[1], geom, 5, y, budget=budget)
+        host = np.empty(5 * 4 * 36, np.float32)
+        device.download(y, host)
+        outputs.append(host)
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
+@pytest.mark.parametrize("fields", ["num_output: 5", "num_output: 3 bias_term: false",
+                                    "num_output: 4 transpose: true", "num_output: 2 axis: 2"])
+def test_inner_product_on_device_matches_the_host(device, fields):
+    x = np.random.default_rng(4).standard_normal((3, 4, 2, 5))
+    text = f'type: "InnerProduct" inner_product_param {{ {fields} {FILLERS} }}'
+    assert_close_both_ways(run_both_ways(device, text, [x]), 1e-5)
