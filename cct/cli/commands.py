@@ -32,7 +32,8 @@ def flag(*names, **kwargs):
 
 LEVEL = flag("--level", type=int, default=0, help="net state level: layers' min_level/max_level rules")
 STAGE = flag("--stage", default="", help="net state stages, comma separated: layers' stage/not_stage rules")
-GPU = flag("--gpu", default=None, help="accepted for Caffe scripts; cct runs on the CPU")
+GPU = flag("--gpu", default=None, help="run on OpenCL device(s): an id (0), several (0,1) or all; `cct "
+                                      "device_query` lists them (default: the host, or CCT_GPU)")
 PHASE = flag("--phase", default="", choices=("", "TRAIN", "TEST"),
              help="the phase to build the net in (default: TEST for test, TRAIN for time)")
 EFFECTS = ("stop", "snapshot", "none")
@@ -77,9 +78,23 @@ def stages(text):
     return [stage for stage in (text or "").split(",") if stage]
 
 
-def note_gpu(args):
-    if getattr(args, "gpu", None) not in (None, "", "cpu"):
-        log.info("--gpu=%s: cct runs on the CPU; the flag is ignored", args.gpu)
+def apply_gpu(args):
+    """--gpu, when given: layers run on that OpenCL device (set_mode_gpu and
+    set_device); with several ids, or all, the first runs the layers and the
+    list is what a hybrid split shares the batch among."""
+    given = getattr(args, "gpu", None)
+    if given in (None, ""):
+        return
+    from cct.runtime import settings
+    if given == "cpu":
+        settings.set_mode("cpu")
+        return
+    ids = settings.parse_device_ids(given, "--gpu")
+    settings.set_device_ids(ids)
+    settings.set_mode("gpu")
+    device = settings.device()
+    log.info("Using OpenCL device %d: %s%s", ids[0], device.name,
+             f" (devices {','.join(map(str, ids))} for a hybrid split)" if len(ids) > 1 else "")
 
 
 def phase(args, default):

@@ -9,7 +9,7 @@ import numpy as np
 
 from cct.core.errors import ConfigError
 from cct.cli.commands import (GPU, LEVEL, MEMORY_LIMIT, PHASE, SCHEDULE, STAGE, apply_memory_limit, apply_schedule,
-                              arguments, check_iterations, command, flag, fmt, note_gpu, phase, require, stages)
+                              arguments, check_iterations, command, flag, fmt, apply_gpu, phase, require, stages)
 
 log = logging.getLogger("cct.cli")
 
@@ -43,7 +43,7 @@ def time_command(args):
     if args.trace and (args.schedule not in STREAMED or not args.trace.endswith((".json", ".png"))):
         raise ConfigError(f"--trace: needs --schedule streams (or tuned, or auto) and a .json or .png file, "
                           f"got --trace={args.trace} --schedule={args.schedule or 'sequential'}")
-    note_gpu(args)
+    apply_gpu(args)
     apply_schedule(args)
     apply_memory_limit(args)
     net = Net(args.model, phase(args, TRAIN), level=args.level, stages=stages(args.stage))

@@ -9,15 +9,29 @@ import numpy as np
 from cct.core import caffe_name
 from cct.core.errors import ConfigError
 from cct.devices import query
+from cct.devices.base import DeviceError
 from cct.cli.commands import GPU, arguments, command, flag
 
 log = logging.getLogger("cct.cli")
 
 
 # --- device_query ---------------------------------------------------------------------------
-@command("device_query", "show the CPU, its BLAS, any OpenCL devices, and what `import caffe` gives")
+@command("device_query", "show the CPU, its BLAS, any OpenCL devices, and what `import caffe` gives; "
+         "--gpu ID: that device's name, compute units, memory and measured GFLOP/s")
 @arguments(GPU)
 def device_query(args):
+    """Caffe's device_query: with --gpu, the named OpenCL devices in detail
+    (with a measured SGEMM rate); without, the host and every device."""
+    if args.gpu not in (None, ""):
+        from cct.runtime import settings
+        for index in settings.parse_device_ids(args.gpu, "--gpu"):
+            try:
+                lines = query.describe_opencl_device(index)
+            except DeviceError as error:
+                raise ConfigError(f"--gpu: {error}") from None
+            for line in lines:
+                log.info("%s", line)
+        return 0
     import platform
     log.info("CPU: %s", query.cpu_name() or platform.processor() or platform.machine())
     log.info("Cores: %s", os.cpu_count())

@@ -7,7 +7,7 @@ import numpy as np
 from cct.core import caffe_name
 from cct.core.errors import ConfigError
 from cct.cli.commands import (EFFECTS, GPU, LEVEL, MEMORY_LIMIT, PHASE, SCHEDULE, STAGE, apply_memory_limit,
-                              apply_schedule, arguments, check_iterations, command, flag, fmt, note_gpu, phase,
+                              apply_schedule, arguments, check_iterations, command, flag, fmt, apply_gpu, phase,
                               require, stages)
 
 log = logging.getLogger("cct.cli")
@@ -40,7 +40,7 @@ def train(args):
     param = load_solver_param(args.solver)
     # The first line of a run: the module a Python layer's `import caffe` gets decides what it runs on.
     log.info("import caffe: %s", caffe_name.caffe_import())
-    note_gpu(args)
+    apply_gpu(args)
     param.train_state.level = args.level
     param.train_state.stage.extend(stages(args.stage))
     # As caffe.cpp: --snapshot or --weights replace the solver's own `weights:`.
@@ -105,7 +105,7 @@ def test(args):
     require(args.model, "--model", "need a model definition to score")
     require(args.weights, "--weights", "need model weights to score")
     check_iterations(args.iterations)
-    note_gpu(args)
+    apply_gpu(args)
     apply_memory_limit(args)
     net = Net(args.model, phase(args, TEST), level=args.level, stages=stages(args.stage))
     fusion.forward_only(net)        # scoring runs no backward: every chain may fuse

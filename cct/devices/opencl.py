@@ -112,9 +112,8 @@ class OpenCLDevice(Device):
     def build(self, source, name="<source>"):
         try:
             return self._cl.Program(self.context, source).build()
-        except self._cl.RuntimeError as error:
-            log = getattr(error, "what", lambda: str(error))()
-            raise DeviceError(f"OpenCL kernel {name} does not build on {self.name}:\n{log}") from None
+        except self._cl.RuntimeError as error:             # its text carries the build log
+            raise DeviceError(f"OpenCL kernel {name} does not build on {self.name}:\n{error}") from None
 
     def launch(self, filename, kernel, items, *args):
         """Run kernels/filename's `kernel` over `items` work items (rounded up
@@ -210,6 +209,46 @@ class OpenCLDevice(Device):
     # --- pooling, LRN, BatchNorm (layers/pooling.py, layers/normalization.py) ---
 
     # --- softmax, losses, Eltwise, Concat, Scale, Dropout (layers/loss.py, elementwise.py, shape.py) ---
+    def copy_blocks(self, src, dst, blocks, size, src_stride, dst_stride, src_offset=0, dst_offset=0):
+        if blocks == 1 or (size == src_stride and size == dst_stride):      # one contiguous run
+            self.copy(dst, src, blocks * size, dst_offset, src_offset)
+        else:
+            self.launch("layers.cl", "copy_blocks", blocks * size, blocks * size, size, src, src_offset,
+                        src_stride, dst, dst_offset, dst_stride)
+
+    def multiply(self, a, b, out, count):
+        self.launch("layers.cl", "multiply", count, count, a, b, out)
+
+    def divide(self, a, b, out, count):
+        self.launch("layers.cl", "divide", count, count, a, b, out)
+
+    def broadcast_affine(self, x, outer, dim, inner, y, scale=None, bias=None):
+        count = outer * dim * inner
+        self.launch("layers.cl", "broadcast_affine", count, count, dim, inner, x, y,
+                    x if scale is None else scale, int(scale is not None),
+                    x if bias is None else bias, int(bias is not None))
+
+    def eltwise_max(self, a, b, out, argmax, count, index):
+        self.launch("layers.cl", "eltwise_max", count, count, a, b, out, argmax, index)
+
+    def keep_where_index(self, dy, argmax, index, dx, count):
+        self.launch("layers.cl", "keep_where_index", count, count, dy, argmax, index, dx)
+
+    def softmax_forward(self, x, y, outer, channels, inner):
+        if channels:                            # no channels: nothing to normalize (and no max to read)
+            self.launch("layers.cl", "softmax_forward", outer * inner, outer * inner, channels, inner, x, y)
+
+    def softmax_backward(self, y, dy, dx, outer, channels, inner):
+        self.launch("layers.cl", "softmax_backward", outer * inner, outer * inner, channels, inner, y, dy, dx)
+
+    def softmax_loss_forward(self, prob, labels, out, outer, channels, inner, ignore_label=None):
+        self.launch("layers.cl", "softmax_loss_forward", outer * inner, outer * inner, channels, inner,
+                    prob, labels, out, int(ignore_label is not None), int(ignore_label or 0))
+
+    def softmax_loss_backward(self, prob, labels, dx, outer, channels, inner, scale, ignore_label=None):
+        count = outer * channels * inner
+        self.launch("layers.cl", "softmax_loss_backward", count, count, channels, inner, prob, labels, dx,
+                    float(scale), int(ignore_label is not None), int(ignore_label or 0))
 
 def _argument(value):
     if isinstance(value, (bool, int, np.integer)):

@@ -35,3 +35,38 @@ def opencl_devices():
                          f"({platform.name.strip()}), {device.max_compute_units} compute units, "
                          f"{device.global_mem_size // 2**20} MiB")
     return lines or ["OpenCL: no devices"]
+
+
+def measured_gflops(device, size=512, repeats=5):
+    """SGEMM GFLOP/s of `device` on size x size x size, best of `repeats`
+    (after one warm-up call that builds CLBlast's kernel)."""
+    import time
+
+    import numpy as np
+    values = np.random.default_rng(0).standard_normal(size * size).astype(np.float32)
+    a, b, c = (device.empty(size * size) for _ in range(3))
+    device.upload(a, values)
+    device.upload(b, values)
+    device.gemm(False, False, size, size, size, 1.0, a, b, 0.0, c)
+    device.finish()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        device.gemm(False, False, size, size, size, 1.0, a, b, 0.0, c)
+        device.finish()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best / 1e9
+
+
+def describe_opencl_device(index):
+    """device_query --gpu: the device's name, platform, compute units, memory and measured SGEMM GFLOP/s."""
+    from cct.devices import opencl
+    device = opencl.device(index)
+    cl_device = device.cl_device
+    return [f"Device id: {index}",
+            f"Name: {device.name}",
+            f"Platform: {cl_device.platform.name.strip()} ({cl_device.version.strip()})",
+            f"Compute units: {cl_device.max_compute_units}",
+            f"Global memory: {cl_device.global_mem_size // 2 ** 20} MiB "
+            f"(largest buffer {cl_device.max_mem_alloc_size // 2 ** 20} MiB)",
+            f"Measured SGEMM (CLBlast, 512^3): {measured_gflops(device):.1f} GFLOP/s"]

@@ -283,6 +283,7 @@ def schedule(config=None):
 
 _device_mode = None         # set by set_mode(): "cpu" or "gpu"; None: CCT_GPU decides
 _device_id = 0              # set by set_device_id()
+_device_ids = None          # set by set_device_ids(): every device a hybrid split may use
 GPU_ENV = "CCT_GPU"
 
 
@@ -306,6 +307,39 @@ def set_device_id(index):
     _device_id = index
 
 
+def set_device_ids(ids):
+    """`--gpu 0,1`: the first runs the layers (set_device_id); all of them
+    are the devices a hybrid split may use."""
+    global _device_ids
+    ids = [int(i) for i in ids]
+    set_device_id(ids[0])
+    _device_ids = ids
+
+
+def device_ids():
+    """The device ids of set_device_ids, else the one of set_device_id."""
+    return list(_device_ids) if _device_ids else [_device_id]
+
+
+def parse_device_ids(text, source):
+    """"0", "0,1" or "all" (every OpenCL device) as a list of ids; a bad
+    value is an error naming `source` (the flag or variable)."""
+    from cct.devices import opencl
+    text = str(text).strip()
+    if text == "all":
+        count = len(opencl.platform_devices())
+        if not count:
+            raise ConfigError(f"{source}: all: {opencl.why_unavailable()}")
+        return list(range(count))
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{source}: must be a device id (0), ids (0,1), all or cpu, got {text!r}") from None
+    if any(i < 0 for i in ids):
+        raise ConfigError(f"{source}: device ids must be >= 0, got {text!r}")
+    return ids
+
+
 def device():
     """The OpenCL device layers run on (cct.devices.opencl), or None for the
     host: "gpu" mode's set_device_id device; unless a mode was set, CCT_GPU
@@ -317,16 +351,17 @@ def device():
         given = _env(GPU_ENV)
         if not given or given == "cpu":
             return None
-        try:
-            index = int(given)
-        except ValueError:
-            raise ConfigError(f"{GPU_ENV}: must be a device id (0, 1, ...) or 'cpu', got {given!r}") from None
+        index = parse_device_ids(given, GPU_ENV)[0]
     return opencl_device(index)
 
 
 def opencl_device(index):
     from cct.devices import opencl
-    return opencl.device(index)
+    from cct.devices.base import DeviceError
+    try:
+        return opencl.device(index)
+    except DeviceError as error:
+        raise ConfigError(str(error)) from None
 
 
 _fusion = None              # set by set_fusion(); wins over CCT_FUSION

@@ -21,6 +21,20 @@ def test_device_query(capsys):
     assert text[-1].startswith("import caffe: cct, through its alias ") or text[-1].startswith("import caffe: cct ")
 
 
+def test_device_query_of_an_opencl_device_measures_its_gemm(capsys):
+    from helpers.devices import opencl_or_skip
+    device = opencl_or_skip()
+    code, _, err = run_cct(capsys, "device_query", "--gpu", "0")
+    assert code == 0, err
+    text = messages(err)
+    assert f"Name: {device.name}" in text
+    assert any(line.startswith("Compute units: ") for line in text)
+    rate = [line for line in text if line.startswith("Measured SGEMM")]
+    assert rate and float(rate[0].split(": ")[1].split()[0]) > 0
+    code, _, err = run_cct(capsys, "device_query", "--gpu", "9")
+    assert_one_line_error(code, err, "--gpu", "OpenCL device 9")
+
+
 def test_upgrade_commands(tmp_path, capsys):
     (tmp_path / "v1.prototxt").write_text(
         'name: "old" input: "data" input_dim: 1 input_dim: 1 input_dim: 2 input_dim: 2 '

@@ -2,6 +2,7 @@
 styles, resuming and fine-tuning, level and stages, and the lines `cct test` logs."""
 import sys
 
+import numpy as np
 import pytest
 
 import cct
@@ -14,13 +15,34 @@ from helpers.linreg import net_text
 @pytest.mark.parametrize("style", [["--solver=solver.prototxt"], ["--solver", "solver.prototxt"],
                                    ["-solver", "solver.prototxt"], ["-solver=solver.prototxt"]])
 def test_train_flag_styles(style, run_folder, capsys):
-    code, _, err = run_cct(capsys, "train", *style, "-sigint_effect", "stop", "--gpu=0")
+    code, _, err = run_cct(capsys, "train", *style, "-sigint_effect", "stop")
     assert code == 0, err
     lines = messages(err)
-    assert "--gpu=0: cct runs on the CPU; the flag is ignored" in lines
     assert "Optimization Done." in lines
     assert sorted(p.name for p in run_folder.glob("snap_iter_*")) == [
         "snap_iter_2.caffemodel", "snap_iter_2.solverstate", "snap_iter_4.caffemodel", "snap_iter_4.solverstate"]
+
+
+def test_train_on_an_opencl_device(run_folder, capsys, monkeypatch):
+    """--gpu 0: the layers with a device path train on the device (set_mode_gpu), and
+    the weights match a host run's; an id that does not exist is a one-line error."""
+    from cct.runtime import settings
+    from helpers.devices import opencl_or_skip
+    device = opencl_or_skip()
+    for name in ("_device_mode", "_device_id", "_device_ids"):
+        monkeypatch.setattr(settings, name, getattr(settings, name))
+    code, _, err = run_cct(capsys, "train", "-solver", "solver.prototxt", "--gpu", "0")
+    assert code == 0, err
+    assert f"Using OpenCL device 0: {device.name}" in messages(err)
+    on_device = cct.Net(str(run_folder / "net.prototxt"), cct.TEST, weights=str(run_folder / "snap_iter_4.caffemodel"))
+    settings.set_mode("cpu")
+    assert run_cct(capsys, "train", "-solver", "solver.prototxt")[0] == 0
+    on_host = cct.Net(str(run_folder / "net.prototxt"), cct.TEST, weights=str(run_folder / "snap_iter_4.caffemodel"))
+    for name, params in on_host.params.items():
+        for ours, expected in zip(on_device.params[name], params):
+            np.testing.assert_allclose(ours.data, expected.data, rtol=1e-4, atol=1e-6)
+    code, _, err = run_cct(capsys, "train", "-solver", "solver.prototxt", "--gpu", "7")
+    assert code != 0 and "OpenCL device 7: there are" in err
 
 
 def test_train_resume_and_finetune(run_folder, capsys):
