@@ -32,7 +32,7 @@ log = logging.getLogger("cct.cli")
               "Perfetto or chrome://tracing) or a timeline picture (.png, needs matplotlib)"),
 )
 def time_command(args):
-    from cct.runtime import fusion, memory_plan, profile
+    from cct.runtime import fusion, memory_plan, profile, settings
     from cct.core.allocation import reset_peak_resident
     from cct.core.layer import TRAIN
     from cct.core.net import Net
@@ -55,7 +55,12 @@ def time_command(args):
     for path in stages(args.weights):
         net.copy_from(path)
     peak = bandwidth = None
-    if args.peak_size:
+    if args.peak_size and settings.device() is not None:
+        from cct.devices.query import measured_gflops
+        peak = measured_gflops(settings.device(), min(args.peak_size, 1024))
+        log.info("GEMM peak: %.1f GFLOP/s (sgemm %d on OpenCL device %s)", peak, min(args.peak_size, 1024),
+                 settings.device().name)
+    elif args.peak_size:
         net.executor.finish()                   # all BLAS threads, as the layers get them
         peak = profile.gemm_peak(args.peak_size, repeats=3)
         log.info("GEMM peak: %.1f GFLOP/s (sgemm %d, %d BLAS threads)", peak, args.peak_size,
@@ -76,18 +81,22 @@ def time_command(args):
     log.info("*** Benchmark begins ***")
     log.info("Testing for %d iterations.", args.iterations)
     clock = time.perf_counter
+    # on a device, each layer's time is up to its last kernel's end (Caffe's GPU timer)
+    wait = settings.device().finish if settings.device() is not None else (lambda: None)
     total_start = clock()
     for iteration in range(args.iterations):
         iteration_start = clock()
         for i in range(count):
             start = clock()
             net.executor.forward(i)
+            wait()
             forward_ms[i] += (clock() - start) * 1e3
         for i in reversed(range(count)):
             start = clock()
             # Caffe times every layer's Backward, needed or not (weight gradients of a
             # deploy net still count); bottoms that need no gradient still get none.
             net.executor.backward(i, force=True)
+            wait()
             backward_ms[i] += (clock() - start) * 1e3
         log.info("Iteration: %d forward-backward time: %s ms.", iteration + 1,
                  fmt((clock() - iteration_start) * 1e3))
@@ -105,6 +114,8 @@ def time_command(args):
     log.info("Total Time: %s ms.", fmt(total_ms))
     for line in profile_table(net, forward_ms, backward_ms, peak, bandwidth):
         log.info("%s", line)
+    for line in placement_lines(net):
+        log.info("%s", line)
     if args.schedule in STREAMED:
         _time_streams(net, args.trace, tuned=args.schedule == "tuned")
     log.info("%s", memory_plan.measured_line(memory))
@@ -113,6 +124,18 @@ def time_command(args):
 
 
 STREAMED = ("streams", "tuned", "auto")
+
+
+def placement_lines(net):
+    """On a device: which layers ran there and which on the host (no device
+    path for their settings; Caffe's fallback to Forward_cpu). None on the host."""
+    placed = net.executor.placed
+    if not placed:
+        return []
+    where = {}
+    for index, layer in enumerate(net.layers):
+        where.setdefault(placed.get(index, "host"), []).append(f"{layer.name} ({layer.type})")
+    return [f"Ran on {place}: {len(names)} layers: {', '.join(names)}" for place, names in where.items()]
 
 
 def _time_streams(net, trace_path, tuned=False):

@@ -44,6 +44,22 @@ def test_time_prints_caffes_per_layer_lines(run_folder, capsys):
     assert any(re.fullmatch(r" +fc\tbackward: \S+ ms\.", m) for m in messages(err))
 
 
+def test_time_on_an_opencl_device_says_where_each_layer_ran(tmp_path, capsys, monkeypatch):
+    from cct.runtime import settings
+    from helpers.devices import opencl_or_skip
+    device = opencl_or_skip()
+    for name in ("_device_mode", "_device_id", "_device_ids"):
+        monkeypatch.setattr(settings, name, getattr(settings, name))
+    path = tmp_path / "tiny.prototxt"
+    path.write_text(PROFILE_NET)
+    code, _, err = run_cct(capsys, "time", "--model", path, "--iterations", "1", "--peak_size", "64", "--gpu", "0")
+    assert code == 0, err
+    text = messages(err)
+    assert "GEMM peak: " in "\n".join(text) and f"on OpenCL device {device.name}" in "\n".join(text)
+    on_device = next(m for m in text if m.startswith(f"Ran on {device.name}: "))
+    assert "conv (Convolution)" in on_device and "fc (InnerProduct)" in on_device
+
+
 # --- the profile table -----------------------------------------------------------------------------
 def test_time_prints_the_profile_table(tmp_path, capsys):
     path = tmp_path / "tiny.prototxt"
