@@ -152,7 +152,7 @@ class _ConvolutionBase(Layer):
             self._chunk_key = None
         for blob in top:
             blob.reshape(self._top_shape(shape[0]))
-        self._shape_key = (self.geom, shape[0], bottom[0].data.dtype)
+        self._shape_key = (self.geom, shape[0], bottom[0].dtype)
         if self._owner is self and self._configured:
             self._choose()
 

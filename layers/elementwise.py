@@ -70,6 +70,67 @@ class Eltwise(Layer):
         if out is not top[0].data:
             top[0].data[...] = out
 
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top)
+
+    def forward_on(self, device, bottom, top):
+        count = top[0].count
+        inputs = [blob.device_data(device) for blob in bottom]
+        out = top[0].mutable_device_data(device)
+        if any(blob is top[0] for blob in bottom[1:]):
+            out = device.scratch("eltwise_out", count)     # in place on a later bottom: keep it until read
+        if self.op == _ELTWISE.PROD:
+            device.multiply(inputs[0], inputs[1], out, count)
+            for values in inputs[2:]:
+                device.multiply(out, values, out, count)
+        elif self.op == _ELTWISE.SUM:
+            device.axpby(count, self.coeffs[0], inputs[0], 0.0, out)
+            for values, coeff in zip(inputs[1:], self.coeffs[1:]):
+                device.axpby(count, coeff, values, 1.0, out)
+        else:
+            argmax = self.device_scratch(device, "eltwise_argmax", count)
+            device.eltwise_max(inputs[0], inputs[1], out, argmax, count, 1)
+            for index, values in enumerate(inputs[2:], 2):
+                device.eltwise_max(out, values, out, argmax, count, index)
+        if out is not top[0].mutable_device_data(device):
+            device.copy(top[0].mutable_device_data(device), out, count)
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        count = top[0].count
+        top_diff = top[0].device_diff(device)
+        # backwards over the bottoms, as backward: in place, bottom[0]'s diff is the top's
+        for index in reversed(range(len(bottom))):
+            if not propagate_down[index]:
+                continue
+            diff = bottom[index].mutable_device_diff(device)
+            if self.op == _ELTWISE.PROD:
+                device.multiply(self._device_others_product(device, top, bottom, index), top_diff, diff, count)
+            elif self.op == _ELTWISE.SUM:
+                if self.coeffs[index] != 1:
+                    device.axpby(count, self.coeffs[index], top_diff, 0.0, diff)
+                elif diff is not top_diff:
+                    device.copy(diff, top_diff, count)
+            else:
+                device.keep_where_index(top_diff, self.device_scratch(device, "eltwise_argmax", count), index,
+                                        diff, count)
+
+    def _device_others_product(self, device, top, bottom, index):
+        """PROD's d top / d bottom[index] in a device buffer: the other bottoms'
+        product (stable_prod_grad) or top / bottom[index], as backward."""
+        count = top[0].count
+        if not self.stable_prod_grad:
+            product = device.scratch("eltwise_product", count)
+            device.divide(top[0].device_data(device), bottom[index].device_data(device), product, count)
+            return product
+        others = [blob.device_data(device) for k, blob in enumerate(bottom) if k != index]
+        if len(others) == 1:
+            return others[0]
+        product = device.scratch("eltwise_product", count)
+        device.multiply(others[0], others[1], product, count)
+        for values in others[2:]:
+            device.multiply(product, values, product, count)
+        return product
+
     def epilogue(self, bottom, top):
         """A sum of two bottoms, for inference fusion (cct.runtime.fusion):
         ("sum", (coeff0, coeff1), False); None for other operations and counts."""
@@ -276,6 +337,48 @@ class Scale(Layer):
     def _top_diff(self, top):
         return top[0].diff.reshape(self._blocks)
 
+    # --- on a device: every axis / num_axes, a learned or a given scale, with or without bias
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top)
+
+    def forward_on(self, device, bottom, top):
+        count = bottom[0].count
+        x = bottom[0].device_data(device)
+        self._device_input = None
+        if top[0] is bottom[0]:             # the scale's gradient reads the input forward overwrites
+            self._device_input = self.device_scratch(device, "scale_input", count)
+            device.copy(self._device_input, x, count)
+        bias = self.blobs[-1].device_data(device) if self.layer_param.scale_param.bias_term else None
+        device.broadcast_affine(x, *self._blocks, top[0].mutable_device_data(device),
+                                self._scale(bottom).device_data(device), bias)
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        """As backward: the parameters' gradients (accumulated), then a given
+        scale's, then bottom[0]'s (in place, that overwrites the top's diff)."""
+        top_diff = top[0].device_diff(device)
+        bias_term = self.layer_param.scale_param.bias_term
+        for index in range(len(self.blobs)):
+            if self.param_wanted(index):
+                if bias_term and index == len(self.blobs) - 1:
+                    sum_outer_inner(device, top_diff, *self._blocks, self.blobs[-1].mutable_device_diff(device), 1.0)
+                else:
+                    self._device_scale_gradient(device, top_diff, bottom, self.blobs[0].mutable_device_diff(device),
+                                                1.0)
+        if len(bottom) > 1 and propagate_down[1]:
+            self._device_scale_gradient(device, top_diff, bottom, bottom[1].mutable_device_diff(device), 0.0)
+        if propagate_down[0]:
+            device.broadcast_affine(top_diff, *self._blocks, bottom[0].mutable_device_diff(device),
+                                    self._scale(bottom).device_data(device))
+
+    def _device_scale_gradient(self, device, top_diff, bottom, out, beta):
+        """out (dim) = the top's gradient times the input, summed over outer and
+        inner, plus beta * out."""
+        count = bottom[0].count
+        x = self._device_input if self._device_input is not None else bottom[0].device_data(device)
+        product = device.scratch("scale_product", count)
+        device.multiply(top_diff, x, product, count)
+        sum_outer_inner(device, product, *self._blocks, out, beta)
+
     def _scale_gradient(self, top_diff, bottom):
         """d loss / d scale: the top's gradient times the input, summed over all but the scale's axes."""
         x = self._saved_input if self._saved_input is not None else bottom[0].data.reshape(self._blocks)
@@ -336,6 +439,34 @@ class Bias(Layer):
     def _bias_gradient(self, top, shape):
         """The top's gradient summed over all but the bias's axes, in the bias's shape."""
         return top[0].diff.reshape(self._blocks).sum(axis=(0, 2)).reshape(shape)
+
+    # --- on a device: every axis / num_axes, a learned or a given bias
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top)
+
+    def forward_on(self, device, bottom, top):
+        device.broadcast_affine(bottom[0].device_data(device), *self._blocks, top[0].mutable_device_data(device),
+                                bias=self._bias(bottom).device_data(device))
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        top_diff = top[0].device_diff(device)
+        if self.blobs and self.param_wanted(0):
+            sum_outer_inner(device, top_diff, *self._blocks, self.blobs[0].mutable_device_diff(device), 1.0)
+        if len(bottom) > 1 and propagate_down[1]:
+            sum_outer_inner(device, top_diff, *self._blocks, bottom[1].mutable_device_diff(device), 0.0)
+        if propagate_down[0] and top[0] is not bottom[0]:
+            device.copy(bottom[0].mutable_device_diff(device), top_diff, bottom[0].count)
+
+
+def sum_outer_inner(device, x, outer, dim, inner, out, beta):
+    """out (dim) = x (outer, dim, inner) summed over its outer and inner axes,
+    plus beta * out (1: a parameter's gradient accumulates): over inner
+    first (into a scratch buffer), then over outer."""
+    if inner != 1:
+        partial = device.scratch("sum_outer_inner", outer * dim)
+        device.sum_axis(x, outer * dim, inner, 1, partial)
+        x = partial
+    device.sum_axis(x, 1, outer, dim, out, beta)
 
 
 @register("Embed")

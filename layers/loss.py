@@ -127,6 +127,18 @@ class Softmax(Layer):
     def forward(self, bottom, top):
         softmax(bottom[0].data.reshape(self.view), top[0].data.reshape(self.view))
 
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top)
+
+    def forward_on(self, device, bottom, top):
+        # in place too: the kernel reads a column's inputs before it writes them
+        device.softmax_forward(bottom[0].device_data(device), top[0].mutable_device_data(device), *self.view)
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        if propagate_down[0]:
+            device.softmax_backward(top[0].device_data(device), top[0].device_diff(device),
+                                    bottom[0].mutable_device_diff(device), *self.view)
+
     def backward(self, top, propagate_down, bottom):
         if propagate_down[0]:
             y = top[0].data.reshape(self.view)
@@ -187,6 +199,51 @@ class SoftmaxWithLoss(LossLayer):
         top[0].data[...] = total / normalizer(self.normalization, self.outer, self.inner, self.count)
         if len(top) > 1:
             top[1].data[...] = prob.reshape(top[1].shape)
+
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top)
+
+    def forward_on(self, device, bottom, top):
+        """The softmax and each position's log-probability on the device; the
+        positions' values come down (outer * inner of them, with a flag for
+        ignored and bad labels) to be summed in float64 as forward sums them."""
+        outer, channels, inner = self.outer, self.channels, self.inner
+        prob = self.device_scratch(device, "prob", outer * channels * inner)
+        device.softmax_forward(bottom[0].device_data(device), prob, outer, channels, inner)
+        positions = outer * inner
+        per_position = device.scratch("softmax_loss", 2 * positions)
+        device.softmax_loss_forward(prob, bottom[1].device_data(device), per_position, outer, channels, inner,
+                                    self.ignore_label)
+        values = np.empty(2 * positions, np.float32)
+        device.download(per_position, values)
+        log_p, flags = values[:positions], values[positions:]
+        self._check_device_labels(log_p, flags)
+        self.count = int(np.count_nonzero(flags))
+        total = 0.0 - float(log_p.sum(dtype=np.float64))       # ignored positions hold 0, as forward's log_p
+        loss = total / normalizer(self.normalization, outer, inner, self.count)
+        device.fill(top[0].mutable_device_data(device), loss, 1)
+        if len(top) > 1:
+            device.copy(top[1].mutable_device_data(device), prob, outer * channels * inner)
+
+    def _check_device_labels(self, values, flags):
+        """The first label softmax_loss_forward flagged as outside [0, C) (it left
+        its truncated value in `values`) raises forward's DataError."""
+        bad = np.flatnonzero(flags < 0)
+        if bad.size:
+            label = values[bad[0]]
+            shown = int(label) if np.isfinite(label) else label
+            raise DataError(f"{self.where()}: label {shown} is outside [0, {self.channels})")
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        self.refuse_label_gradient(propagate_down)
+        if not propagate_down[0]:
+            return
+        outer, channels, inner = self.outer, self.channels, self.inner
+        # the loss weight is top[0].diff, set on the host by the net: one float read
+        scale = loss_weight(top) / normalizer(self.normalization, outer, inner, self.count)
+        device.softmax_loss_backward(self.device_scratch(device, "prob", outer * channels * inner),
+                                     bottom[1].device_data(device), bottom[0].mutable_device_diff(device),
+                                     outer, channels, inner, scale, self.ignore_label)
 
     def backward(self, top, propagate_down, bottom):
         self.refuse_label_gradient(propagate_down)

@@ -471,13 +471,18 @@ class Dropout(Neuron):
             if top[0] is not bottom[0]:
                 top[0].data[...] = x
             return
-        uniform = self.work("dropout_uniform", x.shape, np.float32)
+        np.multiply(x, self._draw_mask(x.shape, x.dtype), out=top[0].data)
+
+    def _draw_mask(self, shape, dtype):
+        """The TRAIN mask, kept in self._mask: Bernoulli(1 - ratio) from the
+        process's random stream, times the scale."""
+        uniform = self.work("dropout_uniform", shape, np.float32)
         get_rng().random(dtype=np.float32, out=uniform)
         # The mask carries the scale, so forward and backward are one multiply each.
-        self._mask = self.scratch("mask", x.shape, x.dtype)
+        self._mask = self.scratch("mask", shape, dtype)
         np.less(uniform, np.float32(1.0 - self.ratio), out=self._mask)
-        self._mask *= x.dtype.type(self.scale)
-        np.multiply(x, self._mask, out=top[0].data)
+        self._mask *= dtype.type(self.scale)
+        return self._mask
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
@@ -487,3 +492,31 @@ class Dropout(Neuron):
                 bottom[0].diff[...] = top[0].diff
             return
         np.multiply(top[0].diff, self._mask, out=bottom[0].diff)
+
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top)
+
+    def forward_on(self, device, bottom, top):
+        """TRAIN: the mask drawn on the host with forward's very draws (so a
+        seeded run gives the host's numbers), uploaded, applied on the device."""
+        count = bottom[0].count
+        x = bottom[0].device_data(device)
+        if self.phase != TRAIN:
+            if top[0] is not bottom[0]:
+                device.copy(top[0].mutable_device_data(device), x, count)
+            return
+        mask = self.device_scratch(device, "dropout_mask", count)
+        device.upload(mask, self._draw_mask(bottom[0].shape, np.dtype(np.float32)).reshape(-1))
+        device.multiply(x, mask, top[0].mutable_device_data(device), count)
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        count = bottom[0].count
+        dy = top[0].device_diff(device)
+        if self.phase != TRAIN:
+            if top[0] is not bottom[0]:
+                device.copy(bottom[0].mutable_device_diff(device), dy, count)
+            return
+        device.multiply(dy, self.device_scratch(device, "dropout_mask", count),
+                        bottom[0].mutable_device_diff(device), count)

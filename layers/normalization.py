@@ -259,6 +259,49 @@ class LRN(Layer):
         out *= values.dtype.type(1.0 / (self.size * self.size))
         return out
 
+    # --- on a device: Caffe's LRNFillScale, LRNComputeOutput, LRNComputeDiff -------------
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top)
+
+    def _device_window(self):
+        """(alpha over the window's size, k, factor of backward's window term): the
+        window is `size` channels across, size x size pixels within (where Caffe's
+        pooling average gives 1 + alpha * mean, so k is 1)."""
+        area = self.size if self.across else self.size * self.size
+        k = self.k if self.across else 1.0
+        return self.alpha / area, k, 2 * self.beta * self.alpha / area
+
+    def forward_on(self, device, bottom, top):
+        count = bottom[0].count
+        if not count:
+            return
+        x = bottom[0].device_data(device)
+        if top[0] is bottom[0]:                 # backward needs x, forward overwrites it
+            saved = self.device_scratch(device, "lrn_input", count)
+            device.copy(saved, x, count)
+            x = saved
+        # the scale is kept for backward, as Caffe's scale_ blob
+        scale = self.device_scratch(device, "lrn_scale", count)
+        alpha_over_size, k, _ = self._device_window()
+        device.lrn_scale(x, scale, bottom[0].shape, self.size, alpha_over_size, k, self.across)
+        device.lrn_forward(x, scale, top[0].mutable_device_data(device), count, self.beta)
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        count = bottom[0].count
+        if not propagate_down[0] or not count:
+            return
+        in_place = top[0] is bottom[0]
+        x = self.device_scratch(device, "lrn_input", count) if in_place else bottom[0].device_data(device)
+        y, dy = top[0].device_data(device), top[0].device_diff(device)
+        if in_place:                            # dx is dy: the windows read dy's neighbours, so from a copy
+            copied = device.scratch("lrn_top_diff", count)
+            device.copy(copied, dy, count)
+            dy = copied
+        _, _, factor = self._device_window()
+        device.lrn_backward(x, y, self.device_scratch(device, "lrn_scale", count), dy,
+                            bottom[0].mutable_device_diff(device), bottom[0].shape, self.size, self.beta,
+                            factor, self.across)
+
 
 def _negative_power(scale, beta, out):
     """scale ** -beta into out; beta 0.75 (every AlexNet-style LRN) by square roots,
@@ -408,7 +451,7 @@ class BatchNorm(Layer):
         does; None in batch mode."""
         if not self.use_global_stats:
             return None
-        dtype = bottom[0].data.dtype
+        dtype = bottom[0].dtype
         factor = self.blobs[2].data[0]
         factor = 0.0 if factor == 0 else 1.0 / factor
         mean = (self.blobs[0].data * factor).astype(dtype)
@@ -435,3 +478,63 @@ class BatchNorm(Layer):
             dx = (g - g.mean(axis=(0, 2), keepdims=True)
                   - y * np.mean(g * y, axis=(0, 2), keepdims=True)) / self.std
         self._grouped(bottom[0].diff)[...] = dx
+
+    # --- on a device: channel sums and per-channel maps (cct.devices) -------------------
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top, self.blobs)
+
+    def _device_dims(self, bottom):
+        """(N, C, S, m): bottom as (N, C, S), m = N * S values per channel."""
+        count = bottom[0].count
+        batch = bottom[0].shape[0]
+        spatial = count // (batch * self.channels) if count else 0
+        return batch, self.channels, spatial, batch * spatial
+
+    def forward_on(self, device, bottom, top):
+        if not bottom[0].count:                # no samples: an empty top, statistics untouched
+            return
+        batch, channels, spatial, m = self._device_dims(bottom)
+        x = bottom[0].device_data(device)
+        # kept for backward: std (C,), and in batch mode the normalized output
+        mean = self.device_scratch(device, "bn_mean", channels)
+        variance = self.device_scratch(device, "bn_variance", channels)
+        std = self.device_scratch(device, "bn_std", channels)
+        if self.use_global_stats:
+            device.copy(mean, self.blobs[0].device_data(device), channels)
+            device.copy(variance, self.blobs[1].device_data(device), channels)
+            device.batch_norm_stats(mean, variance, std, channels, self.eps, factor=self.blobs[2].device_data(device))
+            device.channel_normalize(x, top[0].mutable_device_data(device), batch, channels, spatial, mean, std)
+            return
+        device.channel_sum(x, batch, channels, spatial, mean, alpha=1.0 / m)
+        y = top[0].mutable_device_data(device)         # (x itself in place: x is not read again)
+        device.channel_normalize(x, y, batch, channels, spatial, mean=mean)             # y = x - mean
+        device.channel_sum(y, batch, channels, spatial, variance, alpha=1.0 / m, times=y)
+        self._update_running_stats_on(device, mean, variance, m)
+        device.batch_norm_stats(mean, variance, std, channels, self.eps)
+        device.channel_normalize(y, y, batch, channels, spatial, std=std)
+        # kept: a later in-place layer may overwrite the top
+        device.copy(self.device_scratch(device, "bn_x_norm", bottom[0].count), y, bottom[0].count)
+
+    def _update_running_stats_on(self, device, mean, variance, m):
+        """_update_running_stats with axpby: factor = maf * factor + 1, the sums
+        = maf * sums + this batch's mean and (unbiased) variance."""
+        maf, channels = self.maf, self.channels
+        device.axpby(1, 1.0, device.ones(1), maf, self.blobs[2].mutable_device_data(device))
+        device.axpby(channels, 1.0, mean, maf, self.blobs[0].mutable_device_data(device))
+        correction = m / (m - 1) if m > 1 else 1.0
+        device.axpby(channels, correction, variance, maf, self.blobs[1].mutable_device_data(device))
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        if not propagate_down[0] or not bottom[0].count:
+            return
+        batch, channels, spatial, m = self._device_dims(bottom)
+        dy, dx = top[0].device_diff(device), bottom[0].mutable_device_diff(device)
+        std = self.device_scratch(device, "bn_std", channels)
+        if self.use_global_stats:                       # dx = dy / std
+            device.channel_normalize(dy, dx, batch, channels, spatial, std=std)
+            return
+        y = self.device_scratch(device, "bn_x_norm", bottom[0].count)
+        mean_dy, mean_dy_y = device.scratch("bn_mean_dy", channels), device.scratch("bn_mean_dy_y", channels)
+        device.channel_sum(dy, batch, channels, spatial, mean_dy, alpha=1.0 / m)
+        device.channel_sum(dy, batch, channels, spatial, mean_dy_y, alpha=1.0 / m, times=y)
+        device.batch_norm_backward(dy, y, std, mean_dy, mean_dy_y, dx, batch, channels, spatial)

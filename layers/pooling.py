@@ -792,6 +792,53 @@ class Pooling(Layer):
             dxp[window] += np.where(self.sample_offset == k, dy, 0)
         return dxp[:, :, :h, :w]
 
+    # --- on a device: Caffe's MaxPool/AvePool kernels (cct.devices) --------------------
+    def runs_on(self, device, bottom, top):
+        """MAX (with or without the mask top) and AVE, global pooling included;
+        STOCHASTIC runs on the host (it draws from the host's random stream).
+        The mask is a float: exact for planes below 2^24 pixels."""
+        h, w = bottom[0].shape[2:]
+        return self.all_float32(bottom, top) and self.pool in (MAX, AVE) and h * w < (1 << 24)
+
+    def _device_geometry(self, bottom):
+        """(shape, pooled, kernel, stride, pad) as the device's pooling ops take them."""
+        return bottom[0].shape, self.out_hw, self.kernel, self.stride, self.pad
+
+    def forward_on(self, device, bottom, top):
+        if not top[0].count:                   # an empty batch or output: nothing to pool
+            return
+        x, y = bottom[0].device_data(device), top[0].mutable_device_data(device)
+        if self.pool == AVE:
+            device.ave_pool_forward(x, y, *self._device_geometry(bottom))
+            return
+        # the mask goes to the mask top when there is one (backward reads it there, as
+        # Caffe's), else to a buffer this layer keeps for backward
+        mask = (top[1].mutable_device_data(device) if len(top) > 1
+                else self.device_scratch(device, "max_mask", top[0].count))
+        device.max_pool_forward(x, y, mask, *self._device_geometry(bottom))
+        self._device_mask_shape = top[0].shape
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        dx = bottom[0].mutable_device_diff(device)
+        if not top[0].count:                   # nothing pooled: no input gets a gradient
+            device.fill(dx, 0.0, bottom[0].count)
+            return
+        dy = top[0].device_diff(device)
+        if self.pool == AVE:
+            device.ave_pool_backward(dy, dx, *self._device_geometry(bottom))
+            return
+        if len(top) > 1:
+            mask = top[1].device_data(device)
+        else:
+            if getattr(self, "_device_mask_shape", None) != top[0].shape:
+                raise self.shape_error(f"backward needs a forward on the device at the current shape: the "
+                                       f"kept maxima are for {getattr(self, '_device_mask_shape', None)}, "
+                                       f"the top is {top[0].shape}")
+            mask = self.device_scratch(device, "max_mask", top[0].count)
+        device.max_pool_backward(dy, mask, dx, *self._device_geometry(bottom))
+
 
 @register("SPP")
 class SPP(Layer):

@@ -43,6 +43,25 @@ def axis_slices(axis, bounds):
     return [lead + (slice(start, end),) for start, end in bounds]
 
 
+def copy_pieces(device, whole, pieces, shape, axis, bounds, into_whole, wanted=None):
+    """Device buffers: the blob of `shape` (`whole`) and its pieces along
+    `axis`, piece i the [start, end) of `bounds[i]`, in flat buffers of their
+    own; copy each piece into its place in the whole (into_whole) or out of
+    it. Each is one block per leading index: (outer, width * inner) of the
+    whole's (outer, size * inner). `wanted[i]` false skips piece i."""
+    outer = int(np.prod(shape[:axis], dtype=np.int64))
+    inner = int(np.prod(shape[axis + 1:], dtype=np.int64))
+    stride = shape[axis] * inner
+    for i, (piece, (start, end)) in enumerate(zip(pieces, bounds)):
+        if wanted is not None and not wanted[i]:
+            continue
+        size = (end - start) * inner
+        if into_whole:
+            device.copy_blocks(piece, whole, outer, size, size, stride, 0, start * inner)
+        else:
+            device.copy_blocks(whole, piece, outer, size, stride, size, start * inner, 0)
+
+
 @register("Split")
 class Split(Layer):
     """Copies its bottom to every top; backward sums the tops' diffs.
@@ -78,6 +97,28 @@ class Split(Layer):
             for blob in top[1:]:
                 total += blob.diff
 
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top)
+
+    def forward_on(self, device, bottom, top):
+        if self.aliases:
+            return            # the tops share the bottom's data, its device buffer included
+        count = bottom[0].count
+        x = bottom[0].device_data(device)
+        for blob in top:
+            if blob is not bottom[0]:
+                device.copy(blob.mutable_device_data(device), x, count)
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        if propagate_down[0]:
+            count = bottom[0].count
+            total = bottom[0].mutable_device_diff(device)
+            first = top[0].device_diff(device)
+            if first is not total:                # a top that is the bottom holds its diff already
+                device.copy(total, first, count)
+            for blob in top[1:]:
+                device.axpby(count, 1.0, blob.device_diff(device), 1.0, total)
+
 
 @register("Concat")
 class Concat(Layer):
@@ -104,6 +145,7 @@ class Concat(Layer):
             bounds.append((start, start + shape[axis]))
             start += shape[axis]
         self._slices = axis_slices(axis, bounds)
+        self._bounds = bounds
         top[0].reshape(first[:axis] + (start,) + first[axis + 1:])
 
     def forward(self, bottom, top):
@@ -116,6 +158,18 @@ class Concat(Layer):
         for blob, where, wanted in zip(bottom, self._slices, propagate_down):
             if wanted:
                 blob.diff[...] = top[0].diff[where]
+
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top)
+
+    def forward_on(self, device, bottom, top):
+        copy_pieces(device, top[0].mutable_device_data(device), [blob.device_data(device) for blob in bottom],
+                    top[0].shape, self.axis, self._bounds, into_whole=True)
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        pieces = [blob.mutable_device_diff(device) if wanted else None for blob, wanted in zip(bottom, propagate_down)]
+        copy_pieces(device, top[0].device_diff(device), pieces, top[0].shape, self.axis, self._bounds,
+                    into_whole=False, wanted=propagate_down)
 
 
 @register("Slice")
@@ -151,6 +205,7 @@ class Slice(Layer):
             points = [step * k for k in range(1, len(top))]
         bounds = list(zip([0] + points, points + [size]))
         self._slices = axis_slices(axis, bounds)
+        self._axis, self._bounds = axis, bounds
         for blob, (start, end) in zip(top, bounds):
             blob.reshape(shape[:axis] + (end - start,) + shape[axis + 1:])
 
@@ -163,6 +218,18 @@ class Slice(Layer):
             diff = bottom[0].diff
             for blob, where in zip(top, self._slices):
                 diff[where] = blob.diff
+
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top)
+
+    def forward_on(self, device, bottom, top):
+        copy_pieces(device, bottom[0].device_data(device), [blob.mutable_device_data(device) for blob in top],
+                    bottom[0].shape, self._axis, self._bounds, into_whole=False)
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        if propagate_down[0]:
+            copy_pieces(device, bottom[0].mutable_device_diff(device), [blob.device_diff(device) for blob in top],
+                        bottom[0].shape, self._axis, self._bounds, into_whole=True)
 
 
 class _SharedView(Layer):
@@ -191,6 +258,17 @@ class _SharedView(Layer):
 
     def backward(self, top, propagate_down, bottom):
         pass                  # the top's diff is the bottom's diff
+
+    # On a device too: the shared stores carry their device mirrors (Blob.share_data),
+    # so the top's device buffers are the bottom's
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top)
+
+    def forward_on(self, device, bottom, top):
+        pass
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        pass
 
 
 @register("Flatten")

@@ -18,8 +18,11 @@ The primitives, by kind:
     lowering     im2col, col2im (lowering type 1 over the whole batch) and the
                  transposes between (N, C, P) and channels-first (C, N*P)
                  that lower a gradient and lift a product
-    layers       the kernels hot nets need (pooling, LRN, softmax), each
-                 documented with its op
+    layers       the kernels hot nets need, each documented with its op:
+                 max and average pooling, LRN, BatchNorm's channel statistics
+                 and normalization, softmax and its loss, Eltwise's max and
+                 products, Scale/Bias's broadcast, strided block copies
+                 (Concat, Slice)
 """
 
 
@@ -124,8 +127,147 @@ class Device:
         raise NotImplementedError
 
     # --- pooling, LRN, BatchNorm (layers/pooling.py, layers/normalization.py) ---
+    # (OpenCL kernels in kernels/pooling.cl and kernels/normalization.cl)
+    # Pooling's geometry: shape (N, C, H, W) of the input, pooled (PH, PW) the
+    # output's size (the layer's, Caffe's rounding and clipping applied),
+    # kernel (KH, KW), stride (SH, SW), pad (pad_h, pad_w). Output (ph, pw) reads the
+    # window of rows ph*SH - pad_h, ..., ph*SH - pad_h + KH - 1 (columns alike)
+    # clipped to the image.
+    def max_pool_forward(self, x, y, mask, shape, pooled, kernel, stride, pad):
+        """y (N, C, PH, PW) = each window's maximum of x (N, C, H, W), mask
+        (N, C, PH, PW) = its flat index h*W + w in its plane, as a float (exact
+        below 2^24 pixels). Caffe's scan: start at -FLT_MAX, rows then columns,
+        take a cell strictly greater (the first maximum wins; NaN and -inf
+        never do); a window with no such cell keeps -FLT_MAX and mask -1."""
+        raise NotImplementedError
+
+    def max_pool_backward(self, dy, mask, dx, shape, pooled, kernel, stride, pad):
+        """dx (N, C, H, W) = the sum of the dy (N, C, PH, PW) of the windows
+        whose mask names the pixel (0 where none does), each pixel's terms
+        added in output order. mask as max_pool_forward writes it (or a mask
+        top: -1 routes nowhere)."""
+        raise NotImplementedError
+
+    def ave_pool_forward(self, x, y, shape, pooled, kernel, stride, pad):
+        """y (N, C, PH, PW) = each window's sum of x (N, C, H, W), from 0 in
+        scan order, / Caffe's divisor: the window clipped to the padded image
+        (rows ph*SH - pad_h to min(ph*SH - pad_h + KH, H + pad_h)), padding
+        counted; columns alike."""
+        raise NotImplementedError
+
+    def ave_pool_backward(self, dy, dx, shape, pooled, kernel, stride, pad):
+        """dx (N, C, H, W) = for each pixel, the sum over the windows holding
+        it of dy (N, C, PH, PW) / that window's divisor, in output order."""
+        raise NotImplementedError
+
+    # LRN: shape (N, C, H, W); the window of an element is `size` (odd)
+    # channels centred on its channel (across) or the size x size box centred
+    # on its pixel (within), zero beyond the edges.
+    def lrn_scale(self, x, scale, shape, size, alpha_over_size, k, across=True):
+        """scale (N, C, H, W) = k + alpha_over_size * (window sum of x^2):
+        Caffe's LRNFillScale (across: alpha/size, k; Caffe's WITHIN_CHANNEL
+        is alpha/size^2 and k = 1). The terms of the sum are added centre
+        first, then the nearer neighbours before the farther."""
+        raise NotImplementedError
+
+    def lrn_forward(self, x, scale, y, count, beta):
+        """y = x * scale^-beta over `count` elements (Caffe's
+        LRNComputeOutput; y may be x). Beta 0.75 is taken as 1 / sqrt(s *
+        sqrt(s)), as the host layer does (pow is most of the time otherwise)."""
+        raise NotImplementedError
+
+    def lrn_backward(self, x, y, scale, dy, dx, shape, size, beta, factor, across=True):
+        """dx (N, C, H, W) = dy * scale^-beta - factor * x * (window sum of
+        dy * y / scale), Caffe's LRNComputeDiff: factor = 2*alpha*beta/size
+        (across), 2*alpha*beta/size^2 (within). x the forward's input, y its
+        output, scale lrn_scale's. dx must not be dy (windows read neighbours)."""
+        raise NotImplementedError
+
+    # BatchNorm: x (N, C, S) viewed as batch, channels, spatial.
+    def channel_sum(self, x, batch, channels, spatial, out, alpha=1.0, times=None):
+        """out (C,) = alpha * the sum over n and s of x (N, C, S), of
+        x * times (N, C, S) when given: a per-channel mean (alpha 1/(N*S)),
+        or a mean of products or squares."""
+        raise NotImplementedError
+
+    def channel_normalize(self, x, y, batch, channels, spatial, mean=None, std=None):
+        """y (N, C, S) = (x - mean[c]) / std[c], mean and std (C,); either may
+        be None (nothing subtracted, nothing divided). y may be x."""
+        raise NotImplementedError
+
+    def batch_norm_stats(self, mean, variance, std, channels, eps, factor=None):
+        """std (C,) = sqrt(variance + eps). With factor (BatchNorm's third
+        blob, (1,)), mean and variance hold its running sums and are first
+        scaled in place by 1 / factor[0], or 0 when factor[0] is 0 (Caffe's
+        global statistics)."""
+        raise NotImplementedError
+
+    def batch_norm_backward(self, dy, y, std, mean_dy, mean_dy_y, dx, batch, channels, spatial):
+        """dx (N, C, S) = (dy - mean_dy[c] - y * mean_dy_y[c]) / std[c], y the
+        normalized forward output, mean_dy and mean_dy_y (C,) the channel
+        means of dy and dy * y (BatchNorm's batch-statistics gradient). dx
+        may be dy."""
+        raise NotImplementedError
 
     # --- softmax, losses, Eltwise, Concat, Scale, Dropout (layers/loss.py, elementwise.py, shape.py) ---
+    # (OpenCL kernels in kernels/layers.cl)
+    def copy_blocks(self, src, dst, blocks, size, src_stride, dst_stride, src_offset=0, dst_offset=0):
+        """Copy `blocks` blocks of `size` elements: for b < blocks, e < size,
+        dst[dst_offset + b * dst_stride + e] = src[src_offset + b * src_stride + e]
+        (Concat and Slice move one bottom's (outer, width * inner) block of the
+        top this way). src and dst must not overlap."""
+        raise NotImplementedError
+
+    def multiply(self, a, b, out, count):
+        """out = a * b over `count` elements (out may be a or b)."""
+        raise NotImplementedError
+
+    def divide(self, a, b, out, count):
+        """out = a / b over `count` elements (out may be a or b)."""
+        raise NotImplementedError
+
+    def broadcast_affine(self, x, outer, dim, inner, y, scale=None, bias=None):
+        """y (outer, dim, inner) = x * scale[d] + bias[d], scale and bias (dim,)
+        broadcast along the middle axis; either may be None (then 1 or 0). The
+        product is rounded before the sum (no fused multiply-add). y may be x."""
+        raise NotImplementedError
+
+    def eltwise_max(self, a, b, out, argmax, count, index):
+        """One step of Eltwise MAX over bottoms 0, ..., index: out = max(a, b)
+        where a is the running max (bottom 0 when index is 1) and b bottom
+        `index`; argmax (float) = index where b wins: b >= a when index is 1
+        (bottom 1 beats bottom 0 on ties, as Caffe; argmax 0 elsewhere), b > a
+        after (argmax kept elsewhere). out may be a."""
+        raise NotImplementedError
+
+    def keep_where_index(self, dy, argmax, index, dx, count):
+        """dx = dy * (argmax == index ? 1 : 0) over `count` elements: Eltwise
+        MAX's gradient to bottom `index`. dx may be dy."""
+        raise NotImplementedError
+
+    def softmax_forward(self, x, y, outer, channels, inner):
+        """y (outer, channels, inner) = softmax of x over its middle axis:
+        exp(x - max) / sum of exp(x - max). y may be x."""
+        raise NotImplementedError
+
+    def softmax_backward(self, y, dy, dx, outer, channels, inner):
+        """dx (outer, channels, inner) = (dy - sum over the middle axis of
+        dy * y) * y, y the softmax's output. dx may be dy."""
+        raise NotImplementedError
+
+    def softmax_loss_forward(self, prob, labels, out, outer, channels, inner, ignore_label=None):
+        """Per position of SoftmaxWithLoss: prob (outer, channels, inner), labels
+        (outer * inner) integer-valued floats (truncated as Caffe's int cast);
+        out holds 2 * outer * inner: out[k] = log(max(prob[o, label, s], FLT_MIN))
+        and out[P + k] = 1 (P = outer * inner, k = o * inner + s); where the
+        label is ignore_label out[k] = out[P + k] = 0; where it lies outside
+        [0, channels) out[k] = the truncated label and out[P + k] = -1."""
+        raise NotImplementedError
+
+    def softmax_loss_backward(self, prob, labels, dx, outer, channels, inner, scale, ignore_label=None):
+        """dx (outer, channels, inner) = (prob - [c == label]) * scale, 0 where
+        the label is ignore_label; labels as in softmax_loss_forward, all valid."""
+        raise NotImplementedError
 
     def __repr__(self):
         return f"{type(self).__name__}({self.name!r})"

@@ -114,7 +114,248 @@ class CPUDevice(Device):
 
 
     # --- pooling, LRN, BatchNorm (layers/pooling.py, layers/normalization.py) ---
+    @staticmethod
+    def _pool_layout(shape, pooled, kernel, stride, pad):
+        """(planes (N*C, H, W) count, padded (rows, cols) holding every window
+        cell with the image at (pad_h, pad_w), first image row and column of
+        each window (PH,), (PW,): may be negative or past the image)."""
+        n, c, h, w = shape
+        rows = max(h + 2 * pad[0], (pooled[0] - 1) * stride[0] + kernel[0])
+        cols = max(w + 2 * pad[1], (pooled[1] - 1) * stride[1] + kernel[1])
+        starts_h = np.arange(pooled[0]) * stride[0] - pad[0]
+        starts_w = np.arange(pooled[1]) * stride[1] - pad[1]
+        return n * c, (rows, cols), starts_h, starts_w
+
+    @staticmethod
+    def _pool_cells(padded, i, j, pooled, stride):
+        """Window cell (i, j) of every output: a (planes, PH, PW) view of padded."""
+        return padded[:, i:i + stride[0] * (pooled[0] - 1) + 1:stride[0],
+                      j:j + stride[1] * (pooled[1] - 1) + 1:stride[1]]
+
+    def _pool_padded(self, x, shape, pooled, kernel, stride, pad, fill):
+        planes, (rows, cols), _, _ = self._pool_layout(shape, pooled, kernel, stride, pad)
+        h, w = shape[2:]
+        padded = np.full((planes, rows, cols), fill, np.float32)
+        padded[:, pad[0]:pad[0] + h, pad[1]:pad[1] + w] = x[:planes * h * w].reshape(planes, h, w)
+        return padded
+
+    def max_pool_forward(self, x, y, mask, shape, pooled, kernel, stride, pad):
+        planes, _, starts_h, starts_w = self._pool_layout(shape, pooled, kernel, stride, pad)
+        count = planes * pooled[0] * pooled[1]
+        if not count:
+            return
+        # padding and overhang hold -inf, below the -FLT_MAX start: they never win
+        padded = self._pool_padded(x, shape, pooled, kernel, stride, pad, -np.inf)
+        best = np.full((planes,) + tuple(pooled), -np.finfo(np.float32).max, np.float32)
+        where = np.full(best.shape, -1.0, np.float32)
+        width = shape[3]
+        for i in range(kernel[0]):
+            for j in range(kernel[1]):
+                cell = self._pool_cells(padded, i, j, pooled, stride)
+                better = cell > best                                    # strict: the first maximum stays
+                best = np.where(better, cell, best)
+                index = (starts_h[:, None] + i) * width + (starts_w[None, :] + j)
+                where = np.where(better, index.astype(np.float32), where)
+        y[:count] = best.reshape(-1)
+        mask[:count] = where.reshape(-1)
+
+    def max_pool_backward(self, dy, mask, dx, shape, pooled, kernel, stride, pad):
+        planes = shape[0] * shape[1]
+        pixels, outputs = shape[2] * shape[3], pooled[0] * pooled[1]
+        total = np.zeros(planes * pixels, np.float32)
+        winner = mask[:planes * outputs].reshape(planes, outputs).astype(np.int64)
+        target = np.arange(planes)[:, None] * pixels + winner
+        valid = winner >= 0
+        # unbuffered adds in output order: each pixel sums its terms as the kernel does
+        np.add.at(total, target[valid], dy[:planes * outputs].reshape(planes, outputs)[valid])
+        dx[:planes * pixels] = total
+
+    def _ave_divisor(self, shape, pooled, kernel, stride, pad):
+        """Caffe's divisor (PH, PW): the window clipped to the padded image, padding counted."""
+        _, _, starts_h, starts_w = self._pool_layout(shape, pooled, kernel, stride, pad)
+        size_h = np.minimum(starts_h + kernel[0], shape[2] + pad[0]) - starts_h
+        size_w = np.minimum(starts_w + kernel[1], shape[3] + pad[1]) - starts_w
+        return np.outer(size_h, size_w).astype(np.float32)
+
+    def ave_pool_forward(self, x, y, shape, pooled, kernel, stride, pad):
+        planes = shape[0] * shape[1]
+        count = planes * pooled[0] * pooled[1]
+        if not count:
+            return
+        padded = self._pool_padded(x, shape, pooled, kernel, stride, pad, 0.0)
+        total = np.zeros((planes,) + tuple(pooled), np.float32)
+        for i in range(kernel[0]):
+            for j in range(kernel[1]):
+                total += self._pool_cells(padded, i, j, pooled, stride)
+        with np.errstate(divide="ignore", invalid="ignore"):   # a window past the padded image: Caffe's 0/0
+            y[:count] = (total / self._ave_divisor(shape, pooled, kernel, stride, pad)).reshape(-1)
+
+    def ave_pool_backward(self, dy, dx, shape, pooled, kernel, stride, pad):
+        planes, (rows, cols), _, _ = self._pool_layout(shape, pooled, kernel, stride, pad)
+        h, w = shape[2:]
+        padded = np.zeros((planes, rows, cols), np.float32)
+        if planes * pooled[0] * pooled[1]:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                share = dy[:planes * pooled[0] * pooled[1]].reshape((planes,) + tuple(pooled)) \
+                    / self._ave_divisor(shape, pooled, kernel, stride, pad)
+            # cells in reverse: a pixel's windows then come in output order (the kernel's sum order)
+            for i in reversed(range(kernel[0])):
+                for j in reversed(range(kernel[1])):
+                    self._pool_cells(padded, i, j, pooled, stride)[...] += share
+        dx[:planes * h * w] = padded[:, pad[0]:pad[0] + h, pad[1]:pad[1] + w].reshape(-1)
+
+    @staticmethod
+    def _lrn_window(values, size, across):
+        """The window sum of values (N, C, H, W), zeros beyond the edges: over
+        channels, or over columns and then rows (the box); each sum centre
+        first, then offsets 1, 2, ... before and after (the kernels' order)."""
+        def along(source, axis):
+            out = source.copy()
+            head, tail = np.moveaxis(source, axis, 0), np.moveaxis(out, axis, 0)
+            for offset in range(1, min((size - 1) // 2, source.shape[axis] - 1) + 1):
+                tail[offset:] += head[:-offset]
+                tail[:-offset] += head[offset:]
+            return out
+        return along(values, 1) if across else along(along(values, 3), 2)
+
+    def lrn_scale(self, x, scale, shape, size, alpha_over_size, k, across=True):
+        count = int(np.prod(shape))
+        values = x[:count].reshape(shape)
+        window = self._lrn_window(values * values, size, across)
+        scale[:count] = (window * np.float32(alpha_over_size) + np.float32(k)).reshape(-1)
+
+    @staticmethod
+    def _lrn_power(scale, beta):
+        """scale^-beta; for beta 0.75 by square roots, 1 / sqrt(sqrt(s) * s), as the kernel."""
+        if beta == 0.75:
+            return np.float32(1) / np.sqrt(np.sqrt(scale) * scale)
+        return np.power(scale, np.float32(-beta))
+
+    def lrn_forward(self, x, scale, y, count, beta):
+        y[:count] = x[:count] * self._lrn_power(scale[:count], beta)
+
+    def lrn_backward(self, x, y, scale, dy, dx, shape, size, beta, factor, across=True):
+        count = int(np.prod(shape))
+        s = scale[:count].reshape(shape)
+        g = dy[:count].reshape(shape)
+        window = self._lrn_window(g * y[:count].reshape(shape) / s, size, across)
+        spread = window * x[:count].reshape(shape) * np.float32(factor)
+        dx[:count] = (g * self._lrn_power(s, beta) - spread).reshape(-1)
+
+    def channel_sum(self, x, batch, channels, spatial, out, alpha=1.0, times=None):
+        count = batch * channels * spatial
+        values = x[:count].reshape(batch, channels, spatial)
+        if times is not None:
+            values = values * times[:count].reshape(batch, channels, spatial)
+        # over s, then over n: the kernels' two stages
+        out[:channels] = values.sum(axis=2).sum(axis=0) * np.float32(alpha)
+
+    def channel_normalize(self, x, y, batch, channels, spatial, mean=None, std=None):
+        count = batch * channels * spatial
+        values = x[:count].reshape(batch, channels, spatial)
+        if mean is not None:
+            values = values - mean[:channels].reshape(1, channels, 1)
+        if std is not None:
+            values = values / std[:channels].reshape(1, channels, 1)
+        y[:count] = values.reshape(-1)
+
+    def batch_norm_stats(self, mean, variance, std, channels, eps, factor=None):
+        if factor is not None:
+            inverse = np.float32(0) if factor[0] == 0 else np.float32(1) / factor[0]
+            mean[:channels] *= inverse
+            variance[:channels] *= inverse
+        std[:channels] = np.sqrt(variance[:channels] + np.float32(eps))
+
+    def batch_norm_backward(self, dy, y, std, mean_dy, mean_dy_y, dx, batch, channels, spatial):
+        count = batch * channels * spatial
+        shape = (batch, channels, spatial)
+        per_channel = (1, channels, 1)
+        g = dy[:count].reshape(shape)
+        values = (g - mean_dy[:channels].reshape(per_channel)
+                  - y[:count].reshape(shape) * mean_dy_y[:channels].reshape(per_channel))
+        dx[:count] = (values / std[:channels].reshape(per_channel)).reshape(-1)
 
     # --- softmax, losses, Eltwise, Concat, Scale, Dropout (layers/loss.py, elementwise.py, shape.py) ---
+    def copy_blocks(self, src, dst, blocks, size, src_stride, dst_stride, src_offset=0, dst_offset=0):
+        if blocks and size:
+            self._blocks(dst, dst_offset, blocks, size, dst_stride)[...] = self._blocks(
+                src, src_offset, blocks, size, src_stride)
+
+    def multiply(self, a, b, out, count):
+        np.multiply(a[:count], b[:count], out=out[:count])
+
+    def divide(self, a, b, out, count):
+        with np.errstate(divide="ignore", invalid="ignore"):      # x / 0 as the kernel's IEEE result
+            np.divide(a[:count], b[:count], out=out[:count])
+
+    def broadcast_affine(self, x, outer, dim, inner, y, scale=None, bias=None):
+        count = outer * dim * inner
+        source, target = x[:count].reshape(outer, dim, inner), y[:count].reshape(outer, dim, inner)
+        values = source * scale[:dim].reshape(1, dim, 1) if scale is not None else source.copy()
+        if bias is not None:
+            values += bias[:dim].reshape(1, dim, 1)
+        target[...] = values
+
+    def eltwise_max(self, a, b, out, argmax, count, index):
+        first, second = a[:count], b[:count]
+        if index == 1:
+            argmax[:count] = np.where(first > second, 0, 1)
+        else:
+            argmax[:count] = np.where(second > first, index, argmax[:count])
+        out[:count] = np.maximum(first, second)
+
+    def keep_where_index(self, dy, argmax, index, dx, count):
+        dx[:count] = dy[:count] * (argmax[:count] == index).astype(np.float32)
+
+    def softmax_forward(self, x, y, outer, channels, inner):
+        count = outer * channels * inner
+        if count:
+            values = x[:count].reshape(outer, channels, inner)
+            exp = np.exp(values - values.max(axis=1, keepdims=True))
+            y[:count] = (exp / exp.sum(axis=1, keepdims=True)).reshape(-1)
+
+    def softmax_backward(self, y, dy, dx, outer, channels, inner):
+        count = outer * channels * inner
+        out, grad = y[:count].reshape(outer, channels, inner), dy[:count].reshape(outer, channels, inner)
+        dot = (grad * out).sum(axis=1, keepdims=True)
+        dx[:count] = ((grad - dot) * out).reshape(-1)
+
+    def softmax_loss_forward(self, prob, labels, out, outer, channels, inner, ignore_label=None):
+        positions = outer * inner
+        whole, ignored, valid = self._labels(labels, positions, channels, ignore_label)
+        safe = np.where(valid, whole, 0).astype(np.int64).reshape(outer, inner)
+        picked = np.take_along_axis(prob[:outer * channels * inner].reshape(outer, channels, inner),
+                                    safe[:, None, :], axis=1).reshape(-1)
+        log_p = np.log(np.maximum(picked, np.float32(np.finfo(np.float32).tiny)))
+        out[:positions] = np.where(valid, log_p, np.where(ignored, 0, whole))
+        out[positions:2 * positions] = np.where(valid, 1, np.where(ignored, 0, -1))
+
+    def softmax_loss_backward(self, prob, labels, dx, outer, channels, inner, scale, ignore_label=None):
+        whole, ignored, _ = self._labels(labels, outer * inner, channels, ignore_label)
+        whole = whole.reshape(outer, 1, inner)
+        hot = (np.arange(channels).reshape(1, channels, 1) == whole).astype(np.float32)
+        grad = (prob[:outer * channels * inner].reshape(outer, channels, inner) - hot) * np.float32(scale)
+        grad = np.where(ignored.reshape(outer, 1, inner), np.float32(0), grad)
+        dx[:outer * channels * inner] = grad.reshape(-1)
+
+    @staticmethod
+    def _blocks(buffer, offset, blocks, size, stride):
+        """The (blocks, size) view of buffer whose rows start at offset + b * stride."""
+        if offset + (blocks - 1) * stride + size > buffer.size:
+            from cct.devices.base import DeviceError
+            raise DeviceError(f"copy_blocks: {blocks} blocks of {size} at stride {stride} from {offset} "
+                              f"overrun a buffer of {buffer.size}")
+        return np.lib.stride_tricks.as_strided(buffer[offset:], (blocks, size), (4 * stride, 4),
+                                               writeable=True)
+
+    @staticmethod
+    def _labels(labels, positions, channels, ignore_label):
+        """(truncated labels, ignored mask, valid mask) of the first `positions`
+        labels, as Caffe's int cast reads them (float: NaN and huge values stay invalid)."""
+        whole = np.trunc(labels[:positions])
+        ignored = (whole == np.float32(ignore_label) if ignore_label is not None
+                   else np.zeros(positions, bool))
+        valid = ~ignored & (whole >= 0) & (whole < channels)
+        return whole, ignored, valid
 
 CPU = CPUDevice()

@@ -207,6 +207,65 @@ class OpenCLDevice(Device):
 
 
     # --- pooling, LRN, BatchNorm (layers/pooling.py, layers/normalization.py) ---
+    @staticmethod
+    def _pool_args(shape, pooled, kernel, stride, pad):
+        """The kernels' POOL_GEOMETRY (kernels/pooling.cl)."""
+        return (*shape, *pooled, *kernel, *stride, *pad)
+
+    def max_pool_forward(self, x, y, mask, shape, pooled, kernel, stride, pad):
+        outputs = shape[0] * shape[1] * pooled[0] * pooled[1]
+        self.launch("pooling.cl", "max_pool_forward", outputs, x, y, mask,
+                    *self._pool_args(shape, pooled, kernel, stride, pad))
+
+    def max_pool_backward(self, dy, mask, dx, shape, pooled, kernel, stride, pad):
+        inputs = shape[0] * shape[1] * shape[2] * shape[3]
+        self.launch("pooling.cl", "max_pool_backward", inputs, dy, mask, dx,
+                    *self._pool_args(shape, pooled, kernel, stride, pad))
+
+    def ave_pool_forward(self, x, y, shape, pooled, kernel, stride, pad):
+        outputs = shape[0] * shape[1] * pooled[0] * pooled[1]
+        self.launch("pooling.cl", "ave_pool_forward", outputs, x, y,
+                    *self._pool_args(shape, pooled, kernel, stride, pad))
+
+    def ave_pool_backward(self, dy, dx, shape, pooled, kernel, stride, pad):
+        inputs = shape[0] * shape[1] * shape[2] * shape[3]
+        self.launch("pooling.cl", "ave_pool_backward", inputs, dy, dx,
+                    *self._pool_args(shape, pooled, kernel, stride, pad))
+
+    def lrn_scale(self, x, scale, shape, size, alpha_over_size, k, across=True):
+        count = shape[0] * shape[1] * shape[2] * shape[3]
+        self.launch("normalization.cl", "lrn_scale", count, count, x, scale, *shape[1:], size,
+                    float(alpha_over_size), float(k), int(bool(across)))
+
+    def lrn_forward(self, x, scale, y, count, beta):
+        self.launch("normalization.cl", "lrn_forward", count, count, x, scale, y, float(beta))
+
+    def lrn_backward(self, x, y, scale, dy, dx, shape, size, beta, factor, across=True):
+        count = shape[0] * shape[1] * shape[2] * shape[3]
+        self.launch("normalization.cl", "lrn_backward", count, count, x, y, scale, dy, dx, *shape[1:], size,
+                    float(beta), float(factor), int(bool(across)))
+
+    def channel_sum(self, x, batch, channels, spatial, out, alpha=1.0, times=None):
+        # two stages: per (n, c) over s, then per c over n (a work item per sum)
+        partial = self.scratch("channel_sum", batch * channels)
+        self.launch("normalization.cl", "channel_sum_partial", batch * channels, batch * channels, spatial, x,
+                    x if times is None else times, int(times is not None), partial)
+        self.launch("normalization.cl", "channel_sum_total", channels, batch, channels, partial, out, float(alpha))
+
+    def channel_normalize(self, x, y, batch, channels, spatial, mean=None, std=None):
+        count = batch * channels * spatial
+        self.launch("normalization.cl", "channel_normalize", count, count, channels, spatial, x, y,
+                    x if mean is None else mean, int(mean is not None), x if std is None else std,
+                    int(std is not None))
+
+    def batch_norm_stats(self, mean, variance, std, channels, eps, factor=None):
+        self.launch("normalization.cl", "batch_norm_stats", channels, channels, mean, variance, std, float(eps),
+                    std if factor is None else factor, int(factor is not None))
+
+    def batch_norm_backward(self, dy, y, std, mean_dy, mean_dy_y, dx, batch, channels, spatial):
+        count = batch * channels * spatial
+        self.launch("normalization.cl", "batch_norm_backward", count, count, channels, spatial, dy, y, std,
+                    mean_dy, mean_dy_y, dx)
 
     # --- softmax, losses, Eltwise, Concat, Scale, Dropout (layers/loss.py, elementwise.py, shape.py) ---
     def copy_blocks(self, src, dst, blocks, size, src_stride, dst_stride, src_offset=0, dst_offset=0):

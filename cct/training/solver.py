@@ -412,10 +412,11 @@ class Solver:
         streams (each of iter_size passes in it); with the "auto" schedule,
         "sequential" or "streams" as measured on this net and shape
         (cct.runtime.choice). Only where nothing must see one iteration at a
-        time (pycaffe callbacks, per-layer subscribers, debug_info)."""
+        time (pycaffe callbacks, per-layer subscribers, debug_info), and not on
+        an OpenCL device, whose one in-order queue runs the layers in turn."""
         executor, param = self.net.executor, self.param
         if (executor.schedule == "sequential" or self.callbacks or executor.listened
-                or param.debug_info):
+                or param.debug_info or run_config.device() is not None):
             return None
         if executor.schedule in ("streams", "tuned"):
             return executor.schedule

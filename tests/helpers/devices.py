@@ -45,29 +45,36 @@ def same_op(device, op, arrays, outputs, *args, **kwargs):
 
 
 def run_both_ways(device, prototxt, arrays, num_tops=1, in_place=False, phase=None, seed=3,
-                  propagate_down=None):
+                  propagate_down=None, in_place_bottom=0, random_seed=None, configure=None):
     """A float32 layer from LayerParameter text run twice on copies of the
     same bottoms and parameters: with its own forward and backward (the host
     code, the reference), and with forward_on/backward_on on `device`. Top
-    diffs are random (fixed seed). `in_place`: top 0 is bottom 0. Returns
-    {name: (device value, host value)} for every top's data, every bottom's
-    diff and every parameter's diff (read back through Blob.data/.diff)."""
+    diffs are random (fixed seed). `in_place`: top 0 is bottom 0 (bottom
+    `in_place_bottom` when given). `random_seed`: the process's random stream
+    (cct.core.rng) is seeded with it before each forward, so a layer that
+    draws (Dropout) draws the same numbers both ways. `configure(layer)` is
+    called on each new layer before its set_up (e.g. Split's aliases).
+    Returns {name: (device value, host value)} for every top's data, every
+    bottom's diff propagate_down asks for and every parameter's diff (read
+    back through Blob.data/.diff)."""
     import cct
     from cct.core.blob import Blob
+    from cct.core.rng import set_random_seed
     from cct.testing.gradient_check import make_layer
 
-    rng = np.random.default_rng(seed)
     phase = cct.TRAIN if phase is None else phase
     results = {}
     params = None
     for run in ("host", "device"):
         layer = make_layer(prototxt, phase)
+        if configure is not None:
+            configure(layer)
         bottoms = []
         for array in arrays:
             blob = Blob(np.shape(array), np.float32)
             blob.data[...] = array
             bottoms.append(blob)
-        tops = [bottoms[0]] if in_place else [Blob(dtype=np.float32) for _ in range(num_tops)]
+        tops = [bottoms[in_place_bottom]] if in_place else [Blob(dtype=np.float32) for _ in range(num_tops)]
         layer.set_up(bottoms, tops)
         if params is None:
             params = [blob.data.copy() for blob in layer.blobs]
@@ -76,6 +83,8 @@ def run_both_ways(device, prototxt, arrays, num_tops=1, in_place=False, phase=No
             blob.diff[...] = 0.5                      # parameter gradients accumulate into what is there
         layer.reshape(bottoms, tops)
         assert layer.runs_on(device, bottoms, tops), f"{layer.type} has no device path for these blobs"
+        if random_seed is not None:
+            set_random_seed(random_seed)
         if run == "host":
             layer.forward(bottoms, tops)
         else:

@@ -1,0 +1,134 @@
+// Kernels of the layers in layers/loss.py, elementwise.py and shape.py:
+// block copies (Concat, Slice), element-wise maps (Eltwise, Dropout, Scale,
+// Bias), softmax and its loss. As in core.cl, each work item writes its own
+// outputs (one element, or one (outer, inner) column whose channels it loops
+// over), so results do not depend on scheduling.
+// The numpy reference of each is the same-named method of cct.devices.cpu.
+
+// Round every product before a sum, as numpy does: no fused multiply-add.
+#pragma OPENCL FP_CONTRACT OFF
+
+// dst[dst_offset + b * dst_stride + e] = src[src_offset + b * src_stride + e], b < blocks, e < size
+__kernel void copy_blocks(const int total, const int size, __global const float* src, const int src_offset,
+                          const int src_stride, __global float* dst, const int dst_offset, const int dst_stride) {
+    const int index = get_global_id(0);
+    if (index >= total) return;
+    const int block = index / size, element = index % size;
+    dst[dst_offset + block * dst_stride + element] = src[src_offset + block * src_stride + element];
+}
+
+__kernel void multiply(const int count, __global const float* a, __global const float* b, __global float* out) {
+    const int index = get_global_id(0);
+    if (index >= count) return;
+    out[index] = a[index] * b[index];
+}
+
+__kernel void divide(const int count, __global const float* a, __global const float* b, __global float* out) {
+    const int index = get_global_id(0);
+    if (index >= count) return;
+    out[index] = a[index] / b[index];
+}
+
+// y (outer, dim, inner) = x * scale[d] + bias[d]; has_scale / has_bias 0: that term left out
+__kernel void broadcast_affine(const int count, const int dim, const int inner, __global const float* x,
+                               __global float* y, __global const float* scale, const int has_scale,
+                               __global const float* bias, const int has_bias) {
+    const int index = get_global_id(0);
+    if (index >= count) return;
+    const int d = (index / inner) % dim;
+    float value = x[index];
+    if (has_scale) value = value * scale[d];
+    if (has_bias) value = value + bias[d];
+    y[index] = value;
+}
+
+// Eltwise MAX's step to bottom `which`: a the running max, b the bottom
+__kernel void eltwise_max(const int count, __global const float* a, __global const float* b,
+                          __global float* out, __global float* argmax, const int which) {
+    const int index = get_global_id(0);
+    if (index >= count) return;
+    const float kept = a[index], next = b[index];
+    if (which == 1) {                                   // ties go to bottom 1
+        argmax[index] = kept > next ? 0.0f : 1.0f;
+    } else if (next > kept) {
+        argmax[index] = (float)which;
+    }
+    out[index] = next > kept ? next : kept;
+}
+
+__kernel void keep_where_index(const int count, __global const float* dy, __global const float* argmax,
+                               const int which, __global float* dx) {
+    const int index = get_global_id(0);
+    if (index >= count) return;
+    dx[index] = dy[index] * (argmax[index] == (float)which ? 1.0f : 0.0f);
+}
+
+// One item per (o, s) column of x (outer, channels, inner): its max, then its
+// exponentials (kept in y) and their sum, then the quotients
+__kernel void softmax_forward(const int columns, const int channels, const int inner,
+                              __global const float* x, __global float* y) {
+    const int index = get_global_id(0);
+    if (index >= columns) return;
+    const int start = (index / inner) * channels * inner + index % inner;
+    float top = x[start];
+    for (int c = 1; c < channels; ++c) top = fmax(top, x[start + c * inner]);
+    float total = 0.0f;
+    for (int c = 0; c < channels; ++c) {
+        const float value = exp(x[start + c * inner] - top);
+        y[start + c * inner] = value;
+        total += value;
+    }
+    for (int c = 0; c < channels; ++c) y[start + c * inner] /= total;
+}
+
+// dx = (dy - sum over the column of dy * y) * y, one item per column; dx may be dy
+__kernel void softmax_backward(const int columns, const int channels, const int inner,
+                               __global const float* y, __global const float* dy, __global float* dx) {
+    const int index = get_global_id(0);
+    if (index >= columns) return;
+    const int start = (index / inner) * channels * inner + index % inner;
+    float dot = 0.0f;
+    for (int c = 0; c < channels; ++c) dot += dy[start + c * inner] * y[start + c * inner];
+    for (int c = 0; c < channels; ++c) {
+        const int at = start + c * inner;
+        dx[at] = (dy[at] - dot) * y[at];
+    }
+}
+
+// Per position k = o * inner + s: out[k] = log(max(p, FLT_MIN)) of the label's
+// probability and out[positions + k] = 1; an ignored label 0 and 0; a label
+// outside [0, channels) its truncated value and -1 (the host raises)
+__kernel void softmax_loss_forward(const int positions, const int channels, const int inner,
+                                   __global const float* prob, __global const float* labels, __global float* out,
+                                   const int has_ignore, const int ignore_label) {
+    const int index = get_global_id(0);
+    if (index >= positions) return;
+    const float label = trunc(labels[index]);           // Caffe's int cast
+    if (has_ignore && label == (float)ignore_label) {
+        out[index] = 0.0f;
+        out[positions + index] = 0.0f;
+    } else if (!(label >= 0.0f && label < (float)channels)) {
+        out[index] = label;
+        out[positions + index] = -1.0f;
+    } else {
+        const int o = index / inner, s = index % inner;
+        const float p = prob[(o * channels + (int)label) * inner + s];
+        out[index] = log(fmax(p, FLT_MIN));
+        out[positions + index] = 1.0f;
+    }
+}
+
+// dx (outer, channels, inner) = (prob - [c == label]) * scale, 0 at an ignored label
+__kernel void softmax_loss_backward(const int count, const int channels, const int inner,
+                                    __global const float* prob, __global const float* labels, __global float* dx,
+                                    const float scale, const int has_ignore, const int ignore_label) {
+    const int index = get_global_id(0);
+    if (index >= count) return;
+    const int s = index % inner, c = (index / inner) % channels, o = index / (inner * channels);
+    const float label = trunc(labels[o * inner + s]);
+    if (has_ignore && label == (float)ignore_label) {
+        dx[index] = 0.0f;
+        return;
+    }
+    dx[index] = (prob[index] - (label == (float)c ? 1.0f : 0.0f)) * scale;
+}

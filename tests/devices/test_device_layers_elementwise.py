@@ -1,0 +1,120 @@
+"""Eltwise's, Scale's, Bias's and Dropout's device paths against their host
+forward and backward, on the numpy CPU device and on OpenCL: each
+operation, two and three bottoms, in place, a given or a learned operand
+at several axes, the parameters' gradients."""
+import numpy as np
+import pytest
+
+import cct
+from cct.devices.cpu import CPU
+from helpers.devices import assert_close_both_ways, opencl_or_skip, run_both_ways
+
+RNG = np.random.default_rng(7)
+SHAPE = (2, 3, 4, 5)
+
+
+@pytest.fixture(params=["cpu", "opencl"])
+def device(request):
+    return CPU if request.param == "cpu" else opencl_or_skip()
+
+
+def bottoms(count, shape=SHAPE, ties=False):
+    arrays = [RNG.standard_normal(shape) for _ in range(count)]
+    if ties:                                    # equal values: MAX's tie rule decides the gradient
+        arrays = [np.round(a) for a in arrays]
+    return arrays
+
+
+# --- Eltwise -------------------------------------------------------------------------
+@pytest.mark.parametrize("param", [
+    "operation: SUM",
+    "operation: SUM coeff: 1 coeff: -0.5 coeff: 2",
+    "operation: PROD",
+    "operation: PROD stable_prod_grad: false",
+    "operation: MAX",
+])
+@pytest.mark.parametrize("count", [2, 3])
+@pytest.mark.parametrize("in_place", [None, 0, 1])
+def test_eltwise_on_device_matches_the_host(device, param, count, in_place):
+    if "coeff" in param and count == 2:
+        param = "operation: SUM coeff: 0.5 coeff: -2"
+    arrays = bottoms(count, ties="MAX" in param)
+    if "stable_prod_grad: false" in param:
+        arrays = [a + np.sign(a) * 0.5 for a in arrays]        # away from 0: top / bottom is well defined
+    results = run_both_ways(device, f'type: "Eltwise" eltwise_param {{ {param} }}', arrays,
+                            in_place=in_place is not None, in_place_bottom=in_place or 0)
+    assert_close_both_ways(results, 1e-5)
+
+
+def test_eltwise_without_some_gradients(device):
+    results = run_both_ways(device, 'type: "Eltwise" eltwise_param { operation: MAX }', bottoms(3),
+                            propagate_down=[False, True, False])
+    assert_close_both_ways(results, 0)
+
+
+# --- Scale and Bias ------------------------------------------------------------------
+def scale_cases(layer_type):
+    section = "scale_param" if layer_type == "Scale" else "bias_param"
+    bias = " bias_term: true" if layer_type == "Scale" else ""
+    filler = ("filler { type: 'gaussian' std: 1 }" if layer_type == "Scale"
+              else "filler { type: 'gaussian' std: 1 }")
+    return [
+        # (prototxt, operand shape: a second bottom, or None: learned)
+        (f'type: "{layer_type}" {section} {{ {filler}{bias} }}', None),                     # ResNet's form
+        (f'type: "{layer_type}" {section} {{ {filler} }}', None),
+        (f'type: "{layer_type}" {section} {{ axis: 2 num_axes: 2 {filler}{bias} }}', None),
+        (f'type: "{layer_type}" {section} {{ axis: 0 num_axes: -1 {filler} }}', None),
+        (f'type: "{layer_type}" {section} {{ num_axes: 0 {filler}{bias} }}', None),         # one value
+        (f'type: "{layer_type}" {section} {{ axis: -1 {filler} }}', None),
+        (f'type: "{layer_type}" {section} {{ {bias} }}', (3,)),
+        (f'type: "{layer_type}" {section} {{ axis: 1 }}', (3, 4)),
+        (f'type: "{layer_type}" {section} {{ axis: 0 {bias} }}', SHAPE[:1]),
+        (f'type: "{layer_type}" {section} {{ axis: 2 }}', (4, 5)),
+        (f'type: "{layer_type}" {section} {{ }}', ()),                                       # a 0-d operand
+    ]
+
+
+@pytest.mark.parametrize("layer_type", ["Scale", "Bias"])
+@pytest.mark.parametrize("case", range(11))
+@pytest.mark.parametrize("in_place", [False, True])
+def test_scale_and_bias_on_device_match_the_host(device, layer_type, case, in_place):
+    prototxt, operand = scale_cases(layer_type)[case]
+    arrays = [RNG.standard_normal(SHAPE)]
+    if operand is not None:
+        arrays.append(RNG.standard_normal(operand))
+    results = run_both_ways(device, prototxt, arrays, in_place=in_place)
+    assert_close_both_ways(results, 1e-5)
+    assert any(name.startswith("param") for name in results) == (operand is None or "bias_term" in prototxt)
+
+
+@pytest.mark.parametrize("layer_type", ["Scale", "Bias"])
+def test_scale_and_bias_given_operand_without_its_gradient(device, layer_type):
+    section = "scale_param" if layer_type == "Scale" else "bias_param"
+    results = run_both_ways(device, f'type: "{layer_type}" {section} {{ axis: 1 }}',
+                            [RNG.standard_normal(SHAPE), RNG.standard_normal((3, 4))], propagate_down=[True, False])
+    assert_close_both_ways(results, 1e-5)
+
+
+def test_scale_of_a_2d_blob(device):
+    results = run_both_ways(device, 'type: "Scale" scale_param { bias_term: true filler { type: "gaussian" } }',
+                            [RNG.standard_normal((7, 9))])
+    assert_close_both_ways(results, 1e-5)
+
+
+# --- Dropout -------------------------------------------------------------------------
+@pytest.mark.parametrize("ratio", [0.5, 0.2, 0.0])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_dropout_on_device_draws_the_host_mask(device, ratio, in_place):
+    results = run_both_ways(device, f'type: "Dropout" dropout_param {{ dropout_ratio: {ratio} }}',
+                            [RNG.standard_normal((4, 3, 5, 7))], in_place=in_place, random_seed=11)
+    assert_close_both_ways(results, 0)
+    kept = results["top0"][0] != 0
+    assert 0 < kept.mean() <= 1 and (ratio > 0) == (kept.mean() < 1)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_dropout_at_test_is_the_identity_on_device(device, in_place):
+    x = RNG.standard_normal((3, 4))
+    results = run_both_ways(device, 'type: "Dropout"', [x], in_place=in_place, phase=cct.TEST)
+    assert_close_both_ways(results, 0)
+    np.testing.assert_array_equal(results["top0"][0], x.astype(np.float32))
