@@ -34,6 +34,10 @@ LEVEL = flag("--level", type=int, default=0, help="net state level: layers' min_
 STAGE = flag("--stage", default="", help="net state stages, comma separated: layers' stage/not_stage rules")
 GPU = flag("--gpu", default=None, help="run on OpenCL device(s): an id (0), several (0,1) or all; `cct "
                                       "device_query` lists them (default: the host, or CCT_GPU)")
+HYBRID = flag("--hybrid", action="store_true",
+              help="with --gpu: split each layer's batch between the host and the device in proportion to "
+                   "their measured speed on it (Caffe con Troll's FLOPS rule; shares cached, or set by the run "
+                   "configuration's \"hybrid\" entry)")
 PHASE = flag("--phase", default="", choices=("", "TRAIN", "TEST"),
              help="the phase to build the net in (default: TEST for test, TRAIN for time)")
 EFFECTS = ("stop", "snapshot", "none")
@@ -83,9 +87,13 @@ def apply_gpu(args):
     set_device); with several ids, or all, the first runs the layers and the
     list is what a hybrid split shares the batch among."""
     given = getattr(args, "gpu", None)
+    from cct.runtime import settings
+    if getattr(args, "hybrid", False):
+        if given in (None, "", "cpu"):
+            raise ConfigError("--hybrid: needs an OpenCL device to split with (--gpu ID)")
+        settings.set_hybrid(True)
     if given in (None, ""):
         return
-    from cct.runtime import settings
     if given == "cpu":
         settings.set_mode("cpu")
         return

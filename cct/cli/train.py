@@ -6,9 +6,9 @@ import numpy as np
 
 from cct.core import caffe_name
 from cct.core.errors import ConfigError
-from cct.cli.commands import (EFFECTS, GPU, LEVEL, MEMORY_LIMIT, PHASE, SCHEDULE, STAGE, apply_memory_limit,
-                              apply_schedule, arguments, check_iterations, command, flag, fmt, apply_gpu, phase,
-                              require, stages)
+from cct.cli.commands import (EFFECTS, GPU, HYBRID, LEVEL, MEMORY_LIMIT, PHASE, SCHEDULE, STAGE, apply_gpu,
+                              apply_memory_limit, apply_schedule, arguments, check_iterations, command, flag, fmt,
+                              phase, require, stages)
 
 log = logging.getLogger("cct.cli")
 
@@ -21,7 +21,7 @@ log = logging.getLogger("cct.cli")
     flag("--weights", default="", help="weights to fine-tune from, comma separated .caffemodel/.h5 files; "
                                        "not with --snapshot"),
     flag("--snapshot", default="", help="a .solverstate(.h5) to resume training from; not with --weights"),
-    LEVEL, STAGE, GPU, SCHEDULE, MEMORY_LIMIT,
+    LEVEL, STAGE, GPU, HYBRID, SCHEDULE, MEMORY_LIMIT,
     flag("--sigint_effect", default="stop", choices=EFFECTS,
          help="what Ctrl-C (SIGINT) does: stop (and snapshot, if snapshot_after_train), snapshot, none"),
     flag("--sighup_effect", default="snapshot", choices=EFFECTS,
@@ -48,8 +48,8 @@ def train(args):
         param.ClearField("weights")
     if args.weights:
         param.weights.append(args.weights)
-    if param.solver_mode == caffe_pb2.SolverParameter.GPU:
-        log.info("solver_mode: GPU: cct runs on the CPU")
+    if param.solver_mode == caffe_pb2.SolverParameter.GPU and args.gpu in (None, ""):
+        log.info("solver_mode: GPU: cct computes on the host unless --gpu names an OpenCL device")
     # Nothing outside the run reads an activation's diff: share them (cct.runtime.memory).
     solver = get_solver(param, source=args.solver, share_diffs=True)
     with _signal_effects(solver, args.sigint_effect, args.sighup_effect):

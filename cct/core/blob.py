@@ -29,44 +29,83 @@ from cct.core.allocation import charge_store, check_allocation
 # threads at once: it must be made once, not once per thread.
 _ALLOCATION_LOCK = threading.Lock()
 
-HOST, DEVICE, SYNCED = "host", "device", "synced"      # which side of a Mirror is current
+# Which side of a Mirror is current: the host, the device's buffer, both, or
+# (SPLIT) the host except one range of elements, current only in a shard on a
+# device (a hybrid split's device part, cct.runtime.hybrid).
+HOST, DEVICE, SYNCED, SPLIT = "host", "device", "synced", "split"
 
 
 class Mirror:
     """A host store's copy on one device (Caffe's SyncedMemory): `head` says
-    which side is current; the buffer is made on the first device use."""
-    __slots__ = ("store", "device", "buffer", "head")
+    which side is current; the buffer is made on the first device use. A
+    hybrid split keeps a range of the store's elements on a device as a
+    shard of its own, (device, start, stop, buffer)."""
+    __slots__ = ("store", "device", "buffer", "head", "shard")
 
     def __init__(self, store):
         self.store = store            # the flat host array this mirrors
         self.device = None
         self.buffer = None
         self.head = HOST
+        self.shard = None
 
     def to_host(self):
-        """Make the host current (copying down when the device is ahead)."""
+        """Make the host current (copying down what a device is ahead with)."""
         if self.head == DEVICE:
             self.device.download(self.buffer, self.store)
-        self.head = SYNCED if self.buffer is not None else HOST
+            self.head = SYNCED
+        elif self.head == SPLIT:
+            device, start, stop, buffer = self.shard
+            device.download(buffer, self.store[start:stop])
+            self.head = HOST          # the whole-store buffer missed the shard's writes
 
-    def on(self, device):
-        """The current contents in `device`'s buffer (copied up when stale)."""
+    def on(self, device, upload=True):
+        """The current contents in `device`'s buffer (copied up when stale,
+        unless `upload` is False: the caller overwrites them all)."""
         if device.shares_host:
             self.to_host()
             return self.store
         if self.device is not device:
-            if self.device is not None:
-                self.to_host()            # leave the other device: the host holds the values
+            self.to_host()                # leave the other device: the host holds the values
             self.device, self.buffer, self.head = device, device.empty(self.store.size), HOST
+        if self.head == SPLIT:
+            self.to_host()
         if self.head == HOST:
-            device.upload(self.buffer, self.store)
+            if upload:
+                device.upload(self.buffer, self.store)
             self.head = SYNCED
         return self.buffer
 
-    def written_on(self, device):
+    def written_on(self, device, upload=True):
         """The device buffer, to be written: from now on only the device is current."""
-        buffer = self.on(device)
+        buffer = self.on(device, upload)
         self.head = HOST if device.shares_host else DEVICE
+        return buffer
+
+    # --- a hybrid split: one range on a device, the rest on the host --------------------
+    def rest_on_host(self, written, start=0, stop=0):
+        """Make the host current outside elements [start, stop) (a split's
+        host part reads its rows there, the device part has those); `written`:
+        it writes them, so a whole-store device copy goes stale."""
+        if self.head == DEVICE or (self.head == SPLIT and self.shard[1:3] != (start, stop)):
+            self.to_host()
+        if written and self.head == SYNCED:
+            self.head = HOST
+
+    def rows_on(self, device, start, stop, upload=True):
+        """Elements [start, stop) in a buffer on `device`, current (copied up
+        unless the shard there already holds them, or `upload` is False: the
+        caller overwrites them all); from now on they are current only there."""
+        shard = self.shard
+        if self.head == SPLIT and shard[0] is device and shard[1] == start and shard[2] == stop:
+            return shard[3]
+        self.to_host()
+        buffer = shard[3] if shard is not None and shard[0] is device and shard[3].size >= stop - start \
+            else device.empty(stop - start)
+        if upload:
+            device.upload(buffer, self.store[start:stop])
+        self.shard = (device, start, stop, buffer)
+        self.head = SPLIT
         return buffer
 
 

@@ -31,6 +31,7 @@ import weakref
 
 from cct.core.progress import Progress
 from cct.runtime import fusion as fusion_module
+from cct.runtime import hybrid as hybrid_module
 from cct.runtime import memory_plan, scheduler
 from cct.runtime import settings
 from cct.runtime.choice import FasterOf
@@ -94,6 +95,10 @@ class Executor:
         self._streams = None          # (net shape, scheduler.Schedule) for the streams mode
         self._auto = None             # (shape_key, FasterOf): "auto"'s choice for the backward alone
         self.placed = {}              # layer index -> where its last forward ran on a device: its name or "host"
+        self.hybrid = {}              # layer index -> the device's share of its batch (cct.runtime.hybrid)
+        self._hybrid_runners = {}
+        self._hybrid_key = None       # (shape key, device) the hybrid plan was made for
+        self._forwarded = None        # the shape key of the last whole forward on a device
         # CCT_PARTITIONS=p partitions every layer that allows it (the conformance
         # suite runs with it to check partitioned results equal unpartitioned
         # ones); CCT_PARTITIONS=1 runs every layer whole.
@@ -225,7 +230,11 @@ class Executor:
         if device is not None:
             if fusion is not None:
                 fusion.flush(self)
+            if index == 0:
+                self._plan_hybrid(device)
             self.run_on(device, index)
+            if index == len(self.net.layers) - 1:
+                self._forwarded = self.shape_key()
             loss = self.net.layer_loss(index)
             if self._listeners:
                 self._emit("after_forward", index)
@@ -264,7 +273,11 @@ class Executor:
         with layer.naming_allocations(tops):
             layer.reshape(bottoms, tops)
             layer.run_partitions(1)
-            if layer.runs_on(device, bottoms, tops):
+            split = self._split(device, index)
+            if split is not None:
+                split.forward(bottoms, tops)
+                self.placed[index] = f"hybrid: {split.share:.2f} of the batch on {device.name}"
+            elif layer.runs_on(device, bottoms, tops):
                 layer.forward_on(device, bottoms, tops)
                 self.placed[index] = device.name
             else:
@@ -272,12 +285,46 @@ class Executor:
                 on_host(lambda: layer.forward(bottoms, tops), read=bottoms, written=tops)
                 self.placed[index] = "host"
 
+    def _plan_hybrid(self, device):
+        """At a forward's start on a device, with the hybrid split on: the
+        plan for the net's shapes (cct.runtime.hybrid.plan), made once a whole
+        forward at those shapes ran (its blobs are what the FLOPS rule times
+        each layer on); until then layers run whole."""
+        wanted = settings.hybrid()
+        if wanted is None:
+            return
+        key = (self.shape_key(), device)
+        if self._hybrid_key == key or self._forwarded != key[0]:
+            return
+        self.hybrid = hybrid_module.plan(self.net, device, wanted)
+        self._hybrid_key = key
+        log.info("Hybrid split on %s: %s", device.name, ", ".join(
+            f"{self.net.layers[index].name} {share:.2f}" for index, share in sorted(self.hybrid.items())) or "none")
+
+    def _split(self, device, index):
+        """The HybridLayer running layer `index` split between the host and
+        `device` at its hybrid share, or None: no share, a share of 0 or 1
+        (the layer runs whole), no device path, or a batch it cannot split."""
+        share = self.hybrid.get(index)
+        if share is None or not 0 < share < 1 or self.batch(index) is None:
+            return None
+        layer, bottoms, tops = self._layer(index)
+        if not layer.runs_on(device, bottoms, tops):
+            return None
+        runner = self._hybrid_runners.get(index)
+        if runner is None or runner.device is not device or runner.share != share:
+            runner = self._hybrid_runners[index] = hybrid_module.HybridLayer(layer, device, share)
+        return runner
+
     def backward_on(self, device, index):
         """Layer `index`'s backward on `device` (see run_on)."""
         layer, bottoms, tops = self._layer(index)
         propagate_down = self.net.bottom_need_backward[index]
         with layer.naming_allocations(tops):
-            if layer.runs_on(device, bottoms, tops):
+            split = self._split(device, index)
+            if split is not None:
+                split.backward(tops, propagate_down, bottoms)
+            elif layer.runs_on(device, bottoms, tops):
                 layer.backward_on(device, tops, propagate_down, bottoms)
             else:
                 self.blas.set(self.threads)

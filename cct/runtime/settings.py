@@ -18,6 +18,10 @@ Environment variables:
                             backward (cct.runtime.scheduler)
     CCT_FUSION              1 or 0: whether TEST-phase nets run with
                             inference fusion (cct.runtime.fusion)
+    CCT_GPU                 an OpenCL device id (or ids, 0,1): layers run on it
+                            unless set_mode_cpu/set_mode_gpu said otherwise
+    CCT_HYBRID              1 or 0: on a device, split each layer's batch between
+                            the host and the device (cct.runtime.hybrid)
 
 The run configuration, a JSON file named by CCT_CONFIG or loaded with
 `cct.runtime.settings.load(path)`:
@@ -79,6 +83,14 @@ setting. Precedence: set_fusion(), then CCT_FUSION, then the configuration,
 then on. The switch is read when a net's executor is made (as the net is
 built); a net keeps what it was built with.
 
+Top-level "hybrid": on an OpenCL device (set_mode_gpu, --gpu, CCT_GPU),
+true splits every layer that can be split between the host and the
+device by the FLOPS rule (cct.runtime.hybrid); an object {"conv1": 0.85,
+"default": 0.5} sets the device's share of those layers' batch instead of
+measuring it (0: all on the host, 1: all on the device); false: no split.
+Precedence: set_hybrid() (the CLI's --hybrid), then CCT_HYBRID, then the
+configuration, then off.
+
 Unknown keys and bad values are errors naming the file and the key. Layers a
 net does not have are ignored (a train and a test net share one file).
 Precedence for a convolution's lowering type: the layer's entry, then the
@@ -101,7 +113,7 @@ PARTITIONS_ENV = "CCT_PARTITIONS"
 LOWERING_ENV = "CCT_LOWERING"
 BUDGET_ENV = "CCT_LOWERING_BUDGET_MB"
 CACHE_ENV = "CCT_CACHE_DIR"
-TOP_KEYS = ("layers", "default", "share_diffs", "schedule", "priorities", "fusion")
+TOP_KEYS = ("layers", "default", "share_diffs", "schedule", "priorities", "fusion", "hybrid")
 PRIORITY_KEYS = ("alpha", "beta")
 SCHEDULE_ENV = "CCT_SCHEDULE"
 SCHEDULES = ("sequential", "streams", "tuned", "auto")
@@ -187,6 +199,7 @@ class RunConfig:
         self.priorities = _check_priorities(self.source, contents.get("priorities", {}))
         self.share_diffs = contents.get("share_diffs")           # None: the caller's default
         self.fusion = contents.get("fusion")                     # None: not set here
+        self.hybrid = _check_hybrid(self.source, contents.get("hybrid"))
         if "fusion" in contents and not isinstance(self.fusion, bool):
             raise ConfigError(f"{self.source}: fusion: must be true or false, got {json.dumps(self.fusion)}")
         if "share_diffs" in contents and not isinstance(self.share_diffs, bool):
@@ -204,6 +217,19 @@ class RunConfig:
         """The layer's setting, else the default's, else None."""
         value = self.layer_value(layer_name, key)
         return self.default_value(key) if value is None else value
+
+
+def _check_hybrid(source, value):
+    """The "hybrid" entry: None (not set), False, True, or {layer or "default": share in [0, 1]}."""
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: hybrid: must be true, false or {{layer name: device share}}, "
+                          f"got {json.dumps(value)}")
+    for name, share in value.items():
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise ConfigError(f"{source}: hybrid.{name}: must be a device share from 0 to 1, got {json.dumps(share)}")
+    return {name: float(share) for name, share in value.items()}
 
 
 def parse(text, source="<config>"):
@@ -362,6 +388,34 @@ def opencl_device(index):
         return opencl.device(index)
     except DeviceError as error:
         raise ConfigError(str(error)) from None
+
+
+_hybrid = None              # set by set_hybrid(); wins over CCT_HYBRID
+HYBRID_ENV = "CCT_HYBRID"
+
+
+def set_hybrid(enabled):
+    """--hybrid: split layers between the host and the device (True), or not
+    (False); None: back to CCT_HYBRID and the configuration."""
+    global _hybrid
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ConfigError(f"hybrid: must be True, False or None, got {enabled!r}")
+    _hybrid = enabled
+
+
+def hybrid(config=None):
+    """None when layers are not split; else the configured shares
+    {layer name or "default": device share}, possibly empty (all measured)."""
+    config = config or active()
+    configured = config.hybrid if config is not None else None
+    enabled = _hybrid
+    if enabled is None:
+        enabled = _env_bool(HYBRID_ENV)
+    if enabled is None:
+        enabled = bool(configured)
+    if not enabled:
+        return None
+    return dict(configured) if isinstance(configured, dict) else {}
 
 
 _fusion = None              # set by set_fusion(); wins over CCT_FUSION

@@ -1,0 +1,308 @@
+"""The hybrid CPU+device split (Caffe con Troll, Sec. 3.3): a layer's batch
+divided between the host and an OpenCL device, "each device takes a fraction
+p_i of the input, p_i the fraction of the total FLOPS that device
+contributes", the model shared.
+
+A HybridLayer runs rows [0, c) of the batch on the host (a twin of the layer
+on views of those rows, its own forward and backward, accumulating into the
+layer's parameter diffs) and rows [c, N) on the device (a twin on Rows blobs
+whose device buffers are shards of the net's blobs: Blob mirrors keep one
+range of elements on a device, cct.core.blob.Mirror.rows_on). The device's
+kernels are queued first and run while the host computes its rows. A top's
+device rows stay on the device after the layer (the mirror's SPLIT head), so
+the next layer on the same split reads them there: activations cross between
+host and device only where the split changes, or where the host reads a
+whole blob (a loss, pycaffe).
+
+Parameters: the master weights stay on the host (the solver has one code
+path); the device twin reads their device copy, refreshed after each update
+(the mirror's head), and accumulates into a private device diff that is
+added into the host diff after its backward. Layers that mix the batch
+(losses, BatchNorm in training) are never split: can_partition says so.
+
+Splits: `plan(...)` gives each splittable layer with GEMM work the device
+share T_host / (T_host + T_device), its FLOPS share, from its forward and
+backward timed whole on each side (measured once per net shape and machine,
+cached); a layer without GEMM work (pooling, ReLU, LRN) takes the split of the
+layer that made its bottom, so the shards stay where they are. The run
+configuration's "hybrid" entry may set any layer's share.
+"""
+import hashlib
+import json
+import os
+import platform
+import time
+
+from cct.core.blob import Blob
+from cct.core.errors import ConfigError
+from cct.formats.prototxt import atomic_write
+from cct.runtime import settings
+from cct.runtime.partition import BlobSlice
+
+
+class HostRows(BlobSlice):
+    """Rows [start, stop) of a blob's batch on the host, made without marking
+    the blob written (its device rows stay where they are): the host part of
+    a split reads and writes only its own rows."""
+
+    def __init__(self, blob, start, stop):
+        self.dtype = blob.dtype
+        self._shape = (stop - start,) + blob.shape[1:]
+        self._data = blob._data[start:stop]
+        self._diff = None
+        self._rows = (blob, start, stop)
+
+    def _allocate_diff(self):
+        blob, start, stop = self._rows
+        if blob._diff is None:
+            blob._allocate_diff()
+        self._diff = blob._diff[start:stop]
+        return self._diff
+
+
+class _RowsMirror:
+    """The mirror of a Rows blob: its parent's mirror, asked for one range."""
+    head = "rows"                 # never HOST: a host read goes through to_host
+
+    def __init__(self, parent, which, start, stop, upload):
+        self.parent, self.which, self.start, self.stop, self.upload = parent, which, start, stop, upload
+
+    def _mirror(self):
+        if self.which == "diff" and self.parent._diff is None:
+            self.parent._allocate_diff()
+        return self.parent._data_mirror if self.which == "data" else self.parent._diff_mirror
+
+    def on(self, device):
+        return self._mirror().rows_on(device, self.start, self.stop)
+
+    def written_on(self, device):
+        return self._mirror().rows_on(device, self.start, self.stop, upload=self.upload)
+
+    def to_host(self):
+        mirror = self._mirror()        # a host read of a device part (labels): the whole blob, host-writable
+        mirror.to_host()
+        mirror.head = "host"
+
+
+class Rows(Blob):
+    """Rows [start, stop) of a blob's batch, for a device twin: its device
+    buffers are the parent's shard of those rows (elements start*inner to
+    stop*inner); `fresh`: a written top need not be copied up first."""
+
+    def __init__(self, blob, start, stop, fresh=False):
+        self.dtype = blob.dtype
+        self._shape = (stop - start,) + blob.shape[1:]
+        inner = blob.count_range(1)
+        self._data_store = blob._data_store
+        self._data = blob._data[start:stop]
+        self._diff_store = None
+        self._diff = None
+        self._rows = (blob, start, stop)
+        self._data_mirror = _RowsMirror(blob, "data", start * inner, stop * inner, upload=not fresh)
+        self._diff_mirror = _RowsMirror(blob, "diff", start * inner, stop * inner, upload=not fresh)
+
+    def _allocate_diff(self):
+        blob, start, stop = self._rows
+        if blob._diff is None:
+            blob._allocate_diff()
+        self._diff = blob._diff[start:stop]
+        return self._diff
+
+    def device_diff(self, device):
+        return self._diff_mirror.on(device)
+
+    def mutable_device_diff(self, device):
+        return self._diff_mirror.written_on(device)
+
+    def reshape(self, *shape):
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        if tuple(int(d) for d in shape) != self._shape:
+            raise ValueError(f"rows {self._shape} of a split blob cannot be reshaped to {shape}")
+
+
+def _param_on_device(blob):
+    """A device twin's parameter: the layer's data (its mirror: the device copy
+    is refreshed only after the host wrote it) and a private diff."""
+    twin = Blob(blob.shape, blob.dtype)
+    twin.share_data(blob)
+    twin._allocate_diff()
+    return twin
+
+
+class HybridLayer:
+    """Runs `layer` with rows [0, cut) of its batch on the host and the rest
+    on `device`, cut = round(batch * (1 - share))."""
+
+    def __init__(self, layer, device, share):
+        self.layer, self.device, self.share = layer, device, float(share)
+        self.host_twin = layer.clone(2)
+        self.host_twin.blobs = layer.blobs
+        self.device_twin = layer.clone(2)
+        self.device_twin.blobs = [_param_on_device(blob) for blob in layer.blobs]
+
+    def cut(self, batch):
+        """The first row the device runs: the host gets the rest of the share, rounded."""
+        return batch - int(round(batch * self.share))
+
+    def _parts(self, bottoms, tops, writing_tops):
+        """(host bottoms, host tops, device bottoms, device tops, cut); either side empty when it has no rows."""
+        batch = bottoms[0].shape[0]
+        cut = self.cut(batch)
+        host = ([HostRows(b, 0, cut) for b in bottoms], [HostRows(t, 0, cut) for t in tops]) if cut else None
+        device = None
+        if cut < batch:
+            device_bottoms = [Rows(b, cut, batch) for b in bottoms]
+            device_tops = [next((v for b, v in zip(bottoms, device_bottoms) if b is t), None)
+                           or Rows(t, cut, batch, fresh=writing_tops) for t in tops]
+            device = (device_bottoms, device_tops)
+        return host, device, cut
+
+    def _rest_on_host(self, blobs, which, written, cut):
+        """The host current in every blob's `which` outside the device's rows."""
+        for blob in blobs:
+            if which == "diff" and blob._diff is None:
+                blob._allocate_diff()
+            inner, batch = blob.count_range(1), blob.shape[0]
+            mirror = blob._data_mirror if which == "data" else blob._diff_mirror
+            mirror.rest_on_host(written, cut * inner, batch * inner)
+
+    def forward(self, bottoms, tops):
+        host, device, cut = self._parts(bottoms, tops, writing_tops=True)
+        self._rest_on_host(bottoms, "data", False, cut)
+        self._rest_on_host(tops, "data", True, cut)
+        if device is not None:                   # queued first: the device runs while the host computes
+            self.device_twin.reshape(*device)
+            self.device_twin.forward_on(self.device, *device)
+        if host is not None:
+            self.host_twin.reshape(*host)
+            self.host_twin.forward(*host)
+
+    def backward(self, tops, propagate_down, bottoms):
+        host, device, cut = self._parts(bottoms, tops, writing_tops=False)
+        self._rest_on_host(tops + bottoms, "data", False, cut)
+        self._rest_on_host(tops, "diff", False, cut)
+        self._rest_on_host([b for b, down in zip(bottoms, propagate_down) if down], "diff", True, cut)
+        private = []
+        if device is not None:
+            self.device_twin.param_propagate_down = self.layer.param_propagate_down
+            for index, param in enumerate(self.device_twin.blobs):
+                if self.layer.param_wanted(index):
+                    self.device.fill(param._diff_mirror.written_on(self.device, upload=False), 0.0, param.count)
+                    private.append((index, param))
+            self.device_twin.backward_on(self.device, device[1], propagate_down, device[0])
+        if host is not None:
+            self.host_twin.param_propagate_down = self.layer.param_propagate_down
+            self.host_twin.backward(host[1], propagate_down, host[0])
+        for index, param in private:             # the device's parameter gradients into the host's
+            self.layer.blobs[index].diff += param.diff
+
+
+# --- the split: each layer's FLOPS share -------------------------------------------------------
+def flops_share(host_seconds, device_seconds):
+    """The device's fraction of the batch by the FLOPS rule: its rate over
+    the sum of both rates, 1/T_device / (1/T_host + 1/T_device)."""
+    if device_seconds <= 0:
+        return 1.0
+    if host_seconds <= 0:
+        return 0.0
+    return host_seconds / (host_seconds + device_seconds)
+
+
+def _time(run, device, repeats):
+    """Best of `repeats` runs of `run` (after one warm-up), the device drained after each."""
+    best = float("inf")
+    for attempt in range(repeats + 1):
+        start = time.perf_counter()
+        run()
+        device.finish()
+        if attempt:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def layer_times(net, index, device, repeats=2):
+    """(host seconds, device seconds) of layer `index`'s forward and backward
+    on its whole batch, at the net's current blobs."""
+    layer, bottoms, tops = net.layers[index], net.bottom_vecs[index], net.top_vecs[index]
+    down = net.bottom_need_backward[index]
+
+    def on_host():
+        layer.forward(bottoms, tops)
+        if net.layer_need_backward[index]:
+            layer.backward(tops, down, bottoms)
+
+    def on_device():
+        layer.forward_on(device, bottoms, tops)
+        if net.layer_need_backward[index]:
+            layer.backward_on(device, tops, down, bottoms)
+    return _time(on_host, device, repeats), _time(on_device, device, repeats)
+
+
+def splittable(net, index, device):
+    """Whether layer `index` may be split: its batch can be divided and it has a device path."""
+    executor, layer = net.executor, net.layers[index]
+    return (executor.batch(index) is not None and net.layers[index].runs_on(device, net.bottom_vecs[index],
+                                                                              net.top_vecs[index])
+            and layer.type not in ("Input", "Data"))
+
+
+def measure_shares(net, device, repeats=2):
+    """{layer index: device share} by the FLOPS rule for every splittable
+    layer with GEMM work (Layer.flops), each timed whole on both sides; the
+    other splittable layers take the share of the layer that made their
+    first bottom, when it has one. Leaves the parameter diffs cleared."""
+    shares, producer = {}, {}
+    for index in range(len(net.layers)):
+        if splittable(net, index, device):
+            if any(net.layers[index].flops(net.bottom_vecs[index], net.top_vecs[index])):
+                shares[index] = flops_share(*layer_times(net, index, device, repeats))
+            elif net.bottom_vecs[index] and id(net.bottom_vecs[index][0]) in producer:
+                made_by = producer[id(net.bottom_vecs[index][0])]
+                if made_by in shares:
+                    shares[index] = shares[made_by]
+        for top in net.top_vecs[index]:
+            producer[id(top)] = index
+    net.clear_param_diffs()
+    return shares
+
+
+def cache_path(net, device):
+    """Where the measured shares of `net` at its current shapes, with this
+    device, host and thread count, are kept."""
+    executor = net.executor
+    identity = json.dumps([net.net_param.SerializeToString(deterministic=True).hex(),
+                           [list(blob.shape) for blob in net.blobs.values()], executor.threads,
+                           device.name, platform.node(), platform.machine(), os.cpu_count()], default=str)
+    return settings.cache_dir() / "hybrid" / (hashlib.sha256(identity.encode()).hexdigest()[:24] + ".json")
+
+
+def plan(net, device, configured=None):
+    """{layer index: device share} for the hybrid split: the run
+    configuration's shares (`configured`, {layer name or "default": share})
+    where it sets them, else the FLOPS rule's, measured on the net's current
+    blobs once and cached (nothing is measured when a default covers every layer)."""
+    configured = configured or {}
+    names = {layer.name: index for index, layer in enumerate(net.layers)}
+    unknown = sorted(set(configured) - set(names) - {"default"})
+    if unknown:
+        raise ConfigError(f"hybrid: no layer named {unknown[0]!r} in net '{net.name}'")
+    if "default" in configured:
+        shares = {index: configured["default"] for index in range(len(net.layers)) if splittable(net, index, device)}
+    else:
+        shares = measured_shares(net, device)
+    shares.update({names[name]: share for name, share in configured.items() if name != "default"})
+    return shares
+
+
+def measured_shares(net, device):
+    """measure_shares, read from the cache when this net, shape and machine were measured before."""
+    path = cache_path(net, device)
+    try:
+        return {int(key): float(value) for key, value in json.loads(path.read_text()).items()}
+    except (ValueError, OSError):
+        pass                                   # none yet, or unreadable: measure
+    measured = measure_shares(net, device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps({str(key): value for key, value in measured.items()}).encode())
+    return measured

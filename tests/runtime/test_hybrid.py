@@ -1,0 +1,149 @@
+"""The hybrid CPU+device split (cct.runtime.hybrid): BVLC Caffe's reference
+cases with every splittable layer's batch divided between the host and the
+OpenCL device at uneven shares, the solver cases too; the shards staying on
+the device between layers on one split; the FLOPS rule, its cache and the
+run configuration's shares."""
+import json
+
+import numpy as np
+import pytest
+
+import cct
+from cct.core.blob import SPLIT
+from cct.runtime import hybrid, settings
+from helpers.devices import opencl_or_skip
+from helpers.reference import (CASE_NAMES, CASES, assert_matches_caffe, assert_solver_matches_caffe, load_case,
+                               run_solver_case)
+
+
+@pytest.fixture
+def on_opencl(monkeypatch):
+    device = opencl_or_skip()
+    monkeypatch.setattr(settings, "_device_mode", "gpu")
+    monkeypatch.setattr(settings, "_device_id", device.index)
+    return device
+
+
+def split_everything(net, device, share):
+    net.executor.hybrid = {index: share for index in range(len(net.layers))
+                           if hybrid.splittable(net, index, device)}
+
+
+def batch_of(name):
+    net, inputs, _ = load_case(name)
+    return min((v.shape[0] for v in inputs.values() if v.ndim), default=0)
+
+
+# cases whose batch has at least two samples, so a share can put rows on each side
+SPLIT_CASES = [name for name in CASE_NAMES if (CASES / name / "inputs.npz").exists() and batch_of(name) >= 2]
+
+
+@pytest.mark.parametrize("share", [0.3, 0.85])
+@pytest.mark.parametrize("name", SPLIT_CASES)
+def test_reference_case_split_between_host_and_device(name, share, on_opencl):
+    net, inputs, top_diffs = load_case(name)
+    split_everything(net, on_opencl, share)
+    for blob_name, values in inputs.items():
+        net.blobs[blob_name].data[...] = values
+    net.forward()
+    for blob_name, values in top_diffs.items():
+        net.blobs[blob_name].diff[...] = values
+    net.backward()
+    assert_matches_caffe(net, name)
+    for index in net.executor.hybrid:
+        assert net.executor.placed[index].startswith(f"hybrid: {share:.2f}"), net.layers[index].name
+
+
+def test_some_cases_are_really_split():
+    """Not a vacuous pass: the convolution and inner product cases have batches to split."""
+    assert {"conv_basic", "inner_product", "pool_max_pad"} <= set(SPLIT_CASES)
+
+
+@pytest.mark.parametrize("share", [0.3, 0.85])
+@pytest.mark.parametrize("case", ["lenet_sgd", "caffenet_mini_sgd"])
+def test_reference_solver_case_split(case, share, on_opencl, monkeypatch):
+    monkeypatch.chdir(CASES / case)
+    monkeypatch.setattr(settings, "_hybrid", True)
+    monkeypatch.setattr(settings, "active", lambda: settings.parse(json.dumps({"hybrid": {"default": share}})))
+    monkeypatch.setattr(hybrid, "measure_shares", lambda *args: pytest.fail("configured shares measure nothing"))
+    solver = run_solver_case(case)
+    assert_solver_matches_caffe(solver)
+    placed = solver.net.executor.placed
+    assert any(where.startswith(f"hybrid: {share:.2f}") for where in placed.values())
+
+
+def test_a_shard_stays_on_the_device_between_layers_on_one_split(on_opencl):
+    """conv then ReLU in place then conv, all at 0.5: the ReLU's and the second
+    convolution's device rows are read from the shard the first convolution
+    wrote; no copy down in between, until the host reads the whole blob."""
+    net = cct.Net(NET_TEXT, cct.TRAIN)
+    split_everything(net, on_opencl, 0.5)
+    net.blobs["data"].data[...] = np.random.default_rng(0).standard_normal(net.blobs["data"].shape)
+    downloads = []
+    original = type(on_opencl).download
+    try:
+        type(on_opencl).download = lambda self, *args, **kwargs: (downloads.append(args[1].size),
+                                                                  original(self, *args, **kwargs))
+        for index in range(len(net.layers)):
+            net.executor.forward(index)
+        assert downloads == []
+        assert net.blobs["conv1"]._data_mirror.head == SPLIT
+        values = net.blobs["conv2"].data                     # the whole blob on the host: its rows come down
+        assert downloads == [net.blobs["conv2"].count // 2]
+    finally:
+        type(on_opencl).download = original
+    reference = cct.Net(NET_TEXT, cct.TRAIN)
+    reference.copy_from_net = None
+    for name, params in net.params.items():
+        for ours, theirs in zip(params, reference.params[name]):
+            theirs.data[...] = ours.data
+    cct.set_mode_cpu()
+    try:
+        reference.blobs["data"].data[...] = net.blobs["data"].data
+        reference.forward()
+    finally:
+        settings.set_mode("gpu")
+    np.testing.assert_allclose(values, reference.blobs["conv2"].data, rtol=1e-5, atol=1e-5)
+
+
+NET_TEXT = """name: "split" force_backward: true
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 4 dim: 2 dim: 6 dim: 6 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 3 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "conv2" type: "Convolution" bottom: "conv1" top: "conv2"
+        convolution_param { num_output: 2 kernel_size: 3 weight_filler { type: "gaussian" std: 0.3 } } }
+"""
+
+
+def test_flops_share_is_each_sides_rate_over_the_sum():
+    assert hybrid.flops_share(3.0, 1.0) == pytest.approx(0.75)        # the device 3x as fast: 3/4 of the batch
+    assert hybrid.flops_share(1.0, 1.0) == pytest.approx(0.5)
+    assert hybrid.flops_share(1.0, 0.0) == 1.0 and hybrid.flops_share(0.0, 1.0) == 0.0
+
+
+def test_the_plan_measures_once_caches_and_takes_configured_shares(on_opencl, tmp_path, monkeypatch):
+    monkeypatch.setenv("CCT_CACHE_DIR", str(tmp_path))
+    net = cct.Net(NET_TEXT, cct.TRAIN)
+    net.blobs["data"].data[...] = 1.0
+    net.forward()
+    shares = hybrid.plan(net, on_opencl)
+    names = {net.layers[index].name: share for index, share in shares.items()}
+    assert set(names) == {"conv1", "relu1", "conv2"}
+    assert all(0.0 <= share <= 1.0 for share in names.values())
+    assert names["relu1"] == names["conv1"]                # no GEMM work: the split of its bottom's maker
+    cached = list((tmp_path / "hybrid").glob("*.json"))
+    assert len(cached) == 1
+    monkeypatch.setattr(hybrid, "measure_shares", lambda *args: pytest.fail("measured again"))
+    assert hybrid.plan(net, on_opencl) == shares
+    configured = hybrid.plan(net, on_opencl, {"default": 0.25, "conv2": 0.9})
+    assert {net.layers[i].name: s for i, s in configured.items()} == {"conv1": 0.25, "relu1": 0.25, "conv2": 0.9}
+    with pytest.raises(cct.ConfigError, match="hybrid: no layer named 'nope'"):
+        hybrid.plan(net, on_opencl, {"nope": 0.5})
+
+
+def test_the_run_configuration_checks_its_hybrid_entry():
+    assert settings.parse('{"hybrid": {"conv1": 0.85}}').hybrid == {"conv1": 0.85}
+    for bad in ('{"hybrid": 2}', '{"hybrid": {"conv1": 1.5}}', '{"hybrid": {"conv1": true}}'):
+        with pytest.raises(cct.ConfigError, match="hybrid"):
+            settings.parse(bad)
