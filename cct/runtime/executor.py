@@ -277,7 +277,7 @@ class Executor:
             if split is not None:
                 split.forward(bottoms, tops)
                 self.placed[index] = f"hybrid: {split.share:.2f} of the batch on {device.name}"
-            elif layer.runs_on(device, bottoms, tops):
+            elif layer.runs_on(device, bottoms, tops) and self.hybrid.get(index) != 0:
                 layer.forward_on(device, bottoms, tops)
                 self.placed[index] = device.name
             else:
@@ -304,7 +304,8 @@ class Executor:
     def _split(self, device, index):
         """The HybridLayer running layer `index` split between the host and
         `device` at its hybrid share, or None: no share, a share of 0 or 1
-        (the layer runs whole), no device path, or a batch it cannot split."""
+        (the layer runs whole: on the host, on the device), no device path,
+        or a batch it cannot split."""
         share = self.hybrid.get(index)
         if share is None or not 0 < share < 1 or self.batch(index) is None:
             return None
@@ -324,7 +325,7 @@ class Executor:
             split = self._split(device, index)
             if split is not None:
                 split.backward(tops, propagate_down, bottoms)
-            elif layer.runs_on(device, bottoms, tops):
+            elif layer.runs_on(device, bottoms, tops) and self.hybrid.get(index) != 0:
                 layer.backward_on(device, tops, propagate_down, bottoms)
             else:
                 self.blas.set(self.threads)

@@ -54,6 +54,21 @@ def test_reference_case_split_between_host_and_device(name, share, on_opencl):
         assert net.executor.placed[index].startswith(f"hybrid: {share:.2f}"), net.layers[index].name
 
 
+@pytest.mark.parametrize("share, where", [(0.0, "host"), (1.0, "device")])
+def test_a_share_of_0_or_1_runs_the_layer_whole_on_one_side(share, where, on_opencl):
+    net, inputs, top_diffs = load_case("conv_basic")
+    split_everything(net, on_opencl, share)
+    for blob_name, values in inputs.items():
+        net.blobs[blob_name].data[...] = values
+    net.forward()
+    for blob_name, values in top_diffs.items():
+        net.blobs[blob_name].diff[...] = values
+    net.backward()
+    conv = next(i for i, layer in enumerate(net.layers) if layer.type == "Convolution")
+    assert net.executor.placed[conv] == (on_opencl.name if where == "device" else "host")
+    assert_matches_caffe(net, "conv_basic")
+
+
 def test_some_cases_are_really_split():
     """Not a vacuous pass: the convolution and inner product cases have batches to split."""
     assert {"conv_basic", "inner_product", "pool_max_pad"} <= set(SPLIT_CASES)
