@@ -20,12 +20,16 @@ path); the device twin reads their device copy, refreshed after each update
 added into the host diff after its backward. Layers that mix the batch
 (losses, BatchNorm in training) are never split: can_partition says so.
 
-Splits: `plan(...)` gives each splittable layer with GEMM work the device
-share T_host / (T_host + T_device), its FLOPS share, from its forward and
-backward timed whole on each side (measured once per net shape and machine,
-cached); a layer without GEMM work (pooling, ReLU, LRN) takes the split of the
-layer that made its bottom, so the shards stay where they are. The run
-configuration's "hybrid" entry may set any layer's share.
+Splits: `plan(...)` gives the splittable layers their device share by the
+FLOPS rule, T_host / (T_host + T_device), each layer's forward and backward
+timed whole on each side; a chain of splittable layers each feeding the
+next gets one cut from their summed times, so that no rows cross between
+host and device inside it; and of the whole row counts around the rule's
+share, timed on the device, and none, the one finishing first
+(best_rows): what a split costs beyond FLOPs (the device's fixed cost per
+call, the host's time to queue its work) is measured, not assumed away.
+Measured once per net shape and machine, cached. The run configuration's
+"hybrid" entry may set any layer's share.
 """
 import hashlib
 import json
@@ -209,16 +213,42 @@ def flops_share(host_seconds, device_seconds):
     return host_seconds / (host_seconds + device_seconds)
 
 
-def _time(run, device, repeats):
-    """Best of `repeats` runs of `run` (after one warm-up), the device drained after each."""
-    best = float("inf")
+def candidate_rows(batch, host_seconds, device_seconds):
+    """The device's row counts worth timing: the whole numbers around the
+    FLOPS rule's share of the batch (flops_share), and one below."""
+    balanced = batch * flops_share(host_seconds, device_seconds)
+    low = int(balanced)
+    return sorted({rows for rows in (low - 1, low, low + 1) if 1 <= rows <= batch})
+
+
+def best_rows(batch, host_seconds, device_times):
+    """Of 0 and the row counts timed on the device ({rows: (seconds, of
+    which the host's queuing)}), the one whose slower side finishes first:
+    the host's rows at T_host/N each plus its queuing of the device's work,
+    against the device's measured time. The FLOPS rule's split, with what
+    a split costs beyond FLOPs (the device's fixed cost per call, the
+    host's time to queue it) measured instead of assumed away."""
+    def finish(rows):
+        if not rows:
+            return host_seconds
+        seconds, queuing = device_times[rows]
+        return max(host_seconds * (batch - rows) / batch + queuing, seconds)
+    return min([0] + sorted(device_times), key=finish)
+
+
+def _time(run, device, repeats, queued=False):
+    """Best of `repeats` runs of `run` (after one warm-up), the device drained
+    after each; with `queued`, also the best time until `run` returned (the
+    host's share of a device's run: queuing it)."""
+    best, best_queued = float("inf"), float("inf")
     for attempt in range(repeats + 1):
         start = time.perf_counter()
         run()
+        returned = time.perf_counter()
         device.finish()
         if attempt:
-            best = min(best, time.perf_counter() - start)
-    return best
+            best, best_queued = min(best, time.perf_counter() - start), min(best_queued, returned - start)
+    return (best, best_queued) if queued else best
 
 
 def layer_times(net, index, device, repeats=2):
@@ -239,6 +269,23 @@ def layer_times(net, index, device, repeats=2):
     return _time(on_host, device, repeats), _time(on_device, device, repeats)
 
 
+def device_rows_time(net, index, device, rows, repeats=2):
+    """(seconds, of which the host's queuing) of layer `index`'s forward and
+    backward on the device's part alone when it gets the last `rows` rows
+    of the batch (as a split runs it)."""
+    layer, bottoms, tops = net.layers[index], net.bottom_vecs[index], net.top_vecs[index]
+    down = net.bottom_need_backward[index]
+    runner = HybridLayer(layer, device, rows / bottoms[0].shape[0])
+    _, (part_bottoms, part_tops), _ = runner._parts(bottoms, tops, writing_tops=False)
+
+    def on_device():
+        runner.device_twin.reshape(part_bottoms, part_tops)
+        runner.device_twin.forward_on(device, part_bottoms, part_tops)
+        if net.layer_need_backward[index]:
+            runner.device_twin.backward_on(device, part_tops, down, part_bottoms)
+    return _time(on_device, device, repeats, queued=True)
+
+
 def splittable(net, index, device):
     """Whether layer `index` may be split: its batch can be divided and it has a device path."""
     executor, layer = net.executor, net.layers[index]
@@ -248,23 +295,49 @@ def splittable(net, index, device):
 
 
 def measure_shares(net, device, repeats=2):
-    """{layer index: device share} by the FLOPS rule for every splittable
-    layer with GEMM work (Layer.flops), each timed whole on both sides; the
-    other splittable layers take the share of the layer that made their
-    first bottom, when it has one. Leaves the parameter diffs cleared."""
-    shares, producer = {}, {}
+    """{layer index: device share} for every splittable layer: over each
+    chain of splittable layers, each feeding the next (conv, ReLU, pooling,
+    LRN, ...), one cut, since a cut that moved between two layers would copy
+    the rows between host and device there. The chain's layers with work to
+    count (Layer.flops) are timed whole on each side; the device's part
+    alone is timed at the row counts around the FLOPS rule's share of
+    their summed times (candidate_rows), and best_rows picks among them and
+    none. Leaves the parameter diffs cleared."""
+    chains, chain_of = [], {}                  # chain: [batch, indexes, timed indexes]; chain_of: top -> chain
     for index in range(len(net.layers)):
-        if splittable(net, index, device):
-            if any(net.layers[index].flops(net.bottom_vecs[index], net.top_vecs[index])):
-                shares[index] = flops_share(*layer_times(net, index, device, repeats))
-            elif net.bottom_vecs[index] and id(net.bottom_vecs[index][0]) in producer:
-                made_by = producer[id(net.bottom_vecs[index][0])]
-                if made_by in shares:
-                    shares[index] = shares[made_by]
-        for top in net.top_vecs[index]:
-            producer[id(top)] = index
+        bottoms, tops = net.bottom_vecs[index], net.top_vecs[index]
+        if not splittable(net, index, device):
+            for top in tops:
+                chain_of.pop(id(top), None)
+            continue
+        batch = bottoms[0].shape[0]
+        chain = chain_of.get(id(bottoms[0]))
+        if chain is None or chain[0] != batch:
+            chain = [batch, [], []]
+            chains.append(chain)
+        chain[1].append(index)
+        if any(net.layers[index].flops(bottoms, tops)):
+            chain[2].append(index)
+        for top in tops:
+            chain_of[id(top)] = chain
+    shares = {}
+    for batch, indexes, timed in chains:
+        shares.update({index: _chain_rows(net, device, batch, timed, repeats) / batch for index in indexes})
     net.clear_param_diffs()
     return shares
+
+
+def _chain_rows(net, device, batch, timed, repeats):
+    """The device's rows for a chain whose layers `timed` have work to count."""
+    if not timed:
+        return 0
+    whole = [layer_times(net, index, device, repeats) for index in timed]
+    host_seconds = sum(host for host, _ in whole)
+    device_times = {}
+    for rows in candidate_rows(batch, host_seconds, sum(on_device for _, on_device in whole)):
+        parts = [device_rows_time(net, index, device, rows, repeats) for index in timed]
+        device_times[rows] = (sum(seconds for seconds, _ in parts), sum(queuing for _, queuing in parts))
+    return best_rows(batch, host_seconds, device_times)
 
 
 def cache_path(net, device):

@@ -137,6 +137,21 @@ def test_flops_share_is_each_sides_rate_over_the_sum():
     assert hybrid.flops_share(1.0, 0.0) == 1.0 and hybrid.flops_share(0.0, 1.0) == 0.0
 
 
+def test_the_rows_timed_are_around_the_flops_rules_share():
+    assert hybrid.candidate_rows(32, 1.0, 3.0) == [7, 8, 9]                 # 8 = 32 * 1/4
+    assert hybrid.candidate_rows(32, 1.0, 20.0) == [1, 2]                   # 1.52: 0 is no candidate
+    assert hybrid.candidate_rows(4, 1.0, 0.0) == [3, 4]
+
+
+def test_best_rows_takes_the_count_whose_slower_side_finishes_first():
+    # host 1 s for 32 rows: 1 row leaves it 31/32 s (+ 0.01 s queuing); the device's 0.5 s is faster
+    assert hybrid.best_rows(32, 1.0, {1: (0.5, 0.01), 2: (1.2, 0.01)}) == 1
+    # a device slower on one row than the host on all: none
+    assert hybrid.best_rows(32, 1.0, {1: (1.5, 0.0)}) == 0
+    # queuing on the host counts: 16 rows leave it 0.5 s + 0.6 s
+    assert hybrid.best_rows(32, 1.0, {16: (0.5, 0.6), 8: (0.3, 0.05)}) == 8
+
+
 def test_the_plan_measures_once_caches_and_takes_configured_shares(on_opencl, tmp_path, monkeypatch):
     monkeypatch.setenv("CCT_CACHE_DIR", str(tmp_path))
     net = cct.Net(NET_TEXT, cct.TRAIN)
