@@ -10,6 +10,11 @@ error in it (a missing or undecodable file) is re-raised by forward with the
 layer's name and the file. Each thread draws crops, mirrors and shuffles from
 its own generator seeded from cct.core.rng in setup, so a seeded run repeats.
 HDF5Data holds its files in memory and runs synchronously, as in Caffe.
+
+In data-parallel training (cct.training.distributed) the trainer sets Data,
+ImageData and HDF5Data to read a Shard of their source (Layer.set_shard):
+rank r of N reads the records r, r + N, r + 2N, ... of the one reading
+order every rank walks, as Caffe's DataLayer::Skip does.
 """
 import logging
 import math
@@ -57,6 +62,32 @@ def merged_transform_param(layer, param_name):
 def _thread_rng():
     """A generator for a prefetch thread, seeded from the process-wide one."""
     return np.random.default_rng(int(cct_rng.get_rng().integers(2**63)))
+
+
+class Shard:
+    """Which records of a source a rank of data-parallel training reads
+    (Caffe's DataLayer::Skip): the records are numbered in reading order,
+    wrapping around the source included, and rank r of `size` reads those
+    numbered r modulo size; so `size` ranks of batch b together read, each
+    iteration, the records one reader of batch size*b reads. Shuffles draw from
+    one generator seeded alike on every rank, so every rank walks one order."""
+
+    def __init__(self, rank=0, size=1, seed=None):
+        self.rank, self.size, self.seed = rank, size, seed
+
+    def rng(self, otherwise):
+        """The shuffling generator: seeded alike on every rank, else `otherwise`."""
+        return otherwise if self.seed is None else np.random.default_rng(self.seed)
+
+    def skip(self, offset):
+        """How many records to pass over, `offset` records (ours and the
+        other ranks') into the reading order, before the next one of ours."""
+        return (self.rank - offset) % self.size
+
+
+def check_shard(layer, rank, size):
+    if not (isinstance(size, int) and isinstance(rank, int) and 0 <= rank < size):
+        raise layer.config_error("shard", f"rank {rank!r} of {size!r}: need 0 <= rank < size")
 
 
 # --- prefetching ------------------------------------------------------------------
@@ -134,6 +165,10 @@ class PrefetchingDataLayer(Layer):
 
     def setup(self, bottom, top):
         self.output_labels = len(top) > 1
+        self._top = top
+        self._start(top)
+
+    def _start(self, top):
         load_batch, count = self.data_setup(top)
         self._prefetcher = Prefetcher(load_batch, count, f"cct-prefetch-{self.name}")
         self._finalizer = weakref.finalize(self, _shut_down, self._prefetcher, load_batch)
@@ -180,6 +215,18 @@ class PrefetchingDataLayer(Layer):
         return self._prefetcher is not None and self._prefetcher.alive
 
 
+class ShardedDataLayer(PrefetchingDataLayer):
+    """A prefetching layer whose loader reads a Shard of its source."""
+    shard = Shard()
+
+    def set_shard(self, rank, size, seed):
+        check_shard(self, rank, size)
+        # the thread has read ahead the whole source's records: start it again on our shard
+        self._finalizer()
+        self.shard = Shard(rank, size, seed)
+        self._start(self._top)
+
+
 def _check_batch_size(layer, field, value):
     if value <= 0:
         raise layer.config_error(field, f"must be > 0, got {value}")
@@ -211,7 +258,7 @@ def _dims(shape):
 
 # --- Data ---------------------------------------------------------------------------
 @register("Data")
-class Data(PrefetchingDataLayer):
+class Data(ShardedDataLayer):
     """Datums from an LMDB or LevelDB, in key order, wrapping around at the end.
     data_param: source (db path), backend (LEVELDB default, LMDB), batch_size,
     rand_skip (skip a random 0..rand_skip-1 records at start), prefetch (4),
@@ -238,14 +285,14 @@ class Data(PrefetchingDataLayer):
             raise
         if len(top) > 1:
             top[1].reshape(param.batch_size)
-        loader = _DatumLoader(db, cursor, self.transformer, param.batch_size, param.source)
+        loader = _DatumLoader(db, cursor, self.transformer, param.batch_size, param.source, self.shard)
         return loader, param.prefetch
 
     def _first_record(self, db, param):
         """A cursor on the first record to read, and the batch's shape from it."""
         cursor = db.cursor()
         if param.rand_skip:
-            skip = int(cct_rng.get_rng().integers(param.rand_skip))
+            skip = int(self.shard.rng(cct_rng.get_rng()).integers(param.rand_skip))   # alike on every rank
             log.info("%s: skipping the first %d records", self.where(), skip)
             cursor.skip(skip)
         key, value = cursor.peek()
@@ -266,17 +313,22 @@ def _parse_datum(value, source, key):
 
 
 class _DatumLoader:
-    def __init__(self, db, cursor, transformer, batch_size, source):
+    def __init__(self, db, cursor, transformer, batch_size, source, shard):
         self.db, self.cursor, self.transformer = db, cursor, transformer
-        self.batch_size, self.source = batch_size, source
+        self.batch_size, self.source, self.shard = batch_size, source, shard
+        self.offset = 0                 # records read or passed over
 
     def close(self):
         self.db.close()
 
     def __call__(self):
         keys, images, labels = [], [], np.empty(self.batch_size, np.float32)
+        shard = self.shard
         for index in range(self.batch_size):
+            skip = shard.skip(self.offset)
+            self.cursor.skip(skip)              # the other ranks' records, unparsed
             key, value = self.cursor.next()
+            self.offset += skip + 1
             datum = _parse_datum(value, self.source, key)
             images.append(self.transformer.decode(datum, _record_what(self.source, key)))
             labels[index] = datum.label
@@ -286,7 +338,7 @@ class _DatumLoader:
 
 # --- ImageData ------------------------------------------------------------------------
 @register("ImageData")
-class ImageData(PrefetchingDataLayer):
+class ImageData(ShardedDataLayer):
     """Images named in a list file, each line `relative/path.jpg label`.
     image_data_param: source (the list), root_folder (prefixed to each path),
     batch_size (1), shuffle (reshuffled every epoch), rand_skip, new_height and
@@ -305,15 +357,16 @@ class ImageData(PrefetchingDataLayer):
         rng = _thread_rng()
         self.transformer = DataTransformer(merged_transform_param(self, "image_data_param"),
                                            self.phase, rng, self.where())
+        order_rng = self.shard.rng(rng)     # alike on every rank: one order of the lines
         if param.shuffle:
-            rng.shuffle(entries)
+            order_rng.shuffle(entries)
         start = 0
         if param.rand_skip:
-            start = int(cct_rng.get_rng().integers(param.rand_skip))
+            start = int(self.shard.rng(cct_rng.get_rng()).integers(param.rand_skip))
             if start >= len(entries):
                 raise self.config_error("image_data_param.rand_skip", f"skipping {start} images needs "
                                         f"more than the {len(entries)} in {param.source}")
-        loader = _ImageLoader(entries, start, param, self.transformer, rng)
+        loader = _ImageLoader(entries, start, param, self.transformer, order_rng, self.shard)
         image_shape = loader.read(start).shape
         shape = (param.batch_size,) + self.transformer.infer_shape(image_shape)
         top[0].reshape(shape)
@@ -323,12 +376,13 @@ class ImageData(PrefetchingDataLayer):
 
 
 class _ImageLoader:
-    def __init__(self, entries, start, param, transformer, rng):
+    def __init__(self, entries, start, param, transformer, rng, shard):
         self.entries, self.position, self.transformer, self.rng = entries, start, transformer, rng
         self.source, self.root = param.source, param.root_folder
         self.batch_size, self.shuffle, self.is_color = param.batch_size, param.shuffle, param.is_color
         self.new_height, self.new_width = param.new_height, param.new_width
         self.epoch = 0
+        self.shard, self.offset = shard, 0      # lines read or passed over (Shard)
 
     def what(self, index):
         name, _, number = self.entries[index]
@@ -344,16 +398,22 @@ class _ImageLoader:
     def __call__(self):
         images, labels, whats = [], np.empty(self.batch_size, np.float32), []
         for item in range(self.batch_size):
+            for _ in range(self.shard.skip(self.offset)):      # the other ranks' lines
+                self._advance()
             images.append(self.read(self.position))
             labels[item] = self.entries[self.position][1]
             whats.append(self.what(self.position))
-            self.position += 1
-            if self.position >= len(self.entries):      # an epoch ends: start over, reshuffled
-                self.position = 0
-                self.epoch += 1
-                if self.shuffle:
-                    self.rng.shuffle(self.entries)
+            self._advance()
         return _transform(self.transformer, images, whats.__getitem__), labels
+
+    def _advance(self):
+        self.position += 1
+        self.offset += 1
+        if self.position >= len(self.entries):      # an epoch ends: start over, reshuffled
+            self.position = 0
+            self.epoch += 1
+            if self.shuffle:
+                self.rng.shuffle(self.entries)
 
 
 # --- HDF5Data ----------------------------------------------------------------------------
@@ -367,6 +427,8 @@ class HDF5Data(Layer):
     exact_bottoms = 0
     min_tops = 1
     draws_random = True           # shuffle draws a new order at the end of every pass
+    shard = Shard()
+    _seeded = None                # the shard's shuffling generator (set_shard)
 
     def setup(self, bottom, top):
         param = self.layer_param.hdf5_data_param
@@ -379,13 +441,26 @@ class HDF5Data(Layer):
         self.files = self._read_list(param.source)
         self.names = list(self.layer_param.top)
         self.shuffle = param.shuffle
-        self.file_order = np.arange(len(self.files))
-        if self.shuffle:
-            cct_rng.get_rng().shuffle(self.file_order)
-        self.current_file = 0
-        self._load(self.files[self.file_order[0]])
+        self._first_file()
         for blob, array in zip(top, self.arrays):
             blob.reshape((param.batch_size,) + array.shape[1:])
+
+    def set_shard(self, rank, size, seed):
+        check_shard(self, rank, size)
+        self.shard = Shard(rank, size, seed)
+        self._seeded = self.shard.rng(None)
+        self._first_file()              # the walk starts again, in the order every rank draws
+
+    def _order_rng(self):
+        return cct_rng.get_rng() if self._seeded is None else self._seeded
+
+    def _first_file(self):
+        self.offset = 0                 # rows read or passed over (Shard)
+        self.file_order = np.arange(len(self.files))
+        if self.shuffle:
+            self._order_rng().shuffle(self.file_order)
+        self.current_file = 0
+        self._load(self.files[self.file_order[0]])
 
     def _read_list(self, source):
         names = read_text_file(source, DataError, f"{self.where()}: hdf5_data_param.source: list file").split()
@@ -420,7 +495,7 @@ class HDF5Data(Layer):
         self.arrays, self.rows, self.current_row = arrays, rows, 0
         self.row_order = np.arange(rows)
         if self.shuffle:
-            cct_rng.get_rng().shuffle(self.row_order)
+            self._order_rng().shuffle(self.row_order)
 
     def _next_file(self):
         if len(self.files) > 1:
@@ -428,25 +503,28 @@ class HDF5Data(Layer):
             if self.current_file == len(self.files):
                 self.current_file = 0
                 if self.shuffle:
-                    cct_rng.get_rng().shuffle(self.file_order)
+                    self._order_rng().shuffle(self.file_order)
             self._load(self.files[self.file_order[self.current_file]])
         self.current_row = 0
         if self.shuffle:
-            cct_rng.get_rng().shuffle(self.row_order)
+            self._order_rng().shuffle(self.row_order)
 
     def reshape(self, bottom, top):
         pass
 
     def forward(self, bottom, top):
-        batch = top[0].shape[0]
+        batch, size = top[0].shape[0], self.shard.size
         filled = 0
         while filled < batch:
-            take = min(batch - filled, self.rows - self.current_row)
-            rows = self.row_order[self.current_row:self.current_row + take]
+            first = self.current_row + self.shard.skip(self.offset)      # our next row
+            rows = self.row_order[first:self.rows:size][:batch - filled]
+            take = len(rows)
             for blob, array in zip(top, self.arrays):
                 blob.data[filled:filled + take] = array[rows]
             filled += take
-            self.current_row += take
+            end = first + (take - 1) * size + 1 if filled == batch else self.rows
+            self.offset += end - self.current_row
+            self.current_row = end
             if self.current_row == self.rows:
                 self._next_file()
 

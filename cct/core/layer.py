@@ -211,6 +211,13 @@ class Layer:
     def backward_on(self, device, top, propagate_down, bottom):
         raise NotImplementedError(f"{self.where()}: no device path")
 
+    # --- data-parallel training (cct.training.distributed) -------------------------
+    def set_shard(self, rank, size, seed):
+        """Read only shard `rank` of `size` of the data source from now on
+        (the trainer's rank among `size` processes), shuffling with a
+        generator seeded by `seed`, the same on every rank, so the shards stay
+        disjoint. Layers that read no data source ignore it."""
+
     # --- what the runtime reads ---------------------------------------------------
     def can_partition(self, bottom, top):
         """Whether the runtime may split this layer's batch axis at these blobs
