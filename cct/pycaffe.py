@@ -21,6 +21,7 @@ import numpy as np
 
 from cct.core.errors import ConfigError, ShapeError
 from cct.core.net import Net
+from cct.training import distributed
 
 
 def _batch(self, blobs):
@@ -129,9 +130,11 @@ Net.after_backward = _register("after_backward")
 
 
 # --- multi-process training: pycaffe built without NCCL ----------------------------------
-# Caffe's python/train.py asks has_nccl() and sets the solver count/rank; cct trains in
-# one process, so these behave as in a Caffe build without NCCL: the settings are kept
-# and read back, NCCL objects can be made and handed to solvers and nets, and do nothing.
+# Caffe's python/train.py asks has_nccl() and sets the solver count/rank. cct's processes
+# train together over MPI instead (cct.training.distributed: a solver made under mpirun
+# joins the others by itself), so solver_count and solver_rank are the MPI world's there;
+# in one process they behave as in a Caffe build without NCCL: the settings are kept and
+# read back, NCCL objects can be made and handed to solvers and nets, and do nothing.
 _multiprocess = {"solver_count": 1, "solver_rank": 0, "multiprocess": False}
 
 
@@ -157,7 +160,8 @@ class NCCL:
 
 
 def solver_count():
-    return _multiprocess["solver_count"]
+    world = distributed.world()
+    return world.size if world is not None else _multiprocess["solver_count"]
 
 
 def set_solver_count(count):
@@ -165,7 +169,8 @@ def set_solver_count(count):
 
 
 def solver_rank():
-    return _multiprocess["solver_rank"]
+    world = distributed.world()
+    return world.rank if world is not None else _multiprocess["solver_rank"]
 
 
 def set_solver_rank(rank):

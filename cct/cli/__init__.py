@@ -20,11 +20,13 @@ import argparse
 import logging
 import re
 import sys
+import traceback
 from datetime import datetime
 
 from cct.core.errors import CctError
 from cct.cli import train, time, tools  # noqa: F401  (each registers its commands; --help lists them in this order)
 from cct.cli.commands import COMMANDS
+from cct.training import distributed
 
 log = logging.getLogger("cct.cli")
 
@@ -89,6 +91,26 @@ def build_parser():
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        status = _main(argv)
+    except BaseException:
+        if distributed.running() is not None:
+            traceback.print_exc()
+            _end_every_rank(1)
+        raise
+    if status and distributed.running() is not None:
+        _end_every_rank(status)
+    return status
+
+
+def _end_every_rank(status):
+    """A rank of an MPI run failed: end them all, or the others would wait
+    for it in their next collective forever."""
+    sys.stderr.flush()
+    distributed.running().abort(status)
+
+
+def _main(argv):
     logger, handler, previous_level = _install_log_handler(sys.stderr)
     try:
         if argv and argv[0] in COMMANDS and COMMANDS[argv[0]][2] is None:
@@ -96,7 +118,9 @@ def main(argv=None):
         args = build_parser().parse_args(normalize_flags(argv))
         return args.function(args) or 0
     except (CctError, OSError) as error:
-        print(f"cct: error: {_one_line(error)}", file=sys.stderr)
+        world = distributed.running()
+        where = f"MPI rank {world.rank} of {world.size}: " if world is not None else ""
+        print(f"cct: error: {where}{_one_line(error)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("cct: interrupted", file=sys.stderr)

@@ -28,6 +28,7 @@ log = logging.getLogger("cct.cli")
          help="what SIGHUP does: stop, snapshot (and go on), none"),
 )
 def train(args):
+    from cct.training import distributed
     from cct.training.solver import get_solver, load_solver_param
     from cct.proto import caffe_pb2
     from cct.runtime import memory_plan
@@ -37,6 +38,9 @@ def train(args):
                           "fine-tune, not both")
     apply_schedule(args)
     apply_memory_limit(args)
+    world = distributed.world()
+    if world is not None and not world.is_root:
+        logging.getLogger("cct").setLevel(logging.WARNING)     # rank 0 tells the story (Caffe's LOG_IF root)
     param = load_solver_param(args.solver)
     # The first line of a run: the module a Python layer's `import caffe` gets decides what it runs on.
     log.info("import caffe: %s", caffe_name.caffe_import())

@@ -44,7 +44,7 @@ from cct.runtime import memory, memory_plan, scheduler, tuner as tuner_module
 from cct.runtime.choice import FasterOf
 from cct.runtime import settings as run_config
 from cct.runtime.threads import run_all
-from cct.training import snapshot
+from cct.training import distributed, snapshot
 from cct.training.lr_policy import check_policy, learning_rate
 
 log = logging.getLogger("cct.training.solver")
@@ -123,20 +123,23 @@ class Solver:
         self._losses = []
         self._requested = "none"
         self._early_exit = False
+        self.world = distributed.world()      # None in a single process
+        self._agreed = "none"                  # the ranks' agreed request (World.agree)
         self._check_param()
         if param.random_seed >= 0:
-            set_random_seed(param.random_seed)
+            set_random_seed(param.random_seed + self.rank)     # per rank, as Caffe's Solver::Init
         with charging(f"solver {source}") as charge:       # the nets together against the limit
             self.net = self._init_train_net()
             if run_config.share_diffs_enabled(default=share_diffs):
                 # activation diffs then hold no meaning after backward: pycaffe opts in
                 log.info("Sharing the train net's diffs: %s", memory.share_diffs(self.net))
-            self.test_nets = self._init_test_nets()
+            # as Caffe's: only the root solver tests (and so reads the test sources)
+            self.test_nets = self._init_test_nets() if self.is_root else []
         for net in [self.net] + self.test_nets:
             self._load_weights(net)
         for net in self.test_nets:       # as every test does: their own parameter stores are freed now
             self.share_weights(net)
-        self._images_per_iter = self._batch_size(self.net) * param.iter_size
+        self._images_per_iter = self._batch_size(self.net) * param.iter_size * self.size
         self.history = [np.zeros(p.shape, p.dtype) for p in self.net.learnable_params]
         self._stream_schedules = {}  # (iterations, tuned, shapes, partitions) -> scheduler.Schedule
         self._tuners = {}            # (shapes, partitions) -> tuner.Tuner, the "tuned" schedule's profile
@@ -144,6 +147,8 @@ class Solver:
         self._work = {}              # (dtype, stripe, thread) -> work arrays of UPDATE_PIECE elements (_pieces)
         self._stripe = threading.local()     # which pieces this thread updates (_striped)
         self.pre_solve()
+        if self.world is not None:
+            distributed.join(self, self.world)
         # before the first iteration touches what setup mapped (cct.runtime.memory_plan)
         self.memory_plan = memory_plan.solver_plan(self, charge.in_use)
         log.info("Memory plan: %s", self.memory_plan)
@@ -163,7 +168,7 @@ class Solver:
         check_policy(param, source)
         if param.snapshot < 0:
             raise ConfigError(f"{source}: snapshot: must be >= 0, got {param.snapshot}")
-        if param.snapshot:
+        if param.snapshot and self.is_root:       # only rank 0 writes them (and probes the folder)
             self._check_snapshot_writable()
 
     def _check_snapshot_writable(self):
@@ -282,6 +287,21 @@ class Solver:
     def pre_solve(self):
         """Subclass hook: check the solver's own fields, add history entries."""
 
+    @property
+    def rank(self):
+        """This solver's rank among the MPI processes training together (0 alone)."""
+        return 0 if self.world is None else self.world.rank
+
+    @property
+    def size(self):
+        """The number of solvers training together (pycaffe's solver_count)."""
+        return 1 if self.world is None else self.world.size
+
+    @property
+    def is_root(self):
+        """Whether this solver displays, tests and snapshots (rank 0; Caffe's root_solver)."""
+        return self.rank == 0
+
     # --- pycaffe's surface -------------------------------------------------------
     def add_callback(self, on_start, on_gradients_ready=None):
         """Call on_start() before each iteration's forward and
@@ -324,6 +344,10 @@ class Solver:
         action, self._requested = self._requested, "none"
         return action
 
+    def _take_agreed(self):
+        action, self._agreed = self._agreed, "none"
+        return action
+
     def solve(self, resume_file=None):
         """Train to max_iter (Caffe's Solver::Solve), optionally resuming."""
         param = self.param
@@ -340,7 +364,7 @@ class Solver:
             log.info("Optimization stopped early.")
             return
         # One more forward to show the final loss, and a last test (Caffe does both).
-        if param.display and self.iter % param.display == 0:
+        if param.display and self.iter % param.display == 0 and self.is_root:
             self._update_smoothed_loss(self.net._forward(), self._start_iter)
             log.info("Iteration %d, loss = %s", self.iter, _fmt(self.smoothed_loss))
         if param.test_interval and self.iter % param.test_interval == 0:
@@ -370,7 +394,7 @@ class Solver:
                 self._iteration()
             else:
                 self._window_in(mode, self._window(stop_iter))
-            request = self._take_request()
+            request = self._take_request() if self.world is None else self._take_agreed()
             if (param.snapshot and self.iter % param.snapshot == 0) or request == "snapshot":
                 self.snapshot()
             if request == "stop":
@@ -387,6 +411,9 @@ class Solver:
         for _ in range(param.iter_size):
             loss += net.forward_backward()
         loss /= param.iter_size
+        if self.world is not None:
+            # one exchange: the displayed loss is the ranks' mean; a request reaches every rank
+            loss, self._agreed = self.world.agree(loss, self._take_request())
         self._update_smoothed_loss(loss, self._start_iter)
         self._display()
         for _, on_gradients_ready in self.callbacks:
@@ -397,7 +424,7 @@ class Solver:
     def _display(self):
         """The display lines, on display iterations; returns whether it showed them."""
         param = self.param
-        if not (param.display and self.iter % param.display == 0):
+        if not (param.display and self.iter % param.display == 0 and self.is_root):
             return False
         now = time.perf_counter()
         self._log_display(now - self._timer[0], self.iter - self._timer[1])
@@ -567,7 +594,8 @@ class Solver:
         iterations = param.test_iter[test_net_id]
         scores, loss = None, 0.0
         for _ in range(iterations):
-            request = self._take_request()
+            # several ranks: a request waits for the next iteration, where every rank agrees on it
+            request = self._take_request() if self.world is None else "none"
             if request == "snapshot":
                 self.snapshot()
             elif request == "stop":
@@ -605,7 +633,7 @@ class Solver:
         gradient (a barrier for the streams schedule)."""
         param = self.param
         self._rate = self.get_learning_rate()
-        if log_rate and param.display and self.iter % param.display == 0:
+        if log_rate and param.display and self.iter % param.display == 0 and self.is_root:
             self._log_rate()
         self.clip_gradients()
 
@@ -716,13 +744,20 @@ class Solver:
 
     # --- snapshots (cct.training.snapshot) ---------------------------------------------
     def snapshot(self):
-        """Write the weights and the solver state; returns the state's path."""
+        """Write the weights and the solver state; returns the state's path
+        (None on a rank other than 0: the weights are rank 0's)."""
+        if not self.is_root:
+            return None
         return snapshot.write(self)
 
     def restore(self, state_file):
         """Continue from a .solverstate(.h5): iteration, step counter, history and
-        the weights file it names (Caffe's Solver::Restore)."""
-        snapshot.restore(self, state_file)
+        the weights file it names (Caffe's Solver::Restore). Of several
+        ranks, rank 0 reads the files and sends what it read to the others."""
+        if self.is_root:
+            snapshot.restore(self, state_file)
+        if self.world is not None:
+            distributed.share_state(self, self.world)
 
 
 def _duration(seconds):

@@ -1,13 +1,70 @@
-"""Data-parallel training's shards (Layer.set_shard, issue 14): every data
-source read by N ranks of batch b gives, at every iteration, the records one
-reader of batch N*b reads, so within an epoch the ranks' records are disjoint
-and together cover the source."""
+"""Data-parallel training over MPI (cct.training.distributed, issue 14).
+
+Shards (no MPI needed): every data source read by N ranks of batch b gives,
+at every iteration, the records one reader of batch N*b reads, so within an
+epoch the ranks' records are disjoint and together cover the source.
+
+Under `mpirun -np 2` (skipped where mpirun or mpi4py are missing): LeNet
+trained by 2 ranks of batch 4 ends with the weights of 1 rank of batch 8 fed
+the same images, to 1e-5 of each blob's largest value, for SGD, Nesterov and
+Adam, with and without iter_size; a rank killed with SIGKILL ends the job
+within 30 s naming it, and rank 0's last snapshot loads and resumes on 2 ranks
+and on 1; a rank that fails ends every rank with its error."""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import cct
 from cct.testing.gradient_check import make_layer
+from cct.training import distributed
 from helpers.data import raw_datum, start, write_hdf5_list, write_image_list, write_lmdb
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE.parent / "helpers" / "mpi_worker.py"
+LENET = HERE.parents[1] / "models" / "lenet" / "lenet_train_test.prototxt"
+RECORDS = 128                    # LeNet's LMDB: 16 iterations of batch 8 before it wraps
+# Adam's delta: its step lr * m / (sqrt(v) + delta) turns a rounding error e in
+# a gradient near 0 into up to lr * e / delta. At the default 1e-8 that is
+# 1e6 e: a float32 sum taken in another order gives 3e-4 relative after 5
+# steps, and so does one process of batch 8 run at 1 and at 2 batch partitions
+# (measured). 1e-4 keeps the comparison about the gradients.
+UPDATES = {"SGD": "momentum: 0.9", "Nesterov": "momentum: 0.9",
+           "Adam": "momentum: 0.9 momentum2: 0.999 delta: 1e-4"}
+
+
+def mpi_missing():
+    if shutil.which("mpirun") is None:
+        return "mpirun not found (apt-get install openmpi-bin libopenmpi-dev)"
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py not installed (pip install 'cct[mpi]')"
+    return None
+
+
+needs_mpi = pytest.mark.skipif(mpi_missing() is not None, reason=str(mpi_missing()))
+
+
+def mpirun(ranks, *argv):
+    """The command line running argv on `ranks` ranks of this machine."""
+    root = ["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
+    return ["mpirun", *root, "--oversubscribe", "-np", str(ranks), *map(str, argv)]
+
+
+def environment():
+    """The tests' environment without pytest-xdist's or an outer mpirun's
+    variables, each rank on one core."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    return {**env, "CCT_THREADS": "1", "CCT_SCHEDULE": "sequential"}
 
 
 # --- shards -----------------------------------------------------------------------------
@@ -84,3 +141,183 @@ def test_a_shard_outside_the_ranks_is_refused(tmp_path):
     with pytest.raises(cct.core.errors.ConfigError, match=r"layer 'd' \(Data\): shard: rank 2 of 2"):
         layer.set_shard(2, 2, 0)
     layer.close()
+
+
+def test_launchers_variables_say_how_many_ranks():
+    assert distributed.launched_size({}) == 1
+    assert distributed.launched_size({"OMPI_COMM_WORLD_SIZE": "4"}) == 4
+    assert distributed.launched_size({"PMI_SIZE": "3"}) == 3
+    with pytest.raises(cct.core.errors.ConfigError, match="OMPI_COMM_WORLD_SIZE='x'"):
+        distributed.launched_size({"OMPI_COMM_WORLD_SIZE": "x"})
+
+
+# --- under mpirun -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lenet(tmp_path_factory):
+    """LeNet (Caffe's, layer for layer) on an LMDB of 128 28x28 digits, at
+    batch 4 and 8: {batch: net path}, and the folder."""
+    folder = tmp_path_factory.mktemp("lenet")
+    digits = np.load(Path(cct.__file__).parent / "data" / "digits.npz")
+    images = np.pad(np.kron(digits["images"][:RECORDS], np.ones((3, 3), np.uint8)) * 15, ((0, 0), (2, 2), (2, 2)))
+    write_lmdb(folder / "db", [raw_datum(image[None], int(label))
+                               for image, label in zip(images, digits["labels"][:RECORDS])])
+    text = re.sub(r'source: "[^"]*"', f'source: "{folder / "db"}"', LENET.read_text())
+    nets = {}
+    for batch in (4, 8):
+        nets[batch] = folder / f"lenet{batch}.prototxt"
+        nets[batch].write_text(text.replace("batch_size: 64", f"batch_size: {batch}"))
+    return folder, nets
+
+
+def write_solver(folder, net, name, kind="SGD", iter_size=1, max_iter=5, display=1, extra=""):
+    path = folder / f"{name}.prototxt"
+    path.write_text(f'net: "{net}" type: "{kind}" {UPDATES[kind]} base_lr: 0.01 lr_policy: "inv" '
+                    f'gamma: 0.0001 power: 0.75 weight_decay: 0.0005 iter_size: {iter_size} '
+                    f'max_iter: {max_iter} display: {display} random_seed: 7 snapshot_prefix: "{folder}/{name}" {extra}\n')
+    return path
+
+
+CASES = [(kind, iter_size) for kind in UPDATES for iter_size in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(lenet):
+    """Every case trained once by 2 ranks of batch 4 (one mpirun): {case:
+    rank 0's weights}, and what pycaffe said on each rank."""
+    folder, nets = lenet
+    solvers = [write_solver(folder, nets[4], f"{kind}_{size}_b4", kind, size) for kind, size in CASES]
+    out = folder / "two_ranks"
+    out.mkdir()
+    done = subprocess.run(mpirun(2, sys.executable, WORKER, out, *solvers), env=environment(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    weights = {case: dict(np.load(out / f"{solver.name}.npz")) for case, solver in zip(CASES, solvers)}
+    said = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return weights, said
+
+
+def trained_alone(folder, net, kind, iter_size):
+    """(initial, final) weights of one solver of batch 8 in this process."""
+    solver = cct.get_solver(str(write_solver(folder, net, f"{kind}_{iter_size}_b8", kind, iter_size)))
+    first = {f"{name}.{i}": blob.data.copy() for name, blobs in solver.net.params.items()
+             for i, blob in enumerate(blobs)}
+    solver.step(solver.param.max_iter)
+    last = {f"{name}.{i}": blob.data.copy() for name, blobs in solver.net.params.items()
+            for i, blob in enumerate(blobs)}
+    solver.close()
+    return first, last
+
+
+@needs_mpi
+@pytest.mark.parametrize("kind, iter_size", CASES, ids=[f"{k}-iter_size{s}" for k, s in CASES])
+def test_two_ranks_train_as_one_of_twice_the_batch(lenet, two_ranks, kind, iter_size, monkeypatch):
+    monkeypatch.setenv("CCT_SCHEDULE", "sequential")
+    folder, nets = lenet
+    first, expected = trained_alone(folder, nets[8], kind, iter_size)
+    got = two_ranks[0][(kind, iter_size)]
+    assert got.keys() == expected.keys()
+    for name, values in expected.items():
+        scale = np.abs(values).max()
+        assert np.abs(got[name] - values).max() <= 1e-5 * scale, name
+        # training moved every blob by far more than the tolerance
+        assert np.abs(values - first[name]).max() > 1e-3 * scale, name
+
+
+@needs_mpi
+def test_pycaffe_reports_the_mpi_world(two_ranks):
+    assert two_ranks[1] == [{"solver_count": 2, "solver_rank": 0}, {"solver_count": 2, "solver_rank": 1}]
+
+
+def rank_pid(parent, rank):
+    """The pid of MPI rank `rank` among the descendants of `parent`."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        ppid = int(re.search(r"PPid:\s+(\d+)", status).group(1))
+        if ppid == parent and f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+def snapshots(folder, name):
+    found = [int(m.group(1)) for p in folder.iterdir()
+             if (m := re.fullmatch(re.escape(name) + r"_iter_(\d+)\.solverstate", p.name))]
+    return sorted(found)
+
+
+@needs_mpi
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks through /proc")
+def test_a_killed_rank_ends_the_job_and_the_snapshot_resumes(lenet, tmp_path, monkeypatch):
+    folder, nets = lenet
+    solver = write_solver(tmp_path, nets[4], "run", max_iter=100000, display=0, extra="snapshot: 3")
+    log_path = tmp_path / "train.log"
+    with open(log_path, "w") as log_file:
+        job = subprocess.Popen(mpirun(2, sys.executable, "-m", "cct.cli", "train", f"--solver={solver}"),
+                               env=environment(), stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while len(snapshots(tmp_path, "run")) < 2:
+            assert job.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.05)
+        os.kill(rank_pid(job.pid, 1), signal.SIGKILL)
+        killed = time.monotonic()
+        job.wait(timeout=30)
+        assert time.monotonic() - killed < 30
+    finally:
+        if job.poll() is None:
+            job.kill()
+    output = log_path.read_text()
+    assert job.returncode != 0
+    assert re.search(r"rank 1 .*(signal 9|Killed)", output), output[-3000:]
+    state = tmp_path / f"run_iter_{snapshots(tmp_path, 'run')[-1]}.solverstate"
+    resume_on_two_and_one(tmp_path, nets, state, monkeypatch)
+
+
+def resume_on_two_and_one(folder, nets, state, monkeypatch):
+    """The state resumes for 3 more iterations on 2 ranks of batch 4 and on 1
+    of batch 8 (only rank 0 reads it: the iteration, history and weights
+    reach rank 1 from there), to the same weights."""
+    monkeypatch.setenv("CCT_SCHEDULE", "sequential")
+    restored = cct.get_solver(str(write_solver(folder, nets[4], "probe")))
+    restored.restore(str(state))
+    stop = restored.iter + 3
+    restored.close()
+    two = write_solver(folder, nets[4], "two", max_iter=stop)
+    done = subprocess.run(mpirun(2, sys.executable, "-m", "cct.cli", "train", f"--solver={two}",
+                                 f"--snapshot={state}"), env=environment(), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"Restoring previous solver status from {state}" in done.stderr
+    one = cct.get_solver(str(write_solver(folder, nets[8], "one", max_iter=stop)))
+    one.solve(str(state))
+    expected = [blob.data.copy() for blob in one.net.learnable_params]
+    one.close()
+    net = cct.Net(str(nets[4]), cct.TEST, weights=str(folder / f"two_iter_{stop}.caffemodel"))
+    got = [blob.data for blob in net.learnable_params]
+    for ours, theirs in zip(got, expected):
+        assert np.abs(ours - theirs).max() <= 1e-5 * np.abs(theirs).max()
+    net.close()
+
+
+@needs_mpi
+def test_a_failing_rank_ends_every_rank_with_its_error(lenet, tmp_path):
+    """Rank 1's first record (the second of the database) is no Datum: its
+    error, not a hang of rank 0 in the gradient sum."""
+    folder, nets = lenet
+    db = tmp_path / "db"
+    write_lmdb(db, [raw_datum(np.zeros((1, 28, 28), np.uint8), 0), b"not a datum"] * 4)
+    net = tmp_path / "net.prototxt"
+    net.write_text(re.sub(r'source: "[^"]*"', f'source: "{db}"', nets[4].read_text()))
+    solver = write_solver(tmp_path, net, "fails", max_iter=100)
+    started = time.monotonic()
+    done = subprocess.run(mpirun(2, sys.executable, "-m", "cct.cli", "train", f"--solver={solver}"),
+                          env=environment(), capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert time.monotonic() - started < 30
+    assert re.search(r"cct: error: MPI rank 1 of 2: .*record '00000001'.*not a serialized Datum",
+                     done.stderr), done.stderr[-3000:]

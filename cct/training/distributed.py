@@ -1,0 +1,166 @@
+"""Data-parallel training over MPI (mpi4py): `mpirun -np N cct train ...`
+runs N solvers, one per process, that train one model as one solver of N
+times the batch, as Caffe's multi-GPU solver does (NCCL there, MPI here):
+
+    at the start     rank 0's weights (after weights: / --snapshot) go to every rank
+    every iteration  each rank reads its own part of every data source
+                     (Layer.set_shard), runs forward and backward on it; the
+                     parameter gradients are summed over the ranks and scaled
+                     by 1/N (Caffe's NCCL::on_gradients_ready), before the
+                     solver clips, normalizes and regularizes them
+    on rank 0 only   display (the loss averaged over the ranks), tests, snapshots
+
+A process is one of several ranks when mpirun (OpenMPI's OMPI_COMM_WORLD_SIZE,
+MPICH's PMI_SIZE) started it with more than one, or when the script itself
+made an MPI world of more than one (mpi4py.MPI already imported). Nothing
+here runs, and mpi4py is not imported, in a single process.
+"""
+import logging
+import os
+import sys
+
+import numpy as np
+
+from cct.core.errors import ConfigError
+from cct.core.rng import get_rng
+
+log = logging.getLogger("cct.training.solver")
+
+# Variables an MPI launcher sets to the number of ranks it started.
+SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+ACTION_CODES = {"none": 0, "snapshot": 1, "stop": 2}    # agreed as their maximum over the ranks
+
+_world = None            # World, or False once a single process is known
+
+
+def launched_size(environ=None):
+    """The number of ranks the MPI launcher says it started (1 without one)."""
+    environ = os.environ if environ is None else environ
+    for name in SIZE_VARIABLES:
+        value = environ.get(name, "").strip()
+        if value:
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigError(f"environment: {name}={value!r} is not a number of MPI ranks") from None
+    return 1
+
+
+def world():
+    """This process's MPI world when it is one of several ranks, else None."""
+    global _world
+    if _world is None:
+        mpi_loaded = "mpi4py.MPI" in sys.modules
+        if launched_size() > 1 or (mpi_loaded and sys.modules["mpi4py.MPI"].COMM_WORLD.Get_size() > 1):
+            _world = World(_comm_world())
+        else:
+            _world = False
+    return _world or None
+
+
+def running():
+    """The world if this process has joined one of several ranks, else None
+    (without importing mpi4py)."""
+    return _world or None
+
+
+def _comm_world():
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise ConfigError(f"started by an MPI launcher with {launched_size()} ranks, but mpi4py is not "
+                          "installed: pip install 'cct[mpi]' (needs an MPI library, e.g. Debian's "
+                          "openmpi-bin libopenmpi-dev)") from None
+    return MPI.COMM_WORLD
+
+
+class World:
+    """The ranks training together: collective operations on numpy arrays."""
+
+    def __init__(self, comm):
+        from mpi4py import MPI
+        self._mpi = MPI
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.is_root = self.rank == 0
+
+    def broadcast_arrays(self, arrays):
+        """Every array (in place) gets rank 0's values."""
+        for array in arrays:
+            if array.flags.c_contiguous:
+                self.comm.Bcast(array, root=0)
+            else:                            # a view: MPI needs one contiguous buffer
+                copy = np.ascontiguousarray(array)
+                self.comm.Bcast(copy, root=0)
+                array[...] = copy
+
+    def broadcast(self, value):
+        """Rank 0's `value` (any picklable object)."""
+        return self.comm.bcast(value, root=0)
+
+    def sum_in_place(self, array):
+        """`array` becomes the sum of every rank's `array` (float32 on every rank)."""
+        self.comm.Allreduce(self._mpi.IN_PLACE, array, op=self._mpi.SUM)
+
+    def agree(self, loss, action):
+        """(the mean of the ranks' losses, the action every rank takes): a stop
+        or snapshot request (SIGINT, SIGHUP) that reached any rank reaches all,
+        at the same iteration, so no rank waits for one that has stopped."""
+        values = np.array([loss, ACTION_CODES[action]], np.float64)
+        self.comm.Allreduce(self._mpi.IN_PLACE, values[:1], op=self._mpi.SUM)
+        self.comm.Allreduce(self._mpi.IN_PLACE, values[1:], op=self._mpi.MAX)
+        code = int(values[1])
+        return float(values[0]) / self.size, next(a for a, c in ACTION_CODES.items() if c == code)
+
+    def abort(self, code=1):
+        """End every rank (a failed rank would otherwise leave the others
+        waiting in a collective forever)."""
+        self.comm.Abort(code)
+
+
+class GradientSum:
+    """The solver callback (Caffe's NCCL as a Solver::Callback) that sums each
+    learnable parameter's gradient over the ranks and scales it by 1/N, in
+    place, before the update: N ranks of batch b then update as one of batch
+    N*b, whose loss layers average over N*b."""
+
+    def __init__(self, world, params):
+        self.world, self.params = world, params
+        self.scale = np.float32(1.0 / world.size)
+
+    def on_start(self):
+        """Weights are the same on every rank after each update: nothing to send."""
+
+    def on_gradients_ready(self):
+        for blob in self.params:
+            diff = blob.diff
+            self.world.sum_in_place(diff)
+            diff *= self.scale
+
+
+def join(solver, world):
+    """Make `solver` one of the world's ranks: rank 0's weights on every rank,
+    each data layer of the train net reading its own shard, gradients summed
+    before every update."""
+    log.info("MPI rank %d of %d", world.rank, world.size)
+    world.broadcast_arrays(_weights(solver.net))
+    # One seed for every rank: shuffles then agree, so the shards stay disjoint.
+    # Drawn from rank 0's seeded stream: a run with random_seed repeats.
+    seed = world.broadcast(int(get_rng().integers(2**63)) if world.is_root else None)
+    for layer in solver.net.layers:
+        layer.set_shard(world.rank, world.size, seed)
+    solver.callbacks.insert(0, (lambda: None, GradientSum(world, solver.net.learnable_params).on_gradients_ready))
+
+
+def share_state(solver, world):
+    """After rank 0 restored a snapshot: its iteration, step count, history
+    and weights on every rank (only rank 0 reads the files, so the other
+    hosts need no copy of them)."""
+    solver.iter, solver.current_step = world.broadcast((solver.iter, solver.current_step))
+    world.broadcast_arrays(solver.history)
+    world.broadcast_arrays(_weights(solver.net))
+
+
+def _weights(net):
+    """Every parameter blob's data (learnable or not, such as BatchNorm's statistics)."""
+    return [blob.data for layer in net.layers for blob in layer.blobs]
