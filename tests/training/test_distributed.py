@@ -7,7 +7,8 @@ epoch the ranks' records are disjoint and together cover the source.
 Under `mpirun -np 2` (skipped where mpirun or mpi4py are missing): LeNet
 trained by 2 ranks of batch 4 ends with the weights of 1 rank of batch 8 fed
 the same images, to 1e-5 of each blob's largest value, for SGD, Nesterov and
-Adam, with and without iter_size; a rank killed with SIGKILL ends the job
+Adam, with and without iter_size (and 4 ranks of batch 2, SGD); a request
+(SIGHUP) to one rank reaches all; a rank killed with SIGKILL ends the job
 within 30 s naming it, and rank 0's last snapshot loads and resumes on 2 ranks
 and on 1; a rank that fails ends every rank with its error."""
 import json
@@ -155,7 +156,7 @@ def test_launchers_variables_say_how_many_ranks():
 @pytest.fixture(scope="module")
 def lenet(tmp_path_factory):
     """LeNet (Caffe's, layer for layer) on an LMDB of 128 28x28 digits, at
-    batch 4 and 8: {batch: net path}, and the folder."""
+    batch 2, 4 and 8: {batch: net path}, and the folder."""
     folder = tmp_path_factory.mktemp("lenet")
     digits = np.load(Path(cct.__file__).parent / "data" / "digits.npz")
     images = np.pad(np.kron(digits["images"][:RECORDS], np.ones((3, 3), np.uint8)) * 15, ((0, 0), (2, 2), (2, 2)))
@@ -163,7 +164,7 @@ def lenet(tmp_path_factory):
                                for image, label in zip(images, digits["labels"][:RECORDS])])
     text = re.sub(r'source: "[^"]*"', f'source: "{folder / "db"}"', LENET.read_text())
     nets = {}
-    for batch in (4, 8):
+    for batch in (2, 4, 8):
         nets[batch] = folder / f"lenet{batch}.prototxt"
         nets[batch].write_text(text.replace("batch_size: 64", f"batch_size: {batch}"))
     return folder, nets
@@ -214,13 +215,28 @@ def test_two_ranks_train_as_one_of_twice_the_batch(lenet, two_ranks, kind, iter_
     monkeypatch.setenv("CCT_SCHEDULE", "sequential")
     folder, nets = lenet
     first, expected = trained_alone(folder, nets[8], kind, iter_size)
-    got = two_ranks[0][(kind, iter_size)]
-    assert got.keys() == expected.keys()
+    assert_trained_alike(two_ranks[0][(kind, iter_size)], first, expected)
+
+
+def assert_trained_alike(got, first, expected):
+    """Each blob within 1e-5 of its largest value, which training moved far more."""
+    assert set(got.keys()) == set(expected.keys())
     for name, values in expected.items():
         scale = np.abs(values).max()
         assert np.abs(got[name] - values).max() <= 1e-5 * scale, name
-        # training moved every blob by far more than the tolerance
         assert np.abs(values - first[name]).max() > 1e-3 * scale, name
+
+
+@needs_mpi
+def test_four_ranks_train_as_one_of_four_times_the_batch(lenet, tmp_path, monkeypatch):
+    monkeypatch.setenv("CCT_SCHEDULE", "sequential")
+    folder, nets = lenet
+    solver = write_solver(tmp_path, nets[2], "SGD_2_b2", "SGD", 2)
+    done = subprocess.run(mpirun(4, sys.executable, WORKER, tmp_path, solver), env=environment(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    first, expected = trained_alone(tmp_path, nets[8], "SGD", 2)
+    assert_trained_alike(dict(np.load(tmp_path / f"{solver.name}.npz")), first, expected)
 
 
 @needs_mpi
@@ -253,17 +269,18 @@ def snapshots(folder, name):
 @needs_mpi
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks through /proc")
 def test_a_killed_rank_ends_the_job_and_the_snapshot_resumes(lenet, tmp_path, monkeypatch):
+    """SIGHUP to rank 1 alone: rank 0 snapshots (the ranks agree on requests);
+    then SIGKILL to rank 1."""
     folder, nets = lenet
-    solver = write_solver(tmp_path, nets[4], "run", max_iter=100000, display=0, extra="snapshot: 3")
+    solver = write_solver(tmp_path, nets[4], "run", max_iter=100000, display=5)
     log_path = tmp_path / "train.log"
     with open(log_path, "w") as log_file:
         job = subprocess.Popen(mpirun(2, sys.executable, "-m", "cct.cli", "train", f"--solver={solver}"),
                                env=environment(), stdout=log_file, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 60
-        while len(snapshots(tmp_path, "run")) < 2:
-            assert job.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.05)
+        wait_for(job, log_path, lambda: "Iteration 5 " in log_path.read_text())   # rank 1 handles signals
+        os.kill(rank_pid(job.pid, 1), signal.SIGHUP)
+        wait_for(job, log_path, lambda: snapshots(tmp_path, "run"))
         os.kill(rank_pid(job.pid, 1), signal.SIGKILL)
         killed = time.monotonic()
         job.wait(timeout=30)
@@ -274,8 +291,16 @@ def test_a_killed_rank_ends_the_job_and_the_snapshot_resumes(lenet, tmp_path, mo
     output = log_path.read_text()
     assert job.returncode != 0
     assert re.search(r"rank 1 .*(signal 9|Killed)", output), output[-3000:]
+    assert "SIGHUP received: snapshot" not in output      # rank 1 logs warnings only
     state = tmp_path / f"run_iter_{snapshots(tmp_path, 'run')[-1]}.solverstate"
     resume_on_two_and_one(tmp_path, nets, state, monkeypatch)
+
+
+def wait_for(job, log_path, condition, seconds=60):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert job.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+        time.sleep(0.05)
 
 
 def resume_on_two_and_one(folder, nets, state, monkeypatch):
