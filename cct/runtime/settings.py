@@ -24,6 +24,9 @@ Environment variables:
                             unless set_mode_cpu/set_mode_gpu said otherwise
     CCT_HYBRID              1 or 0: on a device, split each layer's batch between
                             the host and the device (cct.runtime.hybrid)
+    CCT_MPI_OVERLAP         1 or 0: in data-parallel training over MPI, sum each
+                            parameter's gradient while the layers below run
+                            their backward (default 1; cct.training.distributed)
 
 The run configuration, a JSON file named by CCT_CONFIG or loaded with
 `cct.runtime.settings.load(path)`:
@@ -111,6 +114,7 @@ from cct.lowering.chunking import DEFAULT_BUDGET_MB
 CONFIG_ENV = "CCT_CONFIG"
 SHARE_DIFFS_ENV = "CCT_SHARE_DIFFS"
 THREADS_ENV = "CCT_THREADS"
+MPI_OVERLAP_ENV = "CCT_MPI_OVERLAP"
 # What MPI launchers (OpenMPI, MPICH) set to the number of ranks on this host.
 LOCAL_RANKS_ENVS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 PARTITIONS_ENV = "CCT_PARTITIONS"
@@ -444,6 +448,12 @@ def fusion_enabled(phase, config=None):
     if _fusion is not None:
         return _fusion
     return _switch(FUSION_ENV, "fusion", True, config)
+
+
+def mpi_overlap():
+    """Whether data-parallel training sums gradients while backward runs (CCT_MPI_OVERLAP, default on)."""
+    given = _env_bool(MPI_OVERLAP_ENV)
+    return True if given is None else given
 
 
 def share_diffs_enabled(config=None, default=False):

@@ -17,12 +17,16 @@ here runs, and mpi4py is not imported, in a single process.
 """
 import logging
 import os
+import queue
 import sys
+import threading
+import time
 
 import numpy as np
 
 from cct.core.errors import ConfigError
 from cct.core.rng import get_rng
+from cct.runtime import settings as run_config
 
 log = logging.getLogger("cct.training.solver")
 
@@ -83,6 +87,8 @@ class World:
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.is_root = self.rank == 0
+        # gradients summed on a thread of their own need MPI calls from two threads
+        self.threads_allowed = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
 
     def broadcast_arrays(self, arrays):
         """Every array (in place) gets rank 0's values."""
@@ -97,10 +103,6 @@ class World:
     def broadcast(self, value):
         """Rank 0's `value` (any picklable object)."""
         return self.comm.bcast(value, root=0)
-
-    def sum_in_place(self, array):
-        """`array` becomes the sum of every rank's `array` (float32 on every rank)."""
-        self.comm.Allreduce(self._mpi.IN_PLACE, array, op=self._mpi.SUM)
 
     def agree(self, loss, action):
         """(the mean of the ranks' losses, the action every rank takes): a stop
@@ -119,29 +121,110 @@ class World:
 
 
 class GradientSum:
-    """The solver callback (Caffe's NCCL as a Solver::Callback) that sums each
-    learnable parameter's gradient over the ranks and scales it by 1/N, in
-    place, before the update: N ranks of batch b then update as one of batch
-    N*b, whose loss layers average over N*b."""
+    """Sums each learnable parameter's gradient over the ranks and scales it
+    by 1/N, in place, before the update (Caffe's NCCL::on_gradients_ready):
+    N ranks of batch b then update as one of batch N*b, whose loss layers
+    average over N*b. The sums go over a communicator of their own, in the
+    backward's order, the same on every rank, so the ranks' sums pair up.
 
-    def __init__(self, world, params):
-        self.world, self.params = world, params
+    overlap=False: all at once when the gradients are ready (the solver's
+    on_gradients_ready callback). overlap=True: a communication thread sums a
+    parameter's gradient as soon as the backward of the last layer adding to
+    it has run (after the last of iter_size passes), while the layers below
+    run theirs; the update of a parameter waits for its own sum only (wait).
+    `busy`: seconds spent summing; `exposed`: seconds the solver waited."""
+
+    def __init__(self, world, net, passes, overlap):
+        self.comm, self._mpi = world.comm.Dup(), world._mpi
+        self.params, self.passes, self.overlap = net.learnable_params, passes, overlap
         self.scale = np.float32(1.0 / world.size)
+        self.busy = self.exposed = 0.0
+        if overlap:
+            self._start_overlap(net)
+
+    def _start_overlap(self, net):
+        self._ready_after = _last_layers(net)       # {layer index: learnable params it completes}
+        self._passes_seen = {}
+        self._done = [threading.Event() for _ in self.params]
+        self._failure = None
+        self._queue = queue.Queue()
+        threading.Thread(target=self._sum_queued, name="cct-gradient-sum", daemon=True).start()
+        net.executor.subscribe("after_backward", self._after_backward)
 
     def on_start(self):
-        """Weights are the same on every rank after each update: nothing to send."""
+        if self.overlap:
+            self._passes_seen.clear()
+            for done in self._done:
+                done.clear()
 
     def on_gradients_ready(self):
-        for blob in self.params:
-            diff = blob.diff
-            self.world.sum_in_place(diff)
-            diff *= self.scale
+        if not self.overlap:
+            start = time.perf_counter()
+            for index in range(len(self.params)):
+                self._sum(index)
+            self.exposed += time.perf_counter() - start
+
+    def wait(self, index=None, timed=True):
+        """Until parameter `index`'s sum (every one's: None) is in its diff."""
+        if not self.overlap:
+            return
+        start = time.perf_counter()
+        for done in self._done if index is None else [self._done[index]]:
+            done.wait()
+        if self._failure is not None:
+            raise self._failure
+        if timed:
+            self.exposed += time.perf_counter() - start
+
+    def _sum(self, index):
+        start = time.perf_counter()
+        diff = self.params[index].diff
+        self.comm.Allreduce(self._mpi.IN_PLACE, diff, op=self._mpi.SUM)
+        diff *= self.scale
+        self.busy += time.perf_counter() - start
+
+    def _after_backward(self, layer_index):
+        seen = self._passes_seen[layer_index] = self._passes_seen.get(layer_index, 0) + 1
+        if seen == self.passes:
+            for index in self._ready_after.get(layer_index, ()):
+                self._queue.put(index)
+
+    def _sum_queued(self):
+        while True:
+            index = self._queue.get()
+            try:
+                self._sum(index)
+            except BaseException as error:       # the waiting update raises it
+                self._failure = error
+            self._done[index].set()
+
+
+def _last_layers(net):
+    """{layer index: the learnable parameters whose gradient is complete once
+    that layer's backward has run}: the first layer (in forward order) of the
+    layers sharing the parameter, as backward runs them last to first."""
+    index_of = {_base_id(blob.diff): index for index, blob in enumerate(net.learnable_params)}
+    first = {}
+    for layer_index, layer in enumerate(net.layers):
+        for blob in layer.blobs:
+            first.setdefault(index_of[_base_id(blob.diff)], layer_index)
+    completes = {}
+    for param, layer_index in first.items():
+        completes.setdefault(layer_index, []).append(param)
+    return completes
+
+
+def _base_id(array):
+    """Which memory an array views (a shared parameter's blobs view one)."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return id(array)
 
 
 def join(solver, world):
     """Make `solver` one of the world's ranks: rank 0's weights on every rank,
     each data layer of the train net reading its own shard, gradients summed
-    before every update."""
+    before every update (solver.gradient_sum)."""
     log.info("MPI rank %d of %d", world.rank, world.size)
     world.broadcast_arrays(_weights(solver.net))
     # One seed for every rank: shuffles then agree, so the shards stay disjoint.
@@ -149,7 +232,9 @@ def join(solver, world):
     seed = world.broadcast(int(get_rng().integers(2**63)) if world.is_root else None)
     for layer in solver.net.layers:
         layer.set_shard(world.rank, world.size, seed)
-    solver.callbacks.insert(0, (lambda: None, GradientSum(world, solver.net.learnable_params).on_gradients_ready))
+    overlap = run_config.mpi_overlap() and world.threads_allowed
+    solver.gradient_sum = GradientSum(world, solver.net, solver.param.iter_size, overlap)
+    solver.callbacks.insert(0, (solver.gradient_sum.on_start, solver.gradient_sum.on_gradients_ready))
 
 
 def share_state(solver, world):

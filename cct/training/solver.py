@@ -124,6 +124,7 @@ class Solver:
         self._requested = "none"
         self._early_exit = False
         self.world = distributed.world()      # None in a single process
+        self.gradient_sum = None               # distributed.GradientSum, set by distributed.join
         self._agreed = "none"                  # the ranks' agreed request (World.agree)
         self._check_param()
         if param.random_seed >= 0:
@@ -644,6 +645,7 @@ class Solver:
         """Learnable parameter `index`'s part of the update begun by
         begin_update (a sub-task of the streams schedule, cct.runtime.graph),
         on `stripes` threads (the same numbers: see _striped)."""
+        self._await_sum(index)
         if stripes > 1:
             self._striped(self._update_param, index, self._rate, stripes=stripes)
         else:
@@ -651,7 +653,14 @@ class Solver:
 
     def _update_params(self, rate):
         for index in range(len(self.net.learnable_params)):
+            self._await_sum(index)
             self._update_param(index, rate)
+
+    def _await_sum(self, index):
+        """Until parameter `index`'s gradient is summed over the ranks (it may
+        still be on its way: distributed.GradientSum); timed on one stripe."""
+        if self.gradient_sum is not None:
+            self.gradient_sum.wait(index, timed=getattr(self._stripe, "value", (0, 1))[0] == 0)
 
     def _update_param(self, index, rate):
         # element-wise, each parameter on its own: parameter by parameter gives
@@ -692,6 +701,8 @@ class Solver:
         clip = self.param.clip_gradients
         if clip < 0:
             return
+        if self.gradient_sum is not None:       # the norm is of the summed gradients
+            self.gradient_sum.wait()
         params = self.net.learnable_params
         norm = float(np.sqrt(sum(float(np.dot(p.diff.ravel(), p.diff.ravel())) for p in params)))
         if norm > clip:

@@ -183,18 +183,27 @@ CASES = [(kind, iter_size) for kind in UPDATES for iter_size in (1, 2)]
 
 @pytest.fixture(scope="module")
 def two_ranks(lenet):
-    """Every case trained once by 2 ranks of batch 4 (one mpirun): {case:
-    rank 0's weights}, and what pycaffe said on each rank."""
+    """Every case (and CLIPPED) trained once by 2 ranks of batch 4 in one
+    mpirun, gradients summed while backward runs (CCT_MPI_OVERLAP's
+    default): {case: rank 0's weights}, and what pycaffe said on each rank."""
     folder, nets = lenet
     solvers = [write_solver(folder, nets[4], f"{kind}_{size}_b4", kind, size) for kind, size in CASES]
-    out = folder / "two_ranks"
+    solvers.append(write_solver(folder, nets[4], "clipped", "Nesterov", 2, extra="clip_gradients: 0.05"))
+    weights, said = train_on_two(folder / "two_ranks", solvers)
+    return dict(zip(CASES + [CLIPPED], weights)), said
+
+
+CLIPPED = ("Nesterov", "clipped")
+
+
+def train_on_two(out, solvers, **env):
+    """Rank 0's weights after each solver, and what pycaffe said on each rank."""
     out.mkdir()
-    done = subprocess.run(mpirun(2, sys.executable, WORKER, out, *solvers), env=environment(),
+    done = subprocess.run(mpirun(2, sys.executable, WORKER, out, *solvers), env={**environment(), **env},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
-    weights = {case: dict(np.load(out / f"{solver.name}.npz")) for case, solver in zip(CASES, solvers)}
-    said = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
-    return weights, said
+    weights = [dict(np.load(out / f"{solver.name}.npz")) for solver in solvers]
+    return weights, [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
 def trained_alone(folder, net, kind, iter_size):
@@ -225,6 +234,19 @@ def assert_trained_alike(got, first, expected):
         scale = np.abs(values).max()
         assert np.abs(got[name] - values).max() <= 1e-5 * scale, name
         assert np.abs(values - first[name]).max() > 1e-3 * scale, name
+
+
+@needs_mpi
+def test_sums_after_backward_give_the_numbers_of_sums_during_it(lenet, two_ranks):
+    """CCT_MPI_OVERLAP=0 sums every gradient once backward has ended: the same
+    sums, bitwise (with iter_size 2, and with clip_gradients, whose norm waits
+    for every sum)."""
+    folder, nets = lenet
+    solvers = [folder / "SGD_2_b4.prototxt", folder / "clipped.prototxt"]
+    weights, _ = train_on_two(folder / "after_backward", solvers, CCT_MPI_OVERLAP="0")
+    for case, got in zip([("SGD", 2), CLIPPED], weights):
+        expected = two_ranks[0][case]
+        assert all(got[name].tobytes() == expected[name].tobytes() for name in expected), case
 
 
 @needs_mpi
