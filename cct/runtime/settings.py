@@ -26,7 +26,8 @@ Environment variables:
                             the host and the device (cct.runtime.hybrid)
     CCT_MPI_OVERLAP         1 or 0: in data-parallel training over MPI, sum each
                             parameter's gradient while the layers below run
-                            their backward (default 1; cct.training.distributed)
+                            their backward (default: when the ranks span
+                            several hosts; cct.training.distributed)
 
 The run configuration, a JSON file named by CCT_CONFIG or loaded with
 `cct.runtime.settings.load(path)`:
@@ -451,9 +452,9 @@ def fusion_enabled(phase, config=None):
 
 
 def mpi_overlap():
-    """Whether data-parallel training sums gradients while backward runs (CCT_MPI_OVERLAP, default on)."""
-    given = _env_bool(MPI_OVERLAP_ENV)
-    return True if given is None else given
+    """Whether data-parallel training sums gradients while backward runs:
+    CCT_MPI_OVERLAP, or None when unset (the trainer decides)."""
+    return _env_bool(MPI_OVERLAP_ENV)
 
 
 def share_diffs_enabled(config=None, default=False):

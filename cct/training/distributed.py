@@ -69,6 +69,9 @@ def running():
 
 
 def _comm_world():
+    # A rank waiting in MPI (its gradient-sum thread, or for a slower rank)
+    # polls on the cores backward needs: OpenMPI then yields them (read at MPI's start).
+    os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     try:
         from mpi4py import MPI
     except ImportError:
@@ -100,6 +103,16 @@ class World:
                 self.comm.Bcast(copy, root=0)
                 array[...] = copy
 
+    def spans_hosts(self):
+        """Whether some ranks run on other hosts than this one's: sums then wait
+        on the network, which overlap hides; on one host they are copies and
+        additions on the cores backward needs, and overlap gained nothing
+        measurable there (bench/bench_mpi.py)."""
+        local = self.comm.Split_type(self._mpi.COMM_TYPE_SHARED)
+        spans = local.Get_size() < self.size
+        local.Free()
+        return self.comm.allreduce(spans, op=self._mpi.LOR)
+
     def broadcast(self, value):
         """Rank 0's `value` (any picklable object)."""
         return self.comm.bcast(value, root=0)
@@ -127,22 +140,25 @@ class GradientSum:
     average over N*b. The sums go over a communicator of their own, in the
     backward's order, the same on every rank, so the ranks' sums pair up.
 
-    overlap=False: all at once when the gradients are ready (the solver's
-    on_gradients_ready callback). overlap=True: a communication thread sums a
+    overlap False: all at once when the gradients are ready (the solver's
+    on_gradients_ready callback). True: a communication thread sums a
     parameter's gradient as soon as the backward of the last layer adding to
     it has run (after the last of iter_size passes), while the layers below
     run theirs; the update of a parameter waits for its own sum only (wait).
+    The two give the same numbers. `overlap` may change between iterations
+    (alike on every rank) where MPI allows threads (`threads`).
     `busy`: seconds spent summing; `exposed`: seconds the solver waited."""
 
-    def __init__(self, world, net, passes, overlap):
+    def __init__(self, world, net, passes, overlap, threads=True):
         self.comm, self._mpi = world.comm.Dup(), world._mpi
-        self.params, self.passes, self.overlap = net.learnable_params, passes, overlap
+        self.params, self.passes = net.learnable_params, passes
+        self.overlap = self._overlapping = overlap and threads
         self.scale = np.float32(1.0 / world.size)
         self.busy = self.exposed = 0.0
-        if overlap:
-            self._start_overlap(net)
+        if threads:
+            self._start_thread(net)
 
-    def _start_overlap(self, net):
+    def _start_thread(self, net):
         self._ready_after = _last_layers(net)       # {layer index: learnable params it completes}
         self._passes_seen = {}
         self._done = [threading.Event() for _ in self.params]
@@ -152,13 +168,14 @@ class GradientSum:
         net.executor.subscribe("after_backward", self._after_backward)
 
     def on_start(self):
-        if self.overlap:
+        self._overlapping = self.overlap          # this iteration's way
+        if self._overlapping:
             self._passes_seen.clear()
             for done in self._done:
                 done.clear()
 
     def on_gradients_ready(self):
-        if not self.overlap:
+        if not self._overlapping:
             start = time.perf_counter()
             for index in range(len(self.params)):
                 self._sum(index)
@@ -166,7 +183,7 @@ class GradientSum:
 
     def wait(self, index=None, timed=True):
         """Until parameter `index`'s sum (every one's: None) is in its diff."""
-        if not self.overlap:
+        if not self._overlapping:
             return
         start = time.perf_counter()
         for done in self._done if index is None else [self._done[index]]:
@@ -184,6 +201,8 @@ class GradientSum:
         self.busy += time.perf_counter() - start
 
     def _after_backward(self, layer_index):
+        if not self._overlapping:
+            return
         seen = self._passes_seen[layer_index] = self._passes_seen.get(layer_index, 0) + 1
         if seen == self.passes:
             for index in self._ready_after.get(layer_index, ()):
@@ -232,8 +251,10 @@ def join(solver, world):
     seed = world.broadcast(int(get_rng().integers(2**63)) if world.is_root else None)
     for layer in solver.net.layers:
         layer.set_shard(world.rank, world.size, seed)
-    overlap = run_config.mpi_overlap() and world.threads_allowed
-    solver.gradient_sum = GradientSum(world, solver.net, solver.param.iter_size, overlap)
+    overlap = run_config.mpi_overlap()
+    if overlap is None:
+        overlap = world.spans_hosts()
+    solver.gradient_sum = GradientSum(world, solver.net, solver.param.iter_size, overlap, world.threads_allowed)
     solver.callbacks.insert(0, (solver.gradient_sum.on_start, solver.gradient_sum.on_gradients_ready))
 
 

@@ -184,12 +184,13 @@ CASES = [(kind, iter_size) for kind in UPDATES for iter_size in (1, 2)]
 @pytest.fixture(scope="module")
 def two_ranks(lenet):
     """Every case (and CLIPPED) trained once by 2 ranks of batch 4 in one
-    mpirun, gradients summed while backward runs (CCT_MPI_OVERLAP's
-    default): {case: rank 0's weights}, and what pycaffe said on each rank."""
+    mpirun, gradients summed while backward runs (CCT_MPI_OVERLAP=1; on one
+    host the default is after it): {case: rank 0's weights}, and what
+    pycaffe said on each rank."""
     folder, nets = lenet
     solvers = [write_solver(folder, nets[4], f"{kind}_{size}_b4", kind, size) for kind, size in CASES]
     solvers.append(write_solver(folder, nets[4], "clipped", "Nesterov", 2, extra="clip_gradients: 0.05"))
-    weights, said = train_on_two(folder / "two_ranks", solvers)
+    weights, said = train_on_two(folder / "two_ranks", solvers, CCT_MPI_OVERLAP="1")
     return dict(zip(CASES + [CLIPPED], weights)), said
 
 

@@ -1,0 +1,171 @@
+"""Data-parallel training over MPI (cct.training.distributed): for each net,
+one rank against two, each rank on one core (CCT_THREADS=1), and on two
+ranks the gradient sums overlapping backward against after it, in turns:
+
+    python bench/bench_mpi.py [--nets lenet:64,caffenet:16] [--iterations 20] [--warmup 3]
+
+Each rank trains at the given batch (so two ranks train on twice the
+images), SGD as bench_caffenet.py, the nets' data layers replaced by Input
+blobs filled once (each rank its own gaussian images). Printed per run: the
+median iteration (rank 0's solver.step(1)); on one rank its forward alone
+(net.forward), the rest being backward and update; on two, each way's
+median iteration, the seconds per iteration the gradient sums took
+(GradientSum.busy: on their thread with overlap, so stretched by sharing
+the core with backward), the seconds the update waited for them
+(GradientSum.exposed), the share of the wait without overlap that overlap
+hides (1 - waited on / waited off), and one sum of every gradient alone
+(nothing else running: the allreduce's own time) with its volume and rate.
+Then a scaling model for N machines (model()).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+NETS = {
+    "lenet": (os.path.join(common.REPO, "models", "lenet", "lenet_train_test.prototxt"),
+              lambda b: [(b, 1, 28, 28), (b,)]),
+    "caffenet": (common.CAFFENET, None),
+}
+
+
+def worker(args):
+    """One rank: train, time, and (rank 0) print the RESULT line. Of two
+    ranks, iterations alternate between sums during backward and after it
+    (GradientSum.overlap), so the two ways share the machine's load."""
+    import cct
+    path, shapes = NETS[args.net]
+    param, inputs = common.net_param_with_inputs(path, args.batch, shapes and shapes(args.batch))
+    solver = common.sgd_solver(param)
+    common.fill_inputs(solver.net, inputs, classes=10 if args.net == "lenet" else 1000, seed=solver.rank)
+    for _ in range(args.warmup):
+        solver.step(1)
+    result = {"net": args.net, "batch": args.batch, "ranks": cct.solver_count(),
+              "gradient_mb": sum(p.diff.nbytes for p in solver.net.learnable_params) / 2**20}
+    summed = solver.gradient_sum
+    if summed is None:
+        result["iteration_s"] = common.time_loop(lambda: solver.step(1), args.iterations, 0)[0]
+        result["forward_s"] = common.time_loop(solver.net.forward, 5, 1)[0]
+    else:
+        for overlap, figures in _alternating(solver, summed, args.iterations).items():
+            result["on" if overlap else "off"] = figures
+        result["alone_s"] = _sum_alone(summed, 5)
+    if solver.is_root:
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def _alternating(solver, summed, iterations):
+    """{overlap: {iteration_s (median), sums_s, waited_s (means)}} over
+    `iterations` of each way, taken in turns."""
+    seen = {True: [], False: []}
+    for k in range(2 * iterations):
+        summed.overlap = k % 2 == 0
+        summed.busy = summed.exposed = 0.0
+        start = time.perf_counter()
+        solver.step(1)
+        seen[summed.overlap].append((time.perf_counter() - start, summed.busy, summed.exposed))
+    return {way: {"iteration_s": statistics.median(t for t, _, _ in rows),
+                  "sums_s": statistics.mean(b for _, b, _ in rows),
+                  "waited_s": statistics.mean(e for _, _, e in rows)} for way, rows in seen.items()}
+
+
+def _sum_alone(summed, repeats):
+    """Median seconds of one sum of every gradient with nothing else running."""
+    times = []
+    for _ in range(repeats):
+        summed.comm.Barrier()
+        start = time.perf_counter()
+        for index in range(len(summed.params)):
+            summed._sum(index)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(args, net, batch, ranks):
+    command = [sys.executable, os.path.abspath(__file__), "--worker", "--net", net, "--batch", str(batch),
+               "--iterations", str(args.iterations), "--warmup", str(args.warmup)]
+    if ranks > 1:
+        root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+        command = ["mpirun", *root, "--oversubscribe", "-np", str(ranks), *command]
+    env = {**os.environ, "CCT_THREADS": "1", "CCT_SCHEDULE": "sequential"}
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, cwd=common.REPO, env=env)
+    if done.returncode:
+        raise SystemExit(f"{net} on {ranks} ranks failed ({done.returncode})")
+    # ranks share mpirun's stdout: another rank's bytes may precede ours on the line
+    line = [line for line in done.stdout.splitlines() if "RESULT " in line][-1]
+    return json.loads(line.split("RESULT ", 1)[1])
+
+
+def report(one, two):
+    common.print_flush(f"{one['net']:9s} batch {one['batch']:3d}/rank  1 rank   iteration "
+                       f"{one['iteration_s'] * 1e3:8.1f} ms  (forward {one['forward_s'] * 1e3:.1f} ms)")
+    for way in ("off", "on"):
+        figures = two[way]
+        speedup = 2 * one["iteration_s"] / figures["iteration_s"]
+        line = (f"{two['net']:9s} batch {two['batch']:3d}/rank  2 ranks  iteration "
+                f"{figures['iteration_s'] * 1e3:8.1f} ms ({speedup:.2f}x the images/s of 1)  overlap {way:3s}  "
+                f"sums {figures['sums_s'] * 1e3:7.1f} ms, waited {figures['waited_s'] * 1e3:7.1f} ms")
+        if way == "on" and two["off"]["waited_s"] > 0:
+            line += f" (hides {1 - figures['waited_s'] / two['off']['waited_s']:.1%} of the wait)"
+        common.print_flush(line)
+    common.print_flush(f"  one sum of every gradient alone: {two['alone_s'] * 1e3:.1f} ms "
+                       f"({two['gradient_mb']:.1f} MiB, {two['gradient_mb'] / 1024 / two['alone_s']:.2f} GiB/s)")
+
+
+LINKS_GBIT = (10, 100)
+GLOBAL_BATCH = 256
+
+
+def model(one):
+    """N machines, each one rank, on a link of B bytes/s: a ring allreduce
+    sends 2 (N - 1) / N of the gradients' V bytes per machine, so it takes
+    2 (N - 1) V / (N B), under 2 V / B for any N. It hides behind the
+    backward that runs after the first (top) layers' gradients are ready,
+    about backward_time = b * (iteration - forward) / batch (the update
+    included: an upper bound). Same batch b per machine: it hides at every N
+    when 2 V / B < b * t_backward per image, else never. One global batch of
+    GLOBAL_BATCH split over N: b = GLOBAL_BATCH / N, so it stops hiding at
+    the N where GLOBAL_BATCH / N * t_backward = 2 (N - 1) V / (N B), i.e.
+    N = 1 + GLOBAL_BATCH * t_backward * B / (2 V)."""
+    volume = one["gradient_mb"] * 2**20
+    per_image = (one["iteration_s"] - one["forward_s"]) / one["batch"]
+    for gbit in LINKS_GBIT:
+        rate = gbit * 1e9 / 8
+        ring = 2 * volume / rate
+        weak = one["batch"] * per_image
+        limit = 1 + GLOBAL_BATCH * per_image * rate / (2 * volume)
+        common.print_flush(
+            f"  model {one['net']}, {gbit:3d} Gbit/s: allreduce <= {ring * 1e3:7.1f} ms; backward "
+            f"{per_image * 1e3:.1f} ms/image on one core: batch {one['batch']} per machine "
+            f"{'hides' if ring < weak else 'does not hide'} ({weak * 1e3:.0f} ms of backward) at any N; "
+            f"global batch {GLOBAL_BATCH} stops hiding past N = {limit:.0f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nets", default="lenet:64,caffenet:16", help="NET:BATCH per rank, comma separated")
+    parser.add_argument("--iterations", type=int, default=20, help="timed iterations (median reported)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--net", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    common.print_flush(common.machine_line())
+    for item in args.nets.split(","):
+        net, batch = item.split(":")
+        one = run(args, net, int(batch), 1)
+        report(one, run(args, net, int(batch), 2))
+        model(one)
+    common.print_flush(f"load after: {common.load_average():.2f}")
+
+
+if __name__ == "__main__":
+    main()
