@@ -322,7 +322,8 @@ def measure_shares(net, device, repeats=2):
             chain_of[id(top)] = chain
     shares = {}
     for batch, indexes, timed in chains:
-        shares.update({index: _chain_rows(net, device, batch, timed, repeats) / batch for index in indexes})
+        share = _chain_rows(net, device, batch, timed, repeats) / batch      # measured once per chain
+        shares.update(dict.fromkeys(indexes, share))
     net.clear_param_diffs()
     return shares
 
