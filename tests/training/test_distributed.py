@@ -172,19 +172,40 @@ def lenet(tmp_path_factory):
     return folder, nets
 
 
-def write_solver(folder, net, name, kind="SGD", iter_size=1, max_iter=5, display=1, extra=""):
+def write_solver(folder, net, name, kind="SGD", iter_size=1, max_iter=5, display=1, extra="", base_lr=0.01):
     path = folder / f"{name}.prototxt"
-    path.write_text(f'net: "{net}" type: "{kind}" {UPDATES[kind]} base_lr: 0.01 lr_policy: "inv" '
+    path.write_text(f'net: "{net}" type: "{kind}" {UPDATES[kind]} base_lr: {base_lr} lr_policy: "inv" '
                     f'gamma: 0.0001 power: 0.75 weight_decay: 0.0005 iter_size: {iter_size} '
                     f'max_iter: {max_iter} display: {display} random_seed: 7 snapshot_prefix: "{folder}/{name}" {extra}\n')
     return path
 
 
 CASES = [(kind, iter_size) for kind in UPDATES for iter_size in (1, 2)]
+CAFFENET_MINI = HERE.parent / "reference" / "cases" / "caffenet_mini_sgd" / "net.prototxt"
 
 
 @pytest.fixture(scope="module")
-def two_ranks(lenet):
+def caffenet_mini(lenet):
+    """The solver reference case's CaffeNet-mini (no dropout) reading an
+    LMDB of 24 random 3x227x227 images of 20 classes, at batch 2 and 4:
+    {batch: net path}."""
+    folder = lenet[0]
+    rng = np.random.default_rng(3)
+    write_lmdb(folder / "mini_db", [raw_datum(rng.integers(0, 256, (3, 227, 227)), int(rng.integers(20)))
+                                    for _ in range(24)])
+    text = CAFFENET_MINI.read_text()
+    inputs = [line for line in text.splitlines() if '"Input"' in line]
+    nets = {}
+    for batch in (2, 4):
+        data = (f'layer {{ name: "data" type: "Data" top: "data" top: "label" transform_param {{ scale: 0.0039 }} '
+                f'data_param {{ source: "{folder / "mini_db"}" backend: LMDB batch_size: {batch} }} }}')
+        nets[batch] = folder / f"caffenet_mini{batch}.prototxt"
+        nets[batch].write_text(text.replace(inputs[0], data).replace(inputs[1], ""))
+    return nets
+
+
+@pytest.fixture(scope="module")
+def two_ranks(lenet, caffenet_mini):
     """Every case (and CLIPPED) trained once by 2 ranks of batch 4 in one
     mpirun, gradients summed while backward runs (CCT_MPI_OVERLAP=1; on one
     host the default is after it): {case: rank 0's weights}, and what
@@ -192,11 +213,14 @@ def two_ranks(lenet):
     folder, nets = lenet
     solvers = [write_solver(folder, nets[4], f"{kind}_{size}_b4", kind, size) for kind, size in CASES]
     solvers.append(write_solver(folder, nets[4], "clipped", "Nesterov", 2, extra="clip_gradients: 0.05"))
+    solvers.append(write_solver(folder, caffenet_mini[2], "mini_b2", "Nesterov", 2, base_lr=MINI_RATE))
     weights, said = train_on_two(folder / "two_ranks", solvers, CCT_MPI_OVERLAP="1")
-    return dict(zip(CASES + [CLIPPED], weights)), said
+    return dict(zip(CASES + [CLIPPED, MINI], weights)), said
 
 
 CLIPPED = ("Nesterov", "clipped")
+MINI = ("Nesterov", "caffenet_mini")
+MINI_RATE = 0.5           # its gaussian(0.02) weights pass conv1 small gradients: move it visibly
 
 
 def train_on_two(out, solvers, **env):
@@ -209,9 +233,10 @@ def train_on_two(out, solvers, **env):
     return weights, [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
-def trained_alone(folder, net, kind, iter_size):
-    """(initial, final) weights of one solver of batch 8 in this process."""
-    solver = cct.get_solver(str(write_solver(folder, net, f"{kind}_{iter_size}_b8", kind, iter_size)))
+def trained_alone(folder, net, kind, iter_size, base_lr=0.01):
+    """(initial, final) weights of one solver on `net` in this process."""
+    solver = cct.get_solver(str(write_solver(folder, net, f"{net.stem}_{kind}_{iter_size}", kind, iter_size,
+                                             base_lr=base_lr)))
     first = {f"{name}.{i}": blob.data.copy() for name, blobs in solver.net.params.items()
              for i, blob in enumerate(blobs)}
     solver.step(solver.param.max_iter)
@@ -228,6 +253,14 @@ def test_two_ranks_train_as_one_of_twice_the_batch(lenet, two_ranks, kind, iter_
     folder, nets = lenet
     first, expected = trained_alone(folder, nets[8], kind, iter_size)
     assert_trained_alike(two_ranks[0][(kind, iter_size)], first, expected)
+
+
+@needs_mpi
+def test_caffenet_mini_on_two_ranks_trains_as_one_of_twice_the_batch(lenet, caffenet_mini, two_ranks,
+                                                                      monkeypatch):
+    monkeypatch.setenv("CCT_SCHEDULE", "sequential")
+    first, expected = trained_alone(lenet[0], caffenet_mini[4], "Nesterov", 2, MINI_RATE)
+    assert_trained_alike(two_ranks[0][MINI], first, expected)
 
 
 def assert_trained_alike(got, first, expected):
