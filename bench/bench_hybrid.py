@@ -6,10 +6,12 @@ conv2 alone and for a whole CaffeNet-mini training step (the reference
 case's net, tests/reference/cases/caffenet_mini_sgd, at --mini_batch): the
 time of a forward and backward (a solver step) with every splittable layer
 at device shares 0, 0.05, ..., 1; the FLOPS rule's per-layer plan
-(cct.runtime.hybrid.plan, measured afresh) and its time; the best swept
-time; and the ideal 1/(1/T_host + 1/T_device) from shares 0 and 1. Times are
-medians of --repeats after a warm-up; the shares are swept in a shuffled
-order so that drift in the machine's load spreads over them.
+(cct.runtime.hybrid.measure_shares, measured afresh) and its time, timed
+alternately with the best swept share's (3 rounds, medians); and the ideal
+1/(1/T_host + 1/T_device) from shares 0 and 1. Times are medians of
+--repeats after a warm-up; the shares are swept in a shuffled order so that
+drift in the machine's load spreads over them. bench_gpu.py runs the same
+sweep on a real GPU (sweep() is imported from here; importing pins nothing).
 
     python bench/bench_hybrid.py [--batch 16] [--mini_batch 32] [--repeats 3]
 """
@@ -22,11 +24,6 @@ import tempfile
 import time
 
 PINNED = {"POCL_MAX_PTHREAD_COUNT": "1", "POCL_AFFINITY": "1", "OPENBLAS_NUM_THREADS": "1", "CCT_THREADS": "1"}
-if any(os.environ.get(key) != value for key, value in PINNED.items()):
-    os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **PINNED})   # before numpy loads
-
-import numpy as np  # noqa: E402
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONV2 = """name: "conv2" force_backward: true
 layer {{ name: "data" type: "Input" top: "data" input_param {{ shape {{ dim: {batch} dim: 96 dim: 27 dim: 27 }} }} }}
@@ -57,9 +54,15 @@ def sweep(name, net, device, run, repeats):
         times[share] = median_time(run, repeats)
     net.executor.hybrid = {}
     plan = hybrid.measure_shares(net, device)
-    net.executor.hybrid = plan
-    rule = median_time(run, repeats)
     best_share = min(times, key=times.get)
+    # the rule's plan and the best swept share timed again, alternately (the machine drifts)
+    rule_times, best_times = [], []
+    for _ in range(3):
+        net.executor.hybrid = plan
+        rule_times.append(median_time(run, repeats))
+        net.executor.hybrid = {index: best_share for index in splittable}
+        best_times.append(median_time(run, repeats))
+    rule, times[best_share] = statistics.median(rule_times), statistics.median(best_times)
     host, on_device = times[0.0], times[1.0]
     ideal = 1 / (1 / host + 1 / on_device)
     print(f"\n{name}: ms per step at each device share (every splittable layer at it)")
@@ -71,10 +74,14 @@ def sweep(name, net, device, run, repeats):
           f"ideal 1/(1/T_host + 1/T_device) = {1e3 * ideal:.1f} ms")
     print(f"  the rule: {1e3 * rule:.1f} ms = {rule / times[best_share]:.3f}x the best swept "
           f"({1e3 * times[best_share]:.1f} ms at {best_share:.2f}); {rule / ideal:.3f}x the ideal")
-    return rule / times[best_share], rule / ideal
+    return {"name": name, "times": times, "plan": {net.layers[i].name: s for i, s in plan.items()},
+            "best_share": best_share, "rule": rule, "ideal": ideal,
+            "rule_over_best": rule / times[best_share], "rule_over_ideal": rule / ideal}
 
 
 def conv2_case(device, batch, repeats):
+    import numpy as np
+
     import cct
     net = cct.Net(CONV2.format(batch=batch), cct.TRAIN)
     net.blobs["data"].data[...] = np.random.default_rng(0).standard_normal(net.blobs["data"].shape)
@@ -88,6 +95,7 @@ def conv2_case(device, batch, repeats):
 
 
 def mini_case(device, batch, repeats):
+    import numpy as np
     from google.protobuf import text_format
 
     from cct.proto import caffe_pb2
@@ -126,8 +134,10 @@ def main():
           f"{device.cl_device.max_compute_units} compute unit(s); load {os.getloadavg()[0]:.2f}")
     results = [conv2_case(device, args.batch, args.repeats), mini_case(device, args.mini_batch, args.repeats)]
     print("\nsummary: rule / best swept, rule / ideal:",
-          "; ".join(f"{best:.3f}, {ideal:.3f}" for best, ideal in results))
+          "; ".join(f"{r['rule_over_best']:.3f}, {r['rule_over_ideal']:.3f}" for r in results))
 
 
 if __name__ == "__main__":
+    if any(os.environ.get(key) != value for key, value in PINNED.items()):
+        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **PINNED})   # before numpy loads
     main()

@@ -25,9 +25,10 @@ FLOPS rule, T_host / (T_host + T_device), each layer's forward and backward
 timed whole on each side; a chain of splittable layers each feeding the
 next gets one cut from their summed times, so that no rows cross between
 host and device inside it; and of the whole row counts around the rule's
-share, timed on the device, and none, the one finishing first
-(best_rows): what a split costs beyond FLOPs (the device's fixed cost per
-call, the host's time to queue its work) is measured, not assumed away.
+share and the whole batch, each side's part timed alone, and none, the one
+finishing first (best_rows): what a split costs beyond FLOPs (the device's
+fixed cost per call, the host's time to queue its work, either side's loss
+of efficiency on few rows) is measured, not assumed away.
 Measured once per net shape and machine, cached. The run configuration's
 "hybrid" entry may set any layer's share.
 """
@@ -215,25 +216,29 @@ def flops_share(host_seconds, device_seconds):
 
 def candidate_rows(batch, host_seconds, device_seconds):
     """The device's row counts worth timing: the whole numbers around the
-    FLOPS rule's share of the batch (flops_share), and one below."""
+    FLOPS rule's share of the batch (flops_share), one below, and the whole
+    batch (a device so much faster that the host's few rows cost more than
+    they save: measured on the lent H100, where the rule's 0.957 of conv1
+    took 1.18x the device alone)."""
     balanced = batch * flops_share(host_seconds, device_seconds)
     low = int(balanced)
-    return sorted({rows for rows in (low - 1, low, low + 1) if 1 <= rows <= batch})
+    return sorted({rows for rows in (low - 1, low, low + 1, batch) if 1 <= rows <= batch})
 
 
-def best_rows(batch, host_seconds, device_times):
-    """Of 0 and the row counts timed on the device ({rows: (seconds, of
-    which the host's queuing)}), the one whose slower side finishes first:
-    the host's rows at T_host/N each plus its queuing of the device's work,
-    against the device's measured time. The FLOPS rule's split, with what
-    a split costs beyond FLOPs (the device's fixed cost per call, the
-    host's time to queue it) measured instead of assumed away."""
+def best_rows(batch, host_seconds, split_times):
+    """Of 0 and the row counts timed ({device rows: (device seconds, of which
+    the host's queuing, the host's seconds on the other rows)}), the one
+    whose slower side finishes first: the host queues the device's work,
+    then runs its rows, while the device runs. The FLOPS rule's split, with
+    what a split costs beyond FLOPs (the device's fixed cost per call, the
+    host's time to queue it, either side's loss of efficiency on few rows)
+    measured instead of assumed away."""
     def finish(rows):
         if not rows:
             return host_seconds
-        seconds, queuing = device_times[rows]
-        return max(host_seconds * (batch - rows) / batch + queuing, seconds)
-    return min([0] + sorted(device_times), key=finish)
+        seconds, queuing, host_rest = split_times[rows]
+        return max(queuing + host_rest, seconds)
+    return min([0] + sorted(split_times), key=finish)
 
 
 def _time(run, device, repeats, queued=False):
@@ -269,21 +274,32 @@ def layer_times(net, index, device, repeats=2):
     return _time(on_host, device, repeats), _time(on_device, device, repeats)
 
 
-def device_rows_time(net, index, device, rows, repeats=2):
-    """(seconds, of which the host's queuing) of layer `index`'s forward and
-    backward on the device's part alone when it gets the last `rows` rows
-    of the batch (as a split runs it)."""
+def split_times(net, index, device, rows, repeats=2):
+    """(device seconds, of which the host's queuing, host seconds) of layer
+    `index`'s forward and backward split as a HybridLayer runs it, with the
+    last `rows` rows of the batch on the device: each side timed alone."""
     layer, bottoms, tops = net.layers[index], net.bottom_vecs[index], net.top_vecs[index]
     down = net.bottom_need_backward[index]
     runner = HybridLayer(layer, device, rows / bottoms[0].shape[0])
-    _, (part_bottoms, part_tops), _ = runner._parts(bottoms, tops, writing_tops=False)
+    host_part, device_part, _ = runner._parts(bottoms, tops, writing_tops=False)
+
+    need_backward = net.layer_need_backward[index]
+    device_twin, host_twin = runner.device_twin, runner.host_twin
 
     def on_device():
-        runner.device_twin.reshape(part_bottoms, part_tops)
-        runner.device_twin.forward_on(device, part_bottoms, part_tops)
-        if net.layer_need_backward[index]:
-            runner.device_twin.backward_on(device, part_tops, down, part_bottoms)
-    return _time(on_device, device, repeats, queued=True)
+        device_twin.reshape(*device_part)
+        device_twin.forward_on(device, *device_part)
+        if need_backward:
+            device_twin.backward_on(device, device_part[1], down, device_part[0])
+
+    def on_host():
+        host_twin.reshape(*host_part)
+        host_twin.forward(*host_part)
+        if need_backward:
+            host_twin.backward(host_part[1], down, host_part[0])
+    seconds, queuing = _time(on_device, device, repeats, queued=True)
+    host_seconds = 0.0 if host_part is None else _time(on_host, device, repeats)
+    return seconds, queuing, host_seconds
 
 
 def splittable(net, index, device):
@@ -299,10 +315,10 @@ def measure_shares(net, device, repeats=2):
     chain of splittable layers, each feeding the next (conv, ReLU, pooling,
     LRN, ...), one cut, since a cut that moved between two layers would copy
     the rows between host and device there. The chain's layers with work to
-    count (Layer.flops) are timed whole on each side; the device's part
-    alone is timed at the row counts around the FLOPS rule's share of
-    their summed times (candidate_rows), and best_rows picks among them and
-    none. Leaves the parameter diffs cleared."""
+    count (Layer.flops) are timed whole on each side; each side's part
+    alone is timed at the device row counts around the FLOPS rule's share
+    of their summed times and at the whole batch (candidate_rows), and
+    best_rows picks among them and none. Leaves the parameter diffs cleared."""
     chains, chain_of = [], {}                  # chain: [batch, indexes, timed indexes]; chain_of: top -> chain
     for index in range(len(net.layers)):
         bottoms, tops = net.bottom_vecs[index], net.top_vecs[index]
@@ -334,11 +350,11 @@ def _chain_rows(net, device, batch, timed, repeats):
         return 0
     whole = [layer_times(net, index, device, repeats) for index in timed]
     host_seconds = sum(host for host, _ in whole)
-    device_times = {}
+    timed_splits = {}
     for rows in candidate_rows(batch, host_seconds, sum(on_device for _, on_device in whole)):
-        parts = [device_rows_time(net, index, device, rows, repeats) for index in timed]
-        device_times[rows] = (sum(seconds for seconds, _ in parts), sum(queuing for _, queuing in parts))
-    return best_rows(batch, host_seconds, device_times)
+        parts = [split_times(net, index, device, rows, repeats) for index in timed]
+        timed_splits[rows] = tuple(sum(part[k] for part in parts) for k in range(3))
+    return best_rows(batch, host_seconds, timed_splits)
 
 
 def cache_path(net, device):

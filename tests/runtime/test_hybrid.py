@@ -137,19 +137,22 @@ def test_flops_share_is_each_sides_rate_over_the_sum():
     assert hybrid.flops_share(1.0, 0.0) == 1.0 and hybrid.flops_share(0.0, 1.0) == 0.0
 
 
-def test_the_rows_timed_are_around_the_flops_rules_share():
-    assert hybrid.candidate_rows(32, 1.0, 3.0) == [7, 8, 9]                 # 8 = 32 * 1/4
-    assert hybrid.candidate_rows(32, 1.0, 20.0) == [1, 2]                   # 1.52: 0 is no candidate
+def test_the_rows_timed_are_around_the_flops_rules_share_and_the_whole_batch():
+    assert hybrid.candidate_rows(32, 1.0, 3.0) == [7, 8, 9, 32]             # 8 = 32 * 1/4
+    assert hybrid.candidate_rows(32, 1.0, 20.0) == [1, 2, 32]               # 1.52: 0 is no candidate
     assert hybrid.candidate_rows(4, 1.0, 0.0) == [3, 4]
 
 
 def test_best_rows_takes_the_count_whose_slower_side_finishes_first():
-    # host 1 s for 32 rows: 1 row leaves it 31/32 s (+ 0.01 s queuing); the device's 0.5 s is faster
-    assert hybrid.best_rows(32, 1.0, {1: (0.5, 0.01), 2: (1.2, 0.01)}) == 1
+    # host 1 s for 32 rows, 31/32 s on the other 31 (+ 0.01 s queuing); the device's 0.5 s is faster
+    assert hybrid.best_rows(32, 1.0, {1: (0.5, 0.01, 0.97), 2: (1.2, 0.01, 0.94)}) == 1
     # a device slower on one row than the host on all: none
-    assert hybrid.best_rows(32, 1.0, {1: (1.5, 0.0)}) == 0
+    assert hybrid.best_rows(32, 1.0, {1: (1.5, 0.0, 0.97)}) == 0
     # queuing on the host counts: 16 rows leave it 0.5 s + 0.6 s
-    assert hybrid.best_rows(32, 1.0, {16: (0.5, 0.6), 8: (0.3, 0.05)}) == 8
+    assert hybrid.best_rows(32, 1.0, {16: (0.5, 0.6, 0.5), 8: (0.3, 0.05, 0.75)}) == 8
+    # the host slow on its few rows (as on the lent H100, where conv1 split at 0.957 took 1.18x
+    # the device alone): the whole batch on the device
+    assert hybrid.best_rows(256, 1.6, {245: (0.138, 0.01, 0.17), 256: (0.144, 0.01, 0.0)}) == 256
 
 
 def test_the_plan_measures_once_caches_and_takes_configured_shares(on_opencl, tmp_path, monkeypatch):
