@@ -357,11 +357,14 @@ def _chain_rows(net, device, batch, timed, repeats):
     return best_rows(batch, host_seconds, timed_splits)
 
 
+RULE_VERSION = 2          # in the cache key: shares the rule measured before a change to it are not reused
+
+
 def cache_path(net, device):
     """Where the measured shares of `net` at its current shapes, with this
     device, host and thread count, are kept."""
     executor = net.executor
-    identity = json.dumps([net.net_param.SerializeToString(deterministic=True).hex(),
+    identity = json.dumps([RULE_VERSION, net.net_param.SerializeToString(deterministic=True).hex(),
                            [list(blob.shape) for blob in net.blobs.values()], executor.threads,
                            device.name, platform.node(), platform.machine(), os.cpu_count()], default=str)
     return settings.cache_dir() / "hybrid" / (hashlib.sha256(identity.encode()).hexdigest()[:24] + ".json")
