@@ -11,7 +11,7 @@ lowering_budget_mb) is processed in chunks of whole images, one after
 another (`chunk_size`), so the arena never holds more than the budget: CaffeNet
 conv1 at batch 256 under type 1 would need 1.1 GB for its lowered matrix alone.
 """
-from .type1 import batch_inner
+from .type1 import batch_inner, image_major
 
 # 64 MB: CaffeNet training at batch 256 then peaks at 2.48 GiB, within Caffe's
 # 2.7 GB, at most a few % slower than with 256 MB (2.67 GiB; BENCHMARKS.md).
@@ -60,8 +60,9 @@ def cache_chunk(geom, lowering_type, batch, itemsize):
     consumed by the GEMM while still in cache, rather than written to memory for
     the whole batch and read back. Chunks keep at least MIN_GEMM_COLUMNS GEMM
     columns; other types, and type 1 on small images (batch-inner, see type1),
-    measured fastest whole."""
-    if lowering_type != 1 or batch_inner(geom, batch):
+    measured fastest whole, and so does type 1 image by image (each image's
+    columns are in cache when its own GEMM reads them)."""
+    if lowering_type != 1 or batch_inner(geom, batch) or image_major(geom, batch):
         return batch
     pixels = geom.out_h * geom.out_w
     lowered = geom.channels * geom.kernel_h * geom.kernel_w * pixels * itemsize

@@ -342,3 +342,36 @@ def test_batch_first_transpose_crops_adds_bias_and_fills_any_out(bias):
     strided = np.empty((19, 3, 5, 36))[..., ::2]
     assert type1._batch_first(source, 1, 2, shape, strided, bias) is strided
     np.testing.assert_array_equal(strided, expected)
+
+
+# --- type 1 image by image (image_major) -----------------------------------------------
+def force_image_major(monkeypatch):
+    """Every geometry whose output is at least as wide as its lowered rows, image by image."""
+    monkeypatch.setattr(type1, "IMAGE_MAJOR_ROWS", 10 ** 6)
+    monkeypatch.setattr(type1, "IMAGE_MAJOR_PIXELS", 1)
+    monkeypatch.setattr(type1, "BATCH_INNER_WIDTH", 0)
+
+
+IMAGE_MAJOR = [g for g in GRID + OVERRUN if g.out_h * g.out_w >= g.channels_per_group * g.kernel_h * g.kernel_w]
+
+
+@pytest.mark.parametrize("geom", IMAGE_MAJOR[::2], ids=lambda g: f"c{g.channels}o{g.num_output}i{g.in_h}x{g.in_w}"
+                         f"k{g.kernel_h}x{g.kernel_w}s{g.stride_h}p{g.pad_h}d{g.dilation_h}g{g.group}")
+def test_type1_image_major_order_matches_reference(geom, monkeypatch):
+    force_image_major(monkeypatch)
+    assert type1.image_major(geom, 3)
+    x, w, dy = arrays(geom, batch=3)
+    bias = RNG.standard_normal(geom.num_output)
+    expected = reference.forward(x, w, geom) + bias.reshape(1, -1, 1, 1)
+    np.testing.assert_allclose(conv_forward(x, w, geom, 1, bias=bias), expected, atol=1e-10)
+    y = np.empty(geom.output_shape(3), np.float64)[:, ::-1]            # a strided out: filled through a copy
+    np.testing.assert_allclose(conv_forward(x, w, geom, 1, out=y, bias=bias), expected, atol=1e-10)
+    dx, dw = conv_backward(x, dy, w, geom, 1)
+    np.testing.assert_allclose(dx, reference.backward_data(dy, w, geom), atol=1e-10)
+    np.testing.assert_allclose(dw, reference.backward_weights(x, dy, geom), atol=1e-10)
+
+
+def test_image_major_picks_few_rows_on_large_images():
+    assert type1.image_major(ConvGeometry(1, 20, 28, 28, 5, 5), 64)              # LeNet conv1
+    assert not type1.image_major(ConvGeometry(20, 50, 12, 12, 5, 5), 64)         # conv2: 500 rows, batch-inner
+    assert not type1.image_major(ConvGeometry(3, 96, 227, 227, 11, 11, 4, 4), 64)   # CaffeNet conv1: 363 rows
