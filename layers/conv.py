@@ -11,20 +11,26 @@ cached, so the same shape costs a tuple comparison). A scheduler may set the
 attribute afterwards; that forces the type.
 
 Intermediates live in the running thread's arena (cct.core.workspace),
-reused across iterations, and a batch whose largest
+reused across iterations, except that a training Convolution keeps its
+forward's lowered matrix (and a copy of its bottom) for the backward's weight
+gradient, which reads it instead of lowering again while the bottom is
+bitwise what was lowered (cct.lowering.kept; the memory plan counts it, and
+turns it off where the net would not fit with it). A batch whose largest
 lowering matrix exceeds the budget (default 64 MB; set by the run settings'
 lowering_budget_mb) runs in chunks of images.
 """
 import numpy as np
 
-from cct.core.layer import Layer, register
+from cct.core.layer import TRAIN, Layer, register
 from cct.lowering import (ConvGeometry, chooser, conv_backward, conv_backward_data, conv_backward_weights,
                           conv_forward, lowering, type1)
 from cct.lowering import device as device_lowering
 from cct.core.workspace import thread_arena
 from cct.lowering.chunking import DEFAULT_BUDGET_MB, cache_chunk, chunk_size, slot_bytes
+from cct.lowering.kept import KeptLowering, kept_bytes
 
 DEFAULT_LOWERING = 1          # before the first reshape, and where nothing decides
+KEEP_LOWERING = True          # False: every backward lowers again (the bench's baseline)
 
 
 def read_spatial_params(layer, p, bottom):
@@ -103,6 +109,8 @@ class _ConvolutionBase(Layer):
             raise self.config_error("convolution_param.group", f"must divide num_output "
                                     f"({self.num_output}), got {self.group}")
         self.bias_term = p.bias_term
+        # Only a training net's backward reads a kept lowering; the memory plan may turn it off.
+        self.keep_lowering = self.phase == TRAIN and not self.reverse
         # Partition twins (clone) share the original's choice and budget.
         self._owner = self
         self._budget_share = 1
@@ -249,7 +257,30 @@ class _ConvolutionBase(Layer):
         kind = self.lowering_type
         chunk = min(chunk_size(self.geom, kind, batch, itemsize, max(1, self._owner._lowering_budget // partitions)),
                     cache_chunk(self.geom, kind, batch, itemsize))
-        return {"lowering": sum(slot_bytes(self.geom, kind, chunk, itemsize).values())}
+        slots = slot_bytes(self.geom, kind, chunk, itemsize)
+        needs = {"lowering": sum(slots.values())}
+        if self._keeping() and chunk >= batch:
+            needs["kept"] = len(bottom) * kept_bytes(slots, kind, batch * bottom[0].count_range(1) * itemsize)
+        return needs
+
+    def _keeping(self):
+        """Whether forwards keep their lowering for the backward's weight gradient."""
+        return KEEP_LOWERING and self.keep_lowering and self.param_propagate_down[0]
+
+    def _kept(self, index, kind, x):
+        """Bottom `index`'s KeptLowering for a forward on `x` that keeps its
+        lowering (a whole batch in one chunk), else None and nothing kept.
+        Each partition twin keeps its own (Layer.clone drops _scratch_ attributes)."""
+        kept = self.__dict__.setdefault("_scratch_kept", {})
+        if not self._keeping() or self._chunk(kind, x) < x.shape[0]:
+            kept.pop(index, None)
+            return None
+        return kept.setdefault(index, KeptLowering())
+
+    def _kept_matrix(self, index, kind, x):
+        """The lowering of `x` the forward kept for bottom `index`, while x is unchanged; else None."""
+        kept = self.__dict__.get("_scratch_kept", {}).get(index)
+        return None if kept is None else kept.matrix_for(x, kind, self.geom)
 
     def _chunk(self, lowering_type, x):
         batch = x.shape[0]
@@ -328,9 +359,10 @@ class Convolution(_ConvolutionBase):
         kind = self._lowering()
         weight, arena = self.blobs[0].data, thread_arena()
         bias = self.blobs[1].data if self.bias_term else None
-        for b, t in zip(bottom, top):
-            conv_forward(b.data, weight, self.geom, kind, out=t.data, ws=arena, chunk=self._chunk(kind, b.data),
-                         bias=bias)
+        for index, (b, t) in enumerate(zip(bottom, top)):
+            x = b.data
+            conv_forward(x, weight, self.geom, kind, out=t.data, ws=arena, chunk=self._chunk(kind, x), bias=bias,
+                         keep=self._kept(index, kind, x))
 
     def backward(self, top, propagate_down, bottom):
         """The sub-tasks' numbers (backward_param, backward_data), with one
@@ -341,19 +373,22 @@ class Convolution(_ConvolutionBase):
         need_weights = self.param_propagate_down[0]
         if self.bias_term and self.param_propagate_down[1]:
             self._bias_gradient(top)
-        for t, down, b in zip(top, propagate_down, bottom):
+        for index, (t, down, b) in enumerate(zip(top, propagate_down, bottom)):
             if not (down or need_weights):
                 continue
-            _, dw = conv_backward(b.data, t.diff, self.blobs[0].data, self.geom, kind, data=down,
-                                  weights=need_weights, ws=arena, chunk=self._chunk(kind, b.data),
-                                  dx_out=b.diff if down else None)
+            x = b.data
+            _, dw = conv_backward(x, t.diff, self.blobs[0].data, self.geom, kind, data=down,
+                                  weights=need_weights, ws=arena, chunk=self._chunk(kind, x),
+                                  dx_out=b.diff if down else None,
+                                  lowered=self._kept_matrix(index, kind, x) if need_weights else None)
             if need_weights:
                 self.blobs[0].diff[...] += dw
 
     def _weight_gradient(self, top, bottom, kind, arena):
-        for t, b in zip(top, bottom):
-            _, dw = conv_backward(b.data, t.diff, self.blobs[0].data, self.geom, kind, data=False, weights=True,
-                                  ws=arena, chunk=self._chunk(kind, b.data))
+        for index, (t, b) in enumerate(zip(top, bottom)):
+            x = b.data
+            _, dw = conv_backward(x, t.diff, self.blobs[0].data, self.geom, kind, data=False, weights=True,
+                                  ws=arena, chunk=self._chunk(kind, x), lowered=self._kept_matrix(index, kind, x))
             self.blobs[0].diff[...] += dw
 
     def _forward_on(self, device, b, t, weight, bias):

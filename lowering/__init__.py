@@ -61,13 +61,21 @@ def _bias_only(geom, n, dtype, out, bias):
     return out
 
 
-def conv_forward(x, w, geom, lowering_type=1, out=None, ws=FRESH, chunk=None, bias=None):
+def conv_forward(x, w, geom, lowering_type=1, out=None, ws=FRESH, chunk=None, bias=None, keep=None):
     """y (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/group, KH, KW)), plus
-    bias (O,) when given (added while the result is stored, no extra pass)."""
+    bias (O,) when given (added while the result is stored, no extra pass).
+    `keep` (a cct.lowering.kept.KeptLowering) keeps the lowered matrix and x
+    for conv_backward's `lowered`: a whole batch only, a chunked call keeps nothing."""
     impl, n = lowering(lowering_type), x.shape[0]
+    if keep is not None:
+        keep.forget()
     if n == 0 or geom.empty:          # an empty batch (or partition), input or output: nothing to lower
         return _bias_only(geom, n, x.dtype, out, bias)
     _plan(ws, geom, lowering_type, n, chunk, x.dtype)
+    if _whole(n, chunk) and keep is not None:
+        y = impl.forward(x, w, geom, out=out, ws=keep.workspace(ws, lowering_type), bias=bias)
+        keep.record(x, lowering_type, geom)
+        return y
     if _whole(n, chunk):
         return impl.forward(x, w, geom, out=out, ws=ws, bias=bias)
     out = np.empty(geom.output_shape(n), x.dtype) if out is None else out
@@ -76,16 +84,19 @@ def conv_forward(x, w, geom, lowering_type=1, out=None, ws=FRESH, chunk=None, bi
     return out
 
 
-def conv_backward(x, dy, w, geom, lowering_type=1, data=True, weights=True, ws=FRESH, chunk=None, dx_out=None):
+def conv_backward(x, dy, w, geom, lowering_type=1, data=True, weights=True, ws=FRESH, chunk=None, dx_out=None,
+                  lowered=None):
     """(dx or None, dw or None); types 2 and 3 share their unlifted dy between the
-    two. dx goes into `dx_out` when given; dw is summed over the chunks."""
+    two. dx goes into `dx_out` when given; dw is summed over the chunks.
+    `lowered`: x's lowered matrix the forward kept (KeptLowering.matrix_for),
+    read instead of lowering x again (a whole batch only)."""
     impl, n = lowering(lowering_type), dy.shape[0]
     if n == 0 or geom.empty:          # nothing lowered: the gradients are zero (or empty)
         dx = _zeros(geom.input_shape(n), dy.dtype, dx_out) if data else None
         return dx, (np.zeros(geom.weight_shape, dy.dtype) if weights else None)
     _plan(ws, geom, lowering_type, n, chunk, dy.dtype)
     if _whole(n, chunk):
-        return impl.backward(x, dy, w, geom, data=data, weights=weights, ws=ws, dx_out=dx_out)
+        return impl.backward(x, dy, w, geom, data=data, weights=weights, ws=ws, dx_out=dx_out, lowered=lowered)
     if data and dx_out is None:
         dx_out = np.empty(geom.input_shape(n), dy.dtype)
     dw = None

@@ -249,13 +249,14 @@ def _forward_image_major(x, w, geom, out, ws, bias):
     return out
 
 
-def _backward_image_major(x, dy, w, geom, data, weights, ws, dx_out):
+def _backward_image_major(x, dy, w, geom, data, weights, ws, dx_out, lowered):
     """(dx or None, dw or None) from dy (N, O, OH, OW) as it is: no transpose."""
     n, pixels = dy.shape[0], geom.out_h * geom.out_w
     dy_images = np.ascontiguousarray(dy).reshape(n, geom.group, geom.outputs_per_group, pixels)
     dw = dx = None
     if weights:
-        lowered = _lower_image_major(x, geom, ws).reshape(n, geom.group, -1, pixels)
+        lowered = (_lower_image_major(x, geom, ws) if lowered is None else lowered).reshape(
+            n, geom.group, -1, pixels)
         per_image = np.matmul(dy_images, lowered.swapaxes(-1, -2),
                               out=ws.empty("product", dy_images.shape[:3] + lowered.shape[2:3], dy.dtype))
         dw = per_image.sum(axis=0).reshape(geom.weight_shape)     # image after image, as Caffe sums them
@@ -306,17 +307,19 @@ def forward(x, w, geom, out=None, ws=FRESH, bias=None):
     return store(y, out)
 
 
-def backward(x, dy, w, geom, data=True, weights=True, ws=FRESH, dx_out=None):
+def backward(x, dy, w, geom, data=True, weights=True, ws=FRESH, dx_out=None, lowered=None):
     """(dx or None, dw or None), sharing the dy matrix. dx goes into `dx_out`
-    when given; dw is a new array (set, not accumulated)."""
+    when given; dw is a new array (set, not accumulated). `lowered`: x's
+    lowering as the forward left it (cct.lowering.kept), not lowered again."""
     n = dy.shape[0]
     if image_major(geom, n):
-        return _backward_image_major(x, dy, w, geom, data, weights, ws, dx_out)
+        return _backward_image_major(x, dy, w, geom, data, weights, ws, dx_out, lowered)
     inner = batch_inner(geom, n)
     dy_mat = _output_matrix(dy, geom, ws, inner)                  # (g, Og, M)
     dw = dx = None
     if weights:                   # first: the data gradient then reuses the lowered buffer
-        lowered = _lowered(x, geom, ws, inner).reshape(geom.group, -1, dy_mat.shape[-1])
+        lowered = (_lowered(x, geom, ws, inner) if lowered is None else lowered).reshape(
+            geom.group, -1, dy_mat.shape[-1])
         dw = np.ascontiguousarray(matmul_nt(dy_mat, lowered)).reshape(geom.weight_shape)   # (g, Og, Cg*KH*KW)
     if data:
         kernel = _kernel_matrix(w, geom, dy.dtype)

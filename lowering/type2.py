@@ -79,14 +79,16 @@ def forward(x, w, geom, out=None, ws=FRESH, bias=None):
     return store_output(lift(z, geom, n, ws), out, bias)
 
 
-def backward(x, dy, w, geom, data=True, weights=True, ws=FRESH, dx_out=None):
+def backward(x, dy, w, geom, data=True, weights=True, ws=FRESH, dx_out=None, lowered=None):
     """(dx or None, dw or None), sharing the unlifted dZ between the two. dx goes
-    into `dx_out` when given; dw is a new array (set, not accumulated)."""
+    into `dx_out` when given; dw is a new array (set, not accumulated).
+    `lowered`: x's lowering as the forward left it (cct.lowering.kept)."""
     n = dy.shape[0]
     dz = unlift(dy, geom, ws)
     dx = dw = None
     if weights:                   # first: the data gradient then reuses the lowered buffer
-        lowered = lower(x, geom, ws).reshape(geom.group, geom.channels_per_group * geom.kernel_w, -1)
+        lowered = (lower(x, geom, ws) if lowered is None else lowered).reshape(
+            geom.group, geom.channels_per_group * geom.kernel_w, -1)
         dk = matmul_nt(dz, lowered)                                  # (g, Og*KH, Cg*KW)
         dk = dk.reshape(geom.group, geom.outputs_per_group, geom.kernel_h,
                         geom.channels_per_group, geom.kernel_w)

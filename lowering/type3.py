@@ -70,14 +70,16 @@ def forward(x, w, geom, out=None, ws=FRESH, bias=None):
     return store_output(lift(z, geom, n, ws), out, bias)
 
 
-def backward(x, dy, w, geom, data=True, weights=True, ws=FRESH, dx_out=None):
+def backward(x, dy, w, geom, data=True, weights=True, ws=FRESH, dx_out=None, lowered=None):
     """(dx or None, dw or None), sharing the unlifted dZ between the two. dx goes
-    into `dx_out` when given; dw is a new array (set, not accumulated)."""
+    into `dx_out` when given; dw is a new array (set, not accumulated).
+    `lowered`: x's padded input as the forward left it (cct.lowering.kept)."""
     n = dy.shape[0]
     dz = unlift(dy, geom, ws)
     dx = dw = None
     if weights:                   # first: the data gradient then reuses the padded buffer
-        lowered = lower(x, geom, ws).reshape(geom.group, geom.channels_per_group, -1)
+        lowered = (lower(x, geom, ws) if lowered is None else lowered).reshape(
+            geom.group, geom.channels_per_group, -1)
         dk = matmul_nt(dz, lowered)                                  # (g, Og*KH*KW, Cg)
         dk = dk.reshape(geom.num_output, geom.kernel_h, geom.kernel_w, geom.channels_per_group)
         dw = np.ascontiguousarray(dk.transpose(0, 3, 1, 2))

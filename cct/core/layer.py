@@ -235,7 +235,10 @@ class Layer:
         """Memory the layer will take beyond its blobs and the arrays it holds,
         for the memory plan (cct.runtime.memory_plan), in bytes by kind:
         "lowering" or "work.NAME", what one of its `partitions` asks that slot
-        of its thread's arena for (Layer.work); "prefetch", batches a
+        of its thread's arena for (Layer.work); "kept", what one of its
+        partitions keeps from forward to backward to save time (a
+        convolution's lowering), given up when the plan does not fit with it
+        (its keep_lowering set False); "prefetch", batches a
         prefetch thread keeps ready.
         Layers with big work arrays say so."""
         return {}

@@ -21,6 +21,10 @@ plan is made from what setup allocated and from what the run will add:
     workspace      each thread's arena: per slot (the lowering's, a layer's
                    work array), the largest request of any layer that runs
                    on that thread (cct.core.workspace)
+    kept lowerings what training convolutions keep from forward to backward
+                   (cct.lowering.kept), each layer's own; where the plan would
+                   not fit with them, they are given up (the layers'
+                   keep_lowering turned off) and the plan made again
     prefetch       batches a data layer's prefetch thread keeps ready
     solver history the solver's per-parameter state (momentum, Adam's moments)
 
@@ -48,7 +52,7 @@ from cct.core.errors import MemoryLimitError
 from cct.core.layer import TRAIN
 from cct.devices.jit import kernel
 
-KINDS = ("process", "runtime", "blobs", "diffs", "workspace", "prefetch", "solver history")
+KINDS = ("process", "runtime", "blobs", "diffs", "workspace", "kept lowerings", "prefetch", "solver history")
 
 
 class MemoryPlan:
@@ -102,6 +106,9 @@ class MemoryPlan:
         parts = ", ".join(f"{kind} {format_bytes(nbytes)}" for kind, nbytes in self.bytes.items() if nbytes)
         return f"planned peak {format_bytes(self.total)} ({parts})"
 
+    def fits(self):
+        return self.total <= available()[0]
+
     def check(self, source):
         """Raise MemoryLimitError when the plan does not fit, naming the largest arrays."""
         limit, what = available()
@@ -137,6 +144,9 @@ def plan_net(net, plan, backward=None, executor=None):
         for slot, nbytes in needs.items():
             if slot == "prefetch":
                 plan.add("prefetch", where, nbytes)
+            elif slot == "kept":                # one per partition twin, read only by a backward
+                if backward:
+                    plan.add("kept lowerings", where, nbytes * max(1, partitions))
             else:
                 for thread in _threads(executor, partitions, backward):
                     plan.add_workspace(where, thread, slot, nbytes)
@@ -191,8 +201,23 @@ def _own_arrays(layer):
 
 def net_plan(net, executor):
     """The plan of a net alone, from the process's memory before it was built."""
-    plan = MemoryPlan(net.memory_baseline)
-    plan_net(net, plan, executor=executor)
+    def make():
+        plan = MemoryPlan(net.memory_baseline)
+        plan_net(net, plan, executor=executor)
+        return plan
+    return _fitted(make, [net])
+
+
+def _fitted(make, nets):
+    """The plan make() gives; if it does not fit only with kept lowerings,
+    the plan after the nets' layers give them up (their backwards lower again)."""
+    plan = make()
+    if plan.bytes["kept lowerings"] and not plan.fits():
+        for net in nets:
+            for layer in net.layers:
+                if getattr(layer, "keep_lowering", False):
+                    layer.keep_lowering = False
+        plan = make()
     return plan
 
 
@@ -200,14 +225,18 @@ def solver_plan(solver, baseline):
     """The plan of a solver: its train net (with diffs), test nets (forward
     only; parameters shared with the train net count once), history, and
     the runtime a training run loads."""
-    plan = MemoryPlan(baseline)
-    plan.add("runtime", "numba and OpenBLAS buffers", runtime_bytes())
-    plan_net(solver.net, plan, backward=True)
-    for net in solver.test_nets:
-        plan_net(net, plan, backward=False)
-    for index, array in enumerate(solver.history):
-        plan.add("solver history", f"history {index}", 0, array)
-    return plan
+    runtime = runtime_bytes()
+
+    def make():
+        plan = MemoryPlan(baseline)
+        plan.add("runtime", "numba and OpenBLAS buffers", runtime)
+        plan_net(solver.net, plan, backward=True)
+        for net in solver.test_nets:
+            plan_net(net, plan, backward=False)
+        for index, array in enumerate(solver.history):
+            plan.add("solver history", f"history {index}", 0, array)
+        return plan
+    return _fitted(make, [solver.net])
 
 
 def runtime_bytes():

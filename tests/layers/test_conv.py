@@ -311,3 +311,38 @@ CONV_REFERENCE_CASES = ["conv_basic", "conv_few_in_many_out", "conv_group_dilati
 @pytest.mark.parametrize("name", CONV_REFERENCE_CASES)
 def test_reference_cases_under_every_lowering(lowering_type, name):
     assert_matches_caffe(run_case(name), name)
+
+
+# --- the forward's lowering kept for the backward -----------------------------------------
+def test_backward_reads_the_kept_lowering_until_the_bottom_is_written(monkeypatch):
+    from cct.lowering import ConvGeometry, reference, type1
+    geom = ConvGeometry(1, 4, 20, 19, 3, 3)                       # type 1 image by image
+    x = RNG.standard_normal(geom.input_shape(3))
+    layer, bottoms, tops = run_layer(conv_text(num_output=4, kernel_size=3), [x])
+    dy = tops[0].diff
+    dy[...] = RNG.standard_normal(dy.shape)
+    lowerings = []
+    lower = type1._lower_image_major
+    monkeypatch.setattr(type1, "_lower_image_major", lambda *args: lowerings.append(args) or lower(*args))
+    layer.backward(tops, [True], bottoms)
+    assert not lowerings
+    np.testing.assert_allclose(layer.blobs[0].diff, reference.backward_weights(x, dy, geom), rtol=1e-10)
+    # written between forward and backward (a pycaffe script may): lowered again, as it is now, as Caffe does
+    bottoms[0].data[2, 0, 19, 18] += 1.0
+    layer.blobs[0].diff[...] = 0
+    layer.backward(tops, [True], bottoms)
+    assert len(lowerings) == 1
+    np.testing.assert_allclose(layer.blobs[0].diff, reference.backward_weights(bottoms[0].data, dy, geom),
+                               rtol=1e-10)
+
+
+def test_only_a_training_convolution_keeps_its_lowering():
+    import cct
+    x = RNG.standard_normal((3, 1, 20, 19))
+    text = conv_text(num_output=4, kernel_size=3)
+    train, _, _ = run_layer(text, [x])
+    test, _, _ = run_layer(text, [x], phase=cct.TEST)
+    deconvolution, _, _ = run_layer(conv_text("Deconvolution", num_output=4, kernel_size=3), [x])
+    assert train._scratch_kept and train.keep_lowering
+    assert not test.__dict__.get("_scratch_kept") and not test.keep_lowering
+    assert not deconvolution.__dict__.get("_scratch_kept") and not deconvolution.keep_lowering

@@ -375,3 +375,50 @@ def test_image_major_picks_few_rows_on_large_images():
     assert type1.image_major(ConvGeometry(1, 20, 28, 28, 5, 5), 64)              # LeNet conv1
     assert not type1.image_major(ConvGeometry(20, 50, 12, 12, 5, 5), 64)         # conv2: 500 rows, batch-inner
     assert not type1.image_major(ConvGeometry(3, 96, 227, 227, 11, 11, 4, 4), 64)   # CaffeNet conv1: 363 rows
+
+
+# --- the forward's lowering kept for the backward (cct.lowering.kept) --------------------
+KEPT_CASES = [(ConvGeometry(1, 4, 20, 19, 3, 3), 1),                  # image by image
+              (ConvGeometry(6, 2, 6, 5, 3, 2, pad_h=1, stride_w=2), 1),  # batch-inner
+              (ConvGeometry(2, 4, 7, 6, 2, 3, pad_w=1, group=2), 1),     # channels first, (n, oh, ow)
+              (ConvGeometry(2, 4, 7, 6, 3, 2, stride_h=2, pad_h=1), 2),
+              (ConvGeometry(4, 2, 6, 6, 3, 3, pad_h=1, pad_w=1, group=2), 3)]
+
+
+@pytest.mark.parametrize("geom, kind", KEPT_CASES, ids=lambda c: str(c) if isinstance(c, int) else
+                         f"c{c.channels}o{c.num_output}i{c.in_h}x{c.in_w}g{c.group}")
+def test_a_kept_lowering_gives_the_backward_bitwise_its_own(geom, kind):
+    from cct.core.workspace import Arena
+    from cct.lowering.kept import KeptLowering
+    x, w, dy = arrays(geom, batch=4, dtype=np.float32)
+    kept, arena = KeptLowering(), Arena()
+    y = conv_forward(x, w, geom, kind, ws=arena, keep=kept)
+    np.testing.assert_array_equal(y, conv_forward(x, w, geom, kind))
+    conv_backward(x, dy, w, geom, kind, ws=arena)                  # the arena is reused: the kept store is not
+    lowered = kept.matrix_for(x, kind, geom)
+    assert lowered is not None
+    expected = conv_backward(x, dy, w, geom, kind)
+    got = conv_backward(x, dy, w, geom, kind, ws=arena, lowered=lowered)
+    for ours, want in zip(got, expected):
+        np.testing.assert_array_equal(ours, want)
+
+
+def test_a_kept_lowering_is_refused_once_its_bottom_changed():
+    from cct.lowering.kept import KeptLowering
+    geom = ConvGeometry(1, 4, 20, 19, 3, 3)
+    x, w, _ = arrays(geom, batch=4, dtype=np.float32)
+    kept = KeptLowering()
+    conv_forward(x, w, geom, 1, keep=kept)
+    assert kept.matrix_for(x.copy(), 1, geom) is not None          # the same values in another array
+    assert kept.matrix_for(x[:3], 1, geom) is None                 # another batch
+    assert kept.matrix_for(x, 2, geom) is None                     # another lowering type
+    changed = x.copy()
+    changed[3, 0, 19, 18] = np.nextafter(changed[3, 0, 19, 18], np.float32(np.inf))   # one ulp, last pixel
+    assert kept.matrix_for(changed, 1, geom) is None
+    signed = x.copy()
+    signed[0, 0, 0, 0] = 0.0
+    conv_forward(signed, w, geom, 1, keep=kept)
+    signed[0, 0, 0, 0] = -0.0                                      # equal as a number, not as bits
+    assert kept.matrix_for(signed, 1, geom) is None
+    conv_forward(x, w, geom, 1, keep=kept, chunk=2)                # a chunked forward keeps nothing
+    assert kept.matrix_for(x, 1, geom) is None

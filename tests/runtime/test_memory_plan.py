@@ -126,6 +126,47 @@ def test_a_convolution_plans_its_lowering_workspace():
     assert planned == sum(slot_bytes(layer.geom, layer.lowering_type, chunk, 4).values())
 
 
+# LeNet's two convolutions at batch 64 behind DummyData.
+CONVS = """
+name: "convs"
+layer { name: "data" type: "DummyData" top: "x" top: "t"
+  dummy_data_param { shape { dim: 64 dim: 1 dim: 28 dim: 28 } shape { dim: 64 }
+                     data_filler { type: "gaussian" std: 1 } data_filler { type: "constant" value: 1 } } }
+layer { name: "conv1" type: "Convolution" bottom: "x" top: "c1"
+  convolution_param { num_output: 20 kernel_size: 5 weight_filler { type: "xavier" } } }
+layer { name: "conv2" type: "Convolution" bottom: "c1" top: "c2"
+  convolution_param { num_output: 50 kernel_size: 5 weight_filler { type: "xavier" } } }
+layer { name: "fc" type: "InnerProduct" bottom: "c2" top: "z"
+  inner_product_param { num_output: 10 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "z" bottom: "t" top: "loss" }
+"""
+
+
+def test_kept_lowerings_are_planned_and_given_up_where_they_do_not_fit(tmp_path, memory_limit, monkeypatch):
+    """A training convolution keeps its forward's lowering and a copy of its
+    bottom for the backward; the plan counts them, a TEST net keeps none, and
+    a limit that the net fits only without them turns them off."""
+    monkeypatch.setenv("CCT_LOWERING", "1")
+    path = tmp_path / "convs.prototxt"
+    path.write_text(CONVS)
+    net = cct.Net(str(path), cct.TRAIN)
+    plan = net.executor.memory_plan
+    conv1, conv2 = net.layers[1:3]
+    assert plan.owners[("kept lowerings", conv1.where())] == (25 * 64 * 24 * 24 + 64 * 28 * 28) * 4
+    assert plan.owners[("kept lowerings", conv2.where())] == (500 * 64 * 20 * 20 + 64 * 20 * 24 * 24) * 4
+    kept = plan.bytes["kept lowerings"]
+    needs = plan.total - plan.bytes["process"]
+    assert cct.Net(str(path), cct.TEST).executor.memory_plan.bytes["kept lowerings"] == 0
+    del net, plan, conv1, conv2
+    memory_limit(resident_bytes() + needs - kept // 2)
+    smaller = cct.Net(str(path), cct.TRAIN)
+    assert smaller.executor.memory_plan.bytes["kept lowerings"] == 0
+    assert not any(layer.keep_lowering for layer in smaller.layers[1:3])
+    smaller.forward()
+    smaller.backward()
+    assert not any(layer.__dict__.get("_scratch_kept") for layer in smaller.layers[1:3])
+
+
 PLAN_AND_MEASURE = """
 import json, sys
 from cct.core.allocation import resident_bytes
