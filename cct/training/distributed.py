@@ -244,7 +244,7 @@ def join(solver, world):
     """Make `solver` one of the world's ranks: rank 0's weights on every rank,
     each data layer of the train net reading its own shard, gradients summed
     before every update (solver.gradient_sum)."""
-    log.info("MPI rank %d of %d", world.rank, world.size)
+    _check_alike(solver, world)
     world.broadcast_arrays(_weights(solver.net))
     # One seed for every rank: shuffles then agree, so the shards stay disjoint.
     # Drawn from rank 0's seeded stream: a run with random_seed repeats.
@@ -256,6 +256,37 @@ def join(solver, world):
         overlap = world.spans_hosts()
     solver.gradient_sum = GradientSum(world, solver.net, solver.param.iter_size, overlap, world.threads_allowed)
     solver.callbacks.insert(0, (solver.gradient_sum.on_start, solver.gradient_sum.on_gradients_ready))
+    log.info("MPI: %d ranks, each of batch %d x iter_size %d; gradients summed %s", world.size,
+             solver._batch_size(solver.net), solver.param.iter_size,
+             "during backward" if solver.gradient_sum.overlap else "after backward")
+
+
+def _check_alike(solver, world):
+    """Every rank must train the same net at the same batch (their sums would
+    pair up parameters of other shapes, or weigh batches unequally): each
+    rank compares every rank's with rank 0's, so all raise the same error."""
+    net = solver.net
+    mine = {"batch size": solver._batch_size(net), "iter_size": solver.param.iter_size,
+            "parameters": [f"{name}[{i}] {tuple(blob.shape)}" for name, blobs in net.params.items()
+                           for i, blob in enumerate(blobs)]}
+    every = world.comm.allgather(mine)
+    for rank, theirs in enumerate(every):
+        difference = _difference(theirs, every[0])
+        if difference:
+            raise ConfigError(f"{solver.source}: MPI rank {rank} trains with {difference}: every rank "
+                              "needs the same net at the same batch")
+
+
+def _difference(theirs, root):
+    """What differs between two ranks' nets, as 'X, rank 0 with Y', or None."""
+    for key, value in theirs.items():
+        if key == "parameters" and value != root[key]:
+            pairs = [(a, b) for a, b in zip(value, root[key]) if a != b]
+            ours, first = pairs[0] if pairs else (f"{len(value)} parameters", f"{len(root[key])}")
+            return f"{ours}, rank 0 with {first}"
+        if value != root[key]:
+            return f"{key} {value}, rank 0 with {root[key]}"
+    return None
 
 
 def share_state(solver, world):
