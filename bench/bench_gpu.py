@@ -98,21 +98,10 @@ def caffenet_modes(device, batch, iterations):
 
 
 def conv1_sweep(device, batch, repeats):
-    import numpy as np
-
-    import cct
-    from bench_hybrid import sweep
+    from bench_hybrid import layer_case
     from cct.runtime import settings
     settings.set_mode("gpu")
-    net = cct.Net(CONV1.format(batch=batch), cct.TRAIN)
-    net.blobs["data"].data[...] = np.random.default_rng(0).standard_normal(net.blobs["data"].shape)
-
-    def step():
-        net.forward()
-        net.backward()
-        net.params["conv1"][0].diff.sum()           # the parameter gradient on the host: the device drained
-        device.finish()
-    result = sweep(f"CaffeNet conv1, batch {batch}", net, device, step, repeats)
+    result = layer_case(device, CONV1, "conv1", batch, repeats)
     result["times"] = {str(share): seconds for share, seconds in result["times"].items()}
     return result
 

@@ -79,19 +79,21 @@ def sweep(name, net, device, run, repeats):
             "rule_over_best": rule / times[best_share], "rule_over_ideal": rule / ideal}
 
 
-def conv2_case(device, batch, repeats):
+def layer_case(device, net_text, name, batch, repeats):
+    """The sweep of one layer's forward and backward: the layer `name` of
+    `net_text` (its input's batch given by {batch}), on random data."""
     import numpy as np
 
     import cct
-    net = cct.Net(CONV2.format(batch=batch), cct.TRAIN)
+    net = cct.Net(net_text.format(batch=batch), cct.TRAIN)
     net.blobs["data"].data[...] = np.random.default_rng(0).standard_normal(net.blobs["data"].shape)
 
     def step():
         net.forward()
         net.backward()
-        net.params["conv2"][0].diff.sum()           # the parameter gradient on the host: the device drained
+        net.params[name][0].diff.sum()             # the parameter gradient on the host: the device drained
         device.finish()
-    return sweep(f"CaffeNet conv2, batch {batch}", net, device, step, repeats)
+    return sweep(f"CaffeNet {name}, batch {batch}", net, device, step, repeats)
 
 
 def mini_case(device, batch, repeats):
@@ -132,7 +134,8 @@ def main():
     settings.set_mode("gpu")
     print(f"host: 1 core, 1 BLAS thread; device: {device.name}, "
           f"{device.cl_device.max_compute_units} compute unit(s); load {os.getloadavg()[0]:.2f}")
-    results = [conv2_case(device, args.batch, args.repeats), mini_case(device, args.mini_batch, args.repeats)]
+    results = [layer_case(device, CONV2, "conv2", args.batch, args.repeats),
+               mini_case(device, args.mini_batch, args.repeats)]
     print("\nsummary: rule / best swept, rule / ideal:",
           "; ".join(f"{r['rule_over_best']:.3f}, {r['rule_over_ideal']:.3f}" for r in results))
 
