@@ -155,6 +155,7 @@ class GradientSum:
         self.overlap = self._overlapping = overlap and threads
         self.scale = np.float32(1.0 / world.size)
         self.busy = self.exposed = 0.0
+        self._queue = None
         if threads:
             self._start_thread(net)
 
@@ -208,9 +209,22 @@ class GradientSum:
             for index in self._ready_after.get(layer_index, ()):
                 self._queue.put(index)
 
+    def close(self):
+        """End the communication thread (it holds the net's parameters) and
+        free the communicator; every rank closes its solver alike."""
+        if self._queue is not None:
+            self._queue.put(None)
+            self._queue = None
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
+
     def _sum_queued(self):
+        queued = self._queue
         while True:
-            index = self._queue.get()
+            index = queued.get()
+            if index is None:
+                return
             try:
                 self._sum(index)
             except BaseException as error:       # the waiting update raises it

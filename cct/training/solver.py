@@ -319,9 +319,13 @@ class Solver:
         self.callbacks.append((on_start, on_gradients_ready))
 
     def close(self):
-        """Close the train and test nets (Net.close); `with solver:` does it at the end."""
+        """Close the train and test nets (Net.close) and the gradient sums over
+        MPI ranks; `with solver:` does it at the end."""
         for net in [self.net] + list(self.test_nets):
             net.close()
+        if self.gradient_sum is not None:
+            self.gradient_sum.close()
+            self.gradient_sum = None
 
     def __enter__(self):
         return self
