@@ -417,7 +417,7 @@ class Solver:
             loss += net.forward_backward()
         loss /= param.iter_size
         if self.world is not None:
-            # one exchange: the displayed loss is the ranks' mean; a request reaches every rank
+            # the displayed loss is the ranks' mean; a request reaches every rank at this iteration
             loss, self._agreed = self.world.agree(loss, self._take_request())
         self._update_smoothed_loss(loss, self._start_iter)
         self._display()
