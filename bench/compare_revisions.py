@@ -56,16 +56,26 @@ def scratch_cwd():
     return tempfile.gettempdir()
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     usage="%(prog)s A [B] [--pairs N] [--metric REGEX] -- SCRIPT [ARGS]")
+def revisions_parser(doc, usage):
+    """A command line parser of the two revisions: A, and B (the working tree by default)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0], usage=usage)
     parser.add_argument("a", help="the first revision (the baseline)")
     parser.add_argument("b", nargs="?", default="WORKTREE", help="the second revision (default: the working tree)")
-    parser.add_argument("--pairs", type=int, default=3, help="A/B pairs of runs")
-    parser.add_argument("--metric", help="regex with one group: the figure to compare (default: by script)")
+    return parser
+
+
+def parse_before_dashes(parser):
+    """(the options before `--`, parsed; the words after it, as they are)."""
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
-    args, command = parser.parse_args(argv[:split]), argv[split + 1:]
+    return parser.parse_args(argv[:split]), argv[split + 1:]
+
+
+def main():
+    parser = revisions_parser(__doc__, "%(prog)s A [B] [--pairs N] [--metric REGEX] -- SCRIPT [ARGS]")
+    parser.add_argument("--pairs", type=int, default=3, help="A/B pairs of runs")
+    parser.add_argument("--metric", help="regex with one group: the figure to compare (default: by script)")
+    args, command = parse_before_dashes(parser)
     if not command:
         parser.error("name the benchmark after --, e.g. -- bench_lenet.py --iterations 200")
     script, script_args = command[0], command[1:]
