@@ -137,7 +137,8 @@ class Solver:
             # as Caffe's: only the root solver tests (and so reads the test sources)
             self.test_nets = self._init_test_nets() if self.is_root else []
         for net in [self.net] + self.test_nets:
-            self._load_weights(net)
+            if self.is_root:           # the other ranks get rank 0's weights (distributed.join)
+                self._load_weights(net)
         for net in self.test_nets:       # as every test does: their own parameter stores are freed now
             self.share_weights(net)
         self._images_per_iter = self._batch_size(self.net) * param.iter_size * self.size

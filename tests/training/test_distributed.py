@@ -503,3 +503,29 @@ def test_ranks_training_other_nets_are_refused_by_name(lenet, tmp_path):
     assert done.returncode != 0
     assert re.search(r"cct: error: MPI rank \d of 2: .*: MPI rank 1 trains with batch size 8, rank 0 with 4",
                      done.stderr), done.stderr[-3000:]
+
+
+@needs_mpi
+def test_only_rank_0_reads_the_weights(lenet, tmp_path, one_way):
+    """Rank 1 is given a weights file that does not exist: it never opens it,
+    and ends at rank 0's weights, trained from the file rank 0 read."""
+    folder, nets = lenet
+    start = tmp_path / "start.caffemodel"
+    fresh = cct.Net(str(nets[4]), cct.TRAIN)            # its fillers drew other weights than the solver's
+    fresh.save(str(start))
+    fresh.close()
+    solver = write_solver(tmp_path, nets[4], "tuned", max_iter=2, extra="snapshot_after_train: true")
+    train = [sys.executable, "-m", "cct.cli", "train", f"--solver={solver}"]
+    command = mpirun(1, *train, f"--weights={start}") + [":", "-np", "1", *train, f"--weights={tmp_path}/none"]
+    done = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"Loading weights from {start}" in done.stderr
+    one_way.setenv("CCT_PARTITIONS", "2")                 # as trained_alone
+    alone = cct.get_solver(str(write_solver(tmp_path, nets[8], "alone", max_iter=2)))
+    alone.net.copy_from(str(start))
+    alone.step(2)
+    got = cct.Net(str(nets[4]), cct.TEST, weights=str(tmp_path / "tuned_iter_2.caffemodel"))
+    for ours, theirs in zip(got.learnable_params, alone.net.learnable_params):
+        assert np.abs(ours.data - theirs.data).max() <= 1e-5 * np.abs(theirs.data).max()
+    got.close()
+    alone.close()
