@@ -146,7 +146,8 @@ def torch_cuda(batch, iterations):
         p("  torch: timed out")
         return None
     if done.returncode != 0:
-        p("  torch: failed: " + done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "  torch: failed")
+        last_line = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        p(f"  torch: failed: {last_line}")
         return None
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if result is None:
@@ -168,13 +169,14 @@ def main():
     parser.add_argument("--no-torch", action="store_true")
     args = parser.parse_args()
     from cct.devices import opencl
+    from cct.devices.base import DeviceError
     from cct.runtime import settings
     p(common.machine_line())
     settings.set_device_ids([args.device])
     report = {"machine": common.machine_line()}
     try:
         device = opencl.device(args.device)
-    except Exception as error:                  # say what is missing; PyTorch's figure still helps
+    except DeviceError as error:                # say what is missing; PyTorch's figure still helps
         p(f"no OpenCL device {args.device}: {error}")
         if not args.no_torch:
             torch_cuda(args.batch, args.iterations)
