@@ -106,7 +106,6 @@ def relative_errors(on_device, on_host):
     near zero (a bias before BatchNorm has a zero gradient in exact
     arithmetic, rounding noise here) is measured against a thousandth of the
     largest norm of its kind (data, diff, gradient) in the net instead."""
-    import numpy as np
     norms = {key: float(np.linalg.norm(values)) for key, values in on_host.items()}
     largest = {}
     for key, norm in norms.items():
