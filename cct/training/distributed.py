@@ -33,6 +33,9 @@ log = logging.getLogger("cct.training.solver")
 # Variables an MPI launcher sets to the number of ranks it started.
 SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 ACTION_CODES = {"none": 0, "snapshot": 1, "stop": 2}    # agreed as their maximum over the ranks
+BUCKET_ENV = "CCT_MPI_BUCKET"
+# The gradient sums' bucket size (GradientSum; CCT_MPI_BUCKET overrides): not yet measured
+BUCKET_BYTES = 4 * 2**20
 
 _world = None            # World, or False once a single process is known
 
@@ -137,32 +140,68 @@ class GradientSum:
     """Sums each learnable parameter's gradient over the ranks and scales it
     by 1/N, in place, before the update (Caffe's NCCL::on_gradients_ready):
     N ranks of batch b then update as one of batch N*b, whose loss layers
-    average over N*b. The sums go over a communicator of their own, in the
-    backward's order, the same on every rank, so the ranks' sums pair up.
+    average over N*b. The sums go over a communicator of their own.
+
+    The unit of a sum (one Allreduce) is a bucket (plan_units): parameters
+    of at most `bucket` bytes gathered, in the order backward completes
+    them, until they hold `bucket` bytes (one call instead of several: on
+    small sums the call's latency dominates), and a larger parameter cut
+    into pieces of at most `bucket` bytes (so its sum does not hold up the
+    layers below). Each element is summed alone, so the buckets change no
+    number (of 2 ranks bitwise; of more, MPI may pick another reduction
+    order for another message size).
 
     overlap False: all at once when the gradients are ready (the solver's
-    on_gradients_ready callback). True: a communication thread sums a
-    parameter's gradient as soon as the backward of the last layer adding to
-    it has run (after the last of iter_size passes), while the layers below
-    run theirs; the update of a parameter waits for its own sum only (wait).
-    The two give the same numbers. `overlap` may change between iterations
-    (alike on every rank) where MPI allows threads (`threads`).
-    `busy`: seconds spent summing; `exposed`: seconds the solver waited."""
+    on_gradients_ready callback), units in order. True: a communication
+    thread sums a unit as soon as the backward of the last layer adding to
+    its parameters has run (after the last of iter_size passes), while the
+    layers below run theirs; the update of a parameter waits for its own
+    sums only (wait, summed_order). Of the units ready on every rank, the
+    one the next forward needs first goes first (reuse distance, TurboDL:
+    the lowest layer; _next_unit). Blocking collectives must be issued in
+    one order on every rank, so the ranks agree on which units are ready
+    before each sum (an Allreduce of a byte per unit, their minimum): the
+    choice is then a function of what every rank knows, whatever each
+    one's timing. The two give the same numbers. `overlap` may change
+    between iterations (alike on every rank) where MPI allows threads
+    (`threads`). `busy`: seconds spent summing; `exposed`: seconds the
+    solver waited. `trace`: None, or a list to which the thread appends
+    (unit, the units it chose from) per sum.
+    """
 
-    def __init__(self, world, net, passes, overlap, threads=True):
+    def __init__(self, world, net, passes, overlap, threads=True, bucket=None):
         self.comm, self._mpi = world.comm.Dup(), world._mpi
         self.params, self.passes = net.learnable_params, passes
         self.overlap = self._overlapping = overlap and threads
         self.scale = np.float32(1.0 / world.size)
         self.busy = self.exposed = 0.0
+        self.trace = None
+        self.bucket = bucket_bytes() if bucket is None else bucket
+        self._flat = [param.diff.reshape(-1) for param in self.params]      # views of the diffs
+        completes = _last_layers(net)
+        ready_order = [index for layer in sorted(completes, reverse=True) for index in completes[layer]]
+        self.units = plan_units(self.params, ready_order, self.bucket)
+        first_layer = {index: layer for layer, indices in completes.items() for index in indices}
+        # reuse distance: the lowest first layer of its parameters, then its place
+        self._priority = [(min(first_layer[index] for index, _, _ in unit), number)
+                          for number, unit in enumerate(self.units)]
+        self._buffers = [None if len(unit) == 1 else          # a bucket's: one contiguous buffer
+                         np.empty(sum(end - begin for _, begin, end in unit), self._flat[unit[0][0]].dtype)
+                         for unit in self.units]
+        self._units_of = [[] for _ in self.params]        # {parameter: the units holding part of it}
+        for number, unit in enumerate(self.units):
+            for index, _, _ in unit:
+                self._units_of[index].append(number)
+        self._completes = completes
         self._queue = None
         if threads:
             self._start_thread(net)
 
     def _start_thread(self, net):
-        self._ready_after = _last_layers(net)       # {layer index: learnable params it completes}
         self._passes_seen = {}
         self._done = [threading.Event() for _ in self.params]
+        self._finished = []                       # parameters whose sums are in, in that order
+        self._finished_changed = threading.Condition()
         self._failure = None
         self._queue = queue.Queue()
         threading.Thread(target=self._sum_queued, name="cct-gradient-sum", daemon=True).start()
@@ -172,14 +211,18 @@ class GradientSum:
         self._overlapping = self.overlap          # this iteration's way
         if self._overlapping:
             self._passes_seen.clear()
+            self._missing = [len(unit) for unit in self.units]          # parameters each unit waits for
+            self._unsummed = [len(units) for units in self._units_of]   # units each parameter waits for
+            with self._finished_changed:
+                self._finished.clear()
             for done in self._done:
                 done.clear()
 
     def on_gradients_ready(self):
         if not self._overlapping:
             start = time.perf_counter()
-            for index in range(len(self.params)):
-                self._sum(index)
+            for number in range(len(self.units)):
+                self._sum(number)
             self.exposed += time.perf_counter() - start
 
     def wait(self, index=None, timed=True):
@@ -194,11 +237,47 @@ class GradientSum:
         if timed:
             self.exposed += time.perf_counter() - start
 
-    def _sum(self, index):
+    def summed_order(self, timed=True):
+        """Every parameter index once, each as soon as its sum is in: the
+        update starts with the parameters whose sums finished (in index
+        order without overlap). Each parameter's update is its own, so any
+        order gives the same numbers."""
+        if not self._overlapping:
+            yield from range(len(self.params))
+            return
+        for position in range(len(self.params)):
+            start = time.perf_counter()
+            with self._finished_changed:
+                while len(self._finished) <= position and self._failure is None:
+                    self._finished_changed.wait()
+                if self._failure is not None:
+                    raise self._failure
+                index = self._finished[position]
+            if timed:
+                self.exposed += time.perf_counter() - start
+            yield index
+
+    def _sum(self, number):
+        """Unit `number`'s Allreduce, scaled: in place where it is one piece of
+        one parameter, else through its bucket's buffer."""
         start = time.perf_counter()
-        diff = self.params[index].diff
-        self.comm.Allreduce(self._mpi.IN_PLACE, diff, op=self._mpi.SUM)
-        diff *= self.scale
+        unit, buffer = self.units[number], self._buffers[number]
+        if buffer is None:
+            index, begin, end = unit[0]
+            buffer = self._flat[index][begin:end]
+            self.comm.Allreduce(self._mpi.IN_PLACE, buffer, op=self._mpi.SUM)
+            buffer *= self.scale
+        else:
+            at = 0
+            for index, begin, end in unit:
+                buffer[at:at + end - begin] = self._flat[index][begin:end]
+                at += end - begin
+            self.comm.Allreduce(self._mpi.IN_PLACE, buffer, op=self._mpi.SUM)
+            buffer *= self.scale
+            at = 0
+            for index, begin, end in unit:
+                self._flat[index][begin:end] = buffer[at:at + end - begin]
+                at += end - begin
         self.busy += time.perf_counter() - start
 
     def _after_backward(self, layer_index):
@@ -206,8 +285,11 @@ class GradientSum:
             return
         seen = self._passes_seen[layer_index] = self._passes_seen.get(layer_index, 0) + 1
         if seen == self.passes:
-            for index in self._ready_after.get(layer_index, ()):
-                self._queue.put(index)
+            for index in self._completes.get(layer_index, ()):
+                for number in self._units_of[index]:
+                    self._missing[number] -= 1
+                    if self._missing[number] == 0:
+                        self._queue.put(number)
 
     def close(self):
         """End the communication thread (it holds the net's parameters) and
@@ -220,16 +302,114 @@ class GradientSum:
             self.comm = None
 
     def _sum_queued(self):
-        queued = self._queue
-        while True:
-            index = queued.get()
-            if index is None:
-                return
-            try:
-                self._sum(index)
-            except BaseException as error:       # the waiting update raises it
-                self._failure = error
-            self._done[index].set()
+        """The communication thread: an iteration's units, each once every
+        rank has it ready, by reuse distance (_next_unit)."""
+        try:
+            while self._sum_iteration():
+                pass
+        except BaseException as error:             # the waiting update raises it
+            self._failure = error
+            for done in self._done:
+                done.set()
+            with self._finished_changed:
+                self._finished_changed.notify_all()
+
+    def _sum_iteration(self):
+        """One iteration's sums; False once closed."""
+        count = len(self.units)
+        ready = np.zeros(count, np.uint8)           # here
+        agreed = np.zeros(count, np.uint8)          # on every rank (the minimum)
+        summed = np.zeros(count, bool)
+        for _ in range(count):
+            while True:
+                if not (agreed.astype(bool) & ~summed).any() and (ready == agreed).all():
+                    number = self._queue.get()      # nothing to sum before more is ready here
+                    if number is None:
+                        return False
+                    ready[number] = 1
+                while not self._queue.empty():
+                    number = self._queue.get_nowait()
+                    if number is None:
+                        return False
+                    ready[number] = 1
+                agreed[...] = ready                 # the same decision on every rank
+                self.comm.Allreduce(self._mpi.IN_PLACE, agreed, op=self._mpi.MIN)
+                choice = self._next_unit(agreed.astype(bool) & ~summed)
+                if choice is not None:
+                    break
+            self._sum(choice)
+            summed[choice] = True
+            self._summed(choice)
+        return True
+
+    def _next_unit(self, candidates):
+        """Of the units every rank has ready and none has summed, the one the
+        next forward needs first (its lowest layer), or None."""
+        numbers = np.flatnonzero(candidates).tolist()
+        if not numbers:
+            return None
+        choice = min(numbers, key=self._priority.__getitem__)
+        if self.trace is not None:
+            self.trace.append((choice, numbers))
+        return choice
+
+    def _summed(self, number):
+        for index, _, _ in self.units[number]:
+            self._unsummed[index] -= 1
+            if self._unsummed[index] == 0:
+                self._done[index].set()
+                with self._finished_changed:
+                    self._finished.append(index)
+                    self._finished_changed.notify_all()
+
+
+def plan_units(params, order, bucket):
+    """The sums' units: lists of pieces (parameter index, first, end element
+    of its flattened diff). Parameters taken in `order` (as backward
+    completes them): one of more than `bucket` bytes is cut into equal
+    pieces of at most `bucket` bytes, each a unit; the others gather into a
+    bucket until it holds `bucket` bytes (of one dtype). bucket 0: each
+    parameter whole, alone."""
+    units, open_bucket, held = [], [], 0
+    for index in order:
+        diff = params[index].diff
+        size, item = diff.size, diff.itemsize
+        if bucket <= 0:
+            units.append([(index, 0, size)])
+            continue
+        if size * item > bucket:
+            count = -(-size * item // bucket)
+            bounds = [size * k // count for k in range(count + 1)]
+            units.extend([(index, begin, end)] for begin, end in zip(bounds, bounds[1:]))
+            continue
+        if open_bucket and params[open_bucket[0][0]].diff.dtype != diff.dtype:
+            units.append(open_bucket)
+            open_bucket, held = [], 0
+        open_bucket.append((index, 0, size))
+        held += size * item
+        if held >= bucket:
+            units.append(open_bucket)
+            open_bucket, held = [], 0
+    if open_bucket:
+        units.append(open_bucket)
+    return units
+
+
+def bucket_bytes(environ=None):
+    """The sums' bucket size in bytes: CCT_MPI_BUCKET (bytes, or with a K or
+    M suffix: KiB, MiB; 0: each parameter alone), else BUCKET_BYTES."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(BUCKET_ENV, "").strip()
+    if not value:
+        return BUCKET_BYTES
+    scale = {"K": 2**10, "M": 2**20}.get(value[-1].upper(), 1)
+    try:
+        number = int(value[:-1] if scale > 1 else value) * scale
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise ConfigError(f"environment: {BUCKET_ENV}={value!r} is not a size in bytes (e.g. 4M, 256K, 0)")
+    return number
 
 
 def _last_layers(net):

@@ -657,8 +657,11 @@ class Solver:
             self._update_param(index, self._rate)
 
     def _update_params(self, rate):
-        for index in range(len(self.net.learnable_params)):
-            self._await_sum(index)
+        if self.gradient_sum is None:
+            order = range(len(self.net.learnable_params))
+        else:        # each parameter once its sum over the ranks is in, the first summed first
+            order = self.gradient_sum.summed_order(timed=getattr(self._stripe, "value", (0, 1))[0] == 0)
+        for index in order:
             self._update_param(index, rate)
 
     def _await_sum(self, index):

@@ -1,10 +1,15 @@
 """Run under mpirun by tests/training/test_distributed.py: trains each case
 the test names (a solver prototxt per case) with pycaffe, so every rank's
 solver joins the MPI world by itself, and rank 0 writes the weights it ends
-with, and every rank the solver_count and solver_rank pycaffe reports and
-whether each solver summed gradients during backward.
+with, and every rank the solver_count and solver_rank pycaffe reports,
+whether each solver summed gradients during backward, its sums' units and
+the order it issued them in (GradientSum.trace).
 
-    python mpi_worker.py OUT_FOLDER SOLVER.prototxt...
+    [MPI_WORKER_HOLD=1] python mpi_worker.py OUT_FOLDER SOLVER.prototxt...
+
+MPI_WORKER_HOLD=1: the communication thread sees an iteration's sums only
+once backward has made every one ready here, so it chooses among all and
+their order shows.
 """
 import json
 import os
@@ -16,19 +21,43 @@ import cct as caffe
 
 
 def main(out, solvers):
-    overlap = []
+    overlap, units, traces = [], [], []
     for path in solvers:
         solver = caffe.get_solver(path)
-        overlap.append(solver.gradient_sum.overlap)
+        summed = solver.gradient_sum
+        overlap.append(summed.overlap)
+        units.append(summed.units)
+        summed.trace = []
+        traces.append(summed.trace)
+        if os.environ.get("MPI_WORKER_HOLD") == "1" and summed.overlap:
+            held(summed._queue, len(summed.units))
         solver.step(solver.param.max_iter)
         if solver.is_root:
             weights = {f"{name}.{i}": blob.data for name, blobs in solver.net.params.items()
                        for i, blob in enumerate(blobs)}
             np.savez(os.path.join(out, os.path.basename(path) + ".npz"), **weights)
         solver.close()
-    seen = {"solver_count": caffe.solver_count(), "solver_rank": caffe.solver_rank(), "overlap": overlap}
+    seen = {"solver_count": caffe.solver_count(), "solver_rank": caffe.solver_rank(), "overlap": overlap,
+            "units": units, "traces": traces}
     with open(os.path.join(out, f"rank{caffe.solver_rank()}.json"), "w") as handle:
         json.dump(seen, handle)
+
+
+def held(queued, count):
+    """The units backward makes ready reach the queue all at once, when the
+    last is ready (put under the queue's lock: the thread takes them together)."""
+    put, waiting = queued.put, []
+
+    def gathered(item, *args, **kwargs):
+        if item is None:
+            return put(item, *args, **kwargs)
+        waiting.append(item)
+        if len(waiting) == count:
+            with queued.mutex:
+                queued.queue.extend(waiting)
+                queued.not_empty.notify()
+            waiting.clear()
+    queued.put = gathered
 
 
 if __name__ == "__main__":

@@ -307,6 +307,53 @@ def test_sums_after_backward_give_the_numbers_of_sums_during_it(lenet, two_ranks
         assert all(got[name].tobytes() == expected[name].tobytes() for name in expected), case
 
 
+@pytest.fixture(scope="module")
+def small_buckets(lenet):
+    """SGD_2_b4 and CLIPPED again by 2 ranks, sums during backward in buckets
+    of 64 KiB (LeNet's ip1 weights, 1.6 MB, in 25 pieces; conv1, conv2's
+    bias, ip1's bias and ip2 in one bucket), the communication thread
+    held, once an iteration's first sum is ready, until backward has made
+    every sum ready (mpi_worker.py), so it chooses among all: (weights,
+    what each rank said)."""
+    folder, _ = lenet
+    solvers = [folder / "SGD_2_b4.prototxt", folder / "clipped.prototxt"]
+    return train_on_two(folder / "small_buckets", solvers, CCT_MPI_OVERLAP="1", CCT_MPI_BUCKET="64K",
+                        MPI_WORKER_HOLD="1")
+
+
+@needs_mpi
+def test_buckets_gather_small_parameters_and_cut_large_ones_to_the_same_numbers(two_ranks, small_buckets):
+    weights, said = small_buckets
+    units = said[0]["units"][0]
+    params = [index for unit in units for index, _, _ in unit]
+    assert max(len(unit) for unit in units) >= 4                         # a bucket of small parameters
+    assert max(params.count(index) for index in set(params)) == 25       # ip1's weights, cut
+    assert sorted(set(params)) == list(range(8))
+    for index in set(params):                                           # the pieces tile each parameter
+        pieces = sorted((begin, end) for unit in units for i, begin, end in unit if i == index)
+        assert pieces[0][0] == 0 and all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+    for case, got in zip([("SGD", 2), CLIPPED], weights):
+        expected = two_ranks[0][case]               # in buckets of the default size
+        assert all(got[name].tobytes() == expected[name].tobytes() for name in expected), case
+
+
+@needs_mpi
+def test_sums_go_in_the_order_the_next_forward_needs_them_alike_on_every_rank(small_buckets):
+    """Of the sums ready on every rank, the one holding the lowest layer goes
+    first (parameter order is forward order: the lowest parameter, then the
+    first piece); every rank issues the same sums in the same order."""
+    _, said = small_buckets
+    assert said[0]["traces"] == said[1]["traces"]
+    for units, trace in zip(said[0]["units"], said[0]["traces"]):
+        first = [min((index, begin) for index, begin, _ in unit) for unit in units]
+        assert len(trace) == 5 * len(units)                              # every unit, every iteration
+        for choice, ready in trace:
+            assert choice == min(ready, key=first.__getitem__)
+        starts = [k for k in range(len(trace)) if k % len(units) == 0]
+        # held until backward ended: each iteration chooses from every sum, conv1's first
+        assert all(len(trace[k][1]) == len(units) and first[trace[k][0]][0] == 0 for k in starts)
+
+
 @needs_mpi
 def test_four_ranks_train_as_one_of_four_times_the_batch(lenet, tmp_path, one_way):
     folder, nets = lenet
@@ -320,7 +367,7 @@ def test_four_ranks_train_as_one_of_four_times_the_batch(lenet, tmp_path, one_wa
 
 @needs_mpi
 def test_pycaffe_reports_the_mpi_world(two_ranks):
-    said = [{k: v for k, v in rank.items() if k != "overlap"} for rank in two_ranks[1]]
+    said = [{k: v for k, v in rank.items() if k in ("solver_count", "solver_rank")} for rank in two_ranks[1]]
     assert said == [{"solver_count": 2, "solver_rank": 0}, {"solver_count": 2, "solver_rank": 1}]
 
 
