@@ -282,6 +282,17 @@ class _ConvolutionBase(Layer):
         kept = self.__dict__.get("_scratch_kept", {}).get(index)
         return None if kept is None else kept.matrix_for(x, kind, self.geom)
 
+    def _spent_kept(self, index, kind, x, arena):
+        """(x's kept lowering or None, the workspace) for a backward of both
+        gradients: the data gradient's lowered-shaped product then goes over
+        the kept matrix once the weight gradient has read it (KeptLowering.
+        workspace; the matrix is spent), so one such matrix is in cache, not
+        two: the next forward writes its lowering where the backward just wrote."""
+        lowered = self._kept_matrix(index, kind, x)
+        if lowered is None:
+            return None, arena
+        return lowered, self._scratch_kept[index].workspace(arena, kind)
+
     def _chunk(self, lowering_type, x):
         batch = x.shape[0]
         key = (lowering_type, batch, x.dtype.itemsize, self.lowering_budget)
@@ -377,10 +388,10 @@ class Convolution(_ConvolutionBase):
             if not (down or need_weights):
                 continue
             x = b.data
+            lowered, space = self._spent_kept(index, kind, x, arena) if need_weights else (None, arena)
             _, dw = conv_backward(x, t.diff, self.blobs[0].data, self.geom, kind, data=down,
-                                  weights=need_weights, ws=arena, chunk=self._chunk(kind, x),
-                                  dx_out=b.diff if down else None,
-                                  lowered=self._kept_matrix(index, kind, x) if need_weights else None)
+                                  weights=need_weights, ws=space, chunk=self._chunk(kind, x),
+                                  dx_out=b.diff if down else None, lowered=lowered)
             if need_weights:
                 self.blobs[0].diff[...] += dw
 

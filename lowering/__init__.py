@@ -89,7 +89,8 @@ def conv_backward(x, dy, w, geom, lowering_type=1, data=True, weights=True, ws=F
     """(dx or None, dw or None); types 2 and 3 share their unlifted dy between the
     two. dx goes into `dx_out` when given; dw is summed over the chunks.
     `lowered`: x's lowered matrix the forward kept (KeptLowering.matrix_for),
-    read instead of lowering x again (a whole batch only)."""
+    read instead of lowering x again (a whole batch only); the weight
+    gradient reads it before the data gradient asks `ws` for its slot."""
     impl, n = lowering(lowering_type), dy.shape[0]
     if n == 0 or geom.empty:          # nothing lowered: the gradients are zero (or empty)
         dx = _zeros(geom.input_shape(n), dy.dtype, dx_out) if data else None

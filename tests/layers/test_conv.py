@@ -327,6 +327,10 @@ def test_backward_reads_the_kept_lowering_until_the_bottom_is_written(monkeypatc
     layer.backward(tops, [True], bottoms)
     assert not lowerings
     np.testing.assert_allclose(layer.blobs[0].diff, reference.backward_weights(x, dy, geom), rtol=1e-10)
+    np.testing.assert_allclose(bottoms[0].diff, reference.backward_data(dy, layer.blobs[0].data, geom), rtol=1e-10)
+    assert layer._kept_matrix(0, 1, x) is None           # spent: the data gradient's product went over it
+    layer.forward(bottoms, tops)                          # keeps it again
+    lowerings.clear()
     # written between forward and backward (a pycaffe script may): lowered again, as it is now, as Caffe does
     bottoms[0].data[2, 0, 19, 18] += 1.0
     layer.blobs[0].diff[...] = 0

@@ -401,6 +401,11 @@ def test_a_kept_lowering_gives_the_backward_bitwise_its_own(geom, kind):
     got = conv_backward(x, dy, w, geom, kind, ws=arena, lowered=lowered)
     for ours, want in zip(got, expected):
         np.testing.assert_array_equal(ours, want)
+    # spent: the data gradient's product written over the matrix the weight gradient read
+    got = conv_backward(x, dy, w, geom, kind, ws=kept.workspace(arena, kind), lowered=lowered)
+    assert kept.matrix_for(x, kind, geom) is None
+    for ours, want in zip(got, expected):
+        np.testing.assert_array_equal(ours, want)
 
 
 def test_a_kept_lowering_is_refused_once_its_bottom_changed():
