@@ -16,6 +16,16 @@ the core with backward), the seconds the update waited for them
 hides (1 - waited on / waited off), and one sum of every gradient alone
 (nothing else running: the allreduce's own time) with its volume and rate.
 Then a scaling model for N machines (model()).
+
+    python bench/bench_mpi.py --buckets [--nets lenet:64,caffenet:16] [--repeats 7]
+
+sweeps the sums' bucket size instead (distributed.BUCKET_BYTES): on 2
+ranks, one sum of every gradient of each net (the diffs filled with
+gaussian numbers, nothing else running) in the units GradientSum makes of
+them (plan_units) at each size, 64 KiB to 64 MiB, and 0 (each parameter
+whole, alone); the sizes taken in turns, `repeats` times, the median
+printed: the sums alone (overlap off) and each after the ranks' agreement
+on the ready units (overlap on: an Allreduce of a byte per unit first).
 """
 import argparse
 import json
@@ -75,21 +85,69 @@ def _alternating(solver, summed, iterations):
                   "waited_s": statistics.mean(e for _, _, e in rows)} for way, rows in seen.items()}
 
 
-def _sum_alone(summed, repeats):
-    """Median seconds of one sum of every gradient with nothing else running."""
+def _sum_alone(summed, repeats, agreed=False):
+    """Median seconds of one sum of every gradient with nothing else
+    running, in summed's units; `agreed`: each unit after the ranks'
+    agreement on the ready units, as the communication thread does."""
+    import numpy as np
+    flags = np.ones(len(summed.units), np.uint8)
     times = []
     for _ in range(repeats):
         summed.comm.Barrier()
         start = time.perf_counter()
-        for index in range(len(summed.params)):
-            summed._sum(index)
+        for number in range(len(summed.units)):
+            if agreed:
+                summed.comm.Allreduce(summed._mpi.IN_PLACE, flags, op=summed._mpi.MIN)
+            summed._sum(number)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
+BUCKETS = [0] + [2**k for k in range(16, 27)]       # 0 (each parameter alone), 64 KiB .. 64 MiB
+
+
+def bucket_worker(args):
+    """One rank of the bucket sweep: rank 0 prints a BUCKETS line."""
+    import numpy as np
+    from cct.training import distributed
+    path, shapes = NETS[args.net]
+    param, _ = common.net_param_with_inputs(path, args.batch, shapes and shapes(args.batch))
+    solver = common.sgd_solver(param)
+    rng = np.random.default_rng(solver.rank)
+    for blob in solver.net.learnable_params:
+        blob.diff[...] = rng.standard_normal(blob.diff.shape, np.float32)
+    sums = {bucket: distributed.GradientSum(solver.world, solver.net, 1, False, threads=False, bucket=bucket)
+            for bucket in BUCKETS}
+    times = {(bucket, agreed): [] for bucket in BUCKETS for agreed in (False, True)}
+    for _ in range(args.repeats):                  # the sizes in turns: they share the load's drift
+        for (bucket, agreed), seen in times.items():
+            seen.append(_sum_alone(sums[bucket], 1, agreed))
+    if solver.is_root:
+        rows = [{"bucket": bucket, "units": len(sums[bucket].units),
+                 "sums_s": statistics.median(times[bucket, False]),
+                 "agreed_s": statistics.median(times[bucket, True])} for bucket in BUCKETS]
+        result = {"net": args.net, "gradient_mb": sum(p.diff.nbytes for p in solver.net.learnable_params) / 2**20,
+                  "rows": rows}
+        print("RESULT " + json.dumps(result), flush=True)
+    for summed in sums.values():
+        summed.close()
+    solver.close()
+
+
+def bucket_report(result):
+    common.print_flush(f"{result['net']}: one sum of every gradient ({result['gradient_mb']:.1f} MiB) on 2 ranks")
+    common.print_flush("   bucket   units   sums alone ms   after agreement ms")
+    for row in result["rows"]:
+        size = "each" if row["bucket"] == 0 else f"{row['bucket'] // 1024} KiB"
+        common.print_flush(f"  {size:>9s} {row['units']:6d}   {row['sums_s'] * 1e3:13.1f}   "
+                           f"{row['agreed_s'] * 1e3:18.1f}")
+
+
 def run(args, net, batch, ranks):
     command = [sys.executable, os.path.abspath(__file__), "--worker", "--net", net, "--batch", str(batch),
-               "--iterations", str(args.iterations), "--warmup", str(args.warmup)]
+               "--iterations", str(args.iterations), "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+    if args.buckets:
+        command.append("--buckets")
     if ranks > 1:
         root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
         command = ["mpirun", *root, "--oversubscribe", "-np", str(ranks), *command]
@@ -152,15 +210,20 @@ def main():
     parser.add_argument("--nets", default="lenet:64,caffenet:16", help="NET:BATCH per rank, comma separated")
     parser.add_argument("--iterations", type=int, default=20, help="timed iterations (median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
+    parser.add_argument("--buckets", action="store_true", help="sweep the sums' bucket size on 2 ranks")
+    parser.add_argument("--repeats", type=int, default=7, help="sums per bucket size (median reported)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--net", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args)
+        return bucket_worker(args) if args.buckets else worker(args)
     common.print_flush(common.machine_line())
     for item in args.nets.split(","):
         net, batch = item.split(":")
+        if args.buckets:
+            bucket_report(run(args, net, int(batch), 2))
+            continue
         one = run(args, net, int(batch), 1)
         report(one, run(args, net, int(batch), 2))
         model(one)
