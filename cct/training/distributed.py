@@ -324,6 +324,9 @@ class GradientSum:
     def _sum_iteration(self):
         """One iteration's sums; False once closed."""
         count = len(self.units)
+        if not count:                               # nothing to sum, ever: until closed
+            self._queue.get()
+            return False
         ready = np.zeros(count, np.uint8)           # here
         agreed = np.zeros(count, np.uint8)          # on every rank (the minimum)
         summed = np.zeros(count, bool)

@@ -2,15 +2,19 @@
 
 Shards (no MPI needed): every data source read by N ranks of batch b gives,
 at every iteration, the records one reader of batch N*b reads, so within an
-epoch the ranks' records are disjoint and together cover the source.
+epoch the ranks' records are disjoint and together cover the source. The
+sums' buckets: small parameters gathered, large ones cut.
 
 Under `mpirun -np 2` (skipped where mpirun or mpi4py are missing): LeNet
 trained by 2 ranks of batch 4 ends with the weights of 1 rank of batch 8 fed
 the same images, to 1e-5 of each blob's largest value, for SGD, Nesterov and
-Adam, with and without iter_size (and 4 ranks of batch 2, SGD); a request
-(SIGHUP) to one rank reaches all; a rank killed with SIGKILL ends the job
-within 30 s naming it, and rank 0's last snapshot loads and resumes on 2 ranks
-and on 1; a rank that fails ends every rank with its error. As root, two
+Adam, with and without iter_size (and 4 ranks of batch 2, SGD), and to the
+same bits with the sums after backward and in buckets of another size; of
+the sums ready, each rank issues first the lowest layer's, in one order on
+every rank; a request (SIGHUP) to one rank reaches all; a rank killed with
+SIGKILL ends the job within 30 s naming it, and rank 0's last snapshot
+loads and resumes on 2 ranks and on 1; a rank that fails ends every rank
+with its error. As root, two
 ranks on two hosts (network namespaces joined by a veth pair, MPI over TCP,
 removed after) train as one process too."""
 import json
@@ -166,6 +170,38 @@ def test_launchers_variables_say_how_many_ranks():
     assert distributed.launched_size({"PMI_SIZE": "3"}) == 3
     with pytest.raises(cct.core.errors.ConfigError, match="OMPI_COMM_WORLD_SIZE='x'"):
         distributed.launched_size({"OMPI_COMM_WORLD_SIZE": "x"})
+
+
+class Param:
+    def __init__(self, size, dtype=np.float32):
+        self.diff = np.zeros(size, dtype)
+
+
+def test_buckets_gather_small_parameters_in_order_and_cut_large_ones():
+    """CaffeNet's fc6 weights (151 MB) in pieces of at most the bucket; the
+    small parameters, in backward's order, gathered until a bucket is full."""
+    fc6, small = 4096 * 9216, [96, 256, 384, 4096, 1000]
+    params = [Param(fc6)] + [Param(size) for size in small]
+    order = [5, 0, 4, 3, 2, 1]
+    units = distributed.plan_units(params, order, 2**20)
+    pieces = [unit[0] for unit in units if unit[0][0] == 0]
+    assert len(pieces) == -(-fc6 * 4 // 2**20) and all(end - begin <= 2**18 for _, begin, end in pieces)
+    assert [(begin, end) for _, begin, end in pieces] == sorted((b, e) for _, b, e in pieces)
+    assert pieces[0][1] == 0 and pieces[-1][2] == fc6
+    assert [unit for unit in units if unit[0][0] != 0] == [[(5, 0, 1000), (4, 0, 4096), (3, 0, 384),
+                                                             (2, 0, 256), (1, 0, 96)]]
+    full_at_5000 = distributed.plan_units(params, order, 5000 * 4)[-2:]     # 1000 + 4096 fills one
+    assert full_at_5000 == [[(5, 0, 1000), (4, 0, 4096)], [(3, 0, 384), (2, 0, 256), (1, 0, 96)]]
+    assert distributed.plan_units(params, order, 0) == [[(index, 0, params[index].diff.size)] for index in order]
+
+
+def test_the_bucket_size_is_read_from_the_environment():
+    assert distributed.bucket_bytes({}) == distributed.BUCKET_BYTES
+    assert distributed.bucket_bytes({"CCT_MPI_BUCKET": "64K"}) == 65536
+    assert distributed.bucket_bytes({"CCT_MPI_BUCKET": "2m"}) == 2 * 2**20
+    assert distributed.bucket_bytes({"CCT_MPI_BUCKET": "0"}) == 0
+    with pytest.raises(cct.core.errors.ConfigError, match="CCT_MPI_BUCKET='big'"):
+        distributed.bucket_bytes({"CCT_MPI_BUCKET": "big"})
 
 
 # --- under mpirun -------------------------------------------------------------------------
