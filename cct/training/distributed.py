@@ -184,7 +184,6 @@ class GradientSum:
         self.busy = self.exposed = 0.0
         self.trace = None
         self.bucket = bucket_bytes() if bucket is None else bucket
-        self._flat = [param.diff.reshape(-1) for param in self.params]      # views of the diffs
         completes = _last_layers(net)
         ready_order = [index for layer in sorted(completes, reverse=True) for index in completes[layer]]
         self.units = plan_units(self.params, ready_order, self.bucket)
@@ -193,7 +192,7 @@ class GradientSum:
         self._priority = [(min(first_layer[index] for index, _, _ in unit), number)
                           for number, unit in enumerate(self.units)]
         self._buffers = [None if len(unit) == 1 else          # a bucket's: one contiguous buffer
-                         np.empty(sum(end - begin for _, begin, end in unit), self._flat[unit[0][0]].dtype)
+                         np.empty(sum(end - begin for _, begin, end in unit), self.params[unit[0][0]].diff.dtype)
                          for unit in self.units]
         self._units_of = [[] for _ in self.params]        # {parameter: the units holding part of it}
         for number, unit in enumerate(self.units):
@@ -271,21 +270,28 @@ class GradientSum:
         unit, buffer = self.units[number], self._buffers[number]
         if buffer is None:
             index, begin, end = unit[0]
-            buffer = self._flat[index][begin:end]
+            buffer = self._flat(index)[begin:end]
             self.comm.Allreduce(self._mpi.IN_PLACE, buffer, op=self._mpi.SUM)
             buffer *= self.scale
         else:
             at = 0
             for index, begin, end in unit:
-                buffer[at:at + end - begin] = self._flat[index][begin:end]
+                buffer[at:at + end - begin] = self._flat(index)[begin:end]
                 at += end - begin
             self.comm.Allreduce(self._mpi.IN_PLACE, buffer, op=self._mpi.SUM)
             buffer *= self.scale
             at = 0
             for index, begin, end in unit:
-                self._flat[index][begin:end] = buffer[at:at + end - begin]
+                self._flat(index)[begin:end] = buffer[at:at + end - begin]
                 at += end - begin
         self.busy += time.perf_counter() - start
+
+    def _flat(self, index):
+        """Parameter `index`'s diff as one axis: a view (never a copy, which
+        the sum would not reach), of the diff it has now."""
+        flat = self.params[index].diff.view()
+        flat.shape = (-1,)
+        return flat
 
     def _after_backward(self, layer_index):
         if not self._overlapping:
