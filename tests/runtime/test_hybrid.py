@@ -143,16 +143,25 @@ def test_the_rows_timed_are_around_the_flops_rules_share_and_the_whole_batch():
     assert hybrid.candidate_rows(4, 1.0, 0.0) == [3, 4]
 
 
-def test_best_rows_takes_the_count_whose_slower_side_finishes_first():
-    # host 1 s for 32 rows, 31/32 s on the other 31 (+ 0.01 s queuing); the device's 0.5 s is faster
-    assert hybrid.best_rows(32, 1.0, {1: (0.5, 0.01, 0.97), 2: (1.2, 0.01, 0.94)}) == 1
-    # a device slower on one row than the host on all: none
-    assert hybrid.best_rows(32, 1.0, {1: (1.5, 0.0, 0.97)}) == 0
-    # queuing on the host counts: 16 rows leave it 0.5 s + 0.6 s
-    assert hybrid.best_rows(32, 1.0, {16: (0.5, 0.6, 0.5), 8: (0.3, 0.05, 0.75)}) == 8
-    # the host slow on its few rows (as on the lent H100, where conv1 split at 0.957 took 1.18x
-    # the device alone): the whole batch on the device
-    assert hybrid.best_rows(256, 1.6, {245: (0.138, 0.01, 0.17), 256: (0.144, 0.01, 0.0)}) == 256
+def test_best_rows_takes_the_fastest_split_as_timed():
+    assert hybrid.best_rows(1.0, {1: 0.97, 2: 1.2}) == 1
+    # a split slower than the host alone: none (on this host 1 row of conv2's 16 on pocl took 1.18x)
+    assert hybrid.best_rows(1.0, {1: 1.18}) == 0
+    # the device alone faster than any split with the host (the lent H100's conv1)
+    assert hybrid.best_rows(1.6, {245: 0.17, 256: 0.144}) == 256
+
+
+def test_a_split_is_timed_as_it_runs(on_opencl, monkeypatch):
+    """split_seconds runs the HybridLayer itself, both sides at once."""
+    net = cct.Net(NET_TEXT, cct.TRAIN)
+    net.blobs["data"].data[...] = 1.0
+    net.forward()
+    ran = []
+    original = hybrid.HybridLayer.forward
+    monkeypatch.setattr(hybrid.HybridLayer, "forward",
+                        lambda self, *args: (ran.append(self.cut(4)), original(self, *args))[1])
+    assert hybrid.split_seconds(net, 1, on_opencl, rows=3) > 0
+    assert ran and set(ran) == {1}                          # 3 of 4 rows on the device: the host's cut at 1
 
 
 def test_the_plan_measures_once_caches_and_takes_configured_shares(on_opencl, tmp_path, monkeypatch):
