@@ -14,7 +14,7 @@ import pytest
 import cct
 from cct.core.allocation import format_bytes, peak_resident_bytes, resident_bytes
 from cct.lowering.chunking import slot_bytes
-from cct.runtime import memory_plan
+from cct.runtime import memory_plan, settings
 from cct.training.solver import get_solver
 from helpers.cli import assert_one_line_error, messages, run_cct
 from helpers.paths import REPO
@@ -198,7 +198,10 @@ def test_cct_train_prints_the_plan_and_the_measured_peak(tmp_path, capsys, monke
     monkeypatch.chdir(tmp_path)
     solver_path = tmp_path / "solver.prototxt"
     solver_path.write_text(f'net: "{wide(tmp_path, 8)}" base_lr: 0.01 lr_policy: "fixed" max_iter: 2')
-    code, _, err = run_cct(capsys, "train", "--solver", solver_path, "--schedule", "sequential")
+    try:
+        code, _, err = run_cct(capsys, "train", "--solver", solver_path, "--schedule", "sequential")
+    finally:
+        settings.set_schedule(None)           # --schedule sets it for the process: not for later tests
     assert code == 0, err
     lines = messages(err)
     assert any(line.startswith("Memory plan: planned peak ") for line in lines), err
