@@ -409,6 +409,14 @@ class Net:
         net_index = self._param_layer_indices.index((layer_index, param_index))
         return self._param_owners[net_index] < 0
 
+    def learnable_param_layers(self):
+        """For each of learnable_params, the indexes of the layers holding it,
+        in forward order (several where layers share it by name)."""
+        layers = [[] for _ in self.learnable_params]
+        for (layer_index, _), learnable in zip(self._param_layer_indices, self._learnable_index_of_param):
+            layers[learnable].append(layer_index)
+        return layers
+
     # --- weights -----------------------------------------------------------------
     def copy_from(self, path):
         """Load weights by layer name from a .caffemodel or Caffe HDF5 file."""

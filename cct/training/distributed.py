@@ -267,23 +267,19 @@ class GradientSum:
         """Unit `number`'s Allreduce, scaled: in place where it is one piece of
         one parameter, else through its bucket's buffer."""
         start = time.perf_counter()
-        unit, buffer = self.units[number], self._buffers[number]
+        pieces = [self._flat(index)[begin:end] for index, begin, end in self.units[number]]
+        buffer = self._buffers[number]
         if buffer is None:
-            index, begin, end = unit[0]
-            buffer = self._flat(index)[begin:end]
-            self.comm.Allreduce(self._mpi.IN_PLACE, buffer, op=self._mpi.SUM)
-            buffer *= self.scale
+            buffer = pieces[0]
         else:
+            np.concatenate(pieces, out=buffer)
+        self.comm.Allreduce(self._mpi.IN_PLACE, buffer, op=self._mpi.SUM)
+        buffer *= self.scale
+        if buffer is not pieces[0]:
             at = 0
-            for index, begin, end in unit:
-                buffer[at:at + end - begin] = self._flat(index)[begin:end]
-                at += end - begin
-            self.comm.Allreduce(self._mpi.IN_PLACE, buffer, op=self._mpi.SUM)
-            buffer *= self.scale
-            at = 0
-            for index, begin, end in unit:
-                self._flat(index)[begin:end] = buffer[at:at + end - begin]
-                at += end - begin
+            for piece in pieces:
+                piece[...] = buffer[at:at + piece.size]
+                at += piece.size
         self.busy += time.perf_counter() - start
 
     def _flat(self, index):
@@ -432,22 +428,10 @@ def _last_layers(net):
     """{layer index: the learnable parameters whose gradient is complete once
     that layer's backward has run}: the first layer (in forward order) of the
     layers sharing the parameter, as backward runs them last to first."""
-    index_of = {_base_id(blob.diff): index for index, blob in enumerate(net.learnable_params)}
-    first = {}
-    for layer_index, layer in enumerate(net.layers):
-        for blob in layer.blobs:
-            first.setdefault(index_of[_base_id(blob.diff)], layer_index)
     completes = {}
-    for param, layer_index in first.items():
-        completes.setdefault(layer_index, []).append(param)
+    for param, layers in enumerate(net.learnable_param_layers()):
+        completes.setdefault(layers[0], []).append(param)
     return completes
-
-
-def _base_id(array):
-    """Which memory an array views (a shared parameter's blobs view one)."""
-    while isinstance(array.base, np.ndarray):
-        array = array.base
-    return id(array)
 
 
 def join(solver, world):
