@@ -370,7 +370,7 @@ class Solver:
             log.info("Optimization stopped early.")
             return
         # One more forward to show the final loss, and a last test (Caffe does both).
-        if param.display and self.iter % param.display == 0 and self.is_root:
+        if self._displays_now():
             self._update_smoothed_loss(self.net._forward(), self._start_iter)
             log.info("Iteration %d, loss = %s", self.iter, _fmt(self.smoothed_loss))
         if param.test_interval and self.iter % param.test_interval == 0:
@@ -427,15 +427,19 @@ class Solver:
         self.apply_update()
         self.iter += 1         # counts the updates applied so far
 
+    def _displays_now(self):
+        """Whether this iteration shows the display lines (rank 0 only, as Caffe's root solver)."""
+        display = self.param.display
+        return bool(display) and self.iter % display == 0 and self.is_root
+
     def _display(self):
         """The display lines, on display iterations; returns whether it showed them."""
-        param = self.param
-        if not (param.display and self.iter % param.display == 0 and self.is_root):
+        if not self._displays_now():
             return False
         now = time.perf_counter()
         self._log_display(now - self._timer[0], self.iter - self._timer[1])
         self._timer = (now, self.iter)
-        if param.debug_info:
+        if self.param.debug_info:
             self._log_debug_info()
         return True
 
@@ -637,9 +641,8 @@ class Solver:
         """What the update does once before any parameter's: the learning rate
         (logged on display iterations) and clip_gradients, which needs every
         gradient (a barrier for the streams schedule)."""
-        param = self.param
         self._rate = self.get_learning_rate()
-        if log_rate and param.display and self.iter % param.display == 0 and self.is_root:
+        if log_rate and self._displays_now():
             self._log_rate()
         self.clip_gradients()
 
@@ -660,15 +663,19 @@ class Solver:
         if self.gradient_sum is None:
             order = range(len(self.net.learnable_params))
         else:        # each parameter once its sum over the ranks is in, the first summed first
-            order = self.gradient_sum.summed_order(timed=getattr(self._stripe, "value", (0, 1))[0] == 0)
+            order = self.gradient_sum.summed_order(timed=self._on_first_stripe())
         for index in order:
             self._update_param(index, rate)
+
+    def _on_first_stripe(self):
+        """Whether this thread updates the first stripe (or all) of the parameters (_striped)."""
+        return getattr(self._stripe, "value", (0, 1))[0] == 0
 
     def _await_sum(self, index):
         """Until parameter `index`'s gradient is summed over the ranks (it may
         still be on its way: distributed.GradientSum); timed on one stripe."""
         if self.gradient_sum is not None:
-            self.gradient_sum.wait(index, timed=getattr(self._stripe, "value", (0, 1))[0] == 0)
+            self.gradient_sum.wait(index, timed=self._on_first_stripe())
 
     def _update_param(self, index, rate):
         # element-wise, each parameter on its own: parameter by parameter gives
