@@ -72,12 +72,11 @@ def conv_forward(x, w, geom, lowering_type=1, out=None, ws=FRESH, chunk=None, bi
     if n == 0 or geom.empty:          # an empty batch (or partition), input or output: nothing to lower
         return _bias_only(geom, n, x.dtype, out, bias)
     _plan(ws, geom, lowering_type, n, chunk, x.dtype)
-    if _whole(n, chunk) and keep is not None:
-        y = impl.forward(x, w, geom, out=out, ws=keep.workspace(ws, lowering_type), bias=bias)
-        keep.record(x, lowering_type, geom)
-        return y
     if _whole(n, chunk):
-        return impl.forward(x, w, geom, out=out, ws=ws, bias=bias)
+        y = impl.forward(x, w, geom, out=out, ws=ws if keep is None else keep.workspace(ws, lowering_type), bias=bias)
+        if keep is not None:
+            keep.record(x, lowering_type, geom)
+        return y
     out = np.empty(geom.output_shape(n), x.dtype) if out is None else out
     for start, stop in chunks(n, chunk):
         impl.forward(x[start:stop], w, geom, out=out[start:stop], ws=ws, bias=bias)

@@ -195,25 +195,14 @@ def image_major(geom, batch):
     return rows <= IMAGE_MAJOR_ROWS and pixels >= max(IMAGE_MAJOR_PIXELS, rows) and not batch_inner(geom, batch)
 
 
-def pad_images(x, geom, out):
-    """x (N, C, H, W) -> its padded frame (N, C, Hp, Wp); `out` may hold
-    garbage: only its border is zeroed."""
-    ph, pw, h, w = geom.pad_h, geom.pad_w, geom.in_h, geom.in_w
-    out[:, :, :ph] = 0                        # each border is empty when there is none
-    out[:, :, ph + h:] = 0
-    out[:, :, ph:ph + h, :pw] = 0
-    out[:, :, ph:ph + h, pw + w:] = 0
-    out[:, :, ph:ph + h, pw:pw + w] = x
-    return out
-
-
 def _lower_image_major(x, geom, ws):
     """x (N, C, H, W) -> (N, C*KH*KW, OH*OW)."""
     n = x.shape[0]
-    xp = x
-    if geom.has_border:
-        xp = pad_images(x, geom, ws.empty("padded", (n, geom.channels, geom.padded_h, geom.padded_w), x.dtype))
-    view = window_view(xp.transpose(1, 0, 2, 3), geom).transpose(3, 0, 1, 2, 4, 5)   # (N, C, KH, KW, OH, OW)
+    xp = x.transpose(1, 0, 2, 3)                                  # (C, N, H, W), a view
+    if geom.has_border:   # the padded frame stored image-major (N, C, Hp, Wp), filled through its (C, N) view
+        frame = ws.empty("padded", (n, geom.channels, geom.padded_h, geom.padded_w), x.dtype)
+        xp = pad_channels_first(x, geom, out=frame.transpose(1, 0, 2, 3))
+    view = window_view(xp, geom).transpose(3, 0, 1, 2, 4, 5)     # (N, C, KH, KW, OH, OW)
     cols = ws.empty("lowered", view.shape, x.dtype)
     np.copyto(cols, view)
     return cols.reshape(n, -1, geom.out_h * geom.out_w)
