@@ -1,19 +1,24 @@
 """Data-parallel training over MPI (cct.training.distributed): for each net,
 one rank against two, each rank on one core (CCT_THREADS=1), and on two
-ranks the gradient sums overlapping backward against after it, in turns:
+ranks three ways of summing the gradients, iterations in turns: after
+backward and during it on a communication thread (the sequential schedule),
+and as sub-tasks of the streams schedule:
 
     python bench/bench_mpi.py [--nets lenet:64,caffenet:16] [--iterations 20] [--warmup 3]
 
 Each rank trains at the given batch (so two ranks train on twice the
 images), SGD as bench_caffenet.py, the nets' data layers replaced by Input
 blobs filled once (each rank its own gaussian images). Printed per run: the
-median iteration (rank 0's solver.step(1)); on one rank its forward alone
-(net.forward), the rest being backward and update; on two, each way's
-median iteration, the seconds per iteration the gradient sums took
-(GradientSum.busy: on their thread with overlap, so stretched by sharing
-the core with backward), the seconds the update waited for them
-(GradientSum.exposed), the share of the wait without overlap that overlap
-hides (1 - waited on / waited off), and one sum of every gradient alone
+median iteration (rank 0's solver.step(1)); on one rank, in the sequential
+and the streams schedule (in turns), and its forward alone (net.forward),
+the rest being backward and update; on two, each way's median iteration,
+the seconds per iteration the gradient sums took (GradientSum.busy: on
+their thread or stream, so stretched by sharing the core with backward),
+the seconds the update waited for them (GradientSum.exposed; the streams'
+updates wait through the graph, not counted), and what the sums cost the
+iteration: 2 ranks' iteration less 1 rank's in the same schedule (waiting
+for the other rank included), and the share of one sum of every gradient
+alone that this hides (1 - cost / alone); one sum of every gradient alone
 (nothing else running: the allreduce's own time) with its volume and rate.
 Then a scaling model for N machines (model()).
 
@@ -45,10 +50,13 @@ NETS = {
 }
 
 
+WAYS = {"after": ("sequential", False), "during": ("sequential", True), "streams": ("streams", False)}
+
+
 def worker(args):
-    """One rank: train, time, and (rank 0) print the RESULT line. Of two
-    ranks, iterations alternate between sums during backward and after it
-    (GradientSum.overlap), so the two ways share the machine's load."""
+    """One rank: train, time, and (rank 0) print the RESULT line. Iterations
+    alternate between the ways (WAYS: schedule, GradientSum.overlap; on one
+    rank the schedules), so they share the machine's load."""
     import cct
     path, shapes = NETS[args.net]
     param, inputs = common.net_param_with_inputs(path, args.batch, shapes and shapes(args.batch))
@@ -59,27 +67,32 @@ def worker(args):
     result = {"net": args.net, "batch": args.batch, "ranks": cct.solver_count(),
               "gradient_mb": sum(p.diff.nbytes for p in solver.net.learnable_params) / 2**20}
     summed = solver.gradient_sum
+    ways = ({"sequential": ("sequential", False), "streams": ("streams", False)} if summed is None else WAYS)
+    result["ways"] = _alternating(solver, summed, ways, args.iterations)
     if summed is None:
-        result["iteration_s"] = common.time_loop(lambda: solver.step(1), args.iterations, 0)[0]
         result["forward_s"] = common.time_loop(solver.net.forward, 5, 1)[0]
     else:
-        for overlap, figures in _alternating(solver, summed, args.iterations).items():
-            result["on" if overlap else "off"] = figures
         result["alone_s"] = _sum_alone(summed, 5)
     if solver.is_root:
         print("RESULT " + json.dumps(result), flush=True)
 
 
-def _alternating(solver, summed, iterations):
-    """{overlap: {iteration_s (median), sums_s, waited_s (means)}} over
-    `iterations` of each way, taken in turns."""
-    seen = {True: [], False: []}
-    for k in range(2 * iterations):
-        summed.overlap = k % 2 == 0
-        summed.busy = summed.exposed = 0.0
+def _alternating(solver, summed, ways, iterations):
+    """{way: {iteration_s (median), sums_s, waited_s (means)}} over
+    `iterations` of each way, taken in turns (a warm-up step each first)."""
+    seen = {way: [] for way in ways}
+    executor = solver.net.executor
+    for k in range(len(ways) * (iterations + 1)):
+        way = list(ways)[k % len(ways)]
+        executor.schedule, overlap = ways[way]
+        if summed is not None:
+            summed.overlap = overlap
+            summed.busy = summed.exposed = 0.0
         start = time.perf_counter()
         solver.step(1)
-        seen[summed.overlap].append((time.perf_counter() - start, summed.busy, summed.exposed))
+        if k >= len(ways):
+            seen[way].append((time.perf_counter() - start, summed.busy if summed else 0.0,
+                              summed.exposed if summed else 0.0))
     return {way: {"iteration_s": statistics.median(t for t, _, _ in rows),
                   "sums_s": statistics.mean(b for _, b, _ in rows),
                   "waited_s": statistics.mean(e for _, _, e in rows)} for way, rows in seen.items()}
@@ -161,16 +174,17 @@ def run(args, net, batch, ranks):
 
 
 def report(one, two):
-    common.print_flush(f"{one['net']:9s} batch {one['batch']:3d}/rank  1 rank   iteration "
-                       f"{one['iteration_s'] * 1e3:8.1f} ms  (forward {one['forward_s'] * 1e3:.1f} ms)")
-    for way in ("off", "on"):
-        figures = two[way]
-        speedup = 2 * one["iteration_s"] / figures["iteration_s"]
-        line = (f"{two['net']:9s} batch {two['batch']:3d}/rank  2 ranks  iteration "
-                f"{figures['iteration_s'] * 1e3:8.1f} ms ({speedup:.2f}x the images/s of 1)  overlap {way:3s}  "
-                f"sums {figures['sums_s'] * 1e3:7.1f} ms, waited {figures['waited_s'] * 1e3:7.1f} ms")
-        if way == "on" and two["off"]["waited_s"] > 0:
-            line += f" (hides {1 - figures['waited_s'] / two['off']['waited_s']:.1%} of the wait)"
+    for schedule, figures in one["ways"].items():
+        common.print_flush(f"{one['net']:9s} batch {one['batch']:3d}/rank  1 rank   {schedule:10s} iteration "
+                           f"{figures['iteration_s'] * 1e3:8.1f} ms")
+    common.print_flush(f"  forward alone {one['forward_s'] * 1e3:.1f} ms")
+    for way, figures in two["ways"].items():
+        alone = one["ways"][WAYS[way][0]]["iteration_s"]
+        cost = figures["iteration_s"] - alone
+        line = (f"{two['net']:9s} batch {two['batch']:3d}/rank  2 ranks  sums {way:8s} iteration "
+                f"{figures['iteration_s'] * 1e3:8.1f} ms ({2 * alone / figures['iteration_s']:.2f}x the images/s "
+                f"of 1)  sums {figures['sums_s'] * 1e3:7.1f} ms, waited {figures['waited_s'] * 1e3:7.1f} ms, "
+                f"cost {cost * 1e3:7.1f} ms (hides {max(0.0, 1 - cost / two['alone_s']):.0%} of one sum alone)")
         common.print_flush(line)
     common.print_flush(f"  one sum of every gradient alone: {two['alone_s'] * 1e3:.1f} ms "
                        f"({two['gradient_mb']:.1f} MiB, {two['gradient_mb'] / 1024 / two['alone_s']:.2f} GiB/s)")
@@ -192,7 +206,7 @@ def model(one):
     the N where GLOBAL_BATCH / N * t_backward = 2 (N - 1) V / (N B), i.e.
     N = 1 + GLOBAL_BATCH * t_backward * B / (2 V)."""
     volume = one["gradient_mb"] * 2**20
-    per_image = (one["iteration_s"] - one["forward_s"]) / one["batch"]
+    per_image = (one["ways"]["sequential"]["iteration_s"] - one["forward_s"]) / one["batch"]
     for gbit in LINKS_GBIT:
         rate = gbit * 1e9 / 8
         ring = 2 * volume / rate

@@ -26,6 +26,7 @@ imported on a kernel's first call (it was a quarter of `import cct`'s time):
 call compiles under a lock, so partitions starting at once compile a kernel once.
 """
 import functools
+import os
 import threading
 
 
@@ -64,6 +65,10 @@ def _compiled(wrapper):
 
 
 def _compile(function):
+    # numba's colour highlighting (colorama) writes a colour reset to stdout
+    # at exit where stdout is a pipe it thinks a terminal (every rank under
+    # mpirun): stray bytes in the output of `cct time` and `cct train`
+    os.environ.setdefault("NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING", "1")
     import numba
     try:
         return numba.njit(nogil=True, cache=True, error_model="numpy")(function)

@@ -397,6 +397,10 @@ class Executor:
         """Whether per-layer callbacks are subscribed (they see layers one at a time)."""
         return bool(self._listeners)
 
+    def listeners(self):
+        """Every subscribed callback, of any kind."""
+        return [callback for callbacks in self._listeners.values() for callback in callbacks]
+
     # --- the whole backward, in the schedule's mode ----------------------------------
     def backward_all(self):
         """Every layer's backward: layer after layer (sequential), or as

@@ -9,6 +9,13 @@ Sub-tasks of one iteration, in the sequential reference order:
     backward_param(i, k)     parameter k's gradient of layer i (Layer.splits_backward)
     backward_data(i)         layer i's bottom gradients
     backward(i)              both, for a layer that does not split its backward
+    sum(u)                   over MPI, unit u of the gradient sums (one Allreduce of
+                             a bucket or piece of parameter diffs, scaled by 1/N:
+                             cct.training.distributed.GradientSum); the sums share
+                             one communicator, a resource every sum writes, so
+                             they go in one order on every rank (MPI's collectives
+                             must be issued alike): the units' order, the order
+                             backward completes them
     rate                     the solver's learning rate for the iteration; with
                              clip_gradients it also scales every gradient by the
                              global norm, so it reads every diff: a barrier
@@ -39,15 +46,17 @@ import numpy as np
 
 from cct.runtime.threads import run_all
 
-CLEAR, FORWARD, BACKWARD_PARAM, BACKWARD_DATA, BACKWARD, RATE, UPDATE = (
-    "clear", "forward", "backward_param", "backward_data", "backward", "rate", "update")
+CLEAR, FORWARD, BACKWARD_PARAM, BACKWARD_DATA, BACKWARD, SUM, RATE, UPDATE = (
+    "clear", "forward", "backward_param", "backward_data", "backward", "sum", "rate", "update")
 SOLVER = ("solver",)        # the solver's learning rate, iteration count and clipping state
+COMMUNICATOR = ("communicator",)    # the gradient sums' MPI communicator
 
 
 @dataclass(frozen=True)
 class Task:
     """One sub-task: `kind`, its layer, its parameter (the layer's for
-    backward_param, the net's learnable parameter for clear and update), the
+    backward_param, the net's learnable parameter for clear and update, the
+    unit for sum), the
     iteration it belongs to and, for forward and backward, which of the
     iteration's iter_size passes."""
     kind: str
@@ -57,7 +66,8 @@ class Task:
     pass_: int = 0
 
     def __str__(self):
-        where = {CLEAR: f"param {self.param}", UPDATE: f"param {self.param}", RATE: ""}.get(
+        where = {CLEAR: f"param {self.param}", UPDATE: f"param {self.param}", SUM: f"unit {self.param}",
+                 RATE: ""}.get(
             self.kind, f"layer {self.layer}")
         extra = f".{self.param}" if self.kind == BACKWARD_PARAM else ""
         passes = f".{self.pass_}" if self.pass_ else ""
@@ -99,11 +109,15 @@ def _diff(blob):
     return _memory(blob.diff)
 
 
-def accesses(net, task, clip=False):
+def accesses(net, task, clip=False, sums=()):
     """The resources `task` reads and writes (see the module docstring);
-    `clip`: the solver clips gradients, so its rate task touches every diff."""
+    `clip`: the solver clips gradients, so its rate task touches every diff;
+    `sums`: per unit of the gradient sums, the learnable parameters it holds."""
     if task.kind == CLEAR:
         return Access(writes={_diff(net.learnable_params[task.param])})
+    if task.kind == SUM:
+        diffs = {_diff(net.learnable_params[index]) for index in sums[task.param]}
+        return Access(reads=diffs, writes=diffs | {COMMUNICATOR})
     if task.kind == RATE:
         diffs = {_diff(blob) for blob in net.learnable_params} if clip else set()
         return Access(reads={SOLVER} | diffs, writes={SOLVER} | diffs)
@@ -135,10 +149,11 @@ def accesses(net, task, clip=False):
     return Access(reads=reads | gradients, writes=data_writes | gradients | {state})
 
 
-def iteration_tasks(net, iteration=0, update=True, splits=None, passes=1):
+def iteration_tasks(net, iteration=0, update=True, splits=None, passes=1, sums=()):
     """The sub-tasks of one iteration in the sequential reference order:
     `passes` forward and backward passes (the solver's iter_size) adding into
-    the parameter gradients. `splits(i)`: whether layer i's backward runs as
+    the parameter gradients, then a sum per unit of `sums` (as in accesses)
+    where the iteration updates. `splits(i)`: whether layer i's backward runs as
     sub-tasks (default: the layer's splits_backward; a batch-partitioned
     layer's sub-tasks run in the same twins as its forward, which keep its
     forward state)."""
@@ -148,6 +163,7 @@ def iteration_tasks(net, iteration=0, update=True, splits=None, passes=1):
         tasks += [Task(FORWARD, i, iteration=iteration, pass_=pass_) for i in range(len(net.layers))]
         tasks += _backward_tasks(net, iteration, pass_, splits)
     if update:
+        tasks += [Task(SUM, param=unit, iteration=iteration) for unit in range(len(sums))]
         tasks.append(Task(RATE, iteration=iteration))
         tasks += [Task(UPDATE, param=p, iteration=iteration) for p in range(len(net.learnable_params))]
     return tasks
@@ -169,16 +185,16 @@ def _backward_tasks(net, iteration, pass_, splits):
     return tasks
 
 
-def build(net, iterations=1, update=True, drop=(), splits=None, clip=False, passes=1):
+def build(net, iterations=1, update=True, drop=(), splits=None, clip=False, passes=1, sums=()):
     """The graph of `iterations` unrolled training iterations (update=False:
     forward and backward only). `drop`: (earlier, later) edges to leave out,
-    for tests that show an edge matters; `splits` and `passes` as in
+    for tests that show an edge matters; `splits`, `passes` and `sums` as in
     iteration_tasks; `clip` as in accesses."""
-    tasks = [task for k in range(iterations) for task in iteration_tasks(net, k, update, splits, passes)]
+    tasks = [task for k in range(iterations) for task in iteration_tasks(net, k, update, splits, passes, sums)]
     last_writer, readers = {}, {}
     edges = {task: set() for task in tasks}
     for task in tasks:
-        access = accesses(net, task, clip)
+        access = accesses(net, task, clip, sums)
         for resource in access.reads:
             if resource in last_writer:
                 edges[task].add(last_writer[resource])
@@ -221,6 +237,8 @@ class Runner:
             clear(net.learnable_params[task.param].diff, net.executor, threads)
         elif task.kind == FORWARD:
             self.losses[task.iteration, task.pass_, task.layer] = net.executor.forward(task.layer, set_blas=False)
+        elif task.kind == SUM:
+            self.solver.gradient_sum.sum_unit(task.param)
         elif task.kind == RATE:
             self.solver.iter = self.first_iteration + task.iteration
             self.last_iteration = max(self.last_iteration, task.iteration)

@@ -10,6 +10,7 @@ by as many threads as streams:
     stream 0  data gradients, and the whole backward of layers that do not split it
     stream 1  weight gradients (parameter 0)
     stream 2  every other parameter's gradient (biases, Scale's bias, ...)
+    stream 3  over MPI, the gradient sums (cct.training.distributed)
 
 A solver in the streams schedule runs whole iterations this way (a Schedule
 with a solver): each layer's forward on stream 0, each parameter's update
@@ -21,6 +22,13 @@ so the next iteration's lower layers may start while upper layers' weight
 gradients and updates are still running. clip_gradients makes the rate a
 barrier (it scales every gradient by their global norm). Ready sub-tasks of
 an earlier iteration go first.
+
+Over MPI the gradient sums are one more stream (TurboDL's data-transfer
+paths): a unit's sum starts as soon as the last gradient sub-task writing its
+parameters has ended, while backward goes on, and an update waits only for
+the sums of its own parameter (the graph's edges). A sum holds no cores (its
+thread waits in MPI, or copies a bucket); the sums go one at a time, in the
+units' order on every rank (graph.COMMUNICATOR).
 
 The stream count does not grow with depth. Nothing blocks a thread on an
 unready input: each sub-task's unfinished predecessors are counted, and a
@@ -60,7 +68,7 @@ from cct.core import workspace
 from cct.runtime import critical_path, graph as graph_module, thread_model, threads as threads_module
 from cct.runtime import tuner as tuner_module
 
-DATA_STREAM, WEIGHT_STREAM, OTHER_STREAM = 0, 1, 2
+DATA_STREAM, WEIGHT_STREAM, OTHER_STREAM, COMM_STREAM = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -87,8 +95,11 @@ def stream_of(task, weights=frozenset()):
     """The stream a sub-task runs on. Whole iterations (Schedule with a solver):
     forward on the data stream, a parameter's clear and update on its
     gradient's stream (`weights`: the learnable parameters that are some
-    layer's parameter 0), the learning rate on the third."""
+    layer's parameter 0), the learning rate on the third, the gradient sums
+    on the fourth."""
     kind = task.kind
+    if kind == graph_module.SUM:
+        return COMM_STREAM
     if kind == graph_module.BACKWARD_PARAM:
         return WEIGHT_STREAM if task.param == 0 else OTHER_STREAM
     if kind in (graph_module.CLEAR, graph_module.UPDATE):
@@ -148,14 +159,17 @@ class Schedule:
 
     def __init__(self, net, alpha=ALPHA, beta=BETA, times=None, solver=None, iterations=1):
         self.net, self.solver = net, solver
+        self.sums = ()              # per unit of the MPI gradient sums, its parameters
         self.alpha, self.beta = alpha, beta
         if solver is None:
             built = graph_module.build(net, iterations=1, update=False)
             # edges from forward sub-tasks are met before backward starts
             tasks = [task for task in built.tasks if task.kind not in (graph_module.FORWARD, graph_module.CLEAR)]
         else:
+            gradient_sum = getattr(solver, "gradient_sum", None)
+            self.sums = gradient_sum.unit_params() if gradient_sum is not None else ()
             built = graph_module.build(net, iterations, clip=solver.param.clip_gradients >= 0,
-                                       passes=solver.param.iter_size)
+                                       passes=solver.param.iter_size, sums=self.sums)
             tasks = built.tasks
         members = set(tasks)
         self.tasks = tasks
@@ -164,6 +178,7 @@ class Schedule:
         weights = {index for index, blob in enumerate(net.learnable_params)
                    if any(layer.blobs and layer.blobs[0] is blob for layer in net.layers)}
         self.stream = {task: stream_of(task, weights) for task in tasks}
+        self.stream_count = CPU_STREAMS + bool(self.sums)
         self.times = dict(times) if times else self._estimated_times()
         self.priority = self._priorities()
         self.widths = self._widths(clip=solver is not None and solver.param.clip_gradients >= 0)
@@ -181,11 +196,13 @@ class Schedule:
         whole layer; the clears and updates (element-wise, no BLAS) on one
         core, so they fill in beside each other and before the next forward;
         the rate too, unless it clips the gradients (a dot product over all
-        of them, in BLAS)."""
+        of them, in BLAS); a gradient sum on none."""
         executor, widths = self.net.executor, {}
         total = executor.threads
         for task in self.tasks:
-            if task.layer >= 0:
+            if task.kind == graph_module.SUM:
+                widths[task] = (0, None)
+            elif task.layer >= 0:
                 partitions = executor.partitions(task.layer)
                 widths[task] = (partitions, max(1, total // partitions)) if partitions > 1 else (total, total)
             elif task.kind == graph_module.RATE and clip:
@@ -200,6 +217,10 @@ class Schedule:
         the memory-bound ones: only their ratios matter, until measured."""
         net, times = self.net, {}
         for task in self.tasks:
+            if task.kind == graph_module.SUM:
+                count = sum(net.learnable_params[index].count for index in self.sums[task.param])
+                times[task] = 1e-5 + count / 1e9
+                continue
             if task.layer < 0:                          # clear, rate, update: memory-bound
                 count = net.learnable_params[task.param].count if task.param >= 0 else 0
                 times[task] = 1e-5 + count / 1e9
@@ -222,7 +243,7 @@ class Schedule:
             offset = 0.0
             if task.kind == graph_module.BACKWARD_PARAM:
                 offset = self.alpha if task.param == 0 else self.beta
-            elif task.kind in (graph_module.CLEAR, graph_module.RATE, graph_module.UPDATE):
+            elif task.kind in (graph_module.CLEAR, graph_module.SUM, graph_module.RATE, graph_module.UPDATE):
                 offset = self.beta                   # off the critical chain, like a gradient
             priority[task] = layer_priority.get(task.layer, 0.0) - offset
         return priority
@@ -261,7 +282,7 @@ class Schedule:
         one first, on whichever stream thread is free; the thread that ends a
         sub-task counts down its successors' inputs and starts the next one
         itself, with no hop through another thread."""
-        streams = streams or cpu_streams(CPU_STREAMS)
+        streams = streams or cpu_streams(self.stream_count)
         state = _RunState(self, len(streams), delay)
         done = threading.Barrier(len(streams) + 1)
 
@@ -343,6 +364,9 @@ class _RunState:
         idle cores, except that a sub-task may not take cores ahead of a more
         urgent one that waits for them unless it is estimated to end before
         the running ones (it cannot delay the waiting one)."""
+        coreless = self._coreless()
+        if coreless is not None:
+            return coreless
         if self.schedule.tuner is not None:
             return self._chosen()
         blocked = False
@@ -355,6 +379,15 @@ class _RunState:
                 continue
             heapq.heappop(self.ready[self.schedule.stream[task]])
             return task, self.schedule.widths[task]
+        return None
+
+    def _coreless(self):
+        """A ready sub-task that holds no cores (a gradient sum), taken off its
+        heap, with its width; else None. It starts at once: it delays no one."""
+        for stream, heap in enumerate(self.ready):
+            if heap and not self.busy[stream] and self.schedule.widths[heap[0][-1]][0] == 0:
+                task = heapq.heappop(heap)[-1]
+                return task, self.schedule.widths[task]
         return None
 
     def _chosen(self):
@@ -441,7 +474,7 @@ class _RunState:
                 stream = self.schedule.stream[task]
                 self.busy[stream] = True
                 lease = self._take(task, width)
-                arena = self.arenas.pop()
+                arena = self.arenas.pop() if width[0] else None     # one per core
                 if self.idle and any(heap and not busy for heap, busy in zip(self.ready, self.busy)):
                     condition.notify_all()          # another sub-task may start beside this one
             dispatched = clock()
@@ -457,7 +490,8 @@ class _RunState:
             self.spans[task] = Span(task, stream, self.became_ready[task], dispatched, began, clock(), width[0])
             with condition:
                 self._give_back(task, lease)
-                self.arenas.append(arena)
+                if arena is not None:
+                    self.arenas.append(arena)
                 self.busy[stream] = False
                 self.left -= 1
                 for successor in self.schedule.following[task]:

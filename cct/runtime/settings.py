@@ -26,8 +26,9 @@ Environment variables:
                             the host and the device (cct.runtime.hybrid)
     CCT_MPI_OVERLAP         1 or 0: in data-parallel training over MPI, sum each
                             parameter's gradient while the layers below run
-                            their backward (default: when the ranks span
-                            several hosts; cct.training.distributed)
+                            their backward, in the sequential schedule (default:
+                            when the ranks span several hosts; the streams
+                            schedules always do; cct.training.distributed)
 
 The run configuration, a JSON file named by CCT_CONFIG or loaded with
 `cct.runtime.settings.load(path)`:

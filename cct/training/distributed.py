@@ -127,15 +127,21 @@ class World:
         """Rank 0's `value` (any picklable object)."""
         return self.comm.bcast(value, root=0)
 
-    def agree(self, loss, action):
-        """(the mean of the ranks' losses, the action every rank takes): a stop
-        or snapshot request (SIGINT, SIGHUP) that reached any rank reaches all,
-        at the same iteration, so no rank waits for one that has stopped."""
-        values = np.array([loss, ACTION_CODES[action]], np.float64)
-        self.comm.Allreduce(self._mpi.IN_PLACE, values[:1], op=self._mpi.SUM)
-        self.comm.Allreduce(self._mpi.IN_PLACE, values[1:], op=self._mpi.MAX)
-        code = int(values[1])
-        return float(values[0]) / self.size, next(a for a, c in ACTION_CODES.items() if c == code)
+    def agree(self, losses, action):
+        """(the ranks' mean of each of `losses`, the action every rank takes):
+        a stop or snapshot request (SIGINT, SIGHUP) that reached any rank
+        reaches all, at the same iteration, so no rank waits for one that
+        has stopped."""
+        values = np.array(list(losses) + [ACTION_CODES[action]], np.float64)
+        self.comm.Allreduce(self._mpi.IN_PLACE, values[:-1], op=self._mpi.SUM)
+        self.comm.Allreduce(self._mpi.IN_PLACE, values[-1:], op=self._mpi.MAX)
+        code = int(values[-1])
+        return [float(value) / self.size for value in values[:-1]], next(
+            a for a, c in ACTION_CODES.items() if c == code)
+
+    def slowest(self, seconds):
+        """The largest of the ranks' `seconds`."""
+        return self.comm.allreduce(seconds, op=self._mpi.MAX)
 
     def abort(self, code=1):
         """End every rank (a failed rank would otherwise leave the others
@@ -157,6 +163,12 @@ class GradientSum:
     layers below). Each element is summed alone, so the buckets change no
     number (of 2 ranks bitwise; of more, MPI may pick another reduction
     order for another message size).
+
+    Where the solver runs iterations on the streams (cct.runtime.scheduler),
+    each unit's sum is a sub-task of the graph (sum_unit, unit_params): it
+    starts once the gradient sub-tasks writing its parameters have ended,
+    and the units go in their order on every rank. Where it runs them
+    layer after layer:
 
     overlap False: all at once when the gradients are ready (the solver's
     on_gradients_ready callback), units in order. True: a communication
@@ -211,7 +223,20 @@ class GradientSum:
         self._failure = None
         self._queue = queue.Queue()
         threading.Thread(target=self._sum_queued, name="cct-gradient-sum", daemon=True).start()
-        net.executor.subscribe("after_backward", self._after_backward)
+        net.executor.subscribe("after_backward", self.after_backward)
+
+    def unit_params(self):
+        """Per unit, the learnable parameters (indices) it holds part of."""
+        return [tuple(dict.fromkeys(index for index, _, _ in unit)) for unit in self.units]
+
+    def sum_unit(self, number):
+        """Unit `number`'s sum: a sub-task of the streams' graph."""
+        self._sum(number)
+
+    def on_window(self):
+        """Iterations on the streams follow: their graph orders the sums, so
+        nothing waits here (wait, summed_order) until the next on_start."""
+        self._overlapping = False
 
     def on_start(self):
         self._overlapping = self.overlap          # this iteration's way
@@ -289,7 +314,9 @@ class GradientSum:
         flat.shape = (-1,)
         return flat
 
-    def _after_backward(self, layer_index):
+    def after_backward(self, layer_index):
+        """The executor's after_backward callback: under overlap, queues the
+        units whose last parameter this layer's backward completed."""
         if not self._overlapping:
             return
         seen = self._passes_seen[layer_index] = self._passes_seen.get(layer_index, 0) + 1

@@ -419,7 +419,7 @@ class Solver:
         loss /= param.iter_size
         if self.world is not None:
             # the displayed loss is the ranks' mean; a request reaches every rank at this iteration
-            loss, self._agreed = self.world.agree(loss, self._take_request())
+            (loss,), self._agreed = self.world.agree([loss], self._take_request())
         self._update_smoothed_loss(loss, self._start_iter)
         self._display()
         for _, on_gradients_ready in self.callbacks:
@@ -450,10 +450,14 @@ class Solver:
         "sequential" or "streams" as measured on this net and shape
         (cct.runtime.choice). Only where nothing must see one iteration at a
         time (pycaffe callbacks, per-layer subscribers, debug_info), and not on
-        an OpenCL device, whose one in-order queue runs the layers in turn."""
+        an OpenCL device, whose one in-order queue runs the layers in turn.
+        Over MPI (where MPI allows calls from every thread) every rank runs
+        the window alike (its gradient sums are
+        sub-tasks there, the overlap thread's collectives here): the auto
+        choice is made from every rank's slowest times (_window_in)."""
         executor, param = self.net.executor, self.param
-        if (executor.schedule == "sequential" or self.callbacks or executor.listened
-                or param.debug_info or run_config.device() is not None):
+        if (executor.schedule == "sequential" or self._watched() or param.debug_info
+                or run_config.device() is not None or (self.world is not None and not self.world.threads_allowed)):
             return None
         if executor.schedule in ("streams", "tuned"):
             return executor.schedule
@@ -461,6 +465,16 @@ class Solver:
         if key not in self._auto:
             self._auto[key] = FasterOf(("sequential", "streams", "tuned"), "schedule auto (time per iteration)")
         return self._auto[key].next()
+
+    def _watched(self):
+        """Whether something must see one iteration, or one layer, at a time: a
+        pycaffe callback or a per-layer subscriber other than the MPI
+        gradient sums' own (which are sub-tasks on the streams)."""
+        ours = self.gradient_sum
+        callbacks = [pair for pair in self.callbacks if ours is None or pair[0] != ours.on_start]
+        listeners = [callback for callback in self.net.executor.listeners()
+                     if ours is None or callback != ours.after_backward]
+        return bool(callbacks or listeners)
 
     def _window_in(self, mode, count):
         """`count` iterations in `mode`; under "auto", timed for its choice."""
@@ -479,7 +493,10 @@ class Solver:
             finally:
                 executor.schedule = chosen_by
         if chosen_by == "auto":
-            self._auto[self.net.executor.shape_key()].record(mode, (time.perf_counter() - start) / count)
+            seconds = (time.perf_counter() - start) / count
+            if self.world is not None:        # the same choice on every rank
+                seconds = self.world.slowest(seconds)
+            self._auto[self.net.executor.shape_key()].record(mode, seconds)
 
     def _window(self, stop_iter):
         """How many iterations from self.iter run as one graph: up to the next
@@ -498,14 +515,23 @@ class Solver:
         of one iteration overlap the next one's forward where the edges allow
         (the same numbers as _iteration's, bitwise)."""
         first = self.iter
-        self._count_iterations(scheduler.run_on_streams(self.net, self._stream_schedule(count)), first, count)
+        if self.gradient_sum is not None:
+            self.gradient_sum.on_window()
+        runner = scheduler.run_on_streams(self.net, self._stream_schedule(count))
+        self._count_iterations([runner.loss(k) for k in range(count)], first)
 
-    def _count_iterations(self, runner, first, count):
-        """The solver's books after a graph.Runner ran `count` iterations from
-        iteration `first` (the runner has moved self.iter past them)."""
+    def _count_iterations(self, losses, first):
+        """The solver's books after graph.Runners ran a window of iterations
+        from iteration `first`, of these losses (the runners have moved
+        self.iter past them); over MPI, the losses are the ranks' means and a
+        request reaches every rank at the window's end (once a window on
+        every rank, however each ran it)."""
+        count = len(losses)
+        if self.world is not None:
+            losses, self._agreed = self.world.agree(losses, self._take_request())
         for k in range(count):
             self.iter = first + k
-            self._update_smoothed_loss(runner.loss(k), self._start_iter)
+            self._update_smoothed_loss(losses[k], self._start_iter)
         if self._display():                 # the window's last iteration
             self._log_rate()
         self.iter = first + count
@@ -515,16 +541,19 @@ class Solver:
         iterations profile each sub-task's thread counts, one iteration at a
         time; then windows on the streams with those counts and co-running."""
         tuner = self._tuner()
+        if self.gradient_sum is not None:
+            self.gradient_sum.on_window()
+        first, losses = self.iter, []
         while count and not tuner.done:
-            first = self.iter
-            self._count_iterations(tuner.profile_step(), first, 1)
+            losses.append(tuner.profile_step().loss(0))
             count -= 1
         if count:
             schedule = self._stream_schedule(count, tuned=True)
             if schedule.tuner is not tuner:
                 schedule.tune(tuner)
-            first = self.iter
-            self._count_iterations(scheduler.run_on_streams(self.net, schedule), first, count)
+            runner = scheduler.run_on_streams(self.net, schedule)
+            losses += [runner.loss(k) for k in range(count)]
+        self._count_iterations(losses, first)
 
     def _tuner(self):
         """The profile of the net's current shapes and partitions."""

@@ -3,7 +3,9 @@ the test names (a solver prototxt per case) with pycaffe, so every rank's
 solver joins the MPI world by itself, and rank 0 writes the weights it ends
 with, and every rank the solver_count and solver_rank pycaffe reports,
 whether each solver summed gradients during backward, its sums' units and
-the order it issued them in (GradientSum.trace).
+the order it issued them in (GradientSum.trace), and, of the iterations it
+ran on the streams, in how many a sum started before the iteration's last
+gradient sub-task ended.
 
     [MPI_WORKER_HOLD=1] python mpi_worker.py OUT_FOLDER SOLVER.prototxt...
 
@@ -21,7 +23,7 @@ import cct as caffe
 
 
 def main(out, solvers):
-    overlap, units, traces = [], [], []
+    overlap, units, traces, early = [], [], [], []
     for path in solvers:
         solver = caffe.get_solver(path)
         summed = solver.gradient_sum
@@ -32,15 +34,33 @@ def main(out, solvers):
         if os.environ.get("MPI_WORKER_HOLD") == "1" and summed.overlap:
             held(summed._queue, len(summed.units))
         solver.step(solver.param.max_iter)
+        early.append(sums_during_backward(solver))
         if solver.is_root:
             weights = {f"{name}.{i}": blob.data for name, blobs in solver.net.params.items()
                        for i, blob in enumerate(blobs)}
             np.savez(os.path.join(out, os.path.basename(path) + ".npz"), **weights)
         solver.close()
     seen = {"solver_count": caffe.solver_count(), "solver_rank": caffe.solver_rank(), "overlap": overlap,
-            "units": units, "traces": traces}
+            "units": units, "traces": traces,
+            "sums_during_backward": early}
     with open(os.path.join(out, f"rank{caffe.solver_rank()}.json"), "w") as handle:
         json.dump(seen, handle)
+
+
+def sums_during_backward(solver):
+    """[iterations where a sum started before the last gradient sub-task of
+    its iteration ended, iterations], over the last run of each streams
+    schedule the solver made."""
+    counts = [0, 0]
+    for schedule in solver._stream_schedules.values():
+        iterations = {span.task.iteration for span in schedule.trace}
+        for iteration in iterations:
+            spans = [span for span in schedule.trace if span.task.iteration == iteration]
+            sums = [span.start for span in spans if span.task.kind == "sum"]
+            gradients = [span.end for span in spans if span.task.kind.startswith("backward")]
+            counts[0] += bool(sums and gradients and min(sums) < max(gradients))
+            counts[1] += 1
+    return counts
 
 
 def held(queued, count):

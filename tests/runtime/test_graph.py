@@ -10,7 +10,7 @@ from google.protobuf import text_format
 
 import cct
 from cct.proto import caffe_pb2
-from cct.runtime import graph
+from cct.runtime import graph, scheduler
 from helpers.data import raw_datum, write_lmdb
 from helpers.nets import FORK_RESIDUAL
 
@@ -182,3 +182,87 @@ def test_a_partitioned_layer_splits_its_backward_too(source, monkeypatch):
     partitioned_sequential.step(ITERATIONS)
     for seed in range(3):
         assert_same(run_in_random_order(make_solver(source), seed), weights(partitioned_sequential))
+
+
+class RecordedSums:
+    """A stand-in for the MPI gradient sums (distributed.GradientSum) of one
+    rank: each unit's sum leaves the diffs as they are (a world of one) and
+    is recorded, with the diffs it found."""
+
+    def __init__(self, net, units):
+        self.net, self.units, self.summed = net, units, []
+
+    def unit_params(self):
+        return self.units
+
+    def sum_unit(self, number):
+        self.summed.append((number, [self.net.learnable_params[p].diff.copy() for p in self.units[number]]))
+
+    def wait(self, index=None, timed=True):
+        """In the graph, the edges do the waiting."""
+
+
+def test_gradient_sums_wait_for_their_gradients_and_each_update_for_its_own(source):
+    solver = make_solver(source)
+    net = solver.net
+    count = len(net.learnable_params)
+    units = [(p,) for p in reversed(range(2, count))] + [(0, 1)]     # the last a bucket of two
+    unrolled = graph.build(net, 2, sums=units)
+    sums = [[t for t in unrolled.tasks if t.kind == graph.SUM and t.iteration == k] for k in (0, 1)]
+    assert [t.param for t in sums[0]] == list(range(len(units)))
+    for unit, task in zip(units, sums[0]):
+        writers = {t for t in unrolled.edges[task] if t.kind in (graph.BACKWARD_PARAM, graph.BACKWARD)}
+        for p in unit:     # the last gradient sub-task adding into the parameter's diff
+            last = [t for t in unrolled.tasks[:unrolled.tasks.index(task)]
+                    if t.kind in (graph.BACKWARD_PARAM, graph.BACKWARD) and graph._diff(net.learnable_params[p])
+                    in graph.accesses(net, t).writes][-1]
+            assert last in writers
+    # one order on every rank: each sum after the one before, across iterations too
+    chain = sums[0] + sums[1]
+    assert all(a in unrolled.edges[b] for a, b in zip(chain, chain[1:]))
+    for task in unrolled.tasks:
+        if task.kind == graph.UPDATE:
+            waited = {t.param for t in unrolled.edges[task] if t.kind == graph.SUM}
+            assert waited == {u for u, unit in enumerate(units) if task.param in unit}
+    assert not any(t.kind == graph.SUM for t in unrolled.edges[graph.Task(graph.RATE)])
+    clipped = graph.build(net, 1, sums=units, clip=True)
+    assert set(sums[0]) <= clipped.edges[graph.Task(graph.RATE)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_any_order_with_the_sums_gives_the_same_weights_and_sums(source, sequential, seed):
+    """The sums see each iteration's whole gradients, whatever the order."""
+    solver = make_solver(source)
+    units = [(p,) for p in reversed(range(len(solver.net.learnable_params)))]
+    solver.gradient_sum = RecordedSums(solver.net, units)
+    unrolled = graph.build(solver.net, ITERATIONS, sums=units)
+    in_order = make_solver(source)
+    in_order.gradient_sum = RecordedSums(in_order.net, units)
+    chooser, run, reference = random.Random(seed), graph.Runner(solver.net, solver), graph.Runner(in_order.net, in_order)
+    for task in graph.topological_order(unrolled, lambda ready: chooser.choice(ready)):
+        run(task)
+    for task in unrolled.tasks:
+        reference(task)
+    assert_same(weights(solver), sequential)
+    assert [n for n, _ in solver.gradient_sum.summed] == [n for n, _ in in_order.gradient_sum.summed]
+    for (_, ours), (_, theirs) in zip(solver.gradient_sum.summed, in_order.gradient_sum.summed):
+        assert_same(ours, theirs)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_streams_run_the_sums_on_a_stream_of_their_own(source, sequential, seed):
+    """The scheduler (cct.runtime.scheduler) runs the sums on a fourth stream,
+    holding no cores, in the units' order, and the weights stay the
+    sequential ones under random delays."""
+    solver = make_solver(source)
+    units = [(p,) for p in reversed(range(len(solver.net.learnable_params)))]
+    solver.gradient_sum = RecordedSums(solver.net, units)
+    schedule = scheduler.Schedule(solver.net, solver=solver, iterations=ITERATIONS)
+    shaker = random.Random(seed)
+    scheduler.run_on_streams(solver.net, schedule) if seed == 0 else schedule.run(
+        delay=lambda task: shaker.random() * 2e-4)
+    assert_same(weights(solver), sequential)
+    sums = [span for span in schedule.trace if span.task.kind == graph.SUM]
+    assert schedule.stream_count == 4 and len(sums) == ITERATIONS * len(units)
+    assert all(span.stream == scheduler.COMM_STREAM and span.threads == 0 for span in sums)
+    assert [n for n, _ in solver.gradient_sum.summed] == list(range(len(units))) * ITERATIONS

@@ -5,11 +5,13 @@ at every iteration, the records one reader of batch N*b reads, so within an
 epoch the ranks' records are disjoint and together cover the source. The
 sums' buckets: small parameters gathered, large ones cut.
 
-Under `mpirun -np 2` (skipped where mpirun or mpi4py are missing): LeNet
-trained by 2 ranks of batch 4 ends with the weights of 1 rank of batch 8 fed
-the same images, to 1e-5 of each blob's largest value, for SGD, Nesterov and
-Adam, with and without iter_size (and 4 ranks of batch 2, SGD), and to the
-same bits with the sums after backward and in buckets of another size; of
+Under `mpirun` (skipped where mpirun or mpi4py are missing): LeNet and
+CaffeNet-mini trained for 20 iterations by 2 ranks of batch b and by 4 of
+batch b/2 end with the weights of 1 rank of batch 2b fed the same images, to
+1e-5 of each blob's largest value, for SGD, Nesterov and Adam, with and
+without iter_size; to the same bits with the sums after backward, in buckets
+of another size, and as sub-tasks of the streams schedule (where they start
+while backward runs); of
 the sums ready, each rank issues first the lowest layer's, in one order on
 every rank; a request (SIGHUP) to one rank reaches all; a rank killed with
 SIGKILL ends the job within 30 s naming it, and rank 0's last snapshot
@@ -39,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 WORKER = HERE.parent / "helpers" / "mpi_worker.py"
 LENET = HERE.parents[1] / "models" / "lenet" / "lenet_train_test.prototxt"
 RECORDS = 128                    # LeNet's LMDB: 16 iterations of batch 8 before it wraps
+ITERATIONS = 20
 # Adam's delta: its step lr * m / (sqrt(v) + delta) turns a rounding error e in
 # a gradient near 0 into up to lr * e / delta. At the default 1e-8 that is
 # 1e6 e: a float32 sum taken in another order gives 3e-4 relative after 5
@@ -226,7 +229,8 @@ def lenet(tmp_path_factory):
     return folder, nets
 
 
-def write_solver(folder, net, name, kind="SGD", iter_size=1, max_iter=5, display=5, extra="", base_lr=0.01):
+def write_solver(folder, net, name, kind="SGD", iter_size=1, max_iter=ITERATIONS, display=5, extra="",
+                 base_lr=0.01):
     path = folder / f"{name}.prototxt"
     path.write_text(f'net: "{net}" type: "{kind}" {UPDATES[kind]} base_lr: {base_lr} lr_policy: "inv" '
                     f'gamma: 0.0001 power: 0.75 weight_decay: 0.0005 iter_size: {iter_size} '
@@ -241,7 +245,7 @@ CAFFENET_MINI = HERE.parent / "reference" / "cases" / "caffenet_mini_sgd" / "net
 @pytest.fixture(scope="module")
 def caffenet_mini(lenet):
     """The solver reference case's CaffeNet-mini (no dropout) reading an
-    LMDB of 24 random 3x227x227 images of 20 classes, at batch 2 and 4:
+    LMDB of 24 random 3x227x227 images of 20 classes, at batch 1, 2 and 4:
     {batch: net path}."""
     folder = lenet[0]
     rng = np.random.default_rng(3)
@@ -250,7 +254,7 @@ def caffenet_mini(lenet):
     text = CAFFENET_MINI.read_text()
     inputs = [line for line in text.splitlines() if '"Input"' in line]
     nets = {}
-    for batch in (2, 4):
+    for batch in (1, 2, 4):
         data = (f'layer {{ name: "data" type: "Data" top: "data" top: "label" transform_param {{ scale: 0.0039 }} '
                 f'data_param {{ source: "{folder / "mini_db"}" backend: LMDB batch_size: {batch} }} }}')
         nets[batch] = folder / f"caffenet_mini{batch}.prototxt"
@@ -258,33 +262,65 @@ def caffenet_mini(lenet):
     return nets
 
 
+# CaffeNet-mini's learning rates: each blob moves by 1.2e-3 of its largest value
+# or more in 20 iterations (its gaussian(0.02) weights pass conv1 small
+# gradients). Faster, rounding grows faster: at 0.1 the ranks' reordered sums
+# end up to 4.5e-5 of the largest value from one process's (conv1, conv5); at
+# 0.03, up to 1.05e-5; at 0.02, up to 3.3e-6 (2 and 4 ranks, every case, measured).
+MINI_RATES = {"SGD": 0.02, "Nesterov": 0.02, "Adam": 0.001}
+NETS = {"lenet": 8, "mini": 4}            # each net's batch of one rank alone
+
+
+def solvers_of_every_case(lenet, caffenet_mini, ranks):
+    """{(net, kind, iter_size): a solver of the case at the batch of one of
+    `ranks` ranks}."""
+    folder, nets = lenet
+    solvers = {}
+    for kind, size in CASES:
+        solvers["lenet", kind, size] = write_solver(folder, nets[NETS["lenet"] // ranks],
+                                                    f"lenet_{kind}_{size}_r{ranks}", kind, size)
+        solvers["mini", kind, size] = write_solver(folder, caffenet_mini[NETS["mini"] // ranks],
+                                                   f"mini_{kind}_{size}_r{ranks}", kind, size,
+                                                   base_lr=MINI_RATES[kind])
+    return solvers
+
+
 @pytest.fixture(scope="module")
 def two_ranks(lenet, caffenet_mini):
-    """Every case (and CLIPPED) trained once by 2 ranks of batch 4 in one
+    """Every case of both nets (and CLIPPED) trained once by 2 ranks in one
     mpirun, gradients summed while backward runs (CCT_MPI_OVERLAP=1; on one
     host the default is after it): {case: rank 0's weights}, and what
     pycaffe said on each rank."""
     folder, nets = lenet
-    solvers = [write_solver(folder, nets[4], f"{kind}_{size}_b4", kind, size) for kind, size in CASES]
-    solvers.append(write_solver(folder, nets[4], "clipped", "Nesterov", 2, extra="clip_gradients: 0.05"))
-    solvers.append(write_solver(folder, caffenet_mini[2], "mini_b2", "Nesterov", 2, base_lr=MINI_RATE))
-    weights, said = train_on_two(folder / "two_ranks", solvers, CCT_MPI_OVERLAP="1")
-    return dict(zip(CASES + [CLIPPED, MINI], weights)), said
+    solvers = solvers_of_every_case(lenet, caffenet_mini, 2)
+    solvers[CLIPPED] = write_solver(folder, nets[4], "clipped", "Nesterov", 2, extra="clip_gradients: 0.05")
+    weights, said = train_on(2, folder / "two_ranks", list(solvers.values()), CCT_MPI_OVERLAP="1")
+    return dict(zip(solvers, weights)), said
 
 
-CLIPPED = ("Nesterov", "clipped")
-MINI = ("Nesterov", "caffenet_mini")
-MINI_RATE = 0.1           # its gaussian(0.02) weights pass conv1 small gradients: move it visibly
+@pytest.fixture(scope="module")
+def four_ranks(lenet, caffenet_mini):
+    """Every case of both nets trained once by 4 ranks in one mpirun: {case: rank 0's weights}."""
+    solvers = solvers_of_every_case(lenet, caffenet_mini, 4)
+    weights, _ = train_on(4, lenet[0] / "four_ranks", list(solvers.values()))
+    return dict(zip(solvers, weights))
+
+
+CLIPPED = ("lenet", "Nesterov", "clipped")
+
+
+def train_on(ranks, out, solvers, **env):
+    """Rank 0's weights after each solver, and what pycaffe said on each rank."""
+    out.mkdir()
+    done = subprocess.run(mpirun(ranks, sys.executable, WORKER, out, *solvers), env={**environment(), **env},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    weights = [dict(np.load(out / f"{solver.name}.npz")) for solver in solvers]
+    return weights, [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)]
 
 
 def train_on_two(out, solvers, **env):
-    """Rank 0's weights after each solver, and what pycaffe said on each rank."""
-    out.mkdir()
-    done = subprocess.run(mpirun(2, sys.executable, WORKER, out, *solvers), env={**environment(), **env},
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-4000:]
-    weights = [dict(np.load(out / f"{solver.name}.npz")) for solver in solvers]
-    return weights, [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return train_on(2, out, solvers, **env)
 
 
 def trained_alone(one_way, folder, net, kind, iter_size, ranks=2, base_lr=0.01):
@@ -306,19 +342,38 @@ def trained_alone(one_way, folder, net, kind, iter_size, ranks=2, base_lr=0.01):
     return first, last
 
 
-@needs_mpi
-@pytest.mark.parametrize("kind, iter_size", CASES, ids=[f"{k}-iter_size{s}" for k, s in CASES])
-def test_two_ranks_train_as_one_of_twice_the_batch(lenet, two_ranks, kind, iter_size, one_way):
-    folder, nets = lenet
-    first, expected = trained_alone(one_way, folder, nets[8], kind, iter_size)
-    assert_trained_alike(two_ranks[0][(kind, iter_size)], first, expected)
+@pytest.fixture(scope="module")
+def alone(lenet, caffenet_mini):
+    """(initial, final) weights of each case trained by one process at the
+    ranks' summed batch, its batch in as many partitions as there were ranks
+    (trained_alone); each made once, on first use."""
+    made = {}
+    nets = {"lenet": lenet[1][NETS["lenet"]], "mini": caffenet_mini[NETS["mini"]]}
+
+    def weights(net, kind, iter_size, ranks):
+        key = net, kind, iter_size, ranks
+        if key not in made:
+            with pytest.MonkeyPatch.context() as patch:
+                for name, value in ONE_WAY.items():
+                    patch.setenv(name, value)
+                rate = MINI_RATES[kind] if net == "mini" else 0.01
+                made[key] = trained_alone(patch, lenet[0], nets[net], kind, iter_size, ranks, rate)
+        return made[key]
+    return weights
+
+
+EVERY_CASE = [(net, kind, size) for net in NETS for kind, size in CASES]
 
 
 @needs_mpi
-def test_caffenet_mini_on_two_ranks_trains_as_one_of_twice_the_batch(lenet, caffenet_mini, two_ranks,
-                                                                      one_way):
-    first, expected = trained_alone(one_way, lenet[0], caffenet_mini[4], "Nesterov", 2, base_lr=MINI_RATE)
-    assert_trained_alike(two_ranks[0][MINI], first, expected)
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("net, kind, iter_size", EVERY_CASE, ids=[f"{n}-{k}-iter_size{s}" for n, k, s in EVERY_CASE])
+def test_ranks_train_as_one_of_their_summed_batch(request, alone, net, kind, iter_size, ranks):
+    """N ranks of batch b, 20 iterations: the weights of one of batch N*b."""
+    trained = request.getfixturevalue({2: "two_ranks", 4: "four_ranks"}[ranks])
+    got = trained[0] if ranks == 2 else trained
+    first, expected = alone(net, kind, iter_size, ranks)
+    assert_trained_alike(got[net, kind, iter_size], first, expected)
 
 
 def assert_trained_alike(got, first, expected):
@@ -336,23 +391,41 @@ def test_sums_after_backward_give_the_numbers_of_sums_during_it(lenet, two_ranks
     sums, bitwise (with iter_size 2, and with clip_gradients, whose norm waits
     for every sum)."""
     folder, nets = lenet
-    solvers = [folder / "SGD_2_b4.prototxt", folder / "clipped.prototxt"]
+    solvers = [folder / "lenet_SGD_2_r2.prototxt", folder / "clipped.prototxt"]
     weights, _ = train_on_two(folder / "after_backward", solvers, CCT_MPI_OVERLAP="0")
-    for case, got in zip([("SGD", 2), CLIPPED], weights):
+    for case, got in zip([("lenet", "SGD", 2), CLIPPED], weights):
         expected = two_ranks[0][case]
         assert all(got[name].tobytes() == expected[name].tobytes() for name in expected), case
 
 
+@needs_mpi
+def test_sums_on_the_streams_give_the_numbers_of_sums_beside_them(lenet, two_ranks):
+    """In the streams schedule each sum is a sub-task on the communication
+    stream (buckets of 64 KiB: LeNet's 1.6 MB would be one 2 MiB bucket,
+    ready only at backward's end): the same sums as the overlap thread's,
+    bitwise, and some start while backward still runs."""
+    folder, _ = lenet
+    cases = [("lenet", "SGD", 1), ("lenet", "Adam", 2), CLIPPED, ("mini", "Nesterov", 2)]
+    names = {CLIPPED: "clipped"}
+    solvers = [folder / f"{names.get(case, '_'.join(map(str, case)) + '_r2')}.prototxt" for case in cases]
+    weights, said = train_on_two(folder / "on_streams", solvers, CCT_SCHEDULE="streams", CCT_MPI_BUCKET="64K")
+    for case, got in zip(cases, weights):
+        expected = two_ranks[0][case]
+        assert all(got[name].tobytes() == expected[name].tobytes() for name in expected), case
+    for early, iterations in said[0]["sums_during_backward"]:      # of the windows' last runs
+        assert iterations > 0 and early >= iterations / 2
+
+
 @pytest.fixture(scope="module")
-def small_buckets(lenet):
-    """SGD_2_b4 and CLIPPED again by 2 ranks, sums during backward in buckets
+def small_buckets(lenet, two_ranks):         # two_ranks writes the solvers
+    """lenet_SGD_2_r2 and CLIPPED again by 2 ranks, sums during backward in buckets
     of 64 KiB (LeNet's ip1 weights, 1.6 MB, in 25 pieces; conv1, conv2's
     bias, ip1's bias and ip2 in one bucket), the communication thread
     held, once an iteration's first sum is ready, until backward has made
     every sum ready (mpi_worker.py), so it chooses among all: (weights,
     what each rank said)."""
     folder, _ = lenet
-    solvers = [folder / "SGD_2_b4.prototxt", folder / "clipped.prototxt"]
+    solvers = [folder / "lenet_SGD_2_r2.prototxt", folder / "clipped.prototxt"]
     return train_on_two(folder / "small_buckets", solvers, CCT_MPI_OVERLAP="1", CCT_MPI_BUCKET="64K",
                         MPI_WORKER_HOLD="1")
 
@@ -368,7 +441,7 @@ def test_buckets_gather_small_parameters_and_cut_large_ones_to_the_same_numbers(
     for index in set(params):                                           # the pieces tile each parameter
         pieces = sorted((begin, end) for unit in units for i, begin, end in unit if i == index)
         assert pieces[0][0] == 0 and all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
-    for case, got in zip([("SGD", 2), CLIPPED], weights):
+    for case, got in zip([("lenet", "SGD", 2), CLIPPED], weights):
         expected = two_ranks[0][case]               # in buckets of the default size
         assert all(got[name].tobytes() == expected[name].tobytes() for name in expected), case
 
@@ -382,23 +455,12 @@ def test_sums_go_in_the_order_the_next_forward_needs_them_alike_on_every_rank(sm
     assert said[0]["traces"] == said[1]["traces"]
     for units, trace in zip(said[0]["units"], said[0]["traces"]):
         first = [min((index, begin) for index, begin, _ in unit) for unit in units]
-        assert len(trace) == 5 * len(units)                              # every unit, every iteration
+        assert len(trace) == ITERATIONS * len(units)                     # every unit, every iteration
         for choice, ready in trace:
             assert choice == min(ready, key=first.__getitem__)
         starts = [k for k in range(len(trace)) if k % len(units) == 0]
         # held until backward ended: each iteration chooses from every sum, conv1's first
         assert all(len(trace[k][1]) == len(units) and first[trace[k][0]][0] == 0 for k in starts)
-
-
-@needs_mpi
-def test_four_ranks_train_as_one_of_four_times_the_batch(lenet, tmp_path, one_way):
-    folder, nets = lenet
-    solver = write_solver(tmp_path, nets[2], "SGD_2_b2", "SGD", 2)
-    done = subprocess.run(mpirun(4, sys.executable, WORKER, tmp_path, solver), env=environment(),
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-4000:]
-    first, expected = trained_alone(one_way, tmp_path, nets[8], "SGD", 2, ranks=4)
-    assert_trained_alike(dict(np.load(tmp_path / f"{solver.name}.npz")), first, expected)
 
 
 @needs_mpi
