@@ -15,10 +15,12 @@ the rest being backward and update; on two, each way's median iteration,
 the seconds per iteration the gradient sums took (GradientSum.busy: on
 their thread or stream, so stretched by sharing the core with backward),
 the seconds the update waited for them (GradientSum.exposed; the streams'
-updates wait through the graph, not counted), and what the sums cost the
-iteration: 2 ranks' iteration less 1 rank's in the same schedule (waiting
-for the other rank included), and the share of one sum of every gradient
-alone that this hides (1 - cost / alone); one sum of every gradient alone
+updates wait through the graph, not counted) and the share of the wait
+after backward that the wait during it hides, and what the sums cost the
+iteration: its time less that of 2 ranks summing nothing (way "none": the
+cost two ranks put on each other's cores and memory without sums taken
+out), and the share of one sum of every gradient alone that this hides
+(1 - cost / alone); one sum of every gradient alone
 (nothing else running: the allreduce's own time) with its volume and rate.
 Then a scaling model for N machines (model()).
 
@@ -50,7 +52,10 @@ NETS = {
 }
 
 
-WAYS = {"after": ("sequential", False), "during": ("sequential", True), "streams": ("streams", False)}
+# way: (schedule, GradientSum.overlap); "none" sums nothing (the ranks' weights
+# drift apart): what two ranks cost each other on one host without the sums
+WAYS = {"none": ("sequential", None), "after": ("sequential", False), "during": ("sequential", True),
+        "streams": ("streams", False)}
 
 
 def worker(args):
@@ -86,16 +91,31 @@ def _alternating(solver, summed, ways, iterations):
         way = list(ways)[k % len(ways)]
         executor.schedule, overlap = ways[way]
         if summed is not None:
-            summed.overlap = overlap
+            summed.overlap = bool(overlap)
             summed.busy = summed.exposed = 0.0
         start = time.perf_counter()
-        solver.step(1)
+        if summed is not None and overlap is None:
+            _without_sums(solver, summed)
+        else:
+            solver.step(1)
         if k >= len(ways):
             seen[way].append((time.perf_counter() - start, summed.busy if summed else 0.0,
                               summed.exposed if summed else 0.0))
     return {way: {"iteration_s": statistics.median(t for t, _, _ in rows),
                   "sums_s": statistics.mean(b for _, b, _ in rows),
                   "waited_s": statistics.mean(e for _, _, e in rows)} for way, rows in seen.items()}
+
+
+def _without_sums(solver, summed):
+    """One step with the solver's gradient sums taken off."""
+    entry = (summed.on_start, summed.on_gradients_ready)
+    solver.gradient_sum = None
+    solver.callbacks.remove(entry)
+    try:
+        solver.step(1)
+    finally:
+        solver.callbacks.insert(0, entry)
+        solver.gradient_sum = summed
 
 
 def _sum_alone(summed, repeats, agreed=False):
@@ -178,13 +198,18 @@ def report(one, two):
         common.print_flush(f"{one['net']:9s} batch {one['batch']:3d}/rank  1 rank   {schedule:10s} iteration "
                            f"{figures['iteration_s'] * 1e3:8.1f} ms")
     common.print_flush(f"  forward alone {one['forward_s'] * 1e3:.1f} ms")
-    for way, figures in two["ways"].items():
+    ways = two["ways"]
+    for way, figures in ways.items():
         alone = one["ways"][WAYS[way][0]]["iteration_s"]
-        cost = figures["iteration_s"] - alone
         line = (f"{two['net']:9s} batch {two['batch']:3d}/rank  2 ranks  sums {way:8s} iteration "
                 f"{figures['iteration_s'] * 1e3:8.1f} ms ({2 * alone / figures['iteration_s']:.2f}x the images/s "
-                f"of 1)  sums {figures['sums_s'] * 1e3:7.1f} ms, waited {figures['waited_s'] * 1e3:7.1f} ms, "
-                f"cost {cost * 1e3:7.1f} ms (hides {max(0.0, 1 - cost / two['alone_s']):.0%} of one sum alone)")
+                f"of 1)")
+        if way != "none":
+            cost = figures["iteration_s"] - ways["none"]["iteration_s"]
+            line += (f"  sums {figures['sums_s'] * 1e3:7.1f} ms, waited {figures['waited_s'] * 1e3:7.1f} ms, "
+                     f"cost {cost * 1e3:7.1f} ms (hides {max(0.0, 1 - cost / two['alone_s']):.0%} of one sum alone)")
+        if way == "during" and ways["after"]["waited_s"] > 0:
+            line += f", hides {1 - figures['waited_s'] / ways['after']['waited_s']:.0%} of the wait after"
         common.print_flush(line)
     common.print_flush(f"  one sum of every gradient alone: {two['alone_s'] * 1e3:.1f} ms "
                        f"({two['gradient_mb']:.1f} MiB, {two['gradient_mb'] / 1024 / two['alone_s']:.2f} GiB/s)")
