@@ -49,10 +49,10 @@ def _kernel_matrix(w, geom, dtype):
     return k.reshape(g, og * geom.kernel_h, cg * geom.kernel_w)
 
 
-def lift(z, geom, batch, ws=FRESH):
-    """Z (O*KH, N*Hp*OW) -> y channels-first (O, N, OH, OW)."""
+def lift(z, geom, batch, ws=FRESH, into=None):
+    """Z (O*KH, N*Hp*OW) -> y channels-first (O, N, OH, OW), in `into` when given."""
     z = z.reshape(geom.num_output, geom.kernel_h, batch, geom.padded_h, geom.out_w)
-    y = ws.empty("output", (geom.num_output, batch, geom.out_h, geom.out_w), z.dtype)
+    y = ws.empty("output", (geom.num_output, batch, geom.out_h, geom.out_w), z.dtype) if into is None else into
     np.copyto(y, z[:, 0, :, geom.rows(0)])
     for i in range(1, geom.kernel_h):
         y += z[:, i, :, geom.rows(i)]
@@ -76,6 +76,12 @@ def forward(x, w, geom, out=None, ws=FRESH, bias=None):
     kernel = _kernel_matrix(w, geom, x.dtype)
     z = np.matmul(kernel, lowered, out=ws.empty("product", (geom.group, kernel.shape[1], lowered.shape[2]),
                                                 x.dtype))             # (g, Og*KH, M2)
+    if n == 1 and out is not None and out.flags.c_contiguous:
+        # one image: channels first is the output's own layout, so the lifting sums into the blob
+        y = lift(z, geom, n, ws, into=out.reshape(geom.num_output, 1, geom.out_h, geom.out_w))
+        if bias is not None:
+            y += weights_as(bias, x.dtype).reshape(-1, 1, 1, 1)
+        return out
     return store_output(lift(z, geom, n, ws), out, bias)
 
 

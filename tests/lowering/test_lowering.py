@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cct.lowering import (LOWERINGS, ConvGeometry, conv_backward, conv_backward_data, conv_backward_weights,
-                          conv_forward, lowering, reference, type1)
+                          conv_forward, lowering, pointwise, reference, type1)
 
 RNG = np.random.default_rng(11)
 TYPES = sorted(LOWERINGS)
@@ -427,3 +427,43 @@ def test_a_kept_lowering_is_refused_once_its_bottom_changed():
     assert kept.matrix_for(signed, 1, geom) is None
     conv_forward(x, w, geom, 1, keep=kept, chunk=2)                # a chunked forward keeps nothing
     assert kept.matrix_for(x, 1, geom) is None
+
+
+# --- paths without copies: one image, and pointwise (1x1) convolutions --------------------
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("geom", [ConvGeometry(3, 5, 6, 7, 3, 3, pad_h=1, pad_w=1),
+                                  ConvGeometry(4, 6, 7, 6, 3, 2, stride_h=2, pad_w=1, group=2),
+                                  ConvGeometry(2, 3, 9, 9, 5, 5, stride_h=2, stride_w=2, pad_h=2, pad_w=2)])
+def test_one_image_writes_the_output_directly_to_the_same_numbers(kind, geom):
+    """At batch 1 types 1 and 2 multiply (and lift) into the output blob
+    itself; with and without a bias, into a given buffer or a new one."""
+    x, w, _ = arrays(geom, batch=1, dtype=np.float32)
+    bias = RNG.standard_normal(geom.num_output).astype(np.float32)
+    expected = reference.forward(x.astype(np.float64), w.astype(np.float64), geom)
+    for b in (None, bias):
+        want = expected + (0 if b is None else b.reshape(1, -1, 1, 1))
+        out = np.full(geom.output_shape(1), np.nan, np.float32)
+        assert conv_forward(x, w, geom, kind, out=out, bias=b) is out
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(conv_forward(x, w, geom, kind, bias=b), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch, side, taken", [(1, 3, True), (3, 14, True), (3, 7, False), (1, 14, True)])
+def test_pointwise_convolutions_multiply_image_by_image(batch, side, taken):
+    """A 1x1 kernel at stride 1 without padding in one group multiplies the
+    blobs as they are (batch 1, or planes of 14x14 and more); the numbers are
+    every lowering's, into a contiguous output or a strided view."""
+    geom = ConvGeometry(6, 4, side, side, 1, 1)
+    assert pointwise(geom, batch) is taken
+    assert not pointwise(ConvGeometry(6, 4, 14, 14, 1, 1, pad_h=1, pad_w=1), 1)
+    assert not pointwise(ConvGeometry(6, 4, 14, 14, 1, 1, stride_h=2, stride_w=2), 1)
+    assert not pointwise(ConvGeometry(6, 4, 14, 14, 1, 1, group=2), 1)
+    x, w, _ = arrays(geom, batch=batch, dtype=np.float32)
+    bias = RNG.standard_normal(geom.num_output).astype(np.float32)
+    want = reference.forward(x.astype(np.float64), w.astype(np.float64), geom) + bias.reshape(1, -1, 1, 1)
+    for kind in TYPES:
+        np.testing.assert_allclose(conv_forward(x, w, geom, kind, bias=bias), want, rtol=1e-5, atol=1e-5)
+        wide = np.zeros((batch, geom.num_output + 2, side, side), np.float32)
+        conv_forward(x, w, geom, kind, out=wide[:, 1:-1], bias=bias)
+        np.testing.assert_allclose(wide[:, 1:-1], want, rtol=1e-5, atol=1e-5)
+        assert not wide[:, 0].any() and not wide[:, -1].any()
