@@ -22,6 +22,7 @@ twins of a layer, which run at the same time on different worker threads,
 never share a buffer.
 """
 import contextlib
+import math
 import threading
 
 import numpy as np
@@ -78,14 +79,14 @@ class Arena:
     def empty(self, slot, shape, dtype):
         dtype = np.dtype(dtype)
         shape = tuple(int(d) for d in shape)
-        check_allocation(shape, dtype, f"work array '{slot}'")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         planned = self.layout.get(slot)
         if planned is not None and nbytes <= planned[1]:
             start = planned[0]
             return self.store[start:start + nbytes].view(dtype).reshape(shape)
         store = self.stores.get(slot)
         if store is None or store.size < nbytes:
+            check_allocation(shape, dtype, f"work array '{slot}'")       # only where numpy allocates
             # The old store is freed once nothing views it (views never outlive a call).
             store = self.stores[slot] = np.empty(max(nbytes, 1), np.uint8)
         return store[:nbytes].view(dtype).reshape(shape)
