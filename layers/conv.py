@@ -113,6 +113,7 @@ class _ConvolutionBase(Layer):
         self.keep_lowering = self.phase == TRAIN and not self.reverse
         # Partition twins (clone) share the original's choice and budget.
         self._owner = self
+        self._output_relu = None      # the ReLU folded into the output store (fuse_output_relu)
         self._budget_share = 1
         self._forced_type, self.measure_lowering = None, False
         self._lowering_budget = DEFAULT_BUDGET_MB * 2 ** 20
@@ -373,7 +374,14 @@ class Convolution(_ConvolutionBase):
         for index, (b, t) in enumerate(zip(bottom, top)):
             x = b.data
             conv_forward(x, weight, self.geom, kind, out=t.data, ws=arena, chunk=self._chunk(kind, x), bias=bias,
-                         keep=self._kept(index, kind, x))
+                         keep=self._kept(index, kind, x), relu=self._owner._output_relu)
+
+    def fuse_output_relu(self, slope):
+        """The next forwards end with a ReLU of negative slope `slope` in their
+        output store (None: none again): inference fusion (cct.runtime.fusion)
+        folds the in-place ReLU after this layer into it. The batch
+        partitions' twins read it from the original."""
+        self._owner._output_relu = slope
 
     def backward(self, top, propagate_down, bottom):
         """The sub-tasks' numbers (backward_param, backward_data), with one

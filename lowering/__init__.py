@@ -21,7 +21,7 @@ per layer from a cost model.
 import numpy as np
 
 from . import type1, type2, type3
-from .geometry import ConvGeometry, weights_as
+from .geometry import ConvGeometry, finish, weights_as
 from cct.core.workspace import FRESH
 
 from .chunking import chunks, slot_bytes
@@ -65,15 +65,14 @@ def pointwise(geom, batch):
             and (batch == 1 or geom.in_h * geom.in_w >= POINTWISE_PIXELS))
 
 
-def _pointwise_forward(x, w, geom, out, bias):
+def _pointwise_forward(x, w, geom, out, bias, relu):
     n, pixels = x.shape[0], geom.in_h * geom.in_w
     shape = geom.output_shape(n)
     target = out if out is not None and out.flags.c_contiguous else np.empty(shape, x.dtype)
     product = target.reshape(n, geom.num_output, pixels)
     np.matmul(weights_as(w, x.dtype).reshape(geom.num_output, geom.channels), x.reshape(n, geom.channels, pixels),
               out=product)
-    if bias is not None:
-        product += weights_as(bias, x.dtype).reshape(-1, 1)
+    finish(product, bias, relu)
     if out is not None and target is not out:
         out[...] = target
         return out
@@ -87,36 +86,42 @@ def _zeros(shape, dtype, out):
     return out
 
 
-def _bias_only(geom, n, dtype, out, bias):
+def _bias_only(geom, n, dtype, out, bias, relu):
     """The output of a convolution that multiplies nothing (geom.empty or no
     images): each window reads only zeros (padding), so the bias alone, or 0."""
     out = _zeros(geom.output_shape(n), dtype, out)
     if bias is not None and out.size:
         out += weights_as(bias, dtype).reshape(1, geom.num_output, 1, 1)
+    if relu is not None and out.size:
+        out[...] = finish(np.ascontiguousarray(out), None, relu)
     return out
 
 
-def conv_forward(x, w, geom, lowering_type=1, out=None, ws=FRESH, chunk=None, bias=None, keep=None):
+def conv_forward(x, w, geom, lowering_type=1, out=None, ws=FRESH, chunk=None, bias=None, keep=None, relu=None):
     """y (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/group, KH, KW)), plus
-    bias (O,) when given (added while the result is stored, no extra pass).
+    bias (O,) when given (added while the result is stored, no extra pass),
+    then a ReLU of negative slope `relu` when given (the same numbers as
+    cct's ReLU layer after it: cct.runtime.fusion's output ReLU; in the
+    store's pass where the output has one).
     `keep` (a cct.lowering.kept.KeptLowering) keeps the lowered matrix and x
     for conv_backward's `lowered`: a whole batch only, a chunked call keeps nothing."""
     impl, n = lowering(lowering_type), x.shape[0]
     if keep is not None:
         keep.forget()
     if n == 0 or geom.empty:          # an empty batch (or partition), input or output: nothing to lower
-        return _bias_only(geom, n, x.dtype, out, bias)
+        return _bias_only(geom, n, x.dtype, out, bias, relu)
     if pointwise(geom, n):            # nothing to lower, so nothing kept: a backward multiplies x itself
-        return _pointwise_forward(x, w, geom, out, bias)
+        return _pointwise_forward(x, w, geom, out, bias, relu)
     _plan(ws, geom, lowering_type, n, chunk, x.dtype)
     if _whole(n, chunk):
-        y = impl.forward(x, w, geom, out=out, ws=ws if keep is None else keep.workspace(ws, lowering_type), bias=bias)
+        y = impl.forward(x, w, geom, out=out, ws=ws if keep is None else keep.workspace(ws, lowering_type), bias=bias,
+                         relu=relu)
         if keep is not None:
             keep.record(x, lowering_type, geom)
         return y
     out = np.empty(geom.output_shape(n), x.dtype) if out is None else out
     for start, stop in chunks(n, chunk):
-        impl.forward(x[start:stop], w, geom, out=out[start:stop], ws=ws, bias=bias)
+        impl.forward(x[start:stop], w, geom, out=out[start:stop], ws=ws, bias=bias, relu=relu)
     return out
 
 

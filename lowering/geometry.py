@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cct.devices.jit import kernel
+
 
 def _truncating_div(a, b):
     """a / b rounded toward zero, as C++ integer division (b > 0)."""
@@ -190,6 +192,60 @@ def store(y, out, bias=None):
     else:
         np.add(y, bias.reshape(1, -1, 1, 1), out=out)
     return out
+
+
+@kernel
+def _bias_relu(out, bias, slope):
+    """out (N, C, S) in place: + bias[c] (an empty bias adds nothing), then
+    ReLU as cct's layer: max(v, 0) (-0.0 to 0 too), or v where v > 0 else
+    v * slope; the same operations, so the same numbers, as the two passes."""
+    batch, channels, inner = out.shape
+    for n in range(batch):
+        for c in range(channels):
+            for s in range(inner):
+                v = out[n, c, s]
+                if bias.shape[0]:
+                    v = v + bias[c]
+                if slope == 0:
+                    if v <= 0:
+                        v = slope
+                elif not v > 0:
+                    v = v * slope
+                out[n, c, s] = v
+
+
+def finish(out, bias=None, relu=None):
+    """The output (N, O, ...) in place: bias (O,) added, then a ReLU of negative
+    slope `relu` (None: no ReLU; cct.runtime.fusion hands a convolution the
+    in-place ReLU after it), in one pass over it."""
+    if relu is None:
+        if bias is not None:
+            out.reshape(out.shape[0], out.shape[1], -1)[...] += weights_as(bias, out.dtype).reshape(-1, 1)
+        return out
+    flat = out.reshape(out.shape[0], out.shape[1], -1)       # a view: the outputs are contiguous
+    bias = np.empty(0, out.dtype) if bias is None else np.ascontiguousarray(weights_as(bias, out.dtype))
+    _bias_relu(flat, bias, out.dtype.type(relu))
+    return out
+
+
+def relu_after(out, relu):
+    """A ReLU of negative slope `relu` (None: none) on a stored output, in place
+    (a pass of its own)."""
+    if relu is not None:
+        target = out if out.flags.c_contiguous else np.ascontiguousarray(out)
+        finish(target, None, relu)
+        if target is not out:
+            out[...] = target
+    return out
+
+
+def store_relu(y, out, relu):
+    """store(y, out) with a ReLU of negative slope `relu` on the way (None: none)."""
+    if relu == 0:
+        if out is None:
+            out = np.empty(y.shape, y.dtype)
+        return np.maximum(y, 0, out=out)
+    return finish(store(y, out), None, relu)
 
 
 def store_output(y_cf, out, bias=None):

@@ -42,8 +42,8 @@ import numpy as np
 from cct.core.workspace import FRESH
 from cct.devices.jit import kernel
 
-from .geometry import (channels_first_output, matmul_nt, pad_channels_first, store, unpad_channels_first,
-                       weights_as, window_view)
+from .geometry import (channels_first_output, finish, matmul_nt, pad_channels_first, store_relu,
+                       unpad_channels_first, weights_as, window_view)
 
 
 def lower(x, geom, out=None, ws=FRESH):
@@ -94,9 +94,10 @@ TILE = 16
 
 
 @kernel
-def _to_batch_first(source, row0, col0, bias, out):
+def _to_batch_first(source, row0, col0, bias, relu, slope, out):
     """out[n, c, h, w] = source[c, row0 + h, col0 + w, n] (+ bias[c] when bias
-    has C entries; an empty bias adds nothing): out (N, C, H, W)."""
+    has C entries; an empty bias adds nothing), then, if relu, a ReLU of
+    negative slope `slope` (as geometry.finish's): out (N, C, H, W)."""
     batch, channels, height, width = out.shape
     for c in range(channels):
         for h in range(height):
@@ -104,18 +105,25 @@ def _to_batch_first(source, row0, col0, bias, out):
                 for n0 in range(0, batch, TILE):
                     for w in range(w0, min(w0 + TILE, width)):
                         for n in range(n0, min(n0 + TILE, batch)):
+                            v = source[c, row0 + h, col0 + w, n]
                             if bias.shape[0]:
-                                out[n, c, h, w] = source[c, row0 + h, col0 + w, n] + bias[c]
-                            else:
-                                out[n, c, h, w] = source[c, row0 + h, col0 + w, n]
+                                v = v + bias[c]
+                            if relu:
+                                if slope == 0:
+                                    if v <= 0:
+                                        v = slope
+                                elif not v > 0:
+                                    v = v * slope
+                            out[n, c, h, w] = v
 
 
-def _batch_first(source, row0, col0, shape, out, bias=None):
+def _batch_first(source, row0, col0, shape, out, bias=None, relu=None):
     """(N, C, H, W) `shape` from the batch-inner `source`, into `out` (new when
-    None; a non-contiguous one is filled through a copy)."""
+    None; a non-contiguous one is filled through a copy), + bias, then a ReLU
+    of negative slope `relu` (None: none)."""
     target = out if out is not None and out.flags.c_contiguous else np.empty(shape, source.dtype)
     bias = np.empty(0, source.dtype) if bias is None else np.ascontiguousarray(weights_as(bias, source.dtype))
-    _to_batch_first(source, row0, col0, bias, target)
+    _to_batch_first(source, row0, col0, bias, relu is not None, source.dtype.type(relu or 0), target)
     if out is not None and target is not out:
         out[...] = target
         return out
@@ -222,7 +230,7 @@ def _col2im_image_major(cols, geom, batch, out, ws):
     return out
 
 
-def _forward_image_major(x, w, geom, out, ws, bias):
+def _forward_image_major(x, w, geom, out, ws, bias, relu):
     """y (N, O, OH, OW), one GEMM per image and group written in place (+ bias)."""
     n, pixels = x.shape[0], geom.out_h * geom.out_w
     lowered = _lower_image_major(x, geom, ws).reshape(n, geom.group, -1, pixels)
@@ -231,8 +239,7 @@ def _forward_image_major(x, w, geom, out, ws, bias):
     target = out if direct else ws.empty("product", geom.output_shape(n), x.dtype)
     y = target.reshape(n, geom.group, geom.outputs_per_group, pixels)
     np.matmul(_kernel_matrix(w, geom, x.dtype), lowered, out=y)
-    if bias is not None:      # along the output's contiguous rows, while they are still in cache
-        y += weights_as(bias, x.dtype).reshape(1, geom.group, -1, 1)
+    finish(target, bias, relu)     # along the output's contiguous rows, while they are still in cache
     if not direct:
         out[...] = target
     return out
@@ -275,32 +282,31 @@ def _kernel_matrix(w, geom, dtype):
     return weights_as(w, dtype).reshape(geom.group, geom.outputs_per_group, -1)   # (g, Og, Cg*KH*KW)
 
 
-def forward(x, w, geom, out=None, ws=FRESH, bias=None):
-    """y (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/g, KH, KW)) (+ bias (O,))."""
+def forward(x, w, geom, out=None, ws=FRESH, bias=None, relu=None):
+    """y (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/g, KH, KW)) (+ bias (O,)),
+    then a ReLU of negative slope `relu` when given."""
     n = x.shape[0]
     if image_major(geom, n):
-        return _forward_image_major(x, w, geom, out, ws, bias)
+        return _forward_image_major(x, w, geom, out, ws, bias, relu)
     m = n * geom.out_h * geom.out_w
     inner = batch_inner(geom, n)
     lowered = _lowered(x, geom, ws, inner).reshape(geom.group, -1, m)
     if n == 1 and not inner and out is not None and out.flags.c_contiguous:
         # one image: the product (O, 1, OH, OW) is the output's own layout, so the
         # GEMM writes the blob (GoogLeNet's 3x3s at batch 1: the copy was 15-28% of each)
-        y = np.matmul(_kernel_matrix(w, geom, x.dtype), lowered, out=out.reshape(geom.group, -1, m))
-        if bias is not None:
-            y.reshape(geom.num_output, m)[...] += weights_as(bias, x.dtype).reshape(-1, 1)
-        return out
+        np.matmul(_kernel_matrix(w, geom, x.dtype), lowered, out=out.reshape(geom.group, -1, m))
+        return finish(out, bias, relu)
     y = np.matmul(_kernel_matrix(w, geom, x.dtype), lowered,
                   out=ws.empty("product", (geom.group, geom.outputs_per_group, m), x.dtype))
     if inner:                                                     # (O, OH, OW, N)
         return _batch_first(y.reshape(geom.num_output, geom.out_h, geom.out_w, n), 0, 0,
-                            geom.output_shape(n), out, bias)
+                            geom.output_shape(n), out, bias, relu)
     if bias is not None:
         # the same adds as store's, but along the product's contiguous rows: numpy's add
         # broadcasting a bias into the transposed view took 5x the copy (LeNet conv1: 0.46 ms)
         y.reshape(geom.num_output, m)[...] += bias.reshape(-1, 1)
     y = y.reshape(geom.num_output, n, geom.out_h, geom.out_w).transpose(1, 0, 2, 3)   # (O, N, OH, OW)
-    return store(y, out)
+    return store_relu(y, out, relu)
 
 
 def backward(x, dy, w, geom, data=True, weights=True, ws=FRESH, dx_out=None, lowered=None):

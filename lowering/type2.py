@@ -18,8 +18,8 @@ import numpy as np
 
 from cct.core.workspace import FRESH
 
-from .geometry import (channels_first_output, matmul_nt, pad_channels_first, store_output, unpad_channels_first,
-                       weights_as, window_view)
+from .geometry import (channels_first_output, finish, matmul_nt, pad_channels_first, relu_after, store_output,
+                       unpad_channels_first, weights_as, window_view)
 
 
 def lower(x, geom, ws=FRESH):
@@ -69,8 +69,9 @@ def unlift(dy, geom, ws=FRESH):
     return dz.reshape(geom.group, geom.outputs_per_group * geom.kernel_h, -1)
 
 
-def forward(x, w, geom, out=None, ws=FRESH, bias=None):
-    """y (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/g, KH, KW)) (+ bias (O,))."""
+def forward(x, w, geom, out=None, ws=FRESH, bias=None, relu=None):
+    """y (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/g, KH, KW)) (+ bias (O,)),
+    then a ReLU of negative slope `relu` when given (a pass of its own)."""
     n = x.shape[0]
     lowered = lower(x, geom, ws).reshape(geom.group, geom.channels_per_group * geom.kernel_w, -1)
     kernel = _kernel_matrix(w, geom, x.dtype)
@@ -78,11 +79,9 @@ def forward(x, w, geom, out=None, ws=FRESH, bias=None):
                                                 x.dtype))             # (g, Og*KH, M2)
     if n == 1 and out is not None and out.flags.c_contiguous:
         # one image: channels first is the output's own layout, so the lifting sums into the blob
-        y = lift(z, geom, n, ws, into=out.reshape(geom.num_output, 1, geom.out_h, geom.out_w))
-        if bias is not None:
-            y += weights_as(bias, x.dtype).reshape(-1, 1, 1, 1)
-        return out
-    return store_output(lift(z, geom, n, ws), out, bias)
+        lift(z, geom, n, ws, into=out.reshape(geom.num_output, 1, geom.out_h, geom.out_w))
+        return finish(out, bias, relu)
+    return relu_after(store_output(lift(z, geom, n, ws), out, bias), relu)
 
 
 def backward(x, dy, w, geom, data=True, weights=True, ws=FRESH, dx_out=None, lowered=None):

@@ -19,8 +19,8 @@ import numpy as np
 
 from cct.core.workspace import FRESH
 
-from .geometry import (channels_first_output, matmul_nt, pad_channels_first, store_output, unpad_channels_first,
-                       weights_as)
+from .geometry import (channels_first_output, matmul_nt, pad_channels_first, relu_after, store_output,
+                       unpad_channels_first, weights_as)
 
 
 def lower(x, geom, ws=FRESH):
@@ -60,14 +60,15 @@ def unlift(dy, geom, ws=FRESH):
     return dz.reshape(geom.group, geom.outputs_per_group * geom.kernel_h * geom.kernel_w, -1)
 
 
-def forward(x, w, geom, out=None, ws=FRESH, bias=None):
-    """y (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/g, KH, KW)) (+ bias (O,))."""
+def forward(x, w, geom, out=None, ws=FRESH, bias=None, relu=None):
+    """y (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/g, KH, KW)) (+ bias (O,)),
+    then a ReLU of negative slope `relu` when given (a pass of its own)."""
     n = x.shape[0]
     lowered = lower(x, geom, ws).reshape(geom.group, geom.channels_per_group, -1)
     kernel = _kernel_matrix(w, geom, x.dtype)
     z = np.matmul(kernel, lowered, out=ws.empty("product", (geom.group, kernel.shape[1], lowered.shape[2]),
                                                 x.dtype))             # (g, Og*KH*KW, M3)
-    return store_output(lift(z, geom, n, ws), out, bias)
+    return relu_after(store_output(lift(z, geom, n, ws), out, bias), relu)
 
 
 def backward(x, dy, w, geom, data=True, weights=True, ws=FRESH, dx_out=None, lowered=None):

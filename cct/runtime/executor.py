@@ -109,6 +109,7 @@ class Executor:
                     self.plan[index] = forced
         settings.apply(self)
         self.fusion = fusion_module.plan(net) if settings.fusion_enabled(net.phase) else None
+        self.forward_end = None       # the last layer of the Net.forward under way (fusion's output ReLUs)
         # Refused now, before the first forward touches the blobs setup mapped.
         self.memory_plan = memory_plan.net_plan(net, self)
         self.memory_plan.check(f"net '{net.name}' ({net.source})")
@@ -239,16 +240,34 @@ class Executor:
             if self._listeners:
                 self._emit("after_forward", index)
             return loss
+        relu = None
         if fusion is not None:
             if self._listeners or not set_blas:
                 fusion.flush(self)
             elif fusion.forward(self, index):
                 return self.net.layer_loss(index)
-        self.run_layer(index, set_blas)
+            else:
+                relu = fusion.output_relu(index, self.forward_end)
+        if relu is None:
+            self.run_layer(index, set_blas)
+        else:
+            self._run_with_relu(index, relu)
         loss = self.net.layer_loss(index)
         if self._listeners:
             self._emit("after_forward", index)
         return loss
+
+    def _run_with_relu(self, index, relu):
+        """Convolution `index` with the ReLU after it in its output store
+        (cct.runtime.fusion, rule 2), which then skips that ReLU."""
+        relu_index, slope = relu
+        layer = self.net.layers[index]
+        layer.fuse_output_relu(slope)
+        try:
+            self.run_layer(index)
+        finally:
+            layer.fuse_output_relu(None)
+        self.fusion.applied = relu_index
 
     def run_layer(self, index, set_blas=True):
         """Layer `index`'s reshape and forward, in its batch partitions."""

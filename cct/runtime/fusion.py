@@ -38,7 +38,13 @@ forward holding Caffe's value:
    by its epilogue), so forward and backward of a TEST net with losses, or
    with force_backward, give the unfused numbers. A run of one layer runs
    that layer's own forward.
-2. Split as aliases: a Split's tops share its bottom's data, so no copy runs,
+2. Output ReLUs: an in-place ReLU right after a Convolution (one top, the
+   ReLU's blob) that no run takes, and whose backward reads no input, runs
+   in the convolution's output store (Convolution.fuse_output_relu: the
+   store's own pass where it has one), with the same numbers as the ReLU
+   layer. Only in a forward that goes on to the ReLU (Net.forward's `end`),
+   and the ReLU is skipped only when its convolution applied it.
+3. Split as aliases: a Split's tops share its bottom's data, so no copy runs,
    where no later layer writes the bottom or a top (in place). The diffs stay
    apart, so a backward is unchanged. (Before the Split runs in a forward
    that stops early, net.forward(end=...), its tops show the bottom's new
@@ -288,6 +294,7 @@ class Fusion:
 
     def __init__(self, net):
         self.forward_only = False
+        self.applied = None           # the ReLU whose convolution applied it in this forward
         self.plan_runs(net)
         self.aliases = _plan_aliases(net)
         for index in self.aliases:
@@ -299,9 +306,17 @@ class Fusion:
         self._expected = None
 
     def plan_runs(self, net):
-        """(Re)plan the runs: at construction, and when forward_only() says so."""
+        """(Re)plan the runs and output ReLUs: at construction, and when
+        forward_only() says so."""
         self.runs = _plan_runs(net, self.forward_only)
         self.run_of = {index: number for number, run in enumerate(self.runs) for index in run}
+        self.output_relus = _plan_output_relus(net, self.run_of, self.forward_only)
+
+    def output_relu(self, index, end):
+        """(the ReLU's index, its negative slope) for the convolution `index`
+        to apply in a forward that runs through layer `end`, else None."""
+        entry = self.output_relus.get(index)
+        return entry if entry is not None and end is not None and entry[0] <= end else None
 
     def before_backward(self, executor):
         """Run a pass still pending; refuse a backward of a forward-only plan."""
@@ -318,9 +333,16 @@ class Fusion:
         number = self.run_of.get(index)
         if self.pending is not None and (number != self._pending_run or index != self._expected):
             self.flush(executor)
+        net = executor.net
+        if index == self.applied:         # its convolution's store ran it
+            self.applied = None
+            layer, bottom, top = net.layers[index], net.bottom_vecs[index], net.top_vecs[index]
+            with layer.naming_allocations(top):
+                layer.reshape(bottom, top)
+            return True
+        self.applied = None
         if number is None:
             return False
-        net = executor.net
         layer, bottom, top = net.layers[index], net.bottom_vecs[index], net.top_vecs[index]
         with layer.naming_allocations(top):
             layer.reshape(bottom, top)
@@ -383,6 +405,21 @@ def _plan_runs(net, forward_only=False):
     return runs
 
 
+def _plan_output_relus(net, run_of, forward_only):
+    """{convolution index: (ReLU index, negative slope)} (module docstring, rule 2)."""
+    relus = {}
+    for index in range(len(net.layers) - 1):
+        layer, after = net.layers[index], index + 1
+        if layer.type != "Convolution" or len(net.top_vecs[index]) != 1 or after in run_of:
+            continue
+        op = _op(net, after, forward_only)
+        bottom, top = net.bottom_vecs[after], net.top_vecs[after]
+        if (op is not None and op[0] == "relu" and net.layers[after].type == "ReLU"
+                and bottom[0] is top[0] is net.top_vecs[index][0]):
+            relus[index] = (after, float(op[1]))
+    return relus
+
+
 def _plan_aliases(net):
     """Indices of the Split layers (layers with `aliases`) no later layer
     writes the bottom or a top of."""
@@ -430,8 +467,8 @@ def describe(net):
         return [f"Fusion: off ({why})"]
     names = {id(blob): name for name, blob in net.blobs.items()}
     fused = sum(len(run) for run in fusion.runs)
-    lines = [f"Fusion: {fused} layers run as {len(fusion.runs)} passes; "
-             f"{len(fusion.aliases)} Split layers as aliases"]
+    lines = [f"Fusion: {fused} layers run as {len(fusion.runs)} passes; {len(fusion.output_relus)} ReLUs in "
+             f"their convolution's output store; {len(fusion.aliases)} Split layers as aliases"]
     for run in fusion.runs:
         first = run[0]
         source = net.bottom_vecs[first][0]
@@ -445,6 +482,8 @@ def describe(net):
         after = f"after {producer}: " if producer else ""
         lines.append(f"  {after}{' + '.join(net.layers[i].name for i in run)} "
                      f"(one pass writing {', '.join(repr(names[id(b)]) for b in written)})")
+    for index, (relu, _) in sorted(fusion.output_relus.items()):
+        lines.append(f"  {net.layers[index].name} + {net.layers[relu].name} (the ReLU in the output store)")
     for index in fusion.aliases:
         tops = ", ".join(repr(names[id(top)]) for top in net.top_vecs[index])
         lines.append(f"  {net.layers[index].name}: {tops} share '{names[id(net.bottom_vecs[index][0])]}'")

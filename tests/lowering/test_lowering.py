@@ -467,3 +467,29 @@ def test_pointwise_convolutions_multiply_image_by_image(batch, side, taken):
         conv_forward(x, w, geom, kind, out=wide[:, 1:-1], bias=bias)
         np.testing.assert_allclose(wide[:, 1:-1], want, rtol=1e-5, atol=1e-5)
         assert not wide[:, 0].any() and not wide[:, -1].any()
+
+
+RELU_GEOMETRIES = [ConvGeometry(3, 5, 6, 7, 3, 3, pad_h=1, pad_w=1),                 # type 1 column order
+                   ConvGeometry(20, 6, 12, 12, 5, 5),                                 # batch-inner at batch 4
+                   ConvGeometry(1, 6, 28, 28, 5, 5),                                  # image-major
+                   ConvGeometry(6, 4, 14, 14, 1, 1),                                  # pointwise
+                   ConvGeometry(4, 6, 7, 6, 3, 2, stride_h=2, pad_w=1, group=2)]
+
+
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("geom", RELU_GEOMETRIES, ids=["plain", "batch_inner", "image_major", "pointwise", "group"])
+@pytest.mark.parametrize("batch, chunk", [(1, None), (4, None), (4, 3)])
+def test_an_output_relu_gives_the_numbers_of_the_relu_after(kind, geom, batch, chunk):
+    """conv_forward(relu=slope) gives bitwise what cct's ReLU layer computes on
+    conv_forward's output (np.maximum, or the negative slope's product)."""
+    x, w, _ = arrays(geom, batch=batch, dtype=np.float32)
+    bias = RNG.standard_normal(geom.num_output).astype(np.float32)
+    for slope in (0.0, 0.25):
+        for b in (None, bias):
+            plain = conv_forward(x, w, geom, kind, bias=b, chunk=chunk)
+            want = np.maximum(plain, 0) if slope == 0 else np.where(plain > 0, plain, plain * np.float32(slope))
+            got = conv_forward(x, w, geom, kind, bias=b, chunk=chunk, relu=slope)
+            assert got.tobytes() == want.tobytes()
+            strided = np.zeros((batch, geom.num_output + 1) + geom.output_shape(batch)[2:], np.float32)
+            conv_forward(x, w, geom, kind, out=strided[:, 1:], bias=b, chunk=chunk, relu=slope)
+            assert strided[:, 1:].tobytes() == want.tobytes() and not strided[:, 0].any()

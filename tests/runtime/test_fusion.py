@@ -211,7 +211,67 @@ def test_a_relu_after_relu_starts_a_new_pass():
     assert_agree(fused, unfused, {"conv1": relu(chain_value(unfused, x) * channels(gamma, 4))})
 
 
-# --- rule 2: Split as aliases -----------------------------------------------------------------
+# --- rule 2: output ReLUs ----------------------------------------------------------------------
+CONV_RELU = """name: "conv_relu"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 3 dim: 3 dim: 7 dim: 6 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 4 kernel_size: 3 pad: 1 } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" relu_param { negative_slope: SLOPE } }
+layer { name: "conv2" type: "Convolution" bottom: "conv1" top: "conv2" convolution_param { num_output: 2 kernel_size: 1 } }
+layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "relu2" }
+"""
+
+
+def output_relus(net):
+    return {net.layers[index].name: net.layers[relu].name
+            for index, (relu, _) in net.executor.fusion.output_relus.items()}
+
+
+@pytest.mark.parametrize("slope", [0.0, 0.1])
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_an_in_place_relu_runs_in_its_convolutions_output_store(slope, partitions, monkeypatch):
+    """Bitwise the unfused values in every blob (batch partitions too); a
+    ReLU with its own top is not folded (the convolution's blob stays
+    visible)."""
+    monkeypatch.setenv("CCT_PARTITIONS", str(partitions))
+    x = RNG.normal(size=(3, 3, 7, 6)).astype(np.float32)
+    fused, unfused = pair(CONV_RELU.replace("SLOPE", str(slope)), data=x)
+    assert output_relus(fused) == {"conv1": "relu1"}
+    for name in unfused.blobs:
+        assert fused.blobs[name].data.tobytes() == unfused.blobs[name].data.tobytes(), name
+    y = conv(x, *params(unfused, "conv1"), pad=1)
+    assert_agree(fused, unfused, {"conv1": relu(y, slope)})
+    calls = []
+    relu_layer = fused.layers[list(fused.layer_names).index("relu1")]
+    monkeypatch.setattr(relu_layer, "forward", lambda *args: calls.append(args))
+    fused.forward()
+    assert calls == []                          # skipped: its convolution ran it
+
+
+def test_a_forward_ending_at_the_convolution_leaves_its_output_before_the_relu():
+    x = RNG.normal(size=(3, 3, 7, 6)).astype(np.float32)
+    fused, unfused = pair(CONV_RELU.replace("SLOPE", "0"), data=x)
+    y = conv(x, *params(unfused, "conv1"), pad=1)
+    fused.forward(end="conv1")
+    assert relative_error(fused.blobs["conv1"].data, y) <= TOLERANCE
+    fused.forward(start="relu1", end="relu1")     # the ReLU runs itself: its convolution did not
+    assert relative_error(fused.blobs["conv1"].data, relu(y)) <= TOLERANCE
+    seen = {}
+    fused.after_forward(lambda index: seen.setdefault(fused.layers[index].name, fused.blobs["conv1"].data.copy()))
+    fused.forward()                                # callbacks: every layer by itself
+    assert relative_error(seen["conv1"], y) <= TOLERANCE
+
+
+def test_a_relu_whose_backward_reads_its_input_is_not_folded():
+    """In place, a negative slope below 0 keeps the input for backward, which
+    the output store does not: never folded."""
+    fused = build(CONV_RELU.replace("SLOPE", "-0.5"), True)
+    assert output_relus(fused) == {}
+    fusion.forward_only(fused)
+    assert output_relus(fused) == {}
+
+
+# --- rule 3: Split as aliases -----------------------------------------------------------------
 def test_split_tops_alias_their_bottom_unless_a_later_layer_writes_them():
     x = RNG.normal(size=(2, 4, 5, 5)).astype(np.float32)
     # an explicit Split whose first top a later ReLU writes in place
@@ -379,8 +439,9 @@ def test_describe_names_each_pass_and_alias():
     split = next(layer for layer in fused.layers if layer.type == "Split")
     tops = ", ".join(repr(name) for name in fused.top_names[split.name])
     assert fusion.describe(fused) == [
-        "Fusion: 4 layers run as 1 passes; 1 Split layers as aliases",
+        "Fusion: 4 layers run as 1 passes; 1 ReLUs in their convolution's output store; 1 Split layers as aliases",
         "  after conv_b: bn_b + sc_b + sum + relu_sum (one pass writing 'b', 'sum')",
+        "  conv_a + relu_a (the ReLU in the output store)",
         f"  {split.name}: {tops} share 'a'"]
 
 
