@@ -56,9 +56,8 @@ COMMUNICATOR = ("communicator",)    # the gradient sums' MPI communicator
 class Task:
     """One sub-task: `kind`, its layer, its parameter (the layer's for
     backward_param, the net's learnable parameter for clear and update, the
-    unit for sum), the
-    iteration it belongs to and, for forward and backward, which of the
-    iteration's iter_size passes."""
+    unit for sum), the iteration it belongs to and, for forward and
+    backward, which of the iteration's iter_size passes."""
     kind: str
     layer: int = -1
     param: int = -1
@@ -67,8 +66,7 @@ class Task:
 
     def __str__(self):
         where = {CLEAR: f"param {self.param}", UPDATE: f"param {self.param}", SUM: f"unit {self.param}",
-                 RATE: ""}.get(
-            self.kind, f"layer {self.layer}")
+                 RATE: ""}.get(self.kind, f"layer {self.layer}")
         extra = f".{self.param}" if self.kind == BACKWARD_PARAM else ""
         passes = f".{self.pass_}" if self.pass_ else ""
         return f"{self.kind}{extra}({where}) #{self.iteration}{passes}".replace("() ", " ")

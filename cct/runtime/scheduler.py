@@ -217,13 +217,10 @@ class Schedule:
         the memory-bound ones: only their ratios matter, until measured."""
         net, times = self.net, {}
         for task in self.tasks:
-            if task.kind == graph_module.SUM:
-                count = sum(net.learnable_params[index].count for index in self.sums[task.param])
-                times[task] = 1e-5 + count / 1e9
-                continue
-            if task.layer < 0:                          # clear, rate, update: memory-bound
-                count = net.learnable_params[task.param].count if task.param >= 0 else 0
-                times[task] = 1e-5 + count / 1e9
+            if task.layer < 0:                          # clear, sum, rate, update: memory-bound
+                params = self.sums[task.param] if task.kind == graph_module.SUM else (
+                    [task.param] if task.param >= 0 else [])
+                times[task] = 1e-5 + sum(net.learnable_params[index].count for index in params) / 1e9
                 continue
             layer = net.layers[task.layer]
             forward, data, params = layer.flops(net.bottom_vecs[task.layer], net.top_vecs[task.layer])

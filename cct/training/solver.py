@@ -452,9 +452,9 @@ class Solver:
         time (pycaffe callbacks, per-layer subscribers, debug_info), and not on
         an OpenCL device, whose one in-order queue runs the layers in turn.
         Over MPI (where MPI allows calls from every thread) every rank runs
-        the window alike (its gradient sums are
-        sub-tasks there, the overlap thread's collectives here): the auto
-        choice is made from every rank's slowest times (_window_in)."""
+        the window alike (its gradient sums are sub-tasks there, the overlap
+        thread's collectives here): the auto choice is made from every
+        rank's slowest times (_window_in)."""
         executor, param = self.net.executor, self.param
         if (executor.schedule == "sequential" or self._watched() or param.debug_info
                 or run_config.device() is not None or (self.world is not None and not self.world.threads_allowed)):
