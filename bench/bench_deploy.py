@@ -7,6 +7,11 @@ final Softmax's input) agree: largest difference over the largest value.
 
     python bench/bench_deploy.py [--nets caffenet,googlenet,resnet50] [--batches 1,16] [--rounds 5] [--threads 2]
 
+Where PyTorch is importable (installed by hand too), CaffeNet also runs as a
+torch.nn model built layer for layer from the deploy net (grouped
+convolutions, Caffe's ceil-mode pooling, LocalResponseNorm) with cct's
+weights, in the same rounds (torch.set_num_threads(--threads), no autograd).
+
 OpenCV 5 dropped the Caffe importer, so the comparison needs a 4.x wheel,
 installed by hand beside cct's own OpenCV and put first on the path:
 
@@ -107,6 +112,37 @@ def timed(function, *args):
     return time.perf_counter() - start, result
 
 
+def torch_caffenet(net):
+    """CaffeNet's deploy net as a torch.nn.Sequential with `net`'s weights, up
+    to fc8 (the logits), or None without PyTorch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    nn = torch.nn
+    lrn = dict(size=5, alpha=1e-4, beta=0.75, k=1.0)        # alpha / size, as Caffe's across channels
+    layers = [nn.Conv2d(3, 96, 11, 4), nn.ReLU(), nn.MaxPool2d(3, 2, ceil_mode=True), nn.LocalResponseNorm(**lrn),
+              nn.Conv2d(96, 256, 5, padding=2, groups=2), nn.ReLU(), nn.MaxPool2d(3, 2, ceil_mode=True),
+              nn.LocalResponseNorm(**lrn), nn.Conv2d(256, 384, 3, padding=1), nn.ReLU(),
+              nn.Conv2d(384, 384, 3, padding=1, groups=2), nn.ReLU(), nn.Conv2d(384, 256, 3, padding=1, groups=2),
+              nn.ReLU(), nn.MaxPool2d(3, 2, ceil_mode=True), nn.Flatten(), nn.Linear(9216, 4096), nn.ReLU(),
+              nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 1000)]
+    learned = [layer for layer in layers if isinstance(layer, (nn.Conv2d, nn.Linear))]
+    names = ["conv1", "conv2", "conv3", "conv4", "conv5", "fc6", "fc7", "fc8"]
+    with torch.no_grad():
+        for layer, name in zip(learned, names):
+            weight, bias = net.params[name]
+            layer.weight.copy_(torch.from_numpy(weight.data.reshape(layer.weight.shape)))
+            layer.bias.copy_(torch.from_numpy(bias.data))
+    return nn.Sequential(*layers).eval()
+
+
+def run_torch(model, images, layer):
+    import torch
+    with torch.no_grad():
+        return model(torch.from_numpy(images)).numpy()
+
+
 def compare(name, batch, rounds, folder):
     import cv2
     if not hasattr(cv2.dnn, "readNetFromCaffe"):
@@ -117,13 +153,23 @@ def compare(name, batch, rounds, folder):
     images = np.random.default_rng(1).normal(0, 50, (batch, 3, size, size)).astype(np.float32)
     layer = logits_layer(net)
     ours, theirs = run_cct(net, images, layer).copy(), run_opencv(cv_net, images, layer)     # warm both
-    agreement = float(np.abs(ours.reshape(theirs.shape) - theirs).max() / max(1e-30, np.abs(theirs).max()))
-    times = {"cct": [], "opencv": []}
+    agreement = {"opencv": _agreement(ours, theirs)}
+    runs = {"cct": (run_cct, net), "opencv": (run_opencv, cv_net)}
+    model = torch_caffenet(net) if name == "caffenet" else None
+    if model is not None:
+        agreement["torch"] = _agreement(ours, run_torch(model, images, layer))
+        runs["torch"] = (run_torch, model)
+    times = {key: [] for key in runs}
     for _ in range(rounds):
-        times["cct"].append(timed(run_cct, net, images, layer)[0])
-        times["opencv"].append(timed(run_opencv, cv_net, images, layer)[0])
+        for key, (run, subject) in runs.items():
+            times[key].append(timed(run, subject, images, layer)[0])
     medians = {key: 1e3 * statistics.median(values) for key, values in times.items()}
     return medians, agreement
+
+
+def _agreement(ours, theirs):
+    """The largest difference over the largest value of theirs."""
+    return float(np.abs(ours.reshape(theirs.shape) - theirs).max() / max(1e-30, np.abs(theirs).max()))
 
 
 def main():
@@ -140,13 +186,23 @@ def main():
     p = common.print_flush
     p(common.machine_line())
     p(f"OpenCV {cv2.__version__}, {cv2.getNumThreads()} threads")
+    try:
+        import torch
+        torch.set_num_threads(args.threads)
+        p(f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads (CaffeNet)")
+    except ImportError:
+        p("PyTorch: not importable, CaffeNet without it")
     with tempfile.TemporaryDirectory() as folder:
         for name in args.nets.split(","):
             for batch in (int(b) for b in args.batches.split(",")):
                 medians, agreement = compare(name, batch, args.rounds, folder)
-                p(f"{name} batch {batch}: cct {medians['cct']:.1f} ms, OpenCV DNN {medians['opencv']:.1f} ms, "
-                  f"cct / OpenCV time {medians['cct'] / medians['opencv']:.2f}; outputs agree to "
-                  f"{agreement:.1e} of the largest logit")
+                line = (f"{name} batch {batch}: cct {medians['cct']:.1f} ms, OpenCV DNN {medians['opencv']:.1f} ms, "
+                        f"cct / OpenCV time {medians['cct'] / medians['opencv']:.2f}")
+                if "torch" in medians:
+                    line += (f"; PyTorch {medians['torch']:.1f} ms, cct / PyTorch time "
+                             f"{medians['cct'] / medians['torch']:.2f}")
+                agree = ", ".join(f"{key} {value:.1e}" for key, value in agreement.items())
+                p(f"{line}; logits agree to ({agree}) of the largest")
     p(f"load after the runs: {common.load_average():.2f}")
 
 
