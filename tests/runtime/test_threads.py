@@ -98,3 +98,41 @@ def test_any_thread_sets_the_count():
         thread.join()
         assert seen == [1, 2]
 
+
+
+def test_run_all_waits_for_every_unit_and_raises_the_first_failure():
+    import time
+    done = []
+
+    def unit(k):
+        if k == 0:
+            raise KeyError("unit 0")
+        time.sleep(0.01 * k)
+        done.append(k)
+        if k >= 2:
+            raise ValueError(f"unit {k}")
+    with pytest.raises(KeyError, match="unit 0"):       # this thread's own unit wins
+        threads.run_all(threads.workers(4), unit, [(k,) for k in range(4)])
+    assert sorted(done) == [1, 2, 3]                      # none still running after the raise
+    done.clear()
+    with pytest.raises(ValueError, match="unit 2"):       # then the workers' in unit order
+        threads.run_all(threads.workers(4), lambda k: unit(k) if k else None, [(k,) for k in range(4)])
+    assert sorted(done) == [1, 2, 3]
+    seen = []
+    threads.run_all(threads.workers(3), seen.append, [(k,) for k in range(3)])
+    assert sorted(seen) == [0, 1, 2]                      # the workers serve again after failures
+
+
+def test_a_worker_whose_join_was_interrupted_finishes_its_call_before_the_next():
+    import threading
+    import time
+    worker, release, order = threads.Worker("test-worker"), threading.Event(), []
+
+    def slow():
+        release.wait()
+        order.append("slow")
+    worker.submit(slow)           # never joined, as when Ctrl-C interrupts the join
+    threading.Timer(0.05, release.set).start()
+    worker.submit(order.append, "next")
+    worker.join()
+    assert order == ["slow", "next"]
