@@ -93,7 +93,7 @@ def _bias_only(geom, n, dtype, out, bias, relu):
     if bias is not None and out.size:
         out += weights_as(bias, dtype).reshape(1, geom.num_output, 1, 1)
     if relu is not None and out.size:
-        out[...] = finish(np.ascontiguousarray(out), None, relu)
+        finish(out, None, relu)
     return out
 
 

@@ -217,12 +217,17 @@ def _bias_relu(out, bias, slope):
 def finish(out, bias=None, relu=None):
     """The output (N, O, ...) in place: bias (O,) added, then a ReLU of negative
     slope `relu` (None: no ReLU; cct.runtime.fusion hands a convolution the
-    in-place ReLU after it), in one pass over it."""
-    if relu is None:
-        if bias is not None:
-            out.reshape(out.shape[0], out.shape[1], -1)[...] += weights_as(bias, out.dtype).reshape(-1, 1)
+    in-place ReLU after it), in one pass over it (through a contiguous copy
+    where `out` is a strided view)."""
+    if bias is None and relu is None:
         return out
-    flat = out.reshape(out.shape[0], out.shape[1], -1)       # a view: the outputs are contiguous
+    if not out.flags.c_contiguous:
+        out[...] = finish(np.ascontiguousarray(out), bias, relu)
+        return out
+    flat = out.reshape(out.shape[0], out.shape[1], -1)       # a view: contiguous
+    if relu is None:
+        flat += weights_as(bias, out.dtype).reshape(-1, 1)
+        return out
     bias = np.empty(0, out.dtype) if bias is None else np.ascontiguousarray(weights_as(bias, out.dtype))
     _bias_relu(flat, bias, out.dtype.type(relu))
     return out
@@ -231,12 +236,7 @@ def finish(out, bias=None, relu=None):
 def relu_after(out, relu):
     """A ReLU of negative slope `relu` (None: none) on a stored output, in place
     (a pass of its own)."""
-    if relu is not None:
-        target = out if out.flags.c_contiguous else np.ascontiguousarray(out)
-        finish(target, None, relu)
-        if target is not out:
-            out[...] = target
-    return out
+    return finish(out, None, relu)
 
 
 def store_relu(y, out, relu):

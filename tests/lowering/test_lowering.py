@@ -469,7 +469,7 @@ def test_pointwise_convolutions_multiply_image_by_image(batch, side, taken):
         assert not wide[:, 0].any() and not wide[:, -1].any()
 
 
-RELU_GEOMETRIES = [ConvGeometry(3, 5, 6, 7, 3, 3, pad_h=1, pad_w=1),                 # type 1 column order
+RELU_GEOMETRIES = [ConvGeometry(3, 5, 6, 40, 3, 3, pad_h=1, pad_w=1),                # type 1 column order
                    ConvGeometry(20, 6, 12, 12, 5, 5),                                 # batch-inner at batch 4
                    ConvGeometry(1, 6, 28, 28, 5, 5),                                  # image-major
                    ConvGeometry(6, 4, 14, 14, 1, 1),                                  # pointwise
@@ -493,3 +493,18 @@ def test_an_output_relu_gives_the_numbers_of_the_relu_after(kind, geom, batch, c
             strided = np.zeros((batch, geom.num_output + 1) + geom.output_shape(batch)[2:], np.float32)
             conv_forward(x, w, geom, kind, out=strided[:, 1:], bias=b, chunk=chunk, relu=slope)
             assert strided[:, 1:].tobytes() == want.tobytes() and not strided[:, 0].any()
+
+
+def test_finish_writes_through_a_view_it_cannot_flatten():
+    """geometry.finish on an output whose (N, O, rest) reshape would be a copy
+    (a transposed view) still writes the view."""
+    from cct.lowering.geometry import finish
+    base = RNG.standard_normal((4, 5, 3, 2)).astype(np.float32)
+    bias = RNG.standard_normal(5).astype(np.float32)
+    for relu in (None, 0.0, 0.5):
+        out = base.copy().transpose(0, 1, 3, 2)                    # (4, 5, 2, 3): its planes do not flatten
+        want = out + bias.reshape(1, -1, 1, 1)
+        if relu is not None:
+            want = np.maximum(want, 0) if relu == 0 else np.where(want > 0, want, want * np.float32(relu))
+        assert finish(out, bias, relu) is out
+        assert out.tobytes() == np.ascontiguousarray(want).tobytes()
