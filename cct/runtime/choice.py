@@ -1,32 +1,50 @@
 """Choosing between ways of running the same work by measuring them (the
 "auto" schedule): candidates take turns, the first run of each is a warm-up
 (buffers, schedules being built) and not counted, and once each has `runs`
-counted runs the one with the lowest median is kept."""
+counted runs the one with the lowest median is kept.
+
+A choice made while the host was busy can be wrong for the rest of a long
+run (the first windows of a training run are a few seconds of its hours), so
+it is checked again: after every `recheck` runs of the chosen candidate,
+each other one runs once; one that took under RECHECK_MARGIN of the chosen's
+median over its last RECENT runs starts the measuring afresh. The check's
+order is a function of the runs counted only, so every MPI rank, recording
+the ranks' slowest times, makes the same choices at the same runs."""
 import logging
 import statistics
 
 log = logging.getLogger("cct.runtime.choice")
 
 RUNS = 3
+RECHECK = 200           # runs of the chosen candidate between two checks of the others
+RECENT = 20             # the chosen's runs its median is taken over
+RECHECK_MARGIN = 0.9    # a single run this much faster than that median: measure again
 
 
 class FasterOf:
-    def __init__(self, candidates, what, runs=RUNS):
+    def __init__(self, candidates, what, runs=RUNS, recheck=RECHECK):
         self.what = what                       # names the choice in the log line
-        self.runs = runs
+        self.runs, self.recheck = runs, recheck
         self.times = {candidate: [] for candidate in candidates}
         self.warmed = set()
         self.chosen = None
+        self._recent = []                      # the chosen's last RECENT times
+        self._since = 0                        # the chosen's runs since the last check
+        self._checking = []                    # the others still to run once in this check
+        self._challengers = {}                 # their times in this check
 
     def next(self):
-        """The candidate to run now: the chosen one, else a cold one, else the least measured."""
+        """The candidate to run now: while measuring, a cold one, else the
+        least measured; once chosen, the chosen one, but during a check
+        each other one once."""
         if self.chosen is not None:
-            return self.chosen
+            return self._checking[0] if self._checking else self.chosen
         return min(self.times, key=lambda candidate: (candidate in self.warmed, len(self.times[candidate])))
 
     def record(self, candidate, seconds):
         """One run of `candidate` took `seconds` (per unit of work)."""
         if self.chosen is not None:
+            self._record_chosen(candidate, seconds)
             return
         if candidate not in self.warmed:
             self.warmed.add(candidate)
@@ -35,5 +53,32 @@ class FasterOf:
         if min(len(runs) for runs in self.times.values()) >= self.runs:
             medians = {name: statistics.median(runs) for name, runs in self.times.items()}
             self.chosen = min(medians, key=medians.get)
+            self._recent = [medians[self.chosen]]
             log.info("%s: %s (%s)", self.what, self.chosen,
                      ", ".join(f"{name} {1e3 * value:.2f} ms" for name, value in medians.items()))
+
+    def _record_chosen(self, candidate, seconds):
+        if self._checking and candidate == self._checking[0]:
+            self._challengers[self._checking.pop(0)] = seconds
+            if not self._checking:
+                self._judge()
+            return
+        if candidate != self.chosen:
+            return
+        self._recent = (self._recent + [seconds])[-RECENT:]
+        self._since += 1
+        if self._since >= self.recheck and len(self.times) > 1:
+            self._since = 0
+            self._checking = [name for name in self.times if name != self.chosen]
+            self._challengers = {}
+
+    def _judge(self):
+        """End of a check: measure every candidate afresh if one ran faster
+        than the chosen's recent median by the margin."""
+        typical = statistics.median(self._recent)
+        fastest = min(self._challengers, key=self._challengers.get)
+        if self._challengers[fastest] < RECHECK_MARGIN * typical:
+            log.info("%s: %s ran in %.2f ms against %s's %.2f ms: measuring again", self.what, fastest,
+                     1e3 * self._challengers[fastest], self.chosen, 1e3 * typical)
+            self.chosen = None
+            self.times = {name: [] for name in self.times}      # every candidate is warm already
