@@ -23,7 +23,7 @@ import numpy as np
 
 from cct.core.layer import TRAIN, Layer, register
 from cct.lowering import (ConvGeometry, chooser, conv_backward, conv_backward_data, conv_backward_weights,
-                          conv_forward, lowering, type1)
+                          conv_forward, lowering, pointwise, type1)
 from cct.lowering import device as device_lowering
 from cct.core.workspace import thread_arena
 from cct.lowering.chunking import DEFAULT_BUDGET_MB, cache_chunk, chunk_size, slot_bytes
@@ -260,20 +260,24 @@ class _ConvolutionBase(Layer):
                     cache_chunk(self.geom, kind, batch, itemsize))
         slots = slot_bytes(self.geom, kind, chunk, itemsize)
         needs = {"lowering": sum(slots.values())}
-        if self._keeping() and chunk >= batch:
+        if self._keeps(batch, chunk):
             needs["kept"] = len(bottom) * kept_bytes(slots, kind, batch * bottom[0].count_range(1) * itemsize)
         return needs
 
-    def _keeping(self):
-        """Whether forwards keep their lowering for the backward's weight gradient."""
-        return KEEP_LOWERING and self.keep_lowering and self.param_propagate_down[0]
+    def _keeps(self, batch, chunk):
+        """Whether a forward of `batch` images in chunks of `chunk` keeps its
+        lowering for the backward's weight gradient: where that gradient is
+        wanted, of a whole batch in one chunk, lowered at all (a pointwise
+        forward multiplies the input itself: cct.lowering.pointwise)."""
+        return (KEEP_LOWERING and self.keep_lowering and self.param_propagate_down[0] and chunk >= batch
+                and not pointwise(self.geom, batch))
 
     def _kept(self, index, kind, x):
         """Bottom `index`'s KeptLowering for a forward on `x` that keeps its
         lowering (a whole batch in one chunk), else None and nothing kept.
         Each partition twin keeps its own (Layer.clone drops _scratch_ attributes)."""
         kept = self.__dict__.setdefault("_scratch_kept", {})
-        if not self._keeping() or self._chunk(kind, x) < x.shape[0]:
+        if not self._keeps(x.shape[0], self._chunk(kind, x)):
             kept.pop(index, None)
             return None
         return kept.setdefault(index, KeptLowering())

@@ -350,3 +350,15 @@ def test_only_a_training_convolution_keeps_its_lowering():
     assert train._scratch_kept and train.keep_lowering
     assert not test.__dict__.get("_scratch_kept") and not test.keep_lowering
     assert not deconvolution.__dict__.get("_scratch_kept") and not deconvolution.keep_lowering
+
+
+def test_a_pointwise_forward_keeps_nothing_and_the_plan_counts_nothing_kept():
+    """A 1x1 convolution on 14x14 planes multiplies its input itself
+    (cct.lowering.pointwise): nothing is lowered, so nothing is kept, and the
+    memory plan charges no kept lowering for it (a 3x3 one is charged)."""
+    x = RNG.standard_normal((3, 2, 14, 14))
+    pointwise, bottoms, _ = run_layer(conv_text(num_output=4, kernel_size=1), [x])
+    assert not pointwise._scratch_kept
+    assert "kept" not in pointwise.planned_bytes(bottoms, None, 1)
+    lowered, bottoms, _ = run_layer(conv_text(num_output=4, kernel_size=3), [x])
+    assert lowered._scratch_kept and lowered.planned_bytes(bottoms, None, 1)["kept"] > 0
