@@ -90,10 +90,8 @@ def _bias_only(geom, n, dtype, out, bias, relu):
     """The output of a convolution that multiplies nothing (geom.empty or no
     images): each window reads only zeros (padding), so the bias alone, or 0."""
     out = _zeros(geom.output_shape(n), dtype, out)
-    if bias is not None and out.size:
-        out += weights_as(bias, dtype).reshape(1, geom.num_output, 1, 1)
-    if relu is not None and out.size:
-        finish(out, None, relu)
+    if out.size:
+        finish(out, bias, relu)
     return out
 
 
