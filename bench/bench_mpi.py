@@ -131,7 +131,7 @@ def _sum_alone(summed, repeats, agreed=False):
         for number in range(len(summed.units)):
             if agreed:
                 summed.comm.Allreduce(summed._mpi.IN_PLACE, flags, op=summed._mpi.MIN)
-            summed._sum(number)
+            summed.sum_unit(number)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

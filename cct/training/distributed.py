@@ -229,10 +229,6 @@ class GradientSum:
         """Per unit, the learnable parameters (indices) it holds part of."""
         return [tuple(dict.fromkeys(index for index, _, _ in unit)) for unit in self.units]
 
-    def sum_unit(self, number):
-        """Unit `number`'s sum: a sub-task of the streams' graph."""
-        self._sum(number)
-
     def on_window(self):
         """Iterations on the streams follow: their graph orders the sums, so
         nothing waits here (wait, summed_order) until the next on_start."""
@@ -253,7 +249,7 @@ class GradientSum:
         if not self._overlapping:
             start = time.perf_counter()
             for number in range(len(self.units)):
-                self._sum(number)
+                self.sum_unit(number)
             self.exposed += time.perf_counter() - start
 
     def wait(self, index=None, timed=True):
@@ -288,9 +284,10 @@ class GradientSum:
                 self.exposed += time.perf_counter() - start
             yield index
 
-    def _sum(self, number):
+    def sum_unit(self, number):
         """Unit `number`'s Allreduce, scaled: in place where it is one piece of
-        one parameter, else through its bucket's buffer."""
+        one parameter, else through its bucket's buffer (also a sub-task of
+        the streams' graph)."""
         start = time.perf_counter()
         pieces = [self._flat(index)[begin:end] for index, begin, end in self.units[number]]
         buffer = self._buffers[number]
@@ -376,7 +373,7 @@ class GradientSum:
                 choice = self._next_unit(agreed.astype(bool) & ~summed)
                 if choice is not None:
                     break
-            self._sum(choice)
+            self.sum_unit(choice)
             summed[choice] = True
             self._summed(choice)
         return True
