@@ -118,7 +118,7 @@ class _ConvolutionBase(Layer):
         self._forced_type, self.measure_lowering = None, False
         self._lowering_budget = DEFAULT_BUDGET_MB * 2 ** 20
         self._auto_type = None
-        self._choice_key = None       # the (geometry, batch, dtype, partitions) the chooser picked _auto_type for
+        self._choice_key = None       # the (geometry, batch, dtype, partitions, backward) the chooser picked _auto_type for
         self._partitions = 1          # the runtime's batch partitions (run_partitions)
         self._shape_key = None        # the one of the last reshape
         self._configured = False      # run settings received: reshape may choose now
@@ -176,12 +176,16 @@ class _ConvolutionBase(Layer):
         if self._forced_type or self._shape_key is None:
             return self._forced_type or DEFAULT_LOWERING
         geom, batch, dtype = self._shape_key
-        # Chosen for what one GEMM lowers: the largest partition, in its share of the budget.
+        # Chosen for what one GEMM lowers: the largest partition, in its share of the
+        # budget; by the forward's cost alone where the net never runs the backward
+        # (a deploy net: at batch 1 the model of both passes picked type 2 for
+        # CaffeNet's conv2 and conv5, whose forwards then took 1.1x and 1.7x type 1's).
         parts = max(1, min(self._partitions, batch))
-        key = (geom, -(-batch // parts), dtype, parts)
+        key = (geom, -(-batch // parts), dtype, parts, self.runs_backward)
         if key != self._choice_key:
             self._auto_type = chooser.choose(geom, key[1], measure=self.measure_lowering, dtype=dtype,
-                                             budget=max(1, self._lowering_budget // parts))
+                                             budget=max(1, self._lowering_budget // parts),
+                                             forward_only=not self.runs_backward)
             self._choice_key = key
         return self._auto_type
 

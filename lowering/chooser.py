@@ -7,7 +7,9 @@ o*m^2*b; type 2 sits in between. The ratio d/o drives the choice: type 1 for
 few input channels and many outputs, type 3 for the reverse.
 
 `estimate(geom, batch, lowering_type, machine)` models forward + backward
-(data and weight gradients) as the implementation runs it (cct.lowering.type*):
+(data and weight gradients) as the implementation runs it (cct.lowering.type*),
+or the forward alone (forward_only, for a layer whose net never runs its
+backward: a deploy net):
 
     copies   elements * itemsize * streams / bandwidth + rows * row cost
              (numpy pays a fixed cost per inner row of a strided copy or add,
@@ -329,27 +331,30 @@ def estimate_parts(geom, batch, lowering_type, machine, itemsize=4, budget=None)
     return total
 
 
-def estimate(geom, batch, lowering_type, machine, itemsize=4, budget=None):
-    """Modelled seconds of forward + backward (data and weight gradients)."""
-    return sum(estimate_parts(geom, batch, lowering_type, machine, itemsize, budget).values())
+def estimate(geom, batch, lowering_type, machine, itemsize=4, budget=None, forward_only=False):
+    """Modelled seconds of forward + backward (data and weight gradients), or
+    of the forward alone."""
+    parts = estimate_parts(geom, batch, lowering_type, machine, itemsize, budget)
+    return sum(seconds for (step, _), seconds in parts.items() if step == "forward" or not forward_only)
 
 
 # --- choosing ------------------------------------------------------------------------------------
-def choose_by_model(geom, batch, machine, itemsize=4, budget=None):
-    costs = {t: estimate(geom, batch, t, machine, itemsize, budget) for t in TYPES}
+def choose_by_model(geom, batch, machine, itemsize=4, budget=None, forward_only=False):
+    costs = {t: estimate(geom, batch, t, machine, itemsize, budget, forward_only) for t in TYPES}
     return min(TYPES, key=lambda t: (costs[t], t))
 
 
-def shape_key(geom, batch, itemsize=4):
+def shape_key(geom, batch, itemsize=4, forward_only=False):
     g = geom
     return (f"{machine_key()}|c{g.channels}o{g.num_output}|{g.in_h}x{g.in_w}|k{g.kernel_h}x{g.kernel_w}"
             f"|s{g.stride_h}x{g.stride_w}|p{g.pad_h}x{g.pad_w}|d{g.dilation_h}x{g.dilation_w}|g{g.group}"
-            f"|b{batch}|f{8 * itemsize}")
+            f"|b{batch}|f{8 * itemsize}" + ("|forward" if forward_only else ""))
 
 
-def measure_types(geom, batch, dtype=np.float32, repeats=3):
-    """{type: seconds} of forward + backward on random data, the best of
-    `repeats` runs, the types interleaved (a shared machine drifts)."""
+def measure_types(geom, batch, dtype=np.float32, repeats=3, forward_only=False):
+    """{type: seconds} of forward + backward (or the forward alone) on random
+    data, the best of `repeats` runs, the types interleaved (a shared machine
+    drifts)."""
     from . import conv_backward, conv_forward
     rng = np.random.default_rng(0)
     dtype = np.dtype(dtype)
@@ -361,7 +366,8 @@ def measure_types(geom, batch, dtype=np.float32, repeats=3):
 
     def run(kind):
         conv_forward(x, w, geom, kind, out=y, ws=arena)
-        conv_backward(x, dy, w, geom, kind, ws=arena, dx_out=dx)
+        if not forward_only:
+            conv_backward(x, dy, w, geom, kind, ws=arena, dx_out=dx)
 
     for kind in TYPES:                 # warm: the arena grows to each type's buffers
         run(kind)
@@ -381,15 +387,15 @@ def measured_batch(geom, batch, itemsize):
     return int(max(1, min(batch, MEASURE_BYTES // largest)))
 
 
-def choose_by_measurement(geom, batch, dtype=np.float32):
+def choose_by_measurement(geom, batch, dtype=np.float32, forward_only=False):
     dtype = np.dtype(dtype)
-    key = shape_key(geom, batch, dtype.itemsize)
+    key = shape_key(geom, batch, dtype.itemsize, forward_only)
     with _lock:
         path = cache_path()
         stored = _load_cache(path)["choices"].get(key)
     if stored and stored.get("type") in TYPES:
         return stored["type"]
-    seconds = measure_types(geom, measured_batch(geom, batch, dtype.itemsize), dtype)
+    seconds = measure_types(geom, measured_batch(geom, batch, dtype.itemsize), dtype, forward_only=forward_only)
     choice = min(TYPES, key=lambda t: (seconds[t], t))
     with _lock:
         contents = _load_cache(path)
@@ -398,12 +404,13 @@ def choose_by_measurement(geom, batch, dtype=np.float32):
     return choice
 
 
-def choose(geom, batch, machine=None, measure=False, dtype=np.float32, budget=None):
+def choose(geom, batch, machine=None, measure=False, dtype=np.float32, budget=None, forward_only=False):
     """The lowering type for `geom` at `batch`: by the cost model, or with
-    measure=True by timing every type once on this shape (cached per shape).
+    measure=True by timing every type once on this shape (cached per shape),
+    for forward + backward or, forward_only, the forward alone.
     Nothing to lower (an empty batch, geom.empty) runs no type: type 1, unmeasured."""
     if batch == 0 or geom.empty:
         return 1
     if measure:
-        return choose_by_measurement(geom, batch, dtype)
-    return choose_by_model(geom, batch, machine or load_machine(), np.dtype(dtype).itemsize, budget)
+        return choose_by_measurement(geom, batch, dtype, forward_only)
+    return choose_by_model(geom, batch, machine or load_machine(), np.dtype(dtype).itemsize, budget, forward_only)

@@ -120,6 +120,10 @@ class Layer:
     # large (it may still be split by a plan or the tuner).
     split_by_default = True
     run_settings = ()             # keys of the run configuration this layer takes
+    # False: the net never runs this layer's backward (Net.layer_need_backward,
+    # which the net sets here), so the layer may plan for its forward alone
+    # (Convolution's lowering choice in a deploy net).
+    runs_backward = True
 
     def __init__(self, layer_param, phase=TRAIN, source=None):
         self.layer_param = layer_param

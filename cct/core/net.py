@@ -78,6 +78,8 @@ class Net:
         self._prune_backward()
         if self.net_param.force_backward:
             self._force_backward()
+        for layer, need in zip(self.layers, self.layer_need_backward):
+            layer.runs_backward = need
         self.outputs = sorted(self._available)        # Caffe keeps them in a std::set
         del self._blob_needs_backward, self._available
         self.layer_dict = OrderedDict(zip(self._layer_names, self.layers))

@@ -119,7 +119,7 @@ def test_cache_keeps_the_fastest_calibration_seen(cache_dir, monkeypatch):
 
 
 def test_measured_choice_is_cached_per_shape(cache_dir, monkeypatch):
-    monkeypatch.setattr(chooser, "measure_types", lambda geom, batch, dtype: {1: 3.0, 2: 1.0, 3: 2.0})
+    monkeypatch.setattr(chooser, "measure_types", lambda geom, batch, dtype, forward_only: {1: 3.0, 2: 1.0, 3: 2.0})
     geom = square(8, 8)
     assert chooser.choose(geom, 4, FIXED, measure=True) == 2
     chooser.clear_memory_cache()
@@ -127,6 +127,26 @@ def test_measured_choice_is_cached_per_shape(cache_dir, monkeypatch):
     assert chooser.choose(geom, 4, FIXED, measure=True) == 2
     choices = json.loads((cache_dir / "lowering.json").read_text())["choices"]
     assert list(choices.values()) == [{"type": 2, "seconds": {"1": 3.0, "2": 1.0, "3": 2.0}}]
+
+
+def test_forward_only_choices_are_measured_and_cached_apart(cache_dir, monkeypatch):
+    """A deploy net's convolution times the forward alone, under its own key."""
+    asked = []
+    monkeypatch.setattr(chooser, "measure_types", lambda geom, batch, dtype, forward_only: asked.append(
+        forward_only) or ({1: 1.0, 2: 3.0, 3: 2.0} if forward_only else {1: 3.0, 2: 1.0, 3: 2.0}))
+    geom = square(8, 8)
+    assert chooser.choose(geom, 4, FIXED, measure=True, forward_only=True) == 1
+    assert chooser.choose(geom, 4, FIXED, measure=True) == 2
+    assert chooser.choose(geom, 4, FIXED, measure=True, forward_only=True) == 1
+    assert asked == [True, False]
+    assert len(json.loads((cache_dir / "lowering.json").read_text())["choices"]) == 2
+
+
+def test_measure_types_forward_only_runs_no_backward(monkeypatch):
+    import cct.lowering as lowering
+    monkeypatch.setattr(lowering, "conv_backward", lambda *a, **k: pytest.fail("a backward ran"))
+    seconds = chooser.measure_types(square(2, 3, n=5), 2, repeats=1, forward_only=True)
+    assert sorted(seconds) == [1, 2, 3]
 
 
 def test_corrupt_cache_file_is_replaced(cache_dir, monkeypatch):
@@ -261,6 +281,53 @@ def test_layer_uses_the_model_choice_and_caches_it(monkeypatch):
     layer.lowering_type = 1                                 # a scheduler forces it
     layer.reshape(bottoms, tops)
     assert layer.lowering_type == 1
+
+
+def test_forward_only_estimate_is_the_forward_parts():
+    """Caffenet's conv2 (one group) at batch 1: the forward parts alone, and the
+    choice on them may differ from the one on both passes."""
+    conv2 = ConvGeometry(48, 128, 27, 27, 5, 5, pad_h=2, pad_w=2)
+    for kind in chooser.TYPES:
+        parts = chooser.estimate_parts(conv2, 1, kind, FIXED)
+        forward = sum(seconds for (step, _), seconds in parts.items() if step == "forward")
+        assert chooser.estimate(conv2, 1, kind, FIXED, forward_only=True) == pytest.approx(forward)
+        assert chooser.estimate(conv2, 1, kind, FIXED) == pytest.approx(sum(parts.values()))
+        assert 0 < forward < sum(parts.values())
+    costs = {kind: chooser.estimate(conv2, 1, kind, FIXED, forward_only=True) for kind in chooser.TYPES}
+    assert chooser.choose(conv2, 1, FIXED, forward_only=True) == min(costs, key=costs.get)
+
+
+NET_WITH_A_BRANCH = """
+name: "branch"
+layer { name: "data" type: "Input" top: "data" top: "label"
+        input_param { shape { dim: 2 dim: 3 dim: 8 dim: 8 } shape { dim: 2 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 4 kernel_size: 3 } }
+layer { name: "side" type: "Convolution" bottom: "data" top: "side"
+        convolution_param { num_output: 2 kernel_size: 3 } }
+layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip" inner_product_param { num_output: 3 } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_net_tells_its_convolutions_whether_they_run_backward(tmp_path, monkeypatch, force):
+    """Layers feeding no loss (the net's layer_need_backward) choose their
+    lowering for the forward alone; force_backward makes every layer run it."""
+    monkeypatch.delenv("CCT_LOWERING", raising=False)
+    asked = {}
+    choose = chooser.choose
+    monkeypatch.setattr(chooser, "load_machine", lambda: FIXED)
+    monkeypatch.setattr(chooser, "choose", lambda geom, batch, **kwargs: asked.__setitem__(
+        geom.num_output, kwargs["forward_only"]) or choose(geom, batch, **kwargs))
+    path = tmp_path / "net.prototxt"
+    path.write_text(("force_backward: true\n" if force else "") + NET_WITH_A_BRANCH)
+    net = cct.Net(str(path), cct.TRAIN)
+    net.forward()
+    assert [layer.runs_backward for layer in net.layers] == net.layer_need_backward
+    assert asked == {4: False, 2: not force}             # "side" feeds no loss
+    deploy = cct.Net(str(path), cct.TEST)
+    assert deploy.layer_dict["side"].runs_backward is force
 
 
 def test_layer_chooses_for_the_batch_one_partition_lowers(monkeypatch):
