@@ -473,6 +473,36 @@ def test_the_compiled_pass_matches_its_numpy_reference(affine, relu1, summed, re
     np.testing.assert_allclose(in_place, expected_out, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("slope", [0.0, 0.2])
+def test_the_compiled_pass_is_the_reference_bit_for_bit_across_chunks_and_special_values(slope):
+    """Rows longer than the pass's scratch chunk (a row ending in a partial
+    chunk), in place and not, with NaN, infinities and -0.0 among the values:
+    the same bits as the numpy steps (a ReLU of slope 0 is np.maximum: NaN
+    stays NaN, -0.0 becomes 0)."""
+    inner = 2 * fusion.PASS_CHUNK + 3
+    source = RNG.normal(size=(2, 3, inner)).astype(np.float32)
+    source[:, :, :4] = [np.nan, -0.0, np.inf, -np.inf]
+    source[:, :, -2:] = [-0.0, np.nan]
+    other = RNG.normal(size=source.shape).astype(np.float32)
+    shift, gain, bias = (RNG.normal(size=3).astype(np.float32) for _ in range(3))
+    f = np.float32
+    for affine, relu1, summed, relu2 in ((True, True, False, False), (True, False, True, True),
+                                         (False, True, False, False)):
+        expected_value, expected = np.empty_like(source), np.empty_like(source)
+        fusion.reference_pass(source, shift, gain, bias, affine, f(slope), relu1, expected_value, summed, other,
+                              f(0.5), f(-2.0), summed, f(slope), relu2, expected)
+        value, out = np.empty_like(source), np.empty_like(source)
+        fusion._fused_pass(source, shift, gain, bias, affine, f(slope), relu1, value, summed, other, f(0.5),
+                           f(-2.0), summed, f(slope), relu2, out)
+        in_place = source.copy()          # the value kept in place too, as ResNet's BatchNorm before a sum
+        fusion._fused_pass(in_place, shift, gain, bias, affine, f(slope), relu1, in_place, summed, other, f(0.5),
+                           f(-2.0), summed, f(slope), relu2, out if summed else in_place)
+        results = [(out, expected), (in_place, expected_value if summed else expected)]
+        if summed:
+            results.append((value, expected_value))
+        for got, want in results:
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)) or (
+                np.array_equal(got, want, equal_nan=True) and np.array_equal(np.signbit(got), np.signbit(want)))
 @pytest.mark.parametrize("batch", [1, 4])
 def test_a_pass_split_between_threads_gives_the_same_numbers(batch, monkeypatch):
     """Pieces of the batch, or of the channels for a batch of one."""
