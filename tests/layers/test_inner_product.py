@@ -107,3 +107,37 @@ def test_weight_gradient_blocks_give_the_unblocked_numbers(monkeypatch, fields):
     np.testing.assert_allclose(blocked[0], expected, rtol=1e-12)
     np.testing.assert_allclose(blocked[0], whole[0], rtol=1e-12)
     np.testing.assert_array_equal(blocked[1], whole[1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_a_transposed_product_gives_the_same_numbers(monkeypatch, dtype, rows):
+    """Above TRANSPOSED_PRODUCT_WEIGHTS a forward of several rows computes
+    y^T = W x^T and copies it out: against the one product x W^T it is
+    checked bitwise here (OpenBLAS computes both alike; a BLAS that did not
+    would show here first), bias included, and to float tolerance against
+    the explicit sums. One row keeps the one product."""
+    import cct.layers.inner_product as module
+    x = RNG.standard_normal((rows, 40, 3)).astype(dtype)
+
+    def forward(threshold):
+        monkeypatch.setattr(module, "TRANSPOSED_PRODUCT_WEIGHTS", threshold)
+        cct.set_random_seed(4)
+        layer = make_layer(ip_text("num_output: 70"))
+        bottoms, tops = setup_layer(layer, [x])
+        layer.blobs[0].data[...] = layer.blobs[0].data.astype(dtype)
+        layer.forward(bottoms, tops)
+        return layer, tops[0].data.copy()
+
+    calls = []
+    real = module.InnerProduct._transposed_product
+    monkeypatch.setattr(module.InnerProduct, "_transposed_product",
+                        lambda self, m: calls.append(real(self, m)) or calls[-1])
+    layer, transposed = forward(70 * 120)                  # N*K reaches the threshold
+    assert calls[-1] is (rows > 1)
+    _, plain = forward(70 * 120 + 1)
+    assert calls[-1] is False
+    assert np.array_equal(transposed, plain)
+    w, b = layer.blobs[0].data, layer.blobs[1].data
+    np.testing.assert_allclose(transposed, x.reshape(rows, -1) @ w.T + b,
+                               rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
