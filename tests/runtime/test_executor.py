@@ -142,6 +142,32 @@ def test_default_plan_splits_large_layers_per_thread_but_not_inner_product(monke
     assert executor.partitions(2) == 3 and executor.default_partitions(1) == 2   # one copy of conv1's
 
 
+def test_default_plan_splits_a_forward_only_net_at_any_size(monkeypatch):
+    """Layers their net never runs backward (a deploy net: no loss) split below
+    DEFAULT_SPLIT_ELEMENTS too, so OpenBLAS never runs threads of its own
+    between partitioned layers; a training net's small layers stay whole. The
+    split deploy net gives the whole one's numbers."""
+    monkeypatch.setattr("cct.runtime.executor.DEFAULT_SPLIT_ELEMENTS", 1 << 30)
+    deploy = NET.replace('top: "label"', "").replace("shape { dim: 7 } ", "").split('layer { name: "loss"')[0]
+    nets = {}
+    for threads in ("2", "1"):
+        monkeypatch.setenv("CCT_THREADS", threads)
+        cct.set_random_seed(3)
+        nets[threads] = net = cct.Net(deploy, cct.TEST)
+        net.blobs["data"].data[...] = np.random.default_rng(0).standard_normal(net.blobs["data"].shape)
+        net.forward()
+    split, whole = nets["2"], nets["1"]
+    assert not any(layer.runs_backward for layer in split.layers)
+    assert {layer.name: split.executor.partitions(i) for i, layer in enumerate(split.layers)} == {
+        "data": 1, "conv1": 2, "relu1": 2, "prelu": 2, "pool1": 2, "norm1": 2, "ip1": 1}
+    assert all(whole.executor.partitions(i) == 1 for i in range(len(whole.layers)))
+    for name in whole.blobs:
+        np.testing.assert_allclose(split.blobs[name].data, whole.blobs[name].data, rtol=1e-5, atol=1e-6)
+    monkeypatch.setenv("CCT_THREADS", "2")
+    training = run(1)
+    assert all(training.executor.partitions(i) == 1 for i in range(len(training.layers)))
+
+
 def test_default_plan_gives_the_whole_layer_numbers(monkeypatch):
     monkeypatch.setattr("cct.runtime.executor.DEFAULT_SPLIT_ELEMENTS", 1)
     monkeypatch.setenv("CCT_THREADS", "2")
