@@ -261,6 +261,7 @@ def test_update_striped_over_threads_gives_the_same_numbers(kind, monkeypatch):
     one element, the weights span every stripe, and the result is bitwise
     that of one thread (iter_size 2 and L1 decay run striped too)."""
     monkeypatch.setattr(solver_module, "UPDATE_PIECE", 1)
+    monkeypatch.setattr(solver_module, "STRIPED_UPDATE_ELEMENTS", 0)
     text, _ = SOLVER_CASES[kind]
     runs = []
     for threads in (1, 3):
@@ -272,6 +273,19 @@ def test_update_striped_over_threads_gives_the_same_numbers(kind, monkeypatch):
     assert runs[0][0].size > 3
     for single, striped in zip(*runs):
         np.testing.assert_array_equal(single, striped)
+
+
+@pytest.mark.parametrize("threshold, stripes", [(0, {0, 1, 2}), (10 ** 9, {0})])
+def test_the_update_is_striped_only_over_enough_parameters(monkeypatch, threshold, stripes):
+    """Below STRIPED_UPDATE_ELEMENTS (all learnable elements together) the
+    update runs on the calling thread alone."""
+    monkeypatch.setattr(solver_module, "STRIPED_UPDATE_ELEMENTS", threshold)
+    solver = make_solver('type: "SGD" momentum: 0.9 base_lr: 0.05 lr_policy: "fixed"')
+    solver.net.executor.threads = 3
+    seen, update = set(), solver._update_params
+    monkeypatch.setattr(solver, "_update_params", lambda rate: seen.add(solver._stripe.value[0]) or update(rate))
+    solver.step(1)
+    assert seen == stripes
 
 
 def test_a_failing_stripe_is_waited_for_and_raised(monkeypatch):
