@@ -203,17 +203,23 @@ def image_major(geom, batch):
     return rows <= IMAGE_MAJOR_ROWS and pixels >= max(IMAGE_MAJOR_PIXELS, rows) and not batch_inner(geom, batch)
 
 
-def _lower_image_major(x, geom, ws):
-    """x (N, C, H, W) -> (N, C*KH*KW, OH*OW)."""
+def _image_major_windows(x, geom, ws):
+    """(the read-only window view (N, C, KH, KW, OH, OW) of x, the workspace's
+    lowered store of that shape)."""
     n = x.shape[0]
     xp = x.transpose(1, 0, 2, 3)                                  # (C, N, H, W), a view
     if geom.has_border:   # the padded frame stored image-major (N, C, Hp, Wp), filled through its (C, N) view
         frame = ws.empty("padded", (n, geom.channels, geom.padded_h, geom.padded_w), x.dtype)
         xp = pad_channels_first(x, geom, out=frame.transpose(1, 0, 2, 3))
-    view = window_view(xp, geom).transpose(3, 0, 1, 2, 4, 5)     # (N, C, KH, KW, OH, OW)
-    cols = ws.empty("lowered", view.shape, x.dtype)
+    view = window_view(xp, geom).transpose(3, 0, 1, 2, 4, 5)
+    return view, ws.empty("lowered", view.shape, x.dtype)
+
+
+def _lower_image_major(x, geom, ws):
+    """x (N, C, H, W) -> (N, C*KH*KW, OH*OW)."""
+    view, cols = _image_major_windows(x, geom, ws)
     np.copyto(cols, view)
-    return cols.reshape(n, -1, geom.out_h * geom.out_w)
+    return cols.reshape(x.shape[0], -1, geom.out_h * geom.out_w)
 
 
 def _col2im_image_major(cols, geom, batch, out, ws):
@@ -230,16 +236,33 @@ def _col2im_image_major(cols, geom, batch, out, ws):
     return out
 
 
+# Lowered and output bytes per step of an image-major forward: the step's
+# images are lowered, multiplied and finished while their rows are in the L2
+# cache (LeNet's conv1 at batch 64 in the net, 16-image steps against the
+# whole batch: forward 1.30 against 1.42 ms and 1.44 against 1.84 in two runs).
+IMAGE_MAJOR_STEP_BYTES = 3 << 19
+
+
 def _forward_image_major(x, w, geom, out, ws, bias, relu):
-    """y (N, O, OH, OW), one GEMM per image and group written in place (+ bias)."""
+    """y (N, O, OH, OW), one GEMM per image and group written in place (+ bias),
+    in steps of a few images (IMAGE_MAJOR_STEP_BYTES): each image's numbers
+    are those of one whole-batch pass. The lowering is kept whole for the
+    backward's weight gradient (cct.lowering.kept)."""
     n, pixels = x.shape[0], geom.out_h * geom.out_w
-    lowered = _lower_image_major(x, geom, ws).reshape(n, geom.group, -1, pixels)
+    view, cols = _image_major_windows(x, geom, ws)
+    lowered = cols.reshape(n, geom.group, -1, pixels)
     out = np.empty(geom.output_shape(n), x.dtype) if out is None else out
     direct = out.flags.c_contiguous and out.dtype == x.dtype
     target = out if direct else ws.empty("product", geom.output_shape(n), x.dtype)
     y = target.reshape(n, geom.group, geom.outputs_per_group, pixels)
-    np.matmul(_kernel_matrix(w, geom, x.dtype), lowered, out=y)
-    finish(target, bias, relu)     # along the output's contiguous rows, while they are still in cache
+    kernel = _kernel_matrix(w, geom, x.dtype)
+    image_bytes = (lowered[0].size + y[0].size) * x.dtype.itemsize
+    step = max(1, IMAGE_MAJOR_STEP_BYTES // image_bytes)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        np.copyto(cols[start:stop], view[start:stop])
+        np.matmul(kernel, lowered[start:stop], out=y[start:stop])
+        finish(target[start:stop], bias, relu)      # along the output's contiguous rows, still in cache
     if not direct:
         out[...] = target
     return out

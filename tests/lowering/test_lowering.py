@@ -371,6 +371,35 @@ def test_type1_image_major_order_matches_reference(geom, monkeypatch):
     np.testing.assert_allclose(dw, reference.backward_weights(x, dy, geom), atol=1e-10)
 
 
+@pytest.mark.parametrize("relu", [None, 0.0])
+@pytest.mark.parametrize("geom", [ConvGeometry(1, 4, 20, 19, 3, 3), ConvGeometry(2, 4, 9, 9, 3, 3, pad_h=1, group=2)])
+def test_image_major_steps_give_the_whole_batch_numbers(geom, relu, monkeypatch):
+    """An image-major forward in steps of 2 images (IMAGE_MAJOR_STEP_BYTES
+    just above one image's bytes; 5 images: a short last step) gives bitwise
+    the one-step output and keeps bitwise the one-step lowering."""
+    from cct.core.workspace import Arena
+    from cct.lowering.kept import KeptLowering
+    force_image_major(monkeypatch)
+    x, w, _ = arrays(geom, batch=5, dtype=np.float32)
+    bias = RNG.standard_normal(geom.num_output).astype(np.float32)
+    results = []
+    image_bytes = 4 * geom.out_h * geom.out_w * (geom.channels * geom.kernel_h * geom.kernel_w + geom.num_output)
+    for step_bytes in (1 << 30, 2 * image_bytes + 1):
+        monkeypatch.setattr(type1, "IMAGE_MAJOR_STEP_BYTES", step_bytes)
+        kept, calls = KeptLowering(), []
+        real = np.matmul
+        monkeypatch.setattr(np, "matmul", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
+        y = conv_forward(x, w, geom, 1, ws=Arena(), keep=kept, bias=bias, relu=relu)
+        monkeypatch.setattr(np, "matmul", real)
+        results.append((y, np.array(kept.matrix_for(x, 1, geom)), calls))
+    (whole, whole_kept, whole_calls), (stepped, stepped_kept, stepped_calls) = results
+    assert whole_calls == [5] and stepped_calls == [2, 2, 1]
+    np.testing.assert_array_equal(stepped, whole)
+    np.testing.assert_array_equal(stepped_kept, whole_kept)
+    expected = reference.forward(x.astype(np.float64), w.astype(np.float64), geom) + bias.reshape(1, -1, 1, 1)
+    np.testing.assert_allclose(stepped, np.maximum(expected, 0) if relu == 0.0 else expected, rtol=1e-4, atol=1e-4)
+
+
 def test_image_major_picks_few_rows_on_large_images():
     assert type1.image_major(ConvGeometry(1, 20, 28, 28, 5, 5), 64)              # LeNet conv1
     assert not type1.image_major(ConvGeometry(20, 50, 12, 12, 5, 5), 64)         # conv2: 500 rows, batch-inner
