@@ -351,6 +351,34 @@ def _ave_backward(dy, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, bloc
         _block_to_image(phases, count, stride_w, pad_h, pad_w, rows, padded[:count * stride_w], dx[first:last])
 
 
+# --- 2 x 2 windows at stride 2 that tile the plane (LeNet, VGG): each window's
+# four cells read straight from their two rows, no padded copy or phases.
+# Alone on LeNet's pool1 at batch 64, forward 0.276 -> 0.175 ms; on 64
+# planes of 112 x 112 at batch 16, 8.65 -> 3.67 ms; in LeNet's training
+# iteration, pool1 0.428 -> 0.161 ms and pool2 0.181 -> 0.102 ms (another
+# run: 0.531 -> 0.236, 0.274 -> 0.187). The backward stays _max_backward's
+# zero fill and scatter: a 2 x 2 kernel writing each cell once took 2.5x it.
+
+@kernel
+def _max_forward_2x2(x, value, winner):
+    """_max_forward for a 2 x 2 kernel at stride 2, no padding, on planes of
+    even height and width (P, 2*PH, 2*PW): the same values and winners (cells
+    in scan order, strictly greater wins, from -FLT_MAX)."""
+    planes, out_h, out_w = value.shape
+    start = x.dtype.type(-_FLT_MAX)
+    for p in range(planes):
+        for oh in range(out_h):
+            upper, lower = x[p, 2 * oh], x[p, 2 * oh + 1]
+            best_row, where_row = value[p, oh], winner[p, oh]
+            for ow in range(out_w):
+                best, where = start, -1
+                for k, cell in enumerate((upper[2 * ow], upper[2 * ow + 1], lower[2 * ow], lower[2 * ow + 1])):
+                    if cell > best:
+                        best, where = cell, k
+                best_row[ow] = best
+                where_row[ow] = where
+
+
 @kernel
 def _max_whole(x, value, winner):
     """value (P,) = each plane's maximum, winner (P,) its flat index h*W + w
@@ -649,6 +677,8 @@ class Pooling(Layer):
             if self.whole_image:
                 self._run(_max_whole, [_planes(x)], [],
                           [_planes(value, True).reshape(n * c), _planes(winner, True).reshape(n * c)])
+            elif self._tiles_2x2(x):
+                self._run(_max_forward_2x2, [_planes(x)], [], [_planes(value, True), _planes(winner, True)])
             else:
                 self._run(_max_forward, [_planes(x)], [*self.kernel, *self.stride, *self.pad, BLOCK_CELLS],
                           [_planes(value, True), _planes(winner, True)])
@@ -684,6 +714,12 @@ class Pooling(Layer):
             np.subtract(k, winner, out=step)
             step *= better
             winner += step
+
+    def _tiles_2x2(self, x):
+        """Whether the windows are 2 x 2 at stride 2 without padding on planes
+        of even height and width: they tile x exactly (_max_forward_2x2)."""
+        return (self.kernel == (2, 2) and self.stride == (2, 2) and self.pad == (0, 0)
+                and x.shape[2] % 2 == 0 and x.shape[3] % 2 == 0 and x.dtype.kind == "f")
 
     def _mask(self, winner):
         """The flat input index h*W + w of each maximum, -1 for an empty window."""

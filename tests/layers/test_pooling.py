@@ -8,6 +8,7 @@ import pytest
 
 import cct
 from cct.core.errors import ConfigError, ShapeError
+from cct.layers import pooling as pooling_module
 from cct.testing.gradient_check import check_layer_gradient, make_layer, setup_layer
 from helpers.layers import run_layer
 
@@ -459,7 +460,37 @@ def test_kernel_blocks_give_the_one_block_numbers(monkeypatch, fields, shape, me
         np.testing.assert_array_equal(ours, theirs)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(3, 4, 8, 8), (1, 2, 2, 6)])
+def test_2x2_kernels_equal_the_general_kernels_and_the_numpy_passes(monkeypatch, shape, dtype):
+    """2 x 2 windows at stride 2 tiling the planes run _max_forward_2x2: bit
+    for bit the general kernel and the numpy passes, values, winners and the
+    gradient routed by those winners (no mask top), with ties, NaN,
+    infinities and gradients of -0.0."""
+    x = RNG.standard_normal(shape).astype(dtype)
+    x[0, 0, 0, :2] = x[0, 0, 1, 0]                             # ties: the first in scan order wins
+    x[0, 1, :2, :2] = np.nan
+    x[0, 1, 0, 2:4] = -np.inf
+    x[0, 1, 1, 2] = np.nan
+    prototxt = 'type: "Pooling" pooling_param { pool: MAX kernel_size: 2 stride: 2 }'
+    dy = RNG.standard_normal(run_layer(prototxt, [x])[2][0].shape).astype(dtype)
+    dy[0, 0, 0, 0] = -0.0
+    calls = []
+    real = pooling_module._max_forward_2x2
+    monkeypatch.setattr(pooling_module, "_max_forward_2x2", lambda *a: calls.append(1) or real(*a))
+    (compiled, numpy_passes), layer = forward_backward_both(prototxt, x, dy, monkeypatch)
+    assert calls == [1]
+    monkeypatch.setattr(pooling_module.Pooling, "_tiles_2x2", lambda self, x: False)
+    (general, _), _ = forward_backward_both(prototxt, x, dy, monkeypatch)
+    for ours, theirs, other in zip(compiled, numpy_passes, general):
+        assert np.array_equal(ours, theirs, equal_nan=True) and np.array_equal(ours, other, equal_nan=True)
+        assert np.array_equal(np.signbit(ours), np.signbit(theirs)) and np.array_equal(np.signbit(ours),
+                                                                                   np.signbit(other))
+    np.testing.assert_array_equal(layer.winner[0, 1, 0, :2], [-1, 3])     # all NaN: none; -inf never wins
+
+
 @pytest.mark.parametrize("fields,kernel,stride,pad", [
+    ("kernel_size: 2 stride: 2", (2, 2), (2, 2), (0, 0)),
     ("kernel_size: 3 stride: 2", (3, 3), (2, 2), (0, 0)),
     ("kernel_size: 3 stride: 1 pad: 1", (3, 3), (1, 1), (1, 1)),
     ("global_pooling: true", (5, 6), (1, 1), (0, 0)),
