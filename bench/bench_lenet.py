@@ -2,14 +2,18 @@
 with a per-layer breakdown, the framework's per-layer overhead (a net of 20
 tiny layers), and PyTorch on the same net when it is importable.
 
-    python bench/bench_lenet.py [--batch 64] [--iterations 200] [--no-torch]
+    python bench/bench_lenet.py [--batch 64] [--iterations 200] [--no-torch] [--pairs 1]
 
 The net is models/lenet/lenet_train_test.prototxt (TRAIN phase) with its Data
 layer replaced by Input blobs filled once (gaussian 1x28x28 images, labels 0..9).
 Each framework runs in a fresh subprocess (no BLAS or OpenMP thread pools
-competing with each other).
+competing with each other). --pairs K runs K (cct, torch) pairs of them one
+after the other and prints each pair's ratio and the median ratio: on a
+shared host one pair's two runs may meet different loads (PyTorch alone gave
+14.4 to 19.7 ms in three runs of one hour here).
 """
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -80,7 +84,9 @@ def child(args, framework):
 
 
 def main(argv=None):
-    args = common.framework_parser(__doc__, batch=64, iterations=200, warmup=10).parse_args(argv)
+    parser = common.framework_parser(__doc__, batch=64, iterations=200, warmup=10)
+    parser.add_argument("--pairs", type=int, default=1, help="(cct, torch) runs one after the other (default 1)")
+    args = parser.parse_args(argv)
     if common.serve_child(args, run_cct, run_torch):
         return 0
     p = common.print_flush
@@ -96,6 +102,14 @@ def main(argv=None):
     if not args.no_torch and common.torch_available():
         t = child(args, "torch")
         p(f"{t['framework']} ({t['threads']} threads): {t['ms']:.2f} ms; cct / torch time: {r['ms'] / t['ms']:.2f}")
+        ratios = [r["ms"] / t["ms"]]
+        for pair in range(2, args.pairs + 1):
+            cct_ms, torch_ms = child(args, "cct")["ms"], child(args, "torch")["ms"]
+            ratios.append(cct_ms / torch_ms)
+            p(f"pair {pair}: cct {cct_ms:.2f} ms, torch {torch_ms:.2f} ms, cct / torch time {ratios[-1]:.2f}")
+        if args.pairs > 1:
+            p(f"cct / torch time over {args.pairs} pairs: median {statistics.median(ratios):.2f} "
+              f"(range {min(ratios):.2f}-{max(ratios):.2f})")
     elif not args.no_torch:
         p("torch: not importable, no comparison")
     p(f"load after the runs: {common.load_average():.2f}")
