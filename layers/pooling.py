@@ -357,7 +357,7 @@ def _ave_backward(dy, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, bloc
 # planes of 112 x 112 at batch 16, 8.65 -> 3.67 ms; in LeNet's training
 # iteration, pool1 0.428 -> 0.161 ms and pool2 0.181 -> 0.102 ms (another
 # run: 0.531 -> 0.236, 0.274 -> 0.187). The backward stays _max_backward's
-# zero fill and scatter: a 2 x 2 kernel writing each cell once took 2.5x it.
+# zero fill and scatter: a 2 x 2 kernel writing each cell once took 2.5 times as long.
 
 @kernel
 def _max_forward_2x2(x, value, winner):
