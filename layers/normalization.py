@@ -238,7 +238,8 @@ class LRN(Layer):
             cast = x.dtype.type
             _lrn_backward_075(x.reshape(n, c, -1), y.reshape(n, c, -1), g.reshape(n, c, -1), self.size,
                               cast(self.alpha / self.size), cast(self.k), cast(1),
-                              cast(2 * self.beta * self.alpha / self.size), self._plane("scales", x), self._plane("ratio", x), self._row("window", x),
+                              cast(2 * self.beta * self.alpha / self.size), self._plane("scales", x),
+                              self._plane("ratio", x), self._row("window", x),
                               dx.reshape(n, c, -1))
             return
         for rows in self._chunks(x.shape):
