@@ -49,7 +49,7 @@ from .chunking import chunk_size, chunks, image_bytes
 # CCT_CACHE_DIR on every use (cct.runtime.settings), as the chooser is below it.
 cache_folder = None
 CACHE_FILE = "lowering.json"
-CACHE_VERSION = 1
+CACHE_VERSION = 2                      # 2: calibrations keep their timed copies (Machine.copies)
 TYPES = (1, 2, 3)
 MEASURE_BYTES = 32 * 2 ** 20          # largest workspace matrix when timing a shape
 
@@ -76,6 +76,8 @@ class Machine:
     gemm_out_bandwidth  bytes/s of GEMM output written (what a GEMM with a small k is bound by)
     gemm_in_bandwidth   bytes/s of GEMM inputs read and packed (what a GEMM with a small m is bound by)
     probes              the timed GEMMs, [m, n, k, seconds]
+    copies              the timed copies, {name: [elements, rows, streams, seconds]}
+                        (COPY_PROBES), from which the first four constants come
     """
     bandwidth: float
     gather_row: float
@@ -85,6 +87,7 @@ class Machine:
     gemm_out_bandwidth: float
     gemm_in_bandwidth: float
     probes: list = field(default_factory=list)
+    copies: dict = field(default_factory=dict)
 
     FIELDS = ("bandwidth", "gather_row", "scatter_row", "add_row", "gemm_flops", "gemm_out_bandwidth",
               "gemm_in_bandwidth")
@@ -109,11 +112,13 @@ class Machine:
         return elements * itemsize / self.bandwidth
 
     def to_dict(self):
-        return {name: float(getattr(self, name)) for name in self.FIELDS} | {"probes": self.probes}
+        return {name: float(getattr(self, name)) for name in self.FIELDS} | {"probes": self.probes,
+                                                                          "copies": self.copies}
 
     @classmethod
     def from_dict(cls, values):
-        return cls(*(float(values[name]) for name in cls.FIELDS), [list(p) for p in values.get("probes", [])])
+        return cls(*(float(values[name]) for name in cls.FIELDS), [list(p) for p in values.get("probes", [])],
+                   {name: list(timing) for name, timing in values.get("copies", {}).items()})
 
 
 def _best_time(function, repeats):
@@ -141,10 +146,21 @@ def fit_gemm(probes):
     return tuple(float(1.0 / c) if c > 0 else 1e18 for c in inverse)
 
 
-def _row_seconds(function, elements, rows, bandwidth, streams):
-    """Per-row cost of `function` beyond its memory traffic."""
-    elapsed = _best_time(function, 3)
-    return max(elapsed - streams * elements * 4 / bandwidth, 0.0) / rows
+# The timed copies, Machine.copies: a contiguous one (the bandwidth), and the
+# strided passes whose time beyond their traffic at that bandwidth, per inner
+# row, is the row cost of gathers, scatters and adds.
+COPY_PROBES = ("copy", "gather", "scatter", "add")
+
+
+def copy_constants(copies):
+    """(bandwidth, gather_row, scatter_row, add_row) from Machine.copies."""
+    elements, _, streams, seconds = copies["copy"]
+    bandwidth = streams * elements * 4 / seconds
+    rows = {}
+    for name in COPY_PROBES[1:]:
+        elements, count, streams, seconds = copies[name]
+        rows[name] = max(seconds - streams * elements * 4 / bandwidth, 0.0) / count
+    return bandwidth, rows["gather"], rows["scatter"], rows["add"]
 
 
 def measure_machine():
@@ -152,22 +168,23 @@ def measure_machine():
     big = np.ones(8 * 2 ** 20, np.float32)                          # 32 MB: beyond most caches
     dst = np.empty_like(big)
     np.copyto(dst, big)
-    bandwidth = 2 * big.nbytes / _best_time(lambda: np.copyto(dst, big), 3)
+    copies = {"copy": [big.size, 1, 2, _best_time(lambda: np.copyto(dst, big), 3)]}
     # Rows of 13 in a frame of 15: a small image's rows inside its padded frame.
     frame = big[: 2 ** 21 // 15 * 15].reshape(-1, 15)
     inner, other = frame[:, 1:14], dst[: frame.size].reshape(frame.shape)[:, 1:14]
     rows = inner.shape[0]
     dense = np.empty(inner.shape, np.float32)
-    gather_row = _row_seconds(lambda: np.copyto(dense, inner), inner.size, rows, bandwidth, 2)
-    scatter_row = _row_seconds(lambda: np.copyto(other, dense), inner.size, rows, bandwidth, 2)
-    add_row = _row_seconds(lambda: np.add(other, inner, out=other), inner.size, rows, bandwidth, 3)
+    for name, streams, function in (("gather", 2, lambda: np.copyto(dense, inner)),
+                                    ("scatter", 2, lambda: np.copyto(other, dense)),
+                                    ("add", 3, lambda: np.add(other, inner, out=other))):
+        copies[name] = [inner.size, rows, streams, _best_time(function, 3)]
     probes = []
     for m, n, k in GEMM_PROBES:
         a, b = np.ones((m, k), np.float32), np.ones((k, n), np.float32)
         c = np.empty((m, n), np.float32)
         np.matmul(a, b, out=c)
         probes.append([m, n, k, _best_time(lambda: np.matmul(a, b, out=c), 3)])
-    return Machine(bandwidth, gather_row, scatter_row, add_row, *fit_gemm(probes), probes)
+    return Machine(*copy_constants(copies), *fit_gemm(probes), probes, copies)
 
 
 def _blas_threads():
@@ -235,9 +252,13 @@ def load_machine(refresh=False):
 
 
 def best_of(first, second):
-    """The faster of two calibrations of one host, constant by constant: load
-    only ever slows a measurement down. The GEMM constants are refitted to the
-    best time of each probe."""
+    """The faster of two calibrations of one host: load only ever slows a
+    measurement down, so each timed GEMM and copy keeps its best time, and
+    the constants are derived again from those (fit_gemm, copy_constants).
+    Taken constant by constant instead, the largest bandwidth of one
+    calibration with the smallest row cost of another paired numbers that no
+    run measured, and a row cost that came out 0 in one noisy run (its
+    contiguous copy timed slow) stayed 0 for good."""
     probes = {}
     for m, n, k, seconds in list(first.probes) + list(second.probes):
         probes[m, n, k] = min(seconds, probes.get((m, n, k), seconds))
@@ -246,9 +267,16 @@ def best_of(first, second):
         gemm = fit_gemm(probes)
     else:                              # a calibration without its probes: the measured one's
         gemm = (second.gemm_flops, second.gemm_out_bandwidth, second.gemm_in_bandwidth)
-    return Machine(max(first.bandwidth, second.bandwidth), min(first.gather_row, second.gather_row),
-                   min(first.scatter_row, second.scatter_row), min(first.add_row, second.add_row),
-                   *gemm, probes)
+    copies = dict(first.copies)
+    for name, timing in second.copies.items():
+        if name not in copies or timing[3] < copies[name][3]:
+            copies[name] = list(timing)
+    if all(name in copies for name in COPY_PROBES):
+        constants = copy_constants(copies)
+    else:                              # calibrations without their copies: constant by constant
+        constants = (max(first.bandwidth, second.bandwidth), min(first.gather_row, second.gather_row),
+                     min(first.scatter_row, second.scatter_row), min(first.add_row, second.add_row))
+    return Machine(*constants, *gemm, probes, copies)
 
 
 def clear_memory_cache():
@@ -273,6 +301,7 @@ def _cost_parts(geom, b, lowering_type, mc, s):
            + mc.scatter(c * b * g.in_h * g.in_w, g.in_w, s))       # NCHW -> padded CNHW
     unpad = mc.gather(c * b * g.in_h * g.in_w, g.in_w, s)
     transpose = mc.gather(o * m1, g.out_h * g.out_w, s)            # (O, N, ..) <-> (N, O, ..)
+    weights = o * cg * k2
     parts = {}
     if lowering_type == 1:
         row = g.out_w
@@ -308,6 +337,11 @@ def _cost_parts(geom, b, lowering_type, mc, s):
         parts["backward", "gemm"] = (mc.gemm_seconds(og * kh, cg * kw, m2, s, grp)
                                      + mc.gemm_seconds(cg * kw, m2, og * kh, s, grp))
         parts["backward", "unlower"] = mc.fill(c * frame, s) + kw * mc.add(c * m2, g.out_w, s) + unpad
+        # K2 is the weights transposed, copied in rows of KW at every call; the
+        # backward copies it again for the data gradient, and dK2 back into dw
+        if kh > 1:                     # (one kernel row: K2 is the weights as they are)
+            parts["forward", "kernel"] = mc.gather(weights, kw, s)
+            parts["backward", "kernel"] = 2 * mc.gather(weights, kw, s)
     else:
         parts["forward", "lower"] = pad
         parts["forward", "gemm"] = mc.gemm_seconds(og * k2, frame, cg, s, grp)
@@ -317,6 +351,10 @@ def _cost_parts(geom, b, lowering_type, mc, s):
         parts["backward", "gemm"] = (mc.gemm_seconds(og * k2, cg, frame, s, grp)
                                      + mc.gemm_seconds(cg, frame, og * k2, s, grp))
         parts["backward", "unlower"] = unpad
+        # K3 moves Cg innermost: a copy that reads the weights at a stride of KH*KW
+        if k2 > 1:                     # (a 1 x 1 kernel: K3 is the weights as they are)
+            parts["forward", "kernel"] = mc.gather(weights, 1, s)
+            parts["backward", "kernel"] = 2 * mc.gather(weights, 1, s)
     return parts
 
 

@@ -118,6 +118,44 @@ def test_cache_keeps_the_fastest_calibration_seen(cache_dir, monkeypatch):
     assert chooser.load_machine(refresh=True).bandwidth == loaded.bandwidth      # refresh forgets the file
 
 
+def timed_copies(copy_seconds, gather_seconds, elements=1300, rows=100):
+    """Machine.copies of a calibration: its contiguous copy and its strided
+    passes (the scatter and add as fast as the gather, per element)."""
+    return {"copy": [10 ** 6, 1, 2, copy_seconds], "gather": [elements, rows, 2, gather_seconds],
+            "scatter": [elements, rows, 2, gather_seconds], "add": [elements, rows, 3, 1.5 * gather_seconds]}
+
+
+def test_the_cache_merges_copy_timings_not_constants(cache_dir, monkeypatch):
+    """A run whose contiguous copy timed slow (its bandwidth low) derives a
+    row cost of 0 from a fast strided pass; another run times the copy fast
+    and the strided pass slow. Merged, the best copy and the best strided
+    pass give the row cost no single run saw but both bound: positive, where
+    the constants' own best (largest bandwidth, smallest row) gave 0 for good."""
+    noisy_copy = timed_copies(copy_seconds=4e-3, gather_seconds=2.0e-6)
+    noisy_gather = timed_copies(copy_seconds=1e-3, gather_seconds=3.0e-6)
+    runs = [dataclasses.replace(probed(FIXED), copies=copies) for copies in (noisy_copy, noisy_gather)]
+    runs = [dataclasses.replace(run, **dict(zip(("bandwidth", "gather_row", "scatter_row", "add_row"),
+                                                chooser.copy_constants(run.copies)))) for run in runs]
+    assert runs[0].gather_row == 0 and runs[1].gather_row > 0
+    for measured in runs:
+        chooser.clear_memory_cache()                   # a new process each
+        monkeypatch.setattr(chooser, "measure_machine", lambda: measured)
+        machine = chooser.load_machine()
+    bandwidth = 2 * 10 ** 6 * 4 / 1e-3
+    assert machine.bandwidth == pytest.approx(bandwidth)
+    assert machine.gather_row == pytest.approx((2.0e-6 - 2 * 1300 * 4 / bandwidth) / 100) and machine.gather_row > 0
+    stored = json.loads((cache_dir / "lowering.json").read_text())["machines"][chooser.machine_key()]
+    assert stored["copies"]["copy"][3] == 1e-3 and stored["copies"]["gather"][3] == 2.0e-6
+
+
+def test_measure_machine_derives_its_constants_from_its_timed_copies():
+    machine = chooser.measure_machine()
+    assert sorted(machine.copies) == sorted(chooser.COPY_PROBES)
+    assert (machine.bandwidth, machine.gather_row, machine.scatter_row, machine.add_row) == \
+        chooser.copy_constants(machine.copies)
+    assert chooser.Machine.from_dict(machine.to_dict()) == machine
+
+
 def test_measured_choice_is_cached_per_shape(cache_dir, monkeypatch):
     monkeypatch.setattr(chooser, "measure_types", lambda geom, batch, dtype, forward_only: {1: 3.0, 2: 1.0, 3: 2.0})
     geom = square(8, 8)
@@ -281,6 +319,24 @@ def test_layer_uses_the_model_choice_and_caches_it(monkeypatch):
     layer.lowering_type = 1                                 # a scheduler forces it
     layer.reshape(bottoms, tops)
     assert layer.lowering_type == 1
+
+
+def test_types_2_and_3_pay_for_copying_their_kernel_matrix():
+    """K2 and K3 are the weights transposed, copied at every call (and twice
+    more in a backward); a 1 x 1 kernel's are views. Big weights on small
+    planes (ResNet's res5 3x3 at batch 1: type 2 took 3.9x type 1's forward)
+    make types 2 and 3 dearer."""
+    res5 = ConvGeometry(512, 512, 7, 7, 3, 3, pad_h=1, pad_w=1)
+    for kind in (2, 3):
+        parts = chooser.estimate_parts(res5, 1, kind, FIXED)
+        weights = 512 * 512 * 9
+        row = 3 if kind == 2 else 1
+        assert parts["forward", "kernel"] == pytest.approx(FIXED.gather(weights, row, 4))
+        assert parts["backward", "kernel"] == pytest.approx(2 * parts["forward", "kernel"])
+    assert ("forward", "kernel") not in chooser.estimate_parts(res5, 1, 1, FIXED)
+    pointwise = ConvGeometry(512, 512, 7, 7, 1, 1)
+    assert not any(part == "kernel" for _, part in chooser.estimate_parts(pointwise, 1, 3, FIXED))
+    assert chooser.choose(res5, 1, FIXED, forward_only=True) == 1
 
 
 def test_forward_only_estimate_is_the_forward_parts():
