@@ -15,10 +15,30 @@ def drive(choice, cost, count):
 
 
 def test_the_fastest_median_is_chosen_after_a_warm_up_and_three_runs_each():
+    """Candidates within CLEARLY_SLOWER of each other: each runs a warm-up and
+    three counted runs."""
     choice = FasterOf(("a", "b", "c"), "test")
-    ran = drive(choice, lambda name, _: {"a": 3.0, "b": 1.0, "c": 2.0}[name], 13)
+    ran = drive(choice, lambda name, _: {"a": 1.1, "b": 1.0, "c": 1.2}[name], 13)
     assert ran[:3] == ["a", "b", "c"]                        # each warmed up first, not counted
     assert choice.chosen == "b" and ran[-1] == "b"
+    assert ran[:12].count("a") == ran[:12].count("c") == 4
+
+
+def test_a_clearly_slower_candidate_is_measured_no_further(monkeypatch):
+    """After one counted run each, c (1.3x a's) is dropped from the measuring;
+    a and b go on to three runs each. With the margin out of reach (the
+    control) c runs its three too."""
+    import cct.runtime.choice as choice_module
+    costs = {"a": 1.0, "b": 1.1, "c": 1.3}
+    assert costs["c"] > choice_module.CLEARLY_SLOWER * costs["a"] > costs["b"]
+    choice = FasterOf(("a", "b", "c"), "test")
+    ran = drive(choice, lambda name, _: costs[name], 10)
+    assert choice.chosen == "a" and ran.count("c") == 2      # a warm-up and one counted run
+    assert ran[:10].count("a") == ran[:10].count("b") == 4
+    monkeypatch.setattr(choice_module, "CLEARLY_SLOWER", float("inf"))
+    control = FasterOf(("a", "b", "c"), "test")
+    ran = drive(control, lambda name, _: costs[name], 12)
+    assert control.chosen == "a" and ran.count("c") == 4
 
 
 def test_a_choice_a_busy_start_got_wrong_is_measured_again_and_fixed():
