@@ -371,18 +371,14 @@ class Fusion:
         if self.pending is not None and (number != self._pending_run or index != self._expected):
             self.flush(executor)
         net = executor.net
-        if index == self.applied:         # its convolution's store ran it
-            self.applied = None
-            layer, bottom, top = net.layers[index], net.bottom_vecs[index], net.top_vecs[index]
-            with layer.naming_allocations(top):
-                layer.reshape(bottom, top)
-            return True
-        self.applied = None
-        if number is None:
+        applied, self.applied = self.applied, None
+        if index != applied and number is None:
             return False
         layer, bottom, top = net.layers[index], net.bottom_vecs[index], net.top_vecs[index]
         with layer.naming_allocations(top):
             layer.reshape(bottom, top)
+        if index == applied:              # its convolution's store ran it
+            return True
         op = layer.epilogue(bottom, top)
         if op is None:                    # the shapes no longer allow it
             self.flush(executor)
