@@ -18,12 +18,19 @@ bitwise what was lowered (cct.lowering.kept; the memory plan counts it, and
 turns it off where the net would not fit with it). A batch whose largest
 lowering matrix exceeds the budget (default 64 MB; set by the run settings'
 lowering_budget_mb) runs in chunks of images.
+
+A Convolution its net never runs backward (runs_backward False: a deploy net)
+with a 3 x 3 kernel at stride 1 may compute its forward by Winograd's F(2x2,
+3x3) or F(4x4, 3x3) instead (cct.lowering.winograd): the run settings'
+"winograd" ("auto": timed against the lowering on the shape, once per
+machine; a forced tile size; or false). Its transformed weights are made
+again whenever the weights change, bit for bit.
 """
 import numpy as np
 
 from cct.core.layer import TRAIN, Layer, register
 from cct.lowering import (ConvGeometry, chooser, conv_backward, conv_backward_data, conv_backward_weights,
-                          conv_forward, lowering, pointwise, type1)
+                          conv_forward, lowering, pointwise, type1, winograd)
 from cct.lowering import device as device_lowering
 from cct.core.workspace import thread_arena
 from cct.lowering.chunking import DEFAULT_BUDGET_MB, cache_chunk, chunk_size, slot_bytes
@@ -87,7 +94,7 @@ class _ConvolutionBase(Layer):
     reverse = False               # Deconvolution: forward is the convolution's backward
     batch_independent = True
     splits_backward = True
-    run_settings = ("lowering", "measure", "lowering_budget_mb")
+    run_settings = ("lowering", "measure", "lowering_budget_mb", "winograd")
 
     def setup(self, bottom, top):
         if len(bottom) != len(top):
@@ -123,6 +130,11 @@ class _ConvolutionBase(Layer):
         self._shape_key = None        # the one of the last reshape
         self._configured = False      # run settings received: reshape may choose now
         self._chunk_key = None
+        # Winograd for a forward the net never runs backward (cct.lowering.winograd):
+        # the setting ("auto", False, 2 or 4), the tile size in use (0: the
+        # lowering) and the shape it was chosen for, the transformed weights.
+        self._winograd_setting, self._winograd_m, self._winograd_key = "auto", 0, None
+        self._transformed = winograd.TransformedWeights()
         # The convolution's own (input, output) channels; swapped for Deconvolution.
         conv_in, conv_out = ((self.num_output, self.channels) if self.reverse
                              else (self.channels, self.num_output))
@@ -173,7 +185,7 @@ class _ConvolutionBase(Layer):
         reshape runs before the runtime pushes the settings, which may force a
         type or ask for measuring, and calibrating the chooser for nothing
         costs a GEMM benchmark."""
-        if self._forced_type or self._shape_key is None:
+        if self._shape_key is None:
             return self._forced_type or DEFAULT_LOWERING
         geom, batch, dtype = self._shape_key
         # Chosen for what one GEMM lowers: the largest partition, in its share of the
@@ -182,12 +194,44 @@ class _ConvolutionBase(Layer):
         # CaffeNet's conv2 and conv5, whose forwards then took 1.1x and 1.7x type 1's).
         parts = max(1, min(self._partitions, batch))
         key = (geom, -(-batch // parts), dtype, parts, self.runs_backward)
-        if key != self._choice_key:
-            self._auto_type = chooser.choose(geom, key[1], measure=self.measure_lowering, dtype=dtype,
-                                             budget=max(1, self._lowering_budget // parts),
-                                             forward_only=not self.runs_backward)
-            self._choice_key = key
-        return self._auto_type
+        if self._forced_type:
+            kind = self._forced_type
+        else:
+            if key != self._choice_key:
+                self._auto_type = chooser.choose(geom, key[1], measure=self.measure_lowering, dtype=dtype,
+                                                 budget=max(1, self._lowering_budget // parts),
+                                                 forward_only=not self.runs_backward)
+                self._choice_key = key
+            kind = self._auto_type
+        self._choose_winograd(key, kind)
+        return kind
+
+    def _choose_winograd(self, key, kind):
+        """Set _winograd_m for the chooser's key: the forced tile size, or for
+        "auto" the measured choice (chooser.choose_forward), where the net never
+        runs this layer's backward and Winograd can run the shape; a forced
+        lowering type keeps "auto" off, as the lowering was asked for."""
+        setting = self._winograd_setting
+        key = key + (setting, self._forced_type, kind)
+        if key == self._winograd_key:
+            return
+        self._winograd_key = key
+        geom, batch, dtype = key[0], key[1], key[2]
+        if (setting is False or self.reverse or self.runs_backward or not winograd.applicable(geom, dtype)
+                or (setting == "auto" and self._forced_type)):
+            self._winograd_m = 0
+        elif setting != "auto":
+            self._winograd_m = setting
+        elif not winograd.worth_timing(geom, batch):
+            self._winograd_m = 0
+        else:
+            self._winograd_m = chooser.choose_forward(geom, batch, kind, dtype)
+
+    @property
+    def winograd_tile(self):
+        """The Winograd output tile size m the forward runs (0: it lowers)."""
+        self._owner._choose()
+        return self._owner._winograd_m
 
     def run_partitions(self, count):
         self._partitions = count
@@ -204,6 +248,7 @@ class _ConvolutionBase(Layer):
     def configure(self, settings):
         lowering = settings.get("lowering")
         self._forced_type = None if lowering in (None, "auto") else int(lowering)
+        self._winograd_setting = settings.get("winograd", "auto")
         chooser_inputs = (self.measure_lowering, self.lowering_budget)
         self.measure_lowering = bool(settings.get("measure", False))
         self.lowering_budget = int(settings.get("lowering_budget_mb", DEFAULT_BUDGET_MB) * 2 ** 20)
@@ -260,6 +305,10 @@ class _ConvolutionBase(Layer):
             return {}
         batch, itemsize = -(-bottom[0].shape[0] // partitions), bottom[0].dtype.itemsize
         kind = self.lowering_type
+        if self.winograd_tile:
+            m = self.winograd_tile
+            held = winograd.held_bytes(self.blobs[0].data, m)
+            return {"lowering": sum(winograd.slot_bytes(self.geom, m, batch).values()), "held": held}
         chunk = min(chunk_size(self.geom, kind, batch, itemsize, max(1, self._owner._lowering_budget // partitions)),
                     cache_chunk(self.geom, kind, batch, itemsize))
         slots = slot_bytes(self.geom, kind, chunk, itemsize)
@@ -379,6 +428,13 @@ class Convolution(_ConvolutionBase):
         kind = self._lowering()
         weight, arena = self.blobs[0].data, thread_arena()
         bias = self.blobs[1].data if self.bias_term else None
+        m = self._owner._winograd_m
+        if m:
+            transformed = self._owner._transformed.get(weight, m)
+            for b, t in zip(bottom, top):
+                winograd.forward(b.data, transformed, self.geom, m, out=t.data, ws=arena, bias=bias,
+                                 relu=self._owner._output_relu)
+            return
         for index, (b, t) in enumerate(zip(bottom, top)):
             x = b.data
             conv_forward(x, weight, self.geom, kind, out=t.data, ws=arena, chunk=self._chunk(kind, x), bias=bias,

@@ -407,15 +407,22 @@ def measure_types(geom, batch, dtype=np.float32, repeats=3, forward_only=False):
         if not forward_only:
             conv_backward(x, dy, w, geom, kind, ws=arena, dx_out=dx)
 
-    for kind in TYPES:                 # warm: the arena grows to each type's buffers
-        run(kind)
-    seconds = {kind: [] for kind in TYPES}
+    return _interleaved_best(TYPES, run, repeats)
+
+
+def _interleaved_best(candidates, run, repeats):
+    """{candidate: seconds}: run(candidate) once each to warm (the arena
+    grows to each one's buffers, kernels compile), then the best of `repeats`
+    rounds, the candidates interleaved (a shared machine drifts)."""
+    for candidate in candidates:
+        run(candidate)
+    seconds = {candidate: [] for candidate in candidates}
     for _ in range(repeats):
-        for kind in TYPES:
+        for candidate in candidates:
             start = time.perf_counter()
-            run(kind)
-            seconds[kind].append(time.perf_counter() - start)
-    return {kind: min(times) for kind, times in seconds.items()}
+            run(candidate)
+            seconds[candidate].append(time.perf_counter() - start)
+    return {candidate: min(times) for candidate, times in seconds.items()}
 
 
 def measured_batch(geom, batch, itemsize):
@@ -452,3 +459,48 @@ def choose(geom, batch, machine=None, measure=False, dtype=np.float32, budget=No
     if measure:
         return choose_by_measurement(geom, batch, dtype, forward_only)
     return choose_by_model(geom, batch, machine or load_machine(), np.dtype(dtype).itemsize, budget, forward_only)
+
+
+# --- Winograd for forwards alone ----------------------------------------------------------------
+def measure_forward(geom, batch, lowering_type, dtype=np.float32, repeats=3):
+    """{0: the lowering's forward, m: Winograd F(m x m, 3 x 3)'s} in seconds on
+    random data, the best of `repeats` interleaved runs; Winograd's include
+    checking its transformed weights (cct.lowering.winograd.TransformedWeights),
+    as every forward of a layer does."""
+    from . import conv_forward, winograd
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(geom.input_shape(batch)).astype(dtype)
+    w = rng.standard_normal(geom.weight_shape).astype(dtype)
+    bias = rng.standard_normal(geom.num_output).astype(dtype)
+    y = np.empty(geom.output_shape(batch), dtype)
+    arena = Arena()
+    cached = {m: winograd.TransformedWeights() for m in winograd.TILE_SIZES}
+
+    def run(m):
+        if m:
+            winograd.forward(x, cached[m].get(w, m), geom, m, out=y, ws=arena, bias=bias)
+        else:
+            conv_forward(x, w, geom, lowering_type, out=y, ws=arena, bias=bias)
+
+    return _interleaved_best((0,) + winograd.TILE_SIZES, run, repeats)
+
+
+def choose_forward(geom, batch, lowering_type, dtype=np.float32):
+    """0 (the lowering) or the Winograd tile size m whose forward alone is the
+    fastest on this shape, timed once (measure_forward) and cached per shape
+    and machine beside the lowering choices. Only for shapes
+    cct.lowering.winograd.applicable takes."""
+    dtype = np.dtype(dtype)
+    key = shape_key(geom, batch, dtype.itemsize, forward_only=True) + f"|winograd|t{lowering_type}"
+    with _lock:
+        path = cache_path()
+        stored = _load_cache(path)["choices"].get(key)
+    if stored and "winograd" in stored:
+        return stored["winograd"]
+    seconds = measure_forward(geom, measured_batch(geom, batch, dtype.itemsize), lowering_type, dtype)
+    choice = min(seconds, key=lambda m: (seconds[m], m))
+    with _lock:
+        contents = _load_cache(path)
+        contents["choices"][key] = {"winograd": choice, "seconds": {str(m): seconds[m] for m in seconds}}
+        _save_cache(path, contents)
+    return choice

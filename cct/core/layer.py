@@ -242,8 +242,9 @@ class Layer:
         of its thread's arena for (Layer.work); "kept", what one of its
         partitions keeps from forward to backward to save time (a
         convolution's lowering), given up when the plan does not fit with it
-        (its keep_lowering set False); "prefetch", batches a
-        prefetch thread keeps ready.
+        (its keep_lowering set False); "held", arrays the layer keeps
+        beyond its attributes' own, once for all its partitions (Winograd's
+        transformed weights); "prefetch", batches a prefetch thread keeps ready.
         Layers with big work arrays say so."""
         return {}
 

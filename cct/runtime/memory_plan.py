@@ -144,6 +144,8 @@ def plan_net(net, plan, backward=None, executor=None):
         for slot, nbytes in needs.items():
             if slot == "prefetch":
                 plan.add("prefetch", where, nbytes)
+            elif slot == "held":                # arrays the layer keeps, shared by its partitions
+                plan.add("blobs", f"{where}: {slot}", nbytes)
             elif slot == "kept":                # one per partition twin, read only by a backward
                 if backward:
                     plan.add("kept lowerings", where, nbytes * max(1, partitions))

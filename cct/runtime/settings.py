@@ -14,6 +14,8 @@ Environment variables:
                             partitions; 1: every layer whole
     CCT_LOWERING            1, 2 or 3: every convolution's lowering type
     CCT_LOWERING_BUDGET_MB  largest lowering workspace, MB (default 64)
+    CCT_WINOGRAD            0, 2, 4 or auto: Winograd for convolutions whose net
+                            never runs their backward (cct.lowering.winograd)
     CCT_SHARE_DIFFS         1 or 0: whether a solver's train net shares diffs
     CCT_CACHE_DIR           where the lowering chooser caches its measurements
     CCT_SCHEDULE            sequential, streams, tuned or auto: how a net runs its
@@ -44,6 +46,15 @@ Keys, per layer (under "layers", by layer name) or for every layer ("default"):
                         instead of trusting the cost model (cached per shape)
     lowering_budget_mb  largest lowering workspace matrix, MB; bigger batches
                         are lowered in chunks (cct.lowering.chunking)
+    winograd            "auto" (the default), false, 2 or 4: how a 3 x 3
+                        convolution at stride 1 whose net never runs its
+                        backward (a deploy net, `cct test`) computes its
+                        forward: "auto" times the lowering against Winograd
+                        F(2x2, 3x3) and F(4x4, 3x3) on the layer's shape and
+                        keeps the fastest (cached per shape, beside the
+                        lowering choices; a forced lowering type keeps it off);
+                        2 or 4 that Winograd tile size wherever it applies;
+                        false never (cct.lowering.winograd)
     partitions          batch partitions (cct.runtime.partition); as a default
                         it applies only to the layers that can be partitioned.
                         A layer runs at most one partition per sample of the
@@ -54,7 +65,7 @@ Keys, per layer (under "layers", by layer name) or for every layer ("default"):
                         profiled (cct.runtime.tuner); at most the cores
 
 A layer takes the keys its class declares in `run_settings` (Convolution and
-Deconvolution: lowering, measure, lowering_budget_mb), and every layer takes
+Deconvolution: lowering, measure, lowering_budget_mb, winograd), and every layer takes
 partitions and threads.
 
 Top-level "share_diffs": true lets the solver's train net keep the diffs of
@@ -102,7 +113,7 @@ Unknown keys and bad values are errors naming the file and the key. Layers a
 net does not have are ignored (a train and a test net share one file).
 Precedence for a convolution's lowering type: the layer's entry, then the
 CCT_LOWERING environment variable, then "default", then the chooser; the
-budget likewise with CCT_LOWERING_BUDGET_MB.
+budget likewise with CCT_LOWERING_BUDGET_MB, and winograd with CCT_WINOGRAD.
 """
 import json
 import os
@@ -122,13 +133,14 @@ LOCAL_RANKS_ENVS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 PARTITIONS_ENV = "CCT_PARTITIONS"
 LOWERING_ENV = "CCT_LOWERING"
 BUDGET_ENV = "CCT_LOWERING_BUDGET_MB"
+WINOGRAD_ENV = "CCT_WINOGRAD"
 CACHE_ENV = "CCT_CACHE_DIR"
 TOP_KEYS = ("layers", "default", "share_diffs", "schedule", "priorities", "fusion", "hybrid")
 PRIORITY_KEYS = ("alpha", "beta")
 SCHEDULE_ENV = "CCT_SCHEDULE"
 SCHEDULES = ("sequential", "streams", "tuned", "auto")
 FUSION_ENV = "CCT_FUSION"
-KEYS = ("lowering", "measure", "lowering_budget_mb", "partitions", "threads")
+KEYS = ("lowering", "measure", "lowering_budget_mb", "winograd", "partitions", "threads")
 EVERY_LAYER_KEYS = ("partitions", "threads")       # the keys every layer takes
 
 
@@ -159,6 +171,9 @@ def _check_value(source, where, key, value):
     elif key == "lowering_budget_mb":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise bad("a number of MB > 0")
+    elif key == "winograd":
+        if value not in ("auto", False) and (isinstance(value, bool) or value not in (2, 4)):
+            raise bad('"auto", false, 2 or 4')
     elif key in ("partitions", "threads"):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise bad("an integer >= 1")
@@ -545,6 +560,25 @@ def _budget_mb_from_env(layer):
     return megabytes
 
 
+def _winograd_from_env(layer):
+    value = _env(WINOGRAD_ENV)
+    if not value:
+        return None
+    if value not in ("0", "2", "4", "auto"):
+        raise layer.config_error(WINOGRAD_ENV, f"environment variable must be 0, 2, 4 or auto, got {value!r}")
+    return {"0": False, "auto": "auto"}.get(value) if value in ("0", "auto") else int(value)
+
+
+def _by_precedence(layer, config, key, from_env):
+    """The layer's own entry, then the environment variable, then "default"; None if none."""
+    value = config.layer_value(layer.name, key) if config else None
+    if value is None:
+        value = from_env(layer)
+    if value is None and config:
+        value = config.default_value(key)
+    return value
+
+
 def layer_settings(layer, config=None):
     """{key: value} for the keys `layer` declares in run_settings, by the
     precedence in the module docstring; keys nothing sets are left out."""
@@ -552,22 +586,18 @@ def layer_settings(layer, config=None):
     declared = set(getattr(layer, "run_settings", ()))
     found = {}
     if "lowering" in declared:
-        lowering = config.layer_value(layer.name, "lowering") if config else None
-        if lowering is None:
-            lowering = _lowering_from_env(layer)
-        if lowering is None and config:
-            lowering = config.default_value("lowering")
+        lowering = _by_precedence(layer, config, "lowering", _lowering_from_env)
         if lowering is not None:
             found["lowering"] = lowering
     if "measure" in declared and config and config.value(layer.name, "measure") is not None:
         found["measure"] = config.value(layer.name, "measure")
     if "lowering_budget_mb" in declared:
-        budget = config.layer_value(layer.name, "lowering_budget_mb") if config else None
-        if budget is None:
-            budget = _budget_mb_from_env(layer)
-        if budget is None:
-            budget = (config.default_value("lowering_budget_mb") if config else None) or DEFAULT_BUDGET_MB
-        found["lowering_budget_mb"] = budget
+        found["lowering_budget_mb"] = (_by_precedence(layer, config, "lowering_budget_mb", _budget_mb_from_env)
+                                       or DEFAULT_BUDGET_MB)
+    if "winograd" in declared:
+        setting = _by_precedence(layer, config, "winograd", _winograd_from_env)
+        if setting is not None:
+            found["winograd"] = setting
     return found
 
 

@@ -1,0 +1,404 @@
+"""Winograd convolution F(m x m, 3 x 3) for forwards that never run backward
+(deploy nets: Convolution.runs_backward False), after Lavin and Gray, "Fast
+Algorithms for Convolutional Neural Networks" (2016).
+
+A 3 x 3 kernel at stride 1 (no dilation) makes each m x m block of outputs
+("tile") a function of an alpha x alpha block of input, alpha = m + 2:
+
+    Y = A^T [ U (.) V ] A,   U = G g G^T (alpha x alpha per kernel),
+                             V = B^T d B (alpha x alpha per input tile)
+
+so the (.) products of all tiles and channels are alpha^2 GEMMs,
+M[xi] (O, tiles) = U[xi] (O, C) @ V[xi] (C, tiles): 9 m^2 / alpha^2 times
+fewer multiplications than the direct convolution (2.25x for m = 2, 4x for
+m = 4), with no lowered matrix 9 times the input. What it costs: U is
+alpha^2 / 9 times the weights (1.8x or 4x), read by every GEMM, and the
+transforms are passes over alpha^2 / m^2 times the input and output.
+So it pays on large planes (many tiles per GEMM) and loses on small ones,
+where the GEMMs are few columns wide and bound by reading U: the chooser
+times it against the lowering on the shape itself (cct.lowering.chooser.
+choose_forward) and keeps whichever is faster.
+
+Numbers: the same sums in another order, and the transforms' fractions (1/6,
+1/24 for m = 4) round: the output differs from the direct convolution by a
+few 1e-6 of its largest value (m = 4; less for m = 2), inside the reference
+cases' 1e-4. float32 only; the weights are transformed in float64.
+
+U is cached (TransformedWeights) with a copy of the weights it came from, and
+made again when they differ bit for bit: pycaffe writes weights through
+numpy views (net.params[...][0].data[...] = ...), which no flag sees, so
+every forward compares, a pass over twice the weights' bytes. The chooser's
+timing includes it.
+
+Layout: the image's tiles t = (ty, tx) run along the GEMMs' columns; a block
+of images is transformed at once, its tiles side by side, so that the GEMMs
+are wide enough (BLOCK_COLUMNS) while V and M stay small (BLOCK_BYTES).
+"""
+import threading
+
+import numpy as np
+
+from cct.core.workspace import FRESH
+from cct.devices.jit import kernel
+
+from .geometry import weights_as
+
+# Transform matrices (B^T, G, A^T) per output tile size m, points 0, +-1, +-2
+# (and +-1/2 for m = 6), as in Lavin and Gray and wincnn.
+_TRANSFORMS = {
+    2: ([[1, 0, -1, 0],
+         [0, 1, 1, 0],
+         [0, -1, 1, 0],
+         [0, 1, 0, -1]],
+        [[1, 0, 0],
+         [1 / 2, 1 / 2, 1 / 2],
+         [1 / 2, -1 / 2, 1 / 2],
+         [0, 0, 1]],
+        [[1, 1, 1, 0],
+         [0, 1, -1, -1]]),
+    4: ([[4, 0, -5, 0, 1, 0],
+         [0, -4, -4, 1, 1, 0],
+         [0, 4, -4, -1, 1, 0],
+         [0, -2, -1, 2, 1, 0],
+         [0, 2, -1, -2, 1, 0],
+         [0, 4, 0, -5, 0, 1]],
+        [[1 / 4, 0, 0],
+         [-1 / 6, -1 / 6, -1 / 6],
+         [-1 / 6, 1 / 6, -1 / 6],
+         [1 / 24, 1 / 12, 1 / 6],
+         [1 / 24, -1 / 12, 1 / 6],
+         [0, 0, 1]],
+        [[1, 1, 1, 1, 1, 0],
+         [0, 1, -1, 2, -2, 0],
+         [0, 1, 1, 4, 4, 0],
+         [0, 1, -1, 8, -8, 1]]),
+}
+TILE_SIZES = tuple(sorted(_TRANSFORMS))
+
+# Multiply-adds (x2) of the direct forward below which "auto" keeps the lowering
+# without timing: there a forward takes some 0.1 ms, Winograd's fixed costs
+# (checking the weights, the calls) eat what it saves, and the timing would
+# pick between noise.
+AUTO_MIN_FLOPS = 10 ** 7
+
+BLOCK_COLUMNS = 256            # tiles per block of images, at least (whole images)
+BLOCK_BYTES = 4 * 2 ** 20      # ... while V and M of the block stay within this
+
+
+def transforms(m, dtype=np.float64):
+    """(B^T, G, A^T) for output tiles of m x m."""
+    try:
+        return tuple(np.array(matrix, dtype) for matrix in _TRANSFORMS[m])
+    except KeyError:
+        raise ValueError(f"Winograd output tile must be one of {TILE_SIZES}, got {m!r}") from None
+
+
+def applicable(geom, dtype=np.float32):
+    """Whether a forward of this geometry can run as F(m x m, 3 x 3): a 3 x 3
+    kernel at stride 1 without dilation, float32, something to compute."""
+    return (geom.kernel_h == geom.kernel_w == 3 and geom.stride_h == geom.stride_w == 1
+            and geom.dilation_h == geom.dilation_w == 1 and np.dtype(dtype) == np.float32
+            and not geom.empty and geom.pad_h <= 2 and geom.pad_w <= 2)
+
+
+def worth_timing(geom, batch):
+    """Whether "auto" times Winograd on this shape at all (AUTO_MIN_FLOPS)."""
+    flops = 2 * batch * geom.out_h * geom.out_w * geom.num_output * geom.channels_per_group * 9
+    return flops >= AUTO_MIN_FLOPS
+
+
+def transform_weights(w, m):
+    """U (alpha^2, O, C/group) float32 from w (O, C/group, 3, 3)."""
+    _, g, _ = transforms(m)
+    alpha = g.shape[0]
+    kernels = np.asarray(w, np.float64).reshape(-1, 3, 3)
+    u = g @ kernels @ g.T                                     # (O*Cg, alpha, alpha)
+    u = u.reshape(w.shape[0], w.shape[1], alpha * alpha)
+    return np.ascontiguousarray(u.transpose(2, 0, 1), dtype=np.float32)
+
+
+def held_bytes(w, m):
+    """Bytes a layer holds for Winograd F(m x m, 3 x 3): U and the weights' copy."""
+    return ((m + 2) ** 2 * w.size // 9 + w.size) * 4
+
+
+class TransformedWeights:
+    """U for the weights a layer holds, made again whenever they change (bit
+    for bit: pycaffe writes them through numpy views, which nothing sees).
+    Shared by a layer's batch partitions, which may ask at once."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._source = None            # a copy of the weights U was made from
+        self._made = {}                # m -> U
+
+    def get(self, w, m):
+        with self._lock:
+            if not self._same(w):
+                self._source = np.array(w, copy=True)
+                self._made = {}
+            u = self._made.get(m)
+            if u is None:
+                u = self._made[m] = transform_weights(w, m)
+            return u
+
+    def _same(self, w):
+        source = self._source
+        if source is None or source.shape != w.shape or source.dtype != w.dtype:
+            return False
+        bits = np.dtype(f"u{w.dtype.itemsize}")     # bit for bit: NaN payloads and -0.0 too
+        return np.array_equal(np.ascontiguousarray(w).view(bits), source.view(bits))
+
+    @property
+    def nbytes(self):
+        held = sum(u.nbytes for u in self._made.values())
+        return held + (0 if self._source is None else self._source.nbytes)
+
+
+# --- the transforms (one image's channels, its tiles side by side in the block) --------------------
+# Each kernel gathers a channel's alpha x alpha input blocks (or takes a
+# channel's alpha^2 GEMM results) tile-innermost, so that both halves of a
+# transform run as unit-stride loops over all the channel's tiles at once;
+# only the gather and the final scatter move one value per tile. The
+# formulas are B^T and A^T written out (multiplying by their 0s and 1s
+# through general loops took three times as long).
+_4, _5, _8 = np.float32(4), np.float32(5), np.float32(8)
+
+
+@kernel
+def _gather_tiles(image, c, plane, pad_h, pad_w, m, tiles_h, tiles_w, blocks):
+    """blocks[i, l, ty*tiles_w + tx] = padded image[c][ty*m + i, tx*m + l]
+    (alpha x alpha blocks at stride m); `plane` (tiles_h*m + alpha - m,
+    tiles_w*m + alpha - m) is the zero-framed scratch the image is copied into."""
+    height, width = image.shape[1], image.shape[2]
+    alpha = blocks.shape[0]
+    rows_in = min(height, plane.shape[0] - pad_h)
+    cols_in = min(width, plane.shape[1] - pad_w)
+    for y in range(rows_in):
+        source = image[c, y]
+        target = plane[pad_h + y, pad_w:pad_w + cols_in]
+        for q in range(cols_in):
+            target[q] = source[q]
+    for i in range(alpha):
+        for col in range(alpha):
+            target = blocks[i, col]
+            for ty in range(tiles_h):
+                source = plane[ty * m + i]
+                row = target[ty * tiles_w:(ty + 1) * tiles_w]
+                for tx in range(tiles_w):
+                    row[tx] = source[tx * m + col]
+
+
+@kernel
+def _bt4(d0, d1, d2, d3, d4, d5, r0, r1, r2, r3, r4, r5, count):
+    """r = B^T d for F(4 x 4, 3 x 3), element by element over `count` tiles."""
+    for t in range(count):
+        a0, a1, a2, a3, a4, a5 = d0[t], d1[t], d2[t], d3[t], d4[t], d5[t]
+        r0[t] = _4 * a0 - _5 * a2 + a4
+        r1[t] = -_4 * (a1 + a2) + a3 + a4
+        r2[t] = _4 * (a1 - a2) - a3 + a4
+        r3[t] = (a3 - a1) * 2 - a2 + a4
+        r4[t] = (a1 - a3) * 2 - a2 + a4
+        r5[t] = _4 * a1 - _5 * a3 + a5
+
+
+@kernel
+def _bt2(d0, d1, d2, d3, r0, r1, r2, r3, count):
+    """r = B^T d for F(2 x 2, 3 x 3)."""
+    for t in range(count):
+        a0, a1, a2, a3 = d0[t], d1[t], d2[t], d3[t]
+        r0[t] = a0 - a2
+        r1[t] = a1 + a2
+        r2[t] = a2 - a1
+        r3[t] = a1 - a3
+
+
+@kernel
+def _at4(m0, m1, m2, m3, m4, m5, r0, r1, r2, r3, count):
+    """r = A^T m for F(4 x 4, 3 x 3)."""
+    for t in range(count):
+        a0, a1, a2, a3, a4, a5 = m0[t], m1[t], m2[t], m3[t], m4[t], m5[t]
+        r0[t] = a0 + a1 + a2 + a3 + a4
+        r1[t] = a1 - a2 + (a3 - a4) * 2
+        r2[t] = a1 + a2 + _4 * (a3 + a4)
+        r3[t] = a1 - a2 + _8 * (a3 - a4) + a5
+
+
+@kernel
+def _at2(m0, m1, m2, m3, r0, r1, count):
+    """r = A^T m for F(2 x 2, 3 x 3)."""
+    for t in range(count):
+        a1, a2 = m1[t], m2[t]
+        r0[t] = m0[t] + a1 + a2
+        r1[t] = a1 - a2 - m3[t]
+
+
+@kernel
+def _input_f4(image, pad_h, pad_w, tiles_h, tiles_w, v, first):
+    """V[6j + k, c, first + t] = (B^T d B)[j, k] of every channel c and tile t
+    of `image` (C, H, W), F(4 x 4, 3 x 3)."""
+    count = tiles_h * tiles_w
+    plane = np.zeros((tiles_h * 4 + 2, tiles_w * 4 + 2), np.float32)
+    blocks = np.empty((6, 6, count), np.float32)
+    rows = np.empty((6, 6, count), np.float32)
+    last = first + count
+    for c in range(image.shape[0]):
+        _gather_tiles(image, c, plane, pad_h, pad_w, 4, tiles_h, tiles_w, blocks)
+        for col in range(6):                      # rows[:, col] = B^T blocks[:, col]
+            _bt4(blocks[0, col], blocks[1, col], blocks[2, col], blocks[3, col], blocks[4, col], blocks[5, col],
+                 rows[0, col], rows[1, col], rows[2, col], rows[3, col], rows[4, col], rows[5, col], count)
+        for j in range(6):                        # V[6j:6j + 6] = B^T rows[j]
+            _bt4(rows[j, 0], rows[j, 1], rows[j, 2], rows[j, 3], rows[j, 4], rows[j, 5],
+                 v[6 * j, c, first:last], v[6 * j + 1, c, first:last], v[6 * j + 2, c, first:last],
+                 v[6 * j + 3, c, first:last], v[6 * j + 4, c, first:last], v[6 * j + 5, c, first:last], count)
+
+
+@kernel
+def _input_f2(image, pad_h, pad_w, tiles_h, tiles_w, v, first):
+    """As _input_f4, F(2 x 2, 3 x 3): V[4j + k, c, first + t]."""
+    count = tiles_h * tiles_w
+    plane = np.zeros((tiles_h * 2 + 2, tiles_w * 2 + 2), np.float32)
+    blocks = np.empty((4, 4, count), np.float32)
+    rows = np.empty((4, 4, count), np.float32)
+    last = first + count
+    for c in range(image.shape[0]):
+        _gather_tiles(image, c, plane, pad_h, pad_w, 2, tiles_h, tiles_w, blocks)
+        for col in range(4):
+            _bt2(blocks[0, col], blocks[1, col], blocks[2, col], blocks[3, col],
+                 rows[0, col], rows[1, col], rows[2, col], rows[3, col], count)
+        for j in range(4):
+            _bt2(rows[j, 0], rows[j, 1], rows[j, 2], rows[j, 3], v[4 * j, c, first:last],
+                 v[4 * j + 1, c, first:last], v[4 * j + 2, c, first:last], v[4 * j + 3, c, first:last], count)
+
+
+@kernel
+def _finish_tiles(done, bias, has_bias, slope, has_relu, o, tiles_h, tiles_w, out):
+    """out[o] from done (m, m, tiles): the bias added, the ReLU (cct's ReLU
+    layer: max(v, 0) for slope 0, else v * slope where v <= 0), and each
+    tile's m x m values put in place; tiles that overhang the output write
+    only their part inside it."""
+    m = done.shape[0]
+    count = tiles_h * tiles_w
+    out_h, out_w = out.shape[1], out.shape[2]
+    shift = bias[o] if has_bias else np.float32(0)
+    for i in range(m):
+        for j in range(m):
+            values = done[i, j]
+            if has_bias:
+                for t in range(count):
+                    values[t] += shift
+            if has_relu and slope == 0:
+                for t in range(count):
+                    value = values[t]
+                    values[t] = slope if value <= 0 else value
+            elif has_relu:
+                for t in range(count):
+                    value = values[t]
+                    values[t] = value if value > 0 else value * slope
+    for ty in range(tiles_h):
+        for i in range(m):
+            y = ty * m + i
+            if y >= out_h:
+                break
+            row = out[o, y]
+            for j in range(m):
+                source = done[i, j, ty * tiles_w:(ty + 1) * tiles_w]
+                inside = min(tiles_w, (out_w - j + m - 1) // m)
+                for tx in range(inside):
+                    row[tx * m + j] = source[tx]
+
+
+@kernel
+def _output_f4(product, first, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out):
+    """out (O, OH, OW) of one image from M = product[:, :, first:] (36, O,
+    tiles): Y = A^T M A per tile, F(4 x 4, 3 x 3), then _finish_tiles."""
+    count = tiles_h * tiles_w
+    half = np.empty((4, 6, count), np.float32)
+    done = np.empty((4, 4, count), np.float32)
+    last = first + count
+    for o in range(out.shape[0]):
+        for col in range(6):                      # half[:, col] = A^T M[col::6]
+            _at4(product[col, o, first:last], product[6 + col, o, first:last], product[12 + col, o, first:last],
+                 product[18 + col, o, first:last], product[24 + col, o, first:last],
+                 product[30 + col, o, first:last], half[0, col], half[1, col], half[2, col], half[3, col], count)
+        for i in range(4):                        # done[i] = A^T half[i]
+            _at4(half[i, 0], half[i, 1], half[i, 2], half[i, 3], half[i, 4], half[i, 5],
+                 done[i, 0], done[i, 1], done[i, 2], done[i, 3], count)
+        _finish_tiles(done, bias, has_bias, slope, has_relu, o, tiles_h, tiles_w, out)
+
+
+@kernel
+def _output_f2(product, first, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out):
+    """As _output_f4, F(2 x 2, 3 x 3): M = product[:, :, first:] (16, O, tiles)."""
+    count = tiles_h * tiles_w
+    half = np.empty((2, 4, count), np.float32)
+    done = np.empty((2, 2, count), np.float32)
+    last = first + count
+    for o in range(out.shape[0]):
+        for col in range(4):
+            _at2(product[col, o, first:last], product[4 + col, o, first:last], product[8 + col, o, first:last],
+                 product[12 + col, o, first:last], half[0, col], half[1, col], count)
+        for i in range(2):
+            _at2(half[i, 0], half[i, 1], half[i, 2], half[i, 3], done[i, 0], done[i, 1], count)
+        _finish_tiles(done, bias, has_bias, slope, has_relu, o, tiles_h, tiles_w, out)
+
+
+_INPUT = {2: _input_f2, 4: _input_f4}
+_OUTPUT = {2: _output_f2, 4: _output_f4}
+
+
+# --- a forward --------------------------------------------------------------------------------------
+def tile_counts(geom, m):
+    return -(-geom.out_h // m), -(-geom.out_w // m)
+
+
+def block_images(geom, m, batch):
+    """Images transformed together: enough for BLOCK_COLUMNS tiles, as few as
+    keep V and M of the block within BLOCK_BYTES (at least one)."""
+    tiles_h, tiles_w = tile_counts(geom, m)
+    per_image = tiles_h * tiles_w
+    alpha = m + 2
+    bytes_per_image = alpha * alpha * (geom.channels + geom.num_output) * per_image * 4
+    wanted = -(-BLOCK_COLUMNS // per_image)
+    fits = max(1, BLOCK_BYTES // bytes_per_image)
+    return int(max(1, min(batch, wanted, fits)))
+
+
+def slot_bytes(geom, m, batch):
+    """{slot: bytes} one forward asks its workspace for."""
+    tiles_h, tiles_w = tile_counts(geom, m)
+    columns = block_images(geom, m, batch) * tiles_h * tiles_w
+    alpha2 = (m + 2) ** 2
+    return {"winograd_input": alpha2 * geom.channels * columns * 4,
+            "winograd_product": alpha2 * geom.num_output * columns * 4}
+
+
+def forward(x, u, geom, m, out=None, ws=FRESH, bias=None, relu=None):
+    """y (N, O, OH, OW) = conv(x, w) + bias, then a ReLU of negative slope
+    `relu` when given, by F(m x m, 3 x 3) from U = transform_weights(w, m)."""
+    n = x.shape[0]
+    alpha = m + 2
+    tiles_h, tiles_w = tile_counts(geom, m)
+    per_image = tiles_h * tiles_w
+    y = np.empty(geom.output_shape(n), x.dtype) if out is None else out
+    x = np.ascontiguousarray(x)
+    has_bias = bias is not None
+    bias_values = np.ascontiguousarray(weights_as(bias, np.float32)) if has_bias else np.zeros(0, np.float32)
+    slope = np.float32(relu or 0)
+    group, cg, og = geom.group, geom.channels_per_group, geom.outputs_per_group
+    step = block_images(geom, m, n)
+    ws.plan(slot_bytes(geom, m, step))
+    for start in range(0, n, step):
+        images = min(step, n - start)
+        columns = images * per_image
+        v = ws.empty("winograd_input", (alpha * alpha, geom.channels, columns), np.float32)
+        product = ws.empty("winograd_product", (alpha * alpha, geom.num_output, columns), np.float32)
+        for k in range(images):
+            _INPUT[m](x[start + k], geom.pad_h, geom.pad_w, tiles_h, tiles_w, v, k * per_image)
+        for g in range(group):
+            np.matmul(u[:, g * og:(g + 1) * og], v[:, g * cg:(g + 1) * cg], out=product[:, g * og:(g + 1) * og])
+        target = y[start:start + images]
+        for k in range(images):
+            _OUTPUT[m](product, k * per_image, tiles_h, tiles_w, bias_values, has_bias, slope, relu is not None,
+                       target[k])
+    return y

@@ -1,0 +1,238 @@
+"""cct.lowering.winograd: the transforms against the direct convolution, the
+cached transformed weights, the chooser's timed choice and the Convolution
+layer's use of it (forward-only nets, the run settings)."""
+import json
+
+import numpy as np
+import pytest
+
+import cct
+from cct.core.errors import ConfigError
+from cct.lowering import ConvGeometry, chooser, reference, winograd
+from cct.core.workspace import Arena
+from cct.runtime import settings
+from cct.testing.gradient_check import make_layer, setup_layer
+
+RNG = np.random.default_rng(17)
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(chooser, "cache_folder", lambda: str(tmp_path))
+    monkeypatch.delenv("CCT_WINOGRAD", raising=False)
+    monkeypatch.delenv("CCT_LOWERING", raising=False)
+    chooser.clear_memory_cache()
+    yield tmp_path
+    chooser.clear_memory_cache()
+
+
+@pytest.mark.parametrize("m", winograd.TILE_SIZES)
+def test_the_transforms_compute_a_correlation(m):
+    """A^T [(G g G^T) . (B^T d B)] A is the valid 3 x 3 correlation of an
+    alpha x alpha block, in float64 to rounding."""
+    bt, g, at = winograd.transforms(m)
+    alpha = m + 2
+    for _ in range(5):
+        d, kernel = RNG.standard_normal((alpha, alpha)), RNG.standard_normal((3, 3))
+        y = at @ ((g @ kernel @ g.T) * (bt @ d @ bt.T)) @ at.T
+        expected = [[np.sum(d[i:i + 3, j:j + 3] * kernel) for j in range(m)] for i in range(m)]
+        np.testing.assert_allclose(y, expected, rtol=1e-12, atol=1e-12)
+
+
+GEOMETRIES = [ConvGeometry(3, 5, 9, 9, 3, 3, pad_h=1, pad_w=1),          # 9 = 2 tiles of 4 + 1
+              ConvGeometry(4, 6, 8, 11, 3, 3),                           # no padding, uneven sides
+              ConvGeometry(2, 3, 5, 7, 3, 3, pad_h=2, pad_w=1),
+              ConvGeometry(6, 4, 13, 13, 3, 3, pad_h=1, pad_w=1, group=2),
+              ConvGeometry(8, 8, 3, 3, 3, 3, pad_h=0, pad_w=2),          # one output row
+              ConvGeometry(1, 2, 1, 1, 3, 3, pad_h=1, pad_w=1)]          # 1 x 1 image
+
+
+def _case(geom, batch):
+    rng = np.random.default_rng([geom.channels, geom.num_output, geom.in_h, geom.in_w, geom.pad_h, batch])
+    x = rng.standard_normal(geom.input_shape(batch)).astype(np.float32)
+    w = rng.standard_normal(geom.weight_shape).astype(np.float32)
+    bias = rng.standard_normal(geom.num_output).astype(np.float32)
+    exact = reference.forward(x.astype(np.float64), w.astype(np.float64), geom)
+    return x, w, bias, exact + bias.reshape(1, -1, 1, 1)
+
+
+# Largest error over the output's largest value: 4e-7 (m = 2) and 5.5e-6 (m = 4)
+# over 40 random shapes of up to 64 channels; the fractions of F(4 x 4, 3 x 3)'s
+# transforms (1/6, 1/24) round.
+TOLERANCE = {2: 2e-6, 4: 2e-5}
+
+
+def _close(actual, expected, scale=None, m=4):
+    scale = np.abs(expected).max() if scale is None else scale
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=TOLERANCE[m] * max(scale, 1e-30))
+
+
+@pytest.mark.parametrize("m", winograd.TILE_SIZES)
+@pytest.mark.parametrize("geom", GEOMETRIES, ids=str)
+def test_forward_matches_the_direct_convolution(geom, m):
+    x, w, bias, expected = _case(geom, 3)
+    u = winograd.transform_weights(w, m)
+    y = winograd.forward(x, u, geom, m, bias=bias)
+    assert y.shape == expected.shape and y.dtype == np.float32
+    _close(y, expected, m=m)
+    out = np.full(expected.shape, np.nan, np.float32)
+    assert winograd.forward(x, u, geom, m, out=out, ws=Arena()) is out
+    _close(out, expected - bias.reshape(1, -1, 1, 1), np.abs(expected).max(), m)
+
+
+@pytest.mark.parametrize("slope", [0.0, 0.25])
+def test_forward_applies_the_relu_as_the_layer_does(slope):
+    geom = GEOMETRIES[0]
+    x, w, bias, expected = _case(geom, 2)
+    y = winograd.forward(x, winograd.transform_weights(w, 4), geom, 4, bias=bias, relu=slope)
+    relu = np.where(expected > 0, expected, expected * slope)
+    _close(y, relu, np.abs(expected).max())
+    assert (y[expected < -1e-3] == 0).all() if slope == 0 else (y[expected < -1e-3] < 0).all()
+
+
+def test_blocks_of_images_give_the_whole_batch(monkeypatch):
+    """Several blocks (BLOCK_COLUMNS small) and a last, shorter one."""
+    geom = GEOMETRIES[0]
+    x, w, bias, _ = _case(geom, 5)
+    u = winograd.transform_weights(w, 2)
+    whole = winograd.forward(x, u, geom, 2, bias=bias)
+    monkeypatch.setattr(winograd, "BLOCK_COLUMNS", 40)            # 2 images of 25 tiles per block
+    assert winograd.block_images(geom, 2, 5) == 2
+    np.testing.assert_array_equal(winograd.forward(x, u, geom, 2, bias=bias, ws=Arena()), whole)
+
+
+def test_applicable_shapes():
+    assert winograd.applicable(ConvGeometry(2, 2, 8, 8, 3, 3, pad_h=1, pad_w=1))
+    for geom in (ConvGeometry(2, 2, 8, 8, 3, 3, stride_h=2, stride_w=2),
+                 ConvGeometry(2, 2, 8, 8, 5, 5), ConvGeometry(2, 2, 8, 8, 3, 1),
+                 ConvGeometry(2, 2, 8, 8, 3, 3, dilation_h=2, dilation_w=2),
+                 ConvGeometry(2, 2, 8, 8, 3, 3, pad_h=3, pad_w=3), ConvGeometry(0, 2, 8, 8, 3, 3)):
+        assert not winograd.applicable(geom), geom
+    assert not winograd.applicable(ConvGeometry(2, 2, 8, 8, 3, 3), np.float64)
+    with pytest.raises(ValueError, match="tile must be one of"):
+        winograd.transforms(3)
+
+
+def test_transformed_weights_follow_writes_through_views():
+    w = RNG.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    cache = winograd.TransformedWeights()
+    first = cache.get(w, 4)
+    assert cache.get(w, 4) is first                           # unchanged: not made again
+    np.testing.assert_array_equal(first, winograd.transform_weights(w, 4))
+    w[1, 2, 0, 0] += 1                                        # a write no flag sees
+    second = cache.get(w, 4)
+    assert second is not first
+    np.testing.assert_array_equal(second, winograd.transform_weights(w, 4))
+    w[0, 0, 0, 0] = -0.0 if w[0, 0, 0, 0] == 0 else 0.0       # bit for bit, -0.0 too
+    assert cache.get(w, 4) is not second
+    assert cache.nbytes == first.nbytes + w.nbytes
+
+
+# --- the chooser ------------------------------------------------------------------------------------
+def test_timed_choice_is_cached_per_shape(cache_dir, monkeypatch):
+    geom = ConvGeometry(8, 8, 28, 28, 3, 3, pad_h=1, pad_w=1)
+    monkeypatch.setattr(chooser, "measure_forward", lambda geom, batch, kind, dtype: {0: 2.0, 2: 1.0, 4: 1.5})
+    assert chooser.choose_forward(geom, 1, 1) == 2
+    chooser.clear_memory_cache()
+    monkeypatch.setattr(chooser, "measure_forward", lambda *args: pytest.fail("timed twice"))
+    assert chooser.choose_forward(geom, 1, 1) == 2
+    choices = json.loads((cache_dir / "lowering.json").read_text())["choices"]
+    assert list(choices.values()) == [{"winograd": 2, "seconds": {"0": 2.0, "2": 1.0, "4": 1.5}}]
+
+
+def test_measure_forward_times_the_lowering_and_each_tile_size():
+    seconds = chooser.measure_forward(ConvGeometry(3, 4, 10, 10, 3, 3, pad_h=1, pad_w=1), 2, 1, repeats=1)
+    assert sorted(seconds) == [0] + list(winograd.TILE_SIZES) and all(s > 0 for s in seconds.values())
+
+
+# --- the layer --------------------------------------------------------------------------------------
+DEPLOY = """
+name: "deploy"
+input: "data" input_shape { dim: 2 dim: 4 dim: 12 dim: 12 }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 6 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.3 }
+                            bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+layer { name: "pool" type: "Pooling" bottom: "conv" top: "pool" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+"""
+
+
+def _deploy(tmp_path, contents, winograd_setting=None):
+    path = tmp_path / "deploy.prototxt"
+    path.write_text(DEPLOY)
+    if winograd_setting is not None:
+        (tmp_path / "run.json").write_text(json.dumps({"default": {"winograd": winograd_setting}}))
+        settings.load(str(tmp_path / "run.json"))
+    try:
+        cct.set_random_seed(3)
+        net = cct.Net(str(path), cct.TEST)
+    finally:
+        settings.load(None)
+    net.blobs["data"].data[...] = contents
+    return net
+
+
+@pytest.mark.parametrize("m", winograd.TILE_SIZES)
+def test_a_deploy_net_runs_winograd_where_asked_and_agrees(tmp_path, m):
+    contents = RNG.standard_normal((2, 4, 12, 12)).astype(np.float32)
+    fast, plain = _deploy(tmp_path, contents, m), _deploy(tmp_path, contents, False)
+    assert fast.layer_dict["conv"].winograd_tile == m and plain.layer_dict["conv"].winograd_tile == 0
+    _close(fast.forward()["pool"], plain.forward()["pool"], m=m)
+    _close(fast.blobs["conv"].data, plain.blobs["conv"].data, m=m)    # the ReLU ran in Winograd's output pass
+    # Weights written through a numpy view take effect at the next forward.
+    for net in (fast, plain):
+        net.params["conv"][0].data[2] *= -3
+        net.params["conv"][1].data[...] = -0.5
+    _close(fast.forward()["pool"], plain.forward()["pool"], m=m)
+
+
+def test_auto_times_only_forward_only_shapes_worth_it(tmp_path, monkeypatch):
+    asked = []
+    monkeypatch.setattr(chooser, "choose_forward", lambda geom, batch, kind, dtype: asked.append(batch) or 4)
+    monkeypatch.setattr(winograd, "AUTO_MIN_FLOPS", 1)
+    contents = RNG.standard_normal((2, 4, 12, 12)).astype(np.float32)
+    net = _deploy(tmp_path, contents)
+    assert net.layer_dict["conv"].winograd_tile == 4 and asked
+    monkeypatch.setattr(winograd, "AUTO_MIN_FLOPS", 10 ** 9)
+    asked.clear()
+    assert _deploy(tmp_path, contents).layer_dict["conv"].winograd_tile == 0 and not asked
+
+
+def test_a_forced_lowering_or_a_backward_keeps_auto_off(tmp_path, monkeypatch):
+    monkeypatch.setattr(chooser, "choose_forward", lambda *args: pytest.fail("timed"))
+    monkeypatch.setattr(winograd, "AUTO_MIN_FLOPS", 1)
+    monkeypatch.setenv("CCT_LOWERING", "2")
+    contents = RNG.standard_normal((2, 4, 12, 12)).astype(np.float32)
+    assert _deploy(tmp_path, contents).layer_dict["conv"].winograd_tile == 0
+    assert _deploy(tmp_path, contents, 4).layer_dict["conv"].winograd_tile == 4   # asked for by name
+    layer = make_layer('type: "Convolution" convolution_param { num_output: 2 kernel_size: 3 pad: 1 }')
+    setup_layer(layer, [np.zeros((1, 2, 8, 8), np.float32)])
+    layer.configure({"winograd": 4})                         # runs_backward, as a layer alone
+    assert layer.winograd_tile == 0
+
+
+def test_the_memory_plan_counts_the_transformed_weights(tmp_path):
+    net = _deploy(tmp_path, 0, 4)
+    layer = net.layer_dict["conv"]
+    index = net.layers.index(layer)
+    needs = layer.planned_bytes(net.bottom_vecs[index], net.top_vecs[index], 1)
+    weights = layer.blobs[0].data
+    assert needs["held"] == winograd.held_bytes(weights, 4) == (4 * weights.size + weights.size) * 4
+    assert needs["lowering"] == sum(winograd.slot_bytes(layer.geom, 4, 2).values())
+
+
+@pytest.mark.parametrize("value", ["fast", 3, True])
+def test_bad_settings_name_the_key(tmp_path, value):
+    (tmp_path / "run.json").write_text(json.dumps({"layers": {"conv": {"winograd": value}}}))
+    with pytest.raises(ConfigError, match=r"run.json: layers.conv.winograd: must be \"auto\", false, 2 or 4"):
+        settings.load(str(tmp_path / "run.json"))
+
+
+def test_bad_environment_value_names_the_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("CCT_WINOGRAD", "8")
+    with pytest.raises(ConfigError, match="CCT_WINOGRAD: environment variable must be 0, 2, 4 or auto"):
+        _deploy(tmp_path, 0)
+    monkeypatch.setenv("CCT_WINOGRAD", "0")
+    monkeypatch.setattr(winograd, "AUTO_MIN_FLOPS", 1)
+    monkeypatch.setattr(chooser, "choose_forward", lambda *args: pytest.fail("timed"))
+    assert _deploy(tmp_path, 0).layer_dict["conv"].winograd_tile == 0
