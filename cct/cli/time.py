@@ -258,7 +258,8 @@ def profile_table(net, forward_ms, backward_ms, peak, bandwidth=None):
     counts), the share of the GEMM peak (forward and backward together), its
     limit on this machine (FLOPs at the GEMM peak or bytes at the memory
     bandwidth, whichever is longer) and its time over that limit, the
-    lowering type of convolutions and the batch partitions; then the net's
+    lowering type of convolutions (W2, W4: Winograd's tile size, for a
+    forward its net never runs backward) and the batch partitions; then the net's
     total and the ops furthest from their limits."""
     from cct.runtime import profile
     flops = profile.net_flops(net, every_backward=True)
@@ -280,7 +281,7 @@ def profile_table(net, forward_ms, backward_ms, peak, bandwidth=None):
                      cell(rate(bwd_flops, bwd), ".1f"),
                      cell(100 * both / peak if both is not None and peak else None, ".0f"),
                      cell(limit, ".3g"), cell((fwd + bwd) / limit if limit else None, ".1f"),
-                     str(getattr(layer, "lowering_type", "-")), str(net.executor.partitions(i))))
+                     _algorithm(layer), str(net.executor.partitions(i))))
     total_flops = sum(f + b for f, b in flops)
     total_ms = float(np.sum(forward_ms) + np.sum(backward_ms))
     total = rate(total_flops, total_ms)
@@ -294,6 +295,13 @@ def profile_table(net, forward_ms, backward_ms, peak, bandwidth=None):
     if limits:
         lines += furthest_from_limits(net, forward_ms, backward_ms, limits, bandwidth)
     return lines + fewer_partitions(net)
+
+
+def _algorithm(layer):
+    """A convolution's lowering type, or "W2"/"W4" where its forward runs
+    Winograd F(2x2, 3x3) / F(4x4, 3x3) (cct.lowering.winograd); "-" elsewhere."""
+    tile = getattr(layer, "winograd_tile", 0)
+    return f"W{tile}" if tile else str(getattr(layer, "lowering_type", "-"))
 
 
 def furthest_from_limits(net, forward_ms, backward_ms, limits, bandwidth, count=5):

@@ -228,3 +228,23 @@ def test_time_times_recurrent_layers_with_their_flops(tmp_path, capsys):
     assert rows["lstm"][1] == "LSTM" and rows["rnn"][1] == "RNN"
     expected = (7680 + 12288) + (7680 + 2 * 12288) + (768 + 192 + 192) + (768 + 768 + 2 * 384)
     assert any(m.startswith(f"Net: {expected / 1e9:.4g} GFLOP per forward-backward") for m in text)
+
+
+def test_time_names_a_winograd_forward(tmp_path, capsys, monkeypatch):
+    """A convolution its net never runs backward, on Winograd (CCT_WINOGRAD=4):
+    its lowering column says W4; a convolution that runs backward lowers."""
+    path = tmp_path / "deploy.prototxt"
+    path.write_text("""
+input: "data" input_shape { dim: 2 dim: 3 dim: 10 dim: 10 }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 4 kernel_size: 3 pad: 1 } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+""")
+    monkeypatch.setenv("CCT_WINOGRAD", "4")
+    code, _, err = run_cct(capsys, "time", "--model", path, "--iterations", "1", "--peak_size", "0",
+                           "--phase", "TEST")
+    assert code == 0, err
+    text = messages(err)
+    start = next(i for i, m in enumerate(text) if m.startswith("Profile per layer"))
+    rows = {m.split()[0]: m.split() for m in text[start + 2:] if m.split() and m.split()[0] in ("conv", "relu")}
+    assert rows["conv"][-2] == "W4"

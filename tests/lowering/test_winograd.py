@@ -140,6 +140,15 @@ def test_timed_choice_is_cached_per_shape(cache_dir, monkeypatch):
     assert list(choices.values()) == [{"winograd": 2, "seconds": {"0": 2.0, "2": 1.0, "4": 1.5}}]
 
 
+def test_winograd_is_kept_only_where_clearly_faster(cache_dir, monkeypatch):
+    geom = ConvGeometry(8, 8, 28, 28, 3, 3, pad_h=1, pad_w=1)
+    near = 1.0 * chooser.CLEARLY_FASTER + 0.01
+    monkeypatch.setattr(chooser, "measure_forward", lambda geom, batch, kind, dtype: {0: 1.0, 2: near, 4: 2.0})
+    assert chooser.choose_forward(geom, 1, 1) == 0
+    monkeypatch.setattr(chooser, "measure_forward", lambda geom, batch, kind, dtype: {0: 1.0, 2: 0.9, 4: 0.8})
+    assert chooser.choose_forward(geom, 2, 1) == 4
+
+
 def test_measure_forward_times_the_lowering_and_each_tile_size():
     seconds = chooser.measure_forward(ConvGeometry(3, 4, 10, 10, 3, 3, pad_h=1, pad_w=1), 2, 1, repeats=1)
     assert sorted(seconds) == [0] + list(winograd.TILE_SIZES) and all(s > 0 for s in seconds.values())

@@ -1,0 +1,116 @@
+"""Deploy forward with and without Winograd (cct.lowering.winograd), side by
+side in one process: the same deploy net and seeded weights built twice, with
+the run setting "winograd" left at "auto" (each 3 x 3 convolution at stride 1
+times Winograd against its lowering on its shape, once per machine, and keeps
+the fastest) and at false (every convolution lowers). Rounds alternate the
+order (A B, then B A): in one order the second of two identical nets took
+up to 13% longer here, so a fixed order would bias the ratio. Each timed
+forward waits SETTLE_SECONDS first, as bench_deploy.py does.
+
+    python bench/bench_winograd.py [--nets caffenet,googlenet,resnet50] [--batches 1,16] [--rounds 8]
+                                   [--per-layer]
+
+Prints per net and batch both medians, their ratio, how far the outputs
+agree, and which convolutions run Winograd (W2 / W4: the tile size).
+Whole forwards of two nets differ by more than the effect on this host (two
+identical nets: 0.88x-1.13x), so --per-layer times, in the first net alone,
+the forwards of the layers "auto" put on Winograd, switching them between
+Winograd and their lowering every other forward (no wait between forwards):
+each such layer's median both ways, and their sums.
+"""
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from bench_deploy import cct_net, logits_layer, run_cct, timed  # noqa: E402
+
+
+def without_winograd(prototxt, weights):
+    import cct
+    from cct.runtime import settings
+    settings.load(settings.RunConfig({"default": {"winograd": False}}, "bench_winograd"))
+    try:
+        return cct.Net(prototxt, cct.TEST, weights=weights)
+    finally:
+        settings.load(None)
+
+
+def compare(name, batch, rounds, folder):
+    with_it, prototxt, weights, size = cct_net(name, batch, folder)
+    nets = {"with": with_it, "without": without_winograd(prototxt, weights)}
+    images = np.random.default_rng(1).normal(0, 50, (batch, 3, size, size)).astype(np.float32)
+    layer = logits_layer(with_it)
+    outputs = {key: run_cct(net, images, layer).copy() for key, net in nets.items()}
+    times = {key: [] for key in nets}
+    for index in range(rounds):
+        order = ("with", "without") if index % 2 == 0 else ("without", "with")
+        for key in order:
+            times[key].append(timed(run_cct, nets[key], images, layer)[0])
+    medians = {key: 1e3 * statistics.median(values) for key, values in times.items()}
+    agree = float(np.abs(outputs["with"] - outputs["without"]).max() / np.abs(outputs["without"]).max())
+    tiles = [f"{l.name} W{l.winograd_tile}" for l in with_it.layers if getattr(l, "winograd_tile", 0)]
+    return medians, agree, tiles
+
+
+def per_layer(name, batch, rounds, folder):
+    """{layer name: (median ms on Winograd, median ms lowered)} in one net."""
+    import time
+    net, _, _, size = cct_net(name, batch, folder)
+    net.blobs["data"].data[...] = np.random.default_rng(1).normal(0, 50, (batch, 3, size, size))
+    chosen = {l.name: l for l in net.layers if getattr(l, "winograd_tile", 0)}
+    tiles = {lname: layer.winograd_tile for lname, layer in chosen.items()}
+    times = {(lname, on): [] for lname in chosen for on in (True, False)}
+    for lname, layer in chosen.items():
+        forward = layer.forward
+
+        def timed_forward(bottom, top, forward=forward, lname=lname, layer=layer):
+            start = time.perf_counter()
+            forward(bottom, top)
+            times[(lname, bool(layer._winograd_m))].append(time.perf_counter() - start)
+        layer.forward = timed_forward
+    for index in range(2 * rounds):
+        on = index % 2 == 0
+        for lname, layer in chosen.items():
+            layer._winograd_m = tiles[lname] if on else 0       # the choice stays, its use flips
+        net.forward()
+    return {lname: tuple(1e3 * statistics.median(times[(lname, on)][1:]) for on in (True, False))
+            for lname in chosen}, tiles
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nets", default="caffenet,googlenet,resnet50")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--per-layer", action="store_true", help="time the Winograd layers in one net, both ways")
+    args = parser.parse_args()
+    p = common.print_flush
+    p(common.machine_line())
+    with tempfile.TemporaryDirectory() as folder:
+        for name in args.nets.split(","):
+            for batch in (int(b) for b in args.batches.split(",")):
+                if args.per_layer:
+                    found, tiles = per_layer(name, batch, args.rounds, folder)
+                    for lname, (on, off) in found.items():
+                        p(f"  {name} batch {batch} {lname} W{tiles[lname]}: {on:.3f} ms, lowered {off:.3f} ms, "
+                          f"{on / off:.3f}")
+                    total_on, total_off = (sum(v[k] for v in found.values()) for k in (0, 1))
+                    if found:
+                        p(f"{name} batch {batch}: {len(found)} layers on Winograd {total_on:.2f} ms, lowered "
+                          f"{total_off:.2f} ms, {total_on / total_off:.3f}")
+                    continue
+                medians, agree, tiles = compare(name, batch, args.rounds, folder)
+                p(f"{name} batch {batch}: with Winograd {medians['with']:.1f} ms, without {medians['without']:.1f} ms, "
+                  f"with / without {medians['with'] / medians['without']:.3f}; outputs agree to {agree:.1e} of "
+                  f"the largest; {len(tiles)} on Winograd: {', '.join(tiles) or '-'}")
+    p(f"load after the runs: {common.load_average():.2f}")
+
+
+if __name__ == "__main__":
+    main()
