@@ -2,7 +2,8 @@
 
 MAX and AVE run as compiled kernels (cct.devices.jit), one call per layer
 pass: MAX's forward finds a block of planes' window maxima and their argmax
-in one sweep, AVE's forward sums and divides by Caffe's divisor in one sweep,
+in one sweep (the maxima alone where the net never runs the layer's
+backward and there is no mask top: GoogLeNet's 13 at batch 1, 0.86x the time), AVE's forward sums and divides by Caffe's divisor in one sweep,
 AVE's backward spreads in one. MAX's backward is a scatter, one add per
 output at its winner: the sweep of KH*KW runs described below, a compare and
 an add per window cell, measured 6x slower there. The numpy passes the
@@ -157,10 +158,15 @@ def _block_phases(x, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, out_h
 
 
 @kernel
-def _keep_larger(candidate, label, best, where):
-    """Where candidate[t] > best[t]: take it, and `label` as its winner (the
-    running max over a window's cells, in window order: the first of equal
-    values stays, as in Caffe)."""
+def _keep_larger(candidate, label, best, where, track):
+    """Where candidate[t] > best[t]: take it, and with `track` `label` as its
+    winner (the running max over a window's cells, in window order: the first
+    of equal values stays, as in Caffe)."""
+    if not track:
+        for t in range(best.shape[0]):
+            v, b = candidate[t], best[t]
+            best[t] = v if v > b else b
+        return
     for t in range(best.shape[0]):
         v, b = candidate[t], best[t]
         better = v > b
@@ -169,11 +175,12 @@ def _keep_larger(candidate, label, best, where):
 
 
 @kernel
-def _max_forward(x, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, block_cells, value, winner):
+def _max_forward(x, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, block_cells, track, value, winner):
     """value (P, PH, PW) = the window maxima of x (P, H, W), winner the offset
     i*KW + j of each window's first maximum in scan order (Caffe's loop: start
     at -FLT_MAX, take a cell strictly greater), -1 where no cell is above
-    -FLT_MAX (padding, NaN and -inf never win)."""
+    -FLT_MAX (padding, NaN and -inf never win). Without `track` (a forward no
+    backward follows) the winners are not found and `winner` is not written."""
     planes, h, w = x.shape
     _, out_h, out_w = value.shape
     rows, phase_w, block = _block_geometry(kernel_h, kernel_w, stride_h, stride_w, out_h, out_w, block_cells)
@@ -205,11 +212,17 @@ def _max_forward(x, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, block_
             row_where_t[:] = -1
             for j in range(kernel_w):
                 start = j // stride_w
-                _keep_larger(phases[j % stride_w, start:start + count], winner.dtype.type(j), row_best_t, row_where_t)
+                _keep_larger(phases[j % stride_w, start:start + count], winner.dtype.type(j), row_best_t, row_where_t,
+                             track)
             for i in range(kernel_h):
                 k = winner.dtype.type(i * kernel_w)
                 row = row_best[i * phase_w:i * phase_w + span]
                 column = row_where[i * phase_w:i * phase_w + span]
+                if not track:
+                    for t in range(span):
+                        v, b = row[t], best_t[t]
+                        best_t[t] = v if v > b else b
+                    continue
                 for t in range(span):
                     v, b = row[t], best_t[t]
                     better = v > b
@@ -220,7 +233,7 @@ def _max_forward(x, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, block_
                 for j in range(kernel_w):
                     start = i * phase_w + j // stride_w
                     _keep_larger(phases[j % stride_w, start:start + span], winner.dtype.type(i * kernel_w + j),
-                                 best_t, where_t)
+                                 best_t, where_t, track)
         out_value = value[first:last].reshape((last - first) * out_h * out_w)
         out_winner = winner[first:last].reshape((last - first) * out_h * out_w)
         for p in range(last - first):
@@ -229,7 +242,9 @@ def _max_forward(x, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, block_
                 o = _U((p * out_h + oh) * out_w)
                 for ow in range(_U(out_w)):
                     out_value[o + ow] = best_t[t + ow]
-                    out_winner[o + ow] = where_t[t + ow]
+                if track:
+                    for ow in range(_U(out_w)):
+                        out_winner[o + ow] = where_t[t + ow]
 
 
 @kernel
@@ -652,7 +667,9 @@ class Pooling(Layer):
             self.winner = None
             return
         if self.pool == MAX:
-            self.winner = self._max(x, top[0].data)
+            # The winners are for a backward and the mask top: a forward the net
+            # never follows with this layer's backward finds the maxima alone.
+            self.winner = self._max(x, top[0].data, self.runs_backward or len(top) > 1)
             if len(top) > 1:
                 top[1].data[...] = self._mask(self.winner)
         elif self.pool == AVE:
@@ -662,13 +679,15 @@ class Pooling(Layer):
         else:
             top[0].data[...] = self._stochastic_weighted(x)
 
-    def _max(self, x, value):
+    def _max(self, x, value, track=True):
         """Fill `value` (N, C, PH, PW) with the window maxima; return where each
         is, as the kernel offset i*KW + j of the first maximum in scan order (for
         a whole-image window that is the flat index h*W + w), -1 for a window
         with nothing above -FLT_MAX: such a window keeps Caffe's initial -FLT_MAX
         and gets no gradient. Kept for backward in the smallest integer that
-        holds KH*KW: a byte for kernels up to 11 x 11."""
+        holds KH*KW: a byte for kernels up to 11 x 11. Without `track` the
+        general kernel finds the maxima alone and None is returned (the other
+        paths find both, at little cost)."""
         n, c, h, w = x.shape
         area = self.kernel[0] * self.kernel[1]
         offset_type = np.int8 if area <= 127 else np.int16 if area <= 32767 else np.int32
@@ -680,8 +699,9 @@ class Pooling(Layer):
             elif self._tiles_2x2(x):
                 self._run(_max_forward_2x2, [_planes(x)], [], [_planes(value, True), _planes(winner, True)])
             else:
-                self._run(_max_forward, [_planes(x)], [*self.kernel, *self.stride, *self.pad, BLOCK_CELLS],
+                self._run(_max_forward, [_planes(x)], [*self.kernel, *self.stride, *self.pad, BLOCK_CELLS, track],
                           [_planes(value, True), _planes(winner, True)])
+                return winner if track else None
             return winner
         if self.whole_image:
             flat = x.reshape(n, c, h * w)

@@ -434,6 +434,26 @@ def test_kernels_equal_numpy_passes(monkeypatch, fields, shape, method, dtype):
             np.testing.assert_array_equal(compiled[-1], caffe)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("fields,shape", KERNEL_CASES)
+def test_a_forward_no_backward_follows_gives_the_same_maxima(fields, shape, dtype):
+    """A MAX layer its net never runs backward (runs_backward False, no mask
+    top) finds the maxima without their winners: bit for bit the same values,
+    with ties, NaN, infinities and windows of padding only."""
+    x = RNG.standard_normal(shape).astype(dtype)
+    x[0, 0, 0, :2] = x[0, 0, 1, 0]
+    x.flat[3], x.flat[-1], x.flat[-2] = np.nan, -np.inf, np.inf
+    prototxt = f'type: "Pooling" pooling_param {{ pool: MAX {fields} }}'
+    tracked = forward_in(x, prototxt)[0].data
+    layer = make_layer(prototxt, cct.TEST)
+    layer.runs_backward = False
+    bottoms, tops = setup_layer(layer, [x], dtype=dtype)
+    layer.forward(bottoms, tops)
+    np.testing.assert_array_equal(tops[0].data, tracked)
+    general = not (layer.whole_image or layer._tiles_2x2(x))
+    assert (layer.winner is None) == general
+
+
 def test_whole_image_average_sums_in_caffe_order():
     x = RNG.standard_normal((2, 3, 7, 7)).astype(np.float32) * 1000
     tops = forward_in(x, 'type: "Pooling" pooling_param { pool: AVE global_pooling: true }')
