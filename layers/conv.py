@@ -20,10 +20,11 @@ lowering matrix exceeds the budget (default 64 MB; set by the run settings'
 lowering_budget_mb) runs in chunks of images.
 
 A Convolution its net never runs backward (runs_backward False: a deploy net)
-with a 3 x 3 kernel at stride 1 may compute its forward by Winograd's F(2x2,
-3x3) or F(4x4, 3x3) instead (cct.lowering.winograd): the run settings'
-"winograd" ("auto": timed against the lowering on the shape, once per
-machine; a forced tile size; or false). Its transformed weights are made
+with a 3 x 3 or 5 x 5 kernel at stride 1 may compute its forward by
+Winograd's F(2x2, 3x3), F(4x4, 3x3) or F(2x2, 5x5) instead
+(cct.lowering.winograd): the run settings' "winograd" ("auto": timed against
+the lowering on the shape, once per machine; a forced tile size, where the
+kernel has one; or false). Its transformed weights are made
 again whenever the weights change, bit for bit.
 """
 import numpy as np
@@ -221,7 +222,7 @@ class _ConvolutionBase(Layer):
                 or (setting == "auto" and self._forced_type)):
             self._winograd_m = 0
         elif setting != "auto":
-            self._winograd_m = setting
+            self._winograd_m = setting if setting in winograd.tile_sizes(geom.kernel_h) else 0
         elif not winograd.worth_timing(geom, batch):
             self._winograd_m = 0
         else:

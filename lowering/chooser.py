@@ -472,7 +472,7 @@ CLEARLY_FASTER = 0.95
 
 
 def measure_forward(geom, batch, lowering_type, dtype=np.float32, repeats=3):
-    """{0: the lowering's forward, m: Winograd F(m x m, 3 x 3)'s} in seconds on
+    """{0: the lowering's forward, m: Winograd F(m x m, r x r)'s} in seconds on
     random data, the best of `repeats` interleaved runs; Winograd's include
     checking its transformed weights (cct.lowering.winograd.TransformedWeights),
     as every forward of a layer does."""
@@ -483,7 +483,8 @@ def measure_forward(geom, batch, lowering_type, dtype=np.float32, repeats=3):
     bias = rng.standard_normal(geom.num_output).astype(dtype)
     y = np.empty(geom.output_shape(batch), dtype)
     arena = Arena()
-    cached = {m: winograd.TransformedWeights() for m in winograd.TILE_SIZES}
+    tiles = winograd.tile_sizes(geom.kernel_h)
+    cached = {m: winograd.TransformedWeights() for m in tiles}
 
     def run(m):
         if m:
@@ -491,7 +492,7 @@ def measure_forward(geom, batch, lowering_type, dtype=np.float32, repeats=3):
         else:
             conv_forward(x, w, geom, lowering_type, out=y, ws=arena, bias=bias)
 
-    return _interleaved_best((0,) + winograd.TILE_SIZES, run, repeats)
+    return _interleaved_best((0,) + tiles, run, repeats)
 
 
 def choose_forward(geom, batch, lowering_type, dtype=np.float32):

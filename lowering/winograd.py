@@ -1,28 +1,31 @@
-"""Winograd convolution F(m x m, 3 x 3) for forwards that never run backward
+"""Winograd convolution F(m x m, r x r) for forwards that never run backward
 (deploy nets: Convolution.runs_backward False), after Lavin and Gray, "Fast
-Algorithms for Convolutional Neural Networks" (2016).
+Algorithms for Convolutional Neural Networks" (2016): F(2x2, 3x3),
+F(4x4, 3x3) and F(2x2, 5x5).
 
-A 3 x 3 kernel at stride 1 (no dilation) makes each m x m block of outputs
-("tile") a function of an alpha x alpha block of input, alpha = m + 2:
+An r x r kernel at stride 1 (no dilation) makes each m x m block of outputs
+("tile") a function of an alpha x alpha block of input, alpha = m + r - 1:
 
     Y = A^T [ U (.) V ] A,   U = G g G^T (alpha x alpha per kernel),
                              V = B^T d B (alpha x alpha per input tile)
 
 so the (.) products of all tiles and channels are alpha^2 GEMMs,
-M[xi] (O, tiles) = U[xi] (O, C) @ V[xi] (C, tiles): 9 m^2 / alpha^2 times
-fewer multiplications than the direct convolution (2.25x for m = 2, 4x for
-m = 4), with no lowered matrix 9 times the input. What it costs: U is
-alpha^2 / 9 times the weights (1.8x or 4x), read by every GEMM, and the
-transforms are passes over alpha^2 / m^2 times the input and output.
+M[xi] (O, tiles) = U[xi] (O, C) @ V[xi] (C, tiles): r^2 m^2 / alpha^2 times
+fewer multiplications than the direct convolution (2.25x for F(2x2, 3x3), 4x
+for F(4x4, 3x3), 2.8x for F(2x2, 5x5)), with no lowered matrix r^2 times the
+input. What it costs: U is alpha^2 / r^2 times the weights (1.8x, 4x, 1.4x),
+read by every GEMM, and the transforms are passes over alpha^2 / m^2 times
+the input and output. F(4x4, 3x3) and F(2x2, 5x5) share alpha = 6 and the
+points 0, +-1, +-2, so their B^T, the input transform, is one.
 So it pays on large planes (many tiles per GEMM) and loses on small ones,
 where the GEMMs are few columns wide and bound by reading U: the chooser
 times it against the lowering on the shape itself (cct.lowering.chooser.
 choose_forward) and keeps whichever is faster.
 
 Numbers: the same sums in another order, and the transforms' fractions (1/6,
-1/24 for m = 4) round: the output differs from the direct convolution by a
-few 1e-6 of its largest value (m = 4; less for m = 2), inside the reference
-cases' 1e-4. float32 only; the weights are transformed in float64.
+1/24 at alpha = 6) round: the output differs from the direct convolution by a
+few 1e-6 of its largest value (alpha = 6; less for F(2x2, 3x3)), inside the
+reference cases' 1e-4. float32 only; the weights are transformed in float64.
 
 U is cached (TransformedWeights) with a copy of the weights it came from, and
 made again when they differ bit for bit: pycaffe writes weights through
@@ -43,37 +46,55 @@ from cct.devices.jit import kernel
 
 from .geometry import weights_as
 
-# Transform matrices (B^T, G, A^T) per output tile size m, points 0, +-1, +-2
-# (and +-1/2 for m = 6), as in Lavin and Gray and wincnn.
+# Transform matrices (B^T, G, A^T) per (output tile m, kernel r), points 0,
+# +-1, +-2, as in Lavin and Gray and wincnn. F(2x2, 5x5)'s G and A^T follow
+# from the shared B^T: A^T[i, j] G[j, k] = (B^T)^-1[i + k, j].
+_BT6 = [[4, 0, -5, 0, 1, 0],
+        [0, -4, -4, 1, 1, 0],
+        [0, 4, -4, -1, 1, 0],
+        [0, -2, -1, 2, 1, 0],
+        [0, 2, -1, -2, 1, 0],
+        [0, 4, 0, -5, 0, 1]]
 _TRANSFORMS = {
-    2: ([[1, 0, -1, 0],
-         [0, 1, 1, 0],
-         [0, -1, 1, 0],
-         [0, 1, 0, -1]],
-        [[1, 0, 0],
-         [1 / 2, 1 / 2, 1 / 2],
-         [1 / 2, -1 / 2, 1 / 2],
-         [0, 0, 1]],
-        [[1, 1, 1, 0],
-         [0, 1, -1, -1]]),
-    4: ([[4, 0, -5, 0, 1, 0],
-         [0, -4, -4, 1, 1, 0],
-         [0, 4, -4, -1, 1, 0],
-         [0, -2, -1, 2, 1, 0],
-         [0, 2, -1, -2, 1, 0],
-         [0, 4, 0, -5, 0, 1]],
-        [[1 / 4, 0, 0],
-         [-1 / 6, -1 / 6, -1 / 6],
-         [-1 / 6, 1 / 6, -1 / 6],
-         [1 / 24, 1 / 12, 1 / 6],
-         [1 / 24, -1 / 12, 1 / 6],
-         [0, 0, 1]],
-        [[1, 1, 1, 1, 1, 0],
-         [0, 1, -1, 2, -2, 0],
-         [0, 1, 1, 4, 4, 0],
-         [0, 1, -1, 8, -8, 1]]),
+    (2, 3): ([[1, 0, -1, 0],
+              [0, 1, 1, 0],
+              [0, -1, 1, 0],
+              [0, 1, 0, -1]],
+             [[1, 0, 0],
+              [1 / 2, 1 / 2, 1 / 2],
+              [1 / 2, -1 / 2, 1 / 2],
+              [0, 0, 1]],
+             [[1, 1, 1, 0],
+              [0, 1, -1, -1]]),
+    (4, 3): (_BT6,
+             [[1 / 4, 0, 0],
+              [-1 / 6, -1 / 6, -1 / 6],
+              [-1 / 6, 1 / 6, -1 / 6],
+              [1 / 24, 1 / 12, 1 / 6],
+              [1 / 24, -1 / 12, 1 / 6],
+              [0, 0, 1]],
+             [[1, 1, 1, 1, 1, 0],
+              [0, 1, -1, 2, -2, 0],
+              [0, 1, 1, 4, 4, 0],
+              [0, 1, -1, 8, -8, 1]]),
+    (2, 5): (_BT6,
+             [[1 / 4, 0, 0, 0, 0],
+              [-1 / 6, -1 / 6, -1 / 6, -1 / 6, -1 / 6],
+              [-1 / 6, 1 / 6, -1 / 6, 1 / 6, -1 / 6],
+              [1 / 24, 1 / 12, 1 / 6, 1 / 3, 2 / 3],
+              [1 / 24, -1 / 12, 1 / 6, -1 / 3, 2 / 3],
+              [0, 0, 0, 0, 1]],
+             [[1, 1, 1, 1, 1, 0],
+              [0, 1, -1, 2, -2, 1]]),
 }
-TILE_SIZES = tuple(sorted(_TRANSFORMS))
+VARIANTS = tuple(sorted(_TRANSFORMS))
+TILE_SIZES = tuple(sorted({m for m, _ in VARIANTS}))      # the run settings' tile sizes
+
+
+def tile_sizes(kernel):
+    """The output tile sizes m with an F(m x m, kernel x kernel)."""
+    return tuple(m for m, r in VARIANTS if r == kernel)
+
 
 # Multiply-adds (x2) of the direct forward below which "auto" keeps the lowering
 # without timing: there a forward takes some 0.1 ms, Winograd's fixed costs
@@ -85,41 +106,46 @@ BLOCK_COLUMNS = 256            # tiles per block of images, at least (whole imag
 BLOCK_BYTES = 4 * 2 ** 20      # ... while V and M of the block stay within this
 
 
-def transforms(m, dtype=np.float64):
-    """(B^T, G, A^T) for output tiles of m x m."""
+def transforms(m, r=3, dtype=np.float64):
+    """(B^T, G, A^T) of F(m x m, r x r)."""
     try:
-        return tuple(np.array(matrix, dtype) for matrix in _TRANSFORMS[m])
+        return tuple(np.array(matrix, dtype) for matrix in _TRANSFORMS[(m, r)])
     except KeyError:
-        raise ValueError(f"Winograd output tile must be one of {TILE_SIZES}, got {m!r}") from None
+        raise ValueError(f"Winograd F(m x m, r x r) is one of {VARIANTS} as (m, r), got {(m, r)!r}") from None
 
 
 def applicable(geom, dtype=np.float32):
-    """Whether a forward of this geometry can run as F(m x m, 3 x 3): a 3 x 3
-    kernel at stride 1 without dilation, float32, something to compute."""
-    return (geom.kernel_h == geom.kernel_w == 3 and geom.stride_h == geom.stride_w == 1
-            and geom.dilation_h == geom.dilation_w == 1 and np.dtype(dtype) == np.float32
-            and not geom.empty and geom.pad_h <= 2 and geom.pad_w <= 2)
+    """Whether a forward of this geometry can run as some F(m x m, r x r): a
+    square kernel with a variant (3 x 3, 5 x 5) at stride 1 without dilation,
+    padding below the kernel, float32, something to compute."""
+    return (geom.kernel_h == geom.kernel_w and bool(tile_sizes(geom.kernel_h))
+            and geom.stride_h == geom.stride_w == 1 and geom.dilation_h == geom.dilation_w == 1
+            and np.dtype(dtype) == np.float32 and not geom.empty
+            and max(geom.pad_h, geom.pad_w) < geom.kernel_h)
 
 
 def worth_timing(geom, batch):
     """Whether "auto" times Winograd on this shape at all (AUTO_MIN_FLOPS)."""
-    flops = 2 * batch * geom.out_h * geom.out_w * geom.num_output * geom.channels_per_group * 9
+    flops = (2 * batch * geom.out_h * geom.out_w * geom.num_output * geom.channels_per_group
+             * geom.kernel_h * geom.kernel_w)
     return flops >= AUTO_MIN_FLOPS
 
 
 def transform_weights(w, m):
-    """U (alpha^2, O, C/group) float32 from w (O, C/group, 3, 3)."""
-    _, g, _ = transforms(m)
+    """U (alpha^2, O, C/group) float32 from w (O, C/group, r, r)."""
+    r = w.shape[-1]
+    _, g, _ = transforms(m, r)
     alpha = g.shape[0]
-    kernels = np.asarray(w, np.float64).reshape(-1, 3, 3)
+    kernels = np.asarray(w, np.float64).reshape(-1, r, r)
     u = g @ kernels @ g.T                                     # (O*Cg, alpha, alpha)
     u = u.reshape(w.shape[0], w.shape[1], alpha * alpha)
     return np.ascontiguousarray(u.transpose(2, 0, 1), dtype=np.float32)
 
 
 def held_bytes(w, m):
-    """Bytes a layer holds for Winograd F(m x m, 3 x 3): U and the weights' copy."""
-    return ((m + 2) ** 2 * w.size // 9 + w.size) * 4
+    """Bytes a layer holds for Winograd F(m x m, r x r): U and the weights' copy."""
+    r = w.shape[-1]
+    return ((m + r - 1) ** 2 * w.size // (r * r) + w.size) * 4
 
 
 class TransformedWeights:
@@ -190,8 +216,8 @@ def _gather_tiles(image, c, plane, pad_h, pad_w, m, tiles_h, tiles_w, blocks):
 
 
 @kernel
-def _bt4(d0, d1, d2, d3, d4, d5, r0, r1, r2, r3, r4, r5, count):
-    """r = B^T d for F(4 x 4, 3 x 3), element by element over `count` tiles."""
+def _bt6(d0, d1, d2, d3, d4, d5, r0, r1, r2, r3, r4, r5, count):
+    """r = B^T d at alpha = 6, element by element over `count` tiles."""
     for t in range(count):
         a0, a1, a2, a3, a4, a5 = d0[t], d1[t], d2[t], d3[t], d4[t], d5[t]
         r0[t] = _4 * a0 - _5 * a2 + a4
@@ -203,8 +229,8 @@ def _bt4(d0, d1, d2, d3, d4, d5, r0, r1, r2, r3, r4, r5, count):
 
 
 @kernel
-def _bt2(d0, d1, d2, d3, r0, r1, r2, r3, count):
-    """r = B^T d for F(2 x 2, 3 x 3)."""
+def _bt4(d0, d1, d2, d3, r0, r1, r2, r3, count):
+    """r = B^T d at alpha = 4 (F(2 x 2, 3 x 3))."""
     for t in range(count):
         a0, a1, a2, a3 = d0[t], d1[t], d2[t], d3[t]
         r0[t] = a0 - a2
@@ -234,28 +260,38 @@ def _at2(m0, m1, m2, m3, r0, r1, count):
 
 
 @kernel
-def _input_f4(image, pad_h, pad_w, tiles_h, tiles_w, v, first):
+def _at25(m0, m1, m2, m3, m4, m5, r0, r1, count):
+    """r = A^T m for F(2 x 2, 5 x 5)."""
+    for t in range(count):
+        a1, a2, a3, a4 = m1[t], m2[t], m3[t], m4[t]
+        r0[t] = m0[t] + a1 + a2 + a3 + a4
+        r1[t] = a1 - a2 + (a3 - a4) * 2 + m5[t]
+
+
+@kernel
+def _input_a6(image, pad_h, pad_w, m, tiles_h, tiles_w, v, first):
     """V[6j + k, c, first + t] = (B^T d B)[j, k] of every channel c and tile t
-    of `image` (C, H, W), F(4 x 4, 3 x 3)."""
+    of `image` (C, H, W), for the alpha = 6 variants: d the 6 x 6 block at
+    (ty*m - pad_h, tx*m - pad_w), m = 4 for F(4x4, 3x3), 2 for F(2x2, 5x5)."""
     count = tiles_h * tiles_w
-    plane = np.zeros((tiles_h * 4 + 2, tiles_w * 4 + 2), np.float32)
+    plane = np.zeros((tiles_h * m + 6 - m, tiles_w * m + 6 - m), np.float32)
     blocks = np.empty((6, 6, count), np.float32)
     rows = np.empty((6, 6, count), np.float32)
     last = first + count
     for c in range(image.shape[0]):
-        _gather_tiles(image, c, plane, pad_h, pad_w, 4, tiles_h, tiles_w, blocks)
+        _gather_tiles(image, c, plane, pad_h, pad_w, m, tiles_h, tiles_w, blocks)
         for col in range(6):                      # rows[:, col] = B^T blocks[:, col]
-            _bt4(blocks[0, col], blocks[1, col], blocks[2, col], blocks[3, col], blocks[4, col], blocks[5, col],
+            _bt6(blocks[0, col], blocks[1, col], blocks[2, col], blocks[3, col], blocks[4, col], blocks[5, col],
                  rows[0, col], rows[1, col], rows[2, col], rows[3, col], rows[4, col], rows[5, col], count)
         for j in range(6):                        # V[6j:6j + 6] = B^T rows[j]
-            _bt4(rows[j, 0], rows[j, 1], rows[j, 2], rows[j, 3], rows[j, 4], rows[j, 5],
+            _bt6(rows[j, 0], rows[j, 1], rows[j, 2], rows[j, 3], rows[j, 4], rows[j, 5],
                  v[6 * j, c, first:last], v[6 * j + 1, c, first:last], v[6 * j + 2, c, first:last],
                  v[6 * j + 3, c, first:last], v[6 * j + 4, c, first:last], v[6 * j + 5, c, first:last], count)
 
 
 @kernel
-def _input_f2(image, pad_h, pad_w, tiles_h, tiles_w, v, first):
-    """As _input_f4, F(2 x 2, 3 x 3): V[4j + k, c, first + t]."""
+def _input_a4(image, pad_h, pad_w, m, tiles_h, tiles_w, v, first):
+    """As _input_a6, F(2 x 2, 3 x 3) (alpha 4, m 2): V[4j + k, c, first + t]."""
     count = tiles_h * tiles_w
     plane = np.zeros((tiles_h * 2 + 2, tiles_w * 2 + 2), np.float32)
     blocks = np.empty((4, 4, count), np.float32)
@@ -264,10 +300,10 @@ def _input_f2(image, pad_h, pad_w, tiles_h, tiles_w, v, first):
     for c in range(image.shape[0]):
         _gather_tiles(image, c, plane, pad_h, pad_w, 2, tiles_h, tiles_w, blocks)
         for col in range(4):
-            _bt2(blocks[0, col], blocks[1, col], blocks[2, col], blocks[3, col],
+            _bt4(blocks[0, col], blocks[1, col], blocks[2, col], blocks[3, col],
                  rows[0, col], rows[1, col], rows[2, col], rows[3, col], count)
         for j in range(4):
-            _bt2(rows[j, 0], rows[j, 1], rows[j, 2], rows[j, 3], v[4 * j, c, first:last],
+            _bt4(rows[j, 0], rows[j, 1], rows[j, 2], rows[j, 3], v[4 * j, c, first:last],
                  v[4 * j + 1, c, first:last], v[4 * j + 2, c, first:last], v[4 * j + 3, c, first:last], count)
 
 
@@ -309,42 +345,42 @@ def _finish_tiles(done, bias, has_bias, slope, has_relu, o, tiles_h, tiles_w, ou
 
 
 @kernel
-def _output_f4(product, first, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out):
-    """out (O, OH, OW) of one image from M = product[:, :, first:] (36, O,
-    tiles): Y = A^T M A per tile, F(4 x 4, 3 x 3), then _finish_tiles."""
+def _output_tiles(product, variant, first, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out):
+    """out (O, OH, OW) of one image from M = product[:, :, first:] (alpha^2,
+    O, tiles): Y = A^T M A per tile, then _finish_tiles. variant 0:
+    F(2 x 2, 3 x 3) (alpha 4), 1: F(4 x 4, 3 x 3), 2: F(2 x 2, 5 x 5) (alpha 6)."""
+    m = 4 if variant == 1 else 2
+    alpha = 4 if variant == 0 else 6
     count = tiles_h * tiles_w
-    half = np.empty((4, 6, count), np.float32)
-    done = np.empty((4, 4, count), np.float32)
+    half = np.empty((m, alpha, count), np.float32)
+    done = np.empty((m, m, count), np.float32)
     last = first + count
     for o in range(out.shape[0]):
-        for col in range(6):                      # half[:, col] = A^T M[col::6]
-            _at4(product[col, o, first:last], product[6 + col, o, first:last], product[12 + col, o, first:last],
-                 product[18 + col, o, first:last], product[24 + col, o, first:last],
-                 product[30 + col, o, first:last], half[0, col], half[1, col], half[2, col], half[3, col], count)
-        for i in range(4):                        # done[i] = A^T half[i]
-            _at4(half[i, 0], half[i, 1], half[i, 2], half[i, 3], half[i, 4], half[i, 5],
-                 done[i, 0], done[i, 1], done[i, 2], done[i, 3], count)
+        for col in range(alpha):                  # half[:, col] = A^T M[col::alpha]
+            m0, m1 = product[col, o, first:last], product[alpha + col, o, first:last]
+            m2, m3 = product[2 * alpha + col, o, first:last], product[3 * alpha + col, o, first:last]
+            if variant == 0:
+                _at2(m0, m1, m2, m3, half[0, col], half[1, col], count)
+                continue
+            m4, m5 = product[4 * alpha + col, o, first:last], product[5 * alpha + col, o, first:last]
+            if variant == 1:
+                _at4(m0, m1, m2, m3, m4, m5, half[0, col], half[1, col], half[2, col], half[3, col], count)
+            else:
+                _at25(m0, m1, m2, m3, m4, m5, half[0, col], half[1, col], count)
+        for i in range(m):                        # done[i] = A^T half[i]
+            h = half[i]
+            if variant == 0:
+                _at2(h[0], h[1], h[2], h[3], done[i, 0], done[i, 1], count)
+            elif variant == 1:
+                _at4(h[0], h[1], h[2], h[3], h[4], h[5], done[i, 0], done[i, 1], done[i, 2], done[i, 3], count)
+            else:
+                _at25(h[0], h[1], h[2], h[3], h[4], h[5], done[i, 0], done[i, 1], count)
         _finish_tiles(done, bias, has_bias, slope, has_relu, o, tiles_h, tiles_w, out)
 
 
-@kernel
-def _output_f2(product, first, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out):
-    """As _output_f4, F(2 x 2, 3 x 3): M = product[:, :, first:] (16, O, tiles)."""
-    count = tiles_h * tiles_w
-    half = np.empty((2, 4, count), np.float32)
-    done = np.empty((2, 2, count), np.float32)
-    last = first + count
-    for o in range(out.shape[0]):
-        for col in range(4):
-            _at2(product[col, o, first:last], product[4 + col, o, first:last], product[8 + col, o, first:last],
-                 product[12 + col, o, first:last], half[0, col], half[1, col], count)
-        for i in range(2):
-            _at2(half[i, 0], half[i, 1], half[i, 2], half[i, 3], done[i, 0], done[i, 1], count)
-        _finish_tiles(done, bias, has_bias, slope, has_relu, o, tiles_h, tiles_w, out)
-
-
-_INPUT = {2: _input_f2, 4: _input_f4}
-_OUTPUT = {2: _output_f2, 4: _output_f4}
+# (m, r) -> the input transform (by alpha) and _output_tiles's variant
+_INPUT = {(2, 3): _input_a4, (4, 3): _input_a6, (2, 5): _input_a6}
+_OUTPUT = {(2, 3): 0, (4, 3): 1, (2, 5): 2}
 
 
 # --- a forward --------------------------------------------------------------------------------------
@@ -352,12 +388,16 @@ def tile_counts(geom, m):
     return -(-geom.out_h // m), -(-geom.out_w // m)
 
 
+def _alpha(geom, m):
+    return m + geom.kernel_h - 1
+
+
 def block_images(geom, m, batch):
     """Images transformed together: enough for BLOCK_COLUMNS tiles, as few as
     keep V and M of the block within BLOCK_BYTES (at least one)."""
     tiles_h, tiles_w = tile_counts(geom, m)
     per_image = tiles_h * tiles_w
-    alpha = m + 2
+    alpha = _alpha(geom, m)
     bytes_per_image = alpha * alpha * (geom.channels + geom.num_output) * per_image * 4
     wanted = -(-BLOCK_COLUMNS // per_image)
     fits = max(1, BLOCK_BYTES // bytes_per_image)
@@ -368,16 +408,19 @@ def slot_bytes(geom, m, batch):
     """{slot: bytes} one forward asks its workspace for."""
     tiles_h, tiles_w = tile_counts(geom, m)
     columns = block_images(geom, m, batch) * tiles_h * tiles_w
-    alpha2 = (m + 2) ** 2
+    alpha2 = _alpha(geom, m) ** 2
     return {"winograd_input": alpha2 * geom.channels * columns * 4,
             "winograd_product": alpha2 * geom.num_output * columns * 4}
 
 
 def forward(x, u, geom, m, out=None, ws=FRESH, bias=None, relu=None):
     """y (N, O, OH, OW) = conv(x, w) + bias, then a ReLU of negative slope
-    `relu` when given, by F(m x m, 3 x 3) from U = transform_weights(w, m)."""
+    `relu` when given, by F(m x m, r x r) (r the kernel's size) from
+    U = transform_weights(w, m)."""
     n = x.shape[0]
-    alpha = m + 2
+    variant = (m, geom.kernel_h)
+    transform_input, output_variant = _INPUT[variant], _OUTPUT[variant]
+    alpha = _alpha(geom, m)
     tiles_h, tiles_w = tile_counts(geom, m)
     per_image = tiles_h * tiles_w
     y = np.empty(geom.output_shape(n), x.dtype) if out is None else out
@@ -394,11 +437,11 @@ def forward(x, u, geom, m, out=None, ws=FRESH, bias=None, relu=None):
         v = ws.empty("winograd_input", (alpha * alpha, geom.channels, columns), np.float32)
         product = ws.empty("winograd_product", (alpha * alpha, geom.num_output, columns), np.float32)
         for k in range(images):
-            _INPUT[m](x[start + k], geom.pad_h, geom.pad_w, tiles_h, tiles_w, v, k * per_image)
+            transform_input(x[start + k], geom.pad_h, geom.pad_w, m, tiles_h, tiles_w, v, k * per_image)
         for g in range(group):
             np.matmul(u[:, g * og:(g + 1) * og], v[:, g * cg:(g + 1) * cg], out=product[:, g * og:(g + 1) * og])
         target = y[start:start + images]
         for k in range(images):
-            _OUTPUT[m](product, k * per_image, tiles_h, tiles_w, bias_values, has_bias, slope, relu is not None,
-                       target[k])
+            _output_tiles(product, output_variant, k * per_image, tiles_h, tiles_w, bias_values, has_bias, slope,
+                          relu is not None, target[k])
     return y

@@ -26,16 +26,17 @@ def cache_dir(tmp_path, monkeypatch):
     chooser.clear_memory_cache()
 
 
-@pytest.mark.parametrize("m", winograd.TILE_SIZES)
-def test_the_transforms_compute_a_correlation(m):
-    """A^T [(G g G^T) . (B^T d B)] A is the valid 3 x 3 correlation of an
+@pytest.mark.parametrize("m, r", winograd.VARIANTS)
+def test_the_transforms_compute_a_correlation(m, r):
+    """A^T [(G g G^T) . (B^T d B)] A is the valid r x r correlation of an
     alpha x alpha block, in float64 to rounding."""
-    bt, g, at = winograd.transforms(m)
-    alpha = m + 2
+    bt, g, at = winograd.transforms(m, r)
+    alpha = m + r - 1
+    assert bt.shape == (alpha, alpha) and g.shape == (alpha, r) and at.shape == (m, alpha)
     for _ in range(5):
-        d, kernel = RNG.standard_normal((alpha, alpha)), RNG.standard_normal((3, 3))
+        d, kernel = RNG.standard_normal((alpha, alpha)), RNG.standard_normal((r, r))
         y = at @ ((g @ kernel @ g.T) * (bt @ d @ bt.T)) @ at.T
-        expected = [[np.sum(d[i:i + 3, j:j + 3] * kernel) for j in range(m)] for i in range(m)]
+        expected = [[np.sum(d[i:i + r, j:j + r] * kernel) for j in range(m)] for i in range(m)]
         np.testing.assert_allclose(y, expected, rtol=1e-12, atol=1e-12)
 
 
@@ -44,7 +45,11 @@ GEOMETRIES = [ConvGeometry(3, 5, 9, 9, 3, 3, pad_h=1, pad_w=1),          # 9 = 2
               ConvGeometry(2, 3, 5, 7, 3, 3, pad_h=2, pad_w=1),
               ConvGeometry(6, 4, 13, 13, 3, 3, pad_h=1, pad_w=1, group=2),
               ConvGeometry(8, 8, 3, 3, 3, 3, pad_h=0, pad_w=2),          # one output row
-              ConvGeometry(1, 2, 1, 1, 3, 3, pad_h=1, pad_w=1)]          # 1 x 1 image
+              ConvGeometry(1, 2, 1, 1, 3, 3, pad_h=1, pad_w=1),          # 1 x 1 image
+              ConvGeometry(4, 6, 13, 13, 5, 5, pad_h=2, pad_w=2),        # 5 x 5: F(2x2, 5x5)
+              ConvGeometry(6, 4, 9, 8, 5, 5, pad_h=4, pad_w=0, group=2),
+              ConvGeometry(2, 3, 5, 5, 5, 5)]                           # one output
+CASES = [(geom, m) for geom in GEOMETRIES for m in winograd.tile_sizes(geom.kernel_h)]
 
 
 def _case(geom, batch):
@@ -56,28 +61,27 @@ def _case(geom, batch):
     return x, w, bias, exact + bias.reshape(1, -1, 1, 1)
 
 
-# Largest error over the output's largest value: 4e-7 (m = 2) and 5.5e-6 (m = 4)
-# over 40 random shapes of up to 64 channels; the fractions of F(4 x 4, 3 x 3)'s
-# transforms (1/6, 1/24) round.
-TOLERANCE = {2: 2e-6, 4: 2e-5}
+# Largest error over the output's largest value: 4e-7 (F(2x2, 3x3), alpha 4)
+# and 5.5e-6 (F(4x4, 3x3), alpha 6) over 40 random shapes of up to 64 channels;
+# the fractions of the alpha-6 transforms (1/6, 1/24) round.
+TOLERANCE = {4: 2e-6, 6: 2e-5}
 
 
-def _close(actual, expected, scale=None, m=4):
+def _close(actual, expected, scale=None, m=4, r=3):
     scale = np.abs(expected).max() if scale is None else scale
-    np.testing.assert_allclose(actual, expected, rtol=0, atol=TOLERANCE[m] * max(scale, 1e-30))
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=TOLERANCE[m + r - 1] * max(scale, 1e-30))
 
 
-@pytest.mark.parametrize("m", winograd.TILE_SIZES)
-@pytest.mark.parametrize("geom", GEOMETRIES, ids=str)
+@pytest.mark.parametrize("geom, m", CASES, ids=[f"{geom}-F{m}" for geom, m in CASES])
 def test_forward_matches_the_direct_convolution(geom, m):
     x, w, bias, expected = _case(geom, 3)
     u = winograd.transform_weights(w, m)
     y = winograd.forward(x, u, geom, m, bias=bias)
     assert y.shape == expected.shape and y.dtype == np.float32
-    _close(y, expected, m=m)
+    _close(y, expected, m=m, r=geom.kernel_h)
     out = np.full(expected.shape, np.nan, np.float32)
     assert winograd.forward(x, u, geom, m, out=out, ws=Arena()) is out
-    _close(out, expected - bias.reshape(1, -1, 1, 1), np.abs(expected).max(), m)
+    _close(out, expected - bias.reshape(1, -1, 1, 1), np.abs(expected).max(), m, geom.kernel_h)
 
 
 @pytest.mark.parametrize("slope", [0.0, 0.25])
@@ -103,14 +107,17 @@ def test_blocks_of_images_give_the_whole_batch(monkeypatch):
 
 def test_applicable_shapes():
     assert winograd.applicable(ConvGeometry(2, 2, 8, 8, 3, 3, pad_h=1, pad_w=1))
+    assert winograd.applicable(ConvGeometry(2, 2, 8, 8, 5, 5, pad_h=4, pad_w=4))
+    assert winograd.tile_sizes(3) == (2, 4) and winograd.tile_sizes(5) == (2,) and winograd.tile_sizes(7) == ()
     for geom in (ConvGeometry(2, 2, 8, 8, 3, 3, stride_h=2, stride_w=2),
-                 ConvGeometry(2, 2, 8, 8, 5, 5), ConvGeometry(2, 2, 8, 8, 3, 1),
+                 ConvGeometry(2, 2, 8, 8, 7, 7), ConvGeometry(2, 2, 8, 8, 3, 1),
+                 ConvGeometry(2, 2, 8, 8, 5, 5, pad_h=5, pad_w=5),
                  ConvGeometry(2, 2, 8, 8, 3, 3, dilation_h=2, dilation_w=2),
                  ConvGeometry(2, 2, 8, 8, 3, 3, pad_h=3, pad_w=3), ConvGeometry(0, 2, 8, 8, 3, 3)):
         assert not winograd.applicable(geom), geom
     assert not winograd.applicable(ConvGeometry(2, 2, 8, 8, 3, 3), np.float64)
-    with pytest.raises(ValueError, match="tile must be one of"):
-        winograd.transforms(3)
+    with pytest.raises(ValueError, match=r"F\(m x m, r x r\) is one of"):
+        winograd.transforms(4, 5)
 
 
 def test_transformed_weights_follow_writes_through_views():
@@ -151,7 +158,9 @@ def test_winograd_is_kept_only_where_clearly_faster(cache_dir, monkeypatch):
 
 def test_measure_forward_times_the_lowering_and_each_tile_size():
     seconds = chooser.measure_forward(ConvGeometry(3, 4, 10, 10, 3, 3, pad_h=1, pad_w=1), 2, 1, repeats=1)
-    assert sorted(seconds) == [0] + list(winograd.TILE_SIZES) and all(s > 0 for s in seconds.values())
+    assert sorted(seconds) == [0, 2, 4] and all(s > 0 for s in seconds.values())
+    five = chooser.measure_forward(ConvGeometry(3, 4, 10, 10, 5, 5, pad_h=2, pad_w=2), 1, 1, repeats=1)
+    assert sorted(five) == [0, 2]
 
 
 # --- the layer --------------------------------------------------------------------------------------
@@ -166,9 +175,9 @@ layer { name: "pool" type: "Pooling" bottom: "conv" top: "pool" pooling_param { 
 """
 
 
-def _deploy(tmp_path, contents, winograd_setting=None):
+def _deploy(tmp_path, contents, winograd_setting=None, text=DEPLOY):
     path = tmp_path / "deploy.prototxt"
-    path.write_text(DEPLOY)
+    path.write_text(text)
     if winograd_setting is not None:
         (tmp_path / "run.json").write_text(json.dumps({"default": {"winograd": winograd_setting}}))
         settings.load(str(tmp_path / "run.json"))
@@ -193,6 +202,17 @@ def test_a_deploy_net_runs_winograd_where_asked_and_agrees(tmp_path, m):
         net.params["conv"][0].data[2] *= -3
         net.params["conv"][1].data[...] = -0.5
     _close(fast.forward()["pool"], plain.forward()["pool"], m=m)
+
+
+def test_a_forced_tile_size_applies_where_the_kernel_has_it(tmp_path):
+    """F(2x2, 5x5) exists, F(4x4, 5x5) does not: a 5 x 5 convolution asked for
+    4 lowers, asked for 2 runs Winograd, and agrees with the lowering."""
+    text = DEPLOY.replace("kernel_size: 3 pad: 1", "kernel_size: 5 pad: 2")
+    contents = RNG.standard_normal((2, 4, 12, 12)).astype(np.float32)
+    assert _deploy(tmp_path, contents, 4, text).layer_dict["conv"].winograd_tile == 0
+    five, plain = _deploy(tmp_path, contents, 2, text), _deploy(tmp_path, contents, False, text)
+    assert five.layer_dict["conv"].winograd_tile == 2 and five.layer_dict["conv"].kernel == (5, 5)
+    _close(five.forward()["pool"], plain.forward()["pool"], m=2, r=5)
 
 
 def test_auto_times_only_forward_only_shapes_worth_it(tmp_path, monkeypatch):

@@ -32,8 +32,11 @@ def test_forward_backward_match_caffe(name, fusion, partitions, schedule, monkey
     assert_matches_caffe(net, name)
 
 
-# The cases whose 3 x 3 convolutions at stride 1 Winograd can run, and how many.
-WINOGRAD_CASES = {"conv_basic": 1, "conv_few_in_many_out": 1, "conv_many_in_few_out": 1, "caffenet_mini_test": 3}
+# The cases whose convolutions at stride 1 Winograd can run, and how many with
+# each tile size: F(2x2, 3x3) and F(2x2, 5x5) at 2, F(4x4, 3x3) at 4
+# (caffenet_mini_test: conv3-5 are 3 x 3, conv2 5 x 5).
+WINOGRAD_CASES = {"conv_basic": (1, 1), "conv_few_in_many_out": (1, 1), "conv_many_in_few_out": (1, 1),
+                  "caffenet_mini_test": (4, 3)}
 
 
 @pytest.mark.parametrize("m", [2, 4])
@@ -42,7 +45,8 @@ def test_winograd_forwards_match_caffe(name, m, tmp_path, monkeypatch):
     """A convolution whose net never runs its backward computes its forward by
     Winograd (cct.lowering.winograd) when asked: the case's net made forward
     only (force_backward and loss layers taken out), its blobs against Caffe's
-    forward.npz, with every 3 x 3 convolution at stride 1 on Winograd."""
+    forward.npz, with every 3 x 3 (and at m = 2 every 5 x 5) convolution at
+    stride 1 on Winograd."""
     from cct.formats.prototxt import read_net
     param = read_net(str(CASES / name / "net.prototxt"))
     param.force_backward = False
@@ -51,7 +55,7 @@ def test_winograd_forwards_match_caffe(name, m, tmp_path, monkeypatch):
     (tmp_path / "net.prototxt").write_text(str(param))
     monkeypatch.setenv("CCT_WINOGRAD", str(m))
     net = cct.Net(str(tmp_path / "net.prototxt"), cct.TEST, weights=str(CASES / name / "weights.caffemodel"))
-    assert sum(getattr(layer, "winograd_tile", 0) == m for layer in net.layers) == WINOGRAD_CASES[name]
+    assert sum(getattr(layer, "winograd_tile", 0) == m for layer in net.layers) == WINOGRAD_CASES[name][m // 4]
     for blob_name, values in np.load(CASES / name / "inputs.npz").items():
         net.blobs[blob_name].data[...] = values
     net.forward()

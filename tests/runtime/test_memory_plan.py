@@ -116,7 +116,8 @@ def test_each_store_is_counted_once(tmp_path):
     assert whole.total == sum(whole.bytes.values())
 
 
-def test_a_convolution_plans_its_lowering_workspace():
+def test_a_convolution_plans_its_lowering_workspace(monkeypatch):
+    monkeypatch.setenv("CCT_WINOGRAD", "0")       # a deploy net's conv2 may run Winograd (tests/lowering/test_winograd.py)
     net = cct.Net(str(CAFFENET_256).replace("train_synthetic", "deploy"), cct.TEST)
     index = net._layer_names.index("conv2")
     layer, bottom = net.layers[index], net.bottom_vecs[index][0]
