@@ -128,6 +128,7 @@ class _ConvolutionBase(Layer):
         self._auto_type = None
         self._choice_key = None       # the (geometry, batch, dtype, partitions, backward) the chooser picked _auto_type for
         self._partitions = 1          # the runtime's batch partitions (run_partitions)
+        self._partition_threads = None    # ... and the BLAS threads each one's call runs at
         self._shape_key = None        # the one of the last reshape
         self._configured = False      # run settings received: reshape may choose now
         self._chunk_key = None
@@ -194,7 +195,7 @@ class _ConvolutionBase(Layer):
         # (a deploy net: at batch 1 the model of both passes picked type 2 for
         # CaffeNet's conv2 and conv5, whose forwards then took 1.1x and 1.7x type 1's).
         parts = max(1, min(self._partitions, batch))
-        key = (geom, -(-batch // parts), dtype, parts, self.runs_backward)
+        key = (geom, -(-batch // parts), dtype, parts, self.runs_backward, self._partition_threads)
         if self._forced_type:
             kind = self._forced_type
         else:
@@ -226,7 +227,7 @@ class _ConvolutionBase(Layer):
         elif not winograd.worth_timing(geom, batch):
             self._winograd_m = 0
         else:
-            self._winograd_m = chooser.choose_forward(geom, batch, kind, dtype)
+            self._winograd_m = chooser.choose_forward(geom, batch, kind, dtype, threads=self._partition_threads)
 
     @property
     def winograd_tile(self):
@@ -234,8 +235,9 @@ class _ConvolutionBase(Layer):
         self._owner._choose()
         return self._owner._winograd_m
 
-    def run_partitions(self, count):
+    def run_partitions(self, count, threads=None):
         self._partitions = count
+        self._partition_threads = threads
         if self._configured:
             self._choose()            # now, not in the twins, which run at once and read it
 

@@ -29,6 +29,7 @@ type the model says is fastest, or with measure=True times every type once on
 the actual shape (batch reduced to keep it short) and caches the answer in the
 same file.
 """
+import contextlib
 import json
 import os
 import platform
@@ -43,11 +44,15 @@ from cct.core.workspace import Arena
 from cct.formats.prototxt import atomic_write
 
 from .type1 import batch_inner
-from .chunking import chunk_size, chunks, image_bytes
+from .chunking import DEFAULT_BUDGET_MB, cache_chunk, chunk_size, chunks, image_bytes
 
 # fn() -> the cache folder or None (~/.cache/cct); the runtime sets it to read
 # CCT_CACHE_DIR on every use (cct.runtime.settings), as the chooser is below it.
 cache_folder = None
+# fn(count) -> a context in which BLAS runs `count` threads, or None; the runtime
+# sets it (cct.runtime.threads.blas_limited), for timing a forward as a batch
+# partition runs it.
+blas_threads = None
 CACHE_FILE = "lowering.json"
 CACHE_VERSION = 2                      # 2: calibrations keep their timed copies (Machine.copies)
 TYPES = (1, 2, 3)
@@ -469,13 +474,27 @@ def choose(geom, batch, machine=None, measure=False, dtype=np.float32, budget=No
 # before each run), the choices did worse in the nets at batch 16 (GoogLeNet
 # 0.945x against 0.865x the time without Winograd) and no better at batch 1.
 CLEARLY_FASTER = 0.95
+# Largest input + output (bytes) of the batch Winograd is timed on: the
+# lowerings' MEASURE_BYTES, which bounds their largest matrix, would time
+# CaffeNet's conv2 (type 3: 25 MB an image) on one image where the layer runs
+# eight, and Winograd gains with the batch (its GEMMs widen); the lowering
+# is timed in its budget's chunks, as the layer runs it.
+FORWARD_MEASURE_BYTES = 128 * 2 ** 20
 
 
-def measure_forward(geom, batch, lowering_type, dtype=np.float32, repeats=3):
+def forward_measured_batch(geom, batch, itemsize=4):
+    """The batch Winograd and the lowering are timed on: whole, or as many
+    images as keep input and output within FORWARD_MEASURE_BYTES."""
+    per_image = (geom.channels * geom.in_h * geom.in_w + geom.num_output * geom.out_h * geom.out_w) * itemsize
+    return int(max(1, min(batch, FORWARD_MEASURE_BYTES // max(1, per_image))))
+
+
+def measure_forward(geom, batch, lowering_type, dtype=np.float32, repeats=3, threads=None):
     """{0: the lowering's forward, m: Winograd F(m x m, r x r)'s} in seconds on
-    random data, the best of `repeats` interleaved runs; Winograd's include
-    checking its transformed weights (cct.lowering.winograd.TransformedWeights),
-    as every forward of a layer does."""
+    random data, the best of `repeats` interleaved runs, at `threads` BLAS
+    threads when given (and blas_threads is set); Winograd's include checking
+    its transformed weights (cct.lowering.winograd.TransformedWeights), as
+    every forward of a layer does."""
     from . import conv_forward, winograd
     rng = np.random.default_rng(0)
     x = rng.standard_normal(geom.input_shape(batch)).astype(dtype)
@@ -486,29 +505,40 @@ def measure_forward(geom, batch, lowering_type, dtype=np.float32, repeats=3):
     tiles = winograd.tile_sizes(geom.kernel_h)
     cached = {m: winograd.TransformedWeights() for m in tiles}
 
+    itemsize = np.dtype(dtype).itemsize
+    chunk = min(chunk_size(geom, lowering_type, batch, itemsize, DEFAULT_BUDGET_MB * 2 ** 20),
+                cache_chunk(geom, lowering_type, batch, itemsize))
+
     def run(m):
         if m:
             winograd.forward(x, cached[m].get(w, m), geom, m, out=y, ws=arena, bias=bias)
         else:
-            conv_forward(x, w, geom, lowering_type, out=y, ws=arena, bias=bias)
+            conv_forward(x, w, geom, lowering_type, out=y, ws=arena, chunk=chunk, bias=bias)
 
-    return _interleaved_best((0,) + tiles, run, repeats)
+    limited = blas_threads(threads) if threads and blas_threads else contextlib.nullcontext()
+    with limited:
+        return _interleaved_best((0,) + tiles, run, repeats)
 
 
-def choose_forward(geom, batch, lowering_type, dtype=np.float32):
+def choose_forward(geom, batch, lowering_type, dtype=np.float32, threads=None):
     """0 (the lowering) or the Winograd tile size m whose forward alone is the
-    fastest on this shape, timed once (measure_forward) and cached per shape
-    and machine beside the lowering choices; Winograd only where it is
-    clearly faster (CLEARLY_FASTER). Only for shapes
-    cct.lowering.winograd.applicable takes."""
+    fastest on this shape at `threads` BLAS threads (those of the batch
+    partition that runs it; None: the count in force), timed once
+    (measure_forward) and cached per shape, count and machine beside the
+    lowering choices; Winograd only where it is clearly faster
+    (CLEARLY_FASTER). Only for shapes cct.lowering.winograd.applicable takes.
+    At CaffeNet's conv2 with 8 images, F(2x2, 5x5) took 0.95x the lowering's
+    time on 2 BLAS threads and 0.63x on the one each of two partitions has."""
     dtype = np.dtype(dtype)
-    key = shape_key(geom, batch, dtype.itemsize, forward_only=True) + f"|winograd|t{lowering_type}"
+    key = (shape_key(geom, batch, dtype.itemsize, forward_only=True)
+           + f"|winograd2|t{lowering_type}|threads={threads or _blas_threads()}")
     with _lock:
         path = cache_path()
         stored = _load_cache(path)["choices"].get(key)
     if stored and "seconds" in stored:
         return _winograd_pick({int(m): s for m, s in stored["seconds"].items()})
-    seconds = measure_forward(geom, measured_batch(geom, batch, dtype.itemsize), lowering_type, dtype)
+    seconds = measure_forward(geom, forward_measured_batch(geom, batch, dtype.itemsize), lowering_type, dtype,
+                              threads=threads)
     with _lock:
         contents = _load_cache(path)
         contents["choices"][key] = {"winograd": _winograd_pick(seconds),

@@ -261,10 +261,11 @@ class Layer:
             del twin.__dict__[key]
         return twin
 
-    def run_partitions(self, count):
+    def run_partitions(self, count, threads=None):
         """The runtime runs the next forward and backward as `count` batch
-        partitions (decided after every reshape, cct.runtime.executor). A layer
-        whose own choices depend on the batch one call sees overrides this."""
+        partitions (decided after every reshape, cct.runtime.executor), each
+        call at `threads` BLAS threads (None: not said). A layer whose own
+        choices depend on the batch one call sees overrides this."""
 
     def allow_force_backward(self, bottom_index):
         # Loss layers' labels (bottom 1) never get a gradient, even with force_backward.

@@ -215,6 +215,10 @@ class Executor:
         caller runs one itself): worker k - 1 runs unit k."""
         return threads_module.workers(count)
 
+    def blas_count(self, partitions):
+        """The BLAS threads each of `partitions` batch partitions runs with."""
+        return self.threads if partitions == 1 else max(1, self.threads // partitions)
+
     def _layer(self, index):
         net = self.net
         return net.layers[index], net.bottom_vecs[index], net.top_vecs[index]
@@ -285,9 +289,9 @@ class Executor:
             layer.reshape(bottoms, tops)
             # decided anew at every reshape: a batch that shrank gets fewer partitions
             partitions = self.partitions(index)
-            layer.run_partitions(partitions)
+            layer.run_partitions(partitions, self.blas_count(partitions))
             if set_blas:
-                self.blas.set(self.threads if partitions == 1 else max(1, self.threads // partitions))
+                self.blas.set(self.blas_count(partitions))
             if partitions == 1:
                 layer.forward(bottoms, tops)
             else:

@@ -122,6 +122,7 @@ from pathlib import Path
 from cct.core.errors import ConfigError
 from cct.core.layer import TEST
 from cct.lowering import chooser
+from cct.runtime import threads as threads_module
 from cct.lowering.chunking import DEFAULT_BUDGET_MB
 
 CONFIG_ENV = "CCT_CONFIG"
@@ -149,9 +150,11 @@ def _env(name):
     return os.environ.get(name, "").strip()
 
 
-# The chooser (below the runtime) is told how to find its cache folder; set on
+# The chooser (below the runtime) is told how to find its cache folder, and how
+# to time a forward at the BLAS thread count a batch partition runs with; set on
 # import, since a convolution may choose before any executor exists.
 chooser.cache_folder = lambda: _env(CACHE_ENV) or None
+chooser.blas_threads = threads_module.blas_limited
 
 
 def cache_dir():
@@ -618,7 +621,8 @@ def apply(executor, config=None):
                 applied[layer.name] = executor.partitions(index)
         if declared:
             # the partitions first: a convolution chooses its lowering for one partition's batch
-            layer.run_partitions(executor.partitions(index))
+            partitions = executor.partitions(index)
+            layer.run_partitions(partitions, executor.blas_count(partitions))
             layer.configure(layer_settings(layer, config))
             # the net set the layer up before it had its settings: size it again with them
             layer.reshape(net.bottom_vecs[index], net.top_vecs[index])

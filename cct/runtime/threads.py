@@ -57,6 +57,19 @@ class BlasThreads:
         self.set(self.default)
 
 
+@contextmanager
+def blas_limited(count):
+    """The BLAS libraries at `count` threads inside the block, then back to
+    the count in force before it."""
+    library = blas()
+    previous = library.current
+    library.set(count)
+    try:
+        yield
+    finally:
+        library.set(previous)
+
+
 # OpenBLAS's setter is exported with the build's affixes: plain, 64-bit
 # integer ("64_"), and the scipy-openblas wheels' prefix ("scipy_").
 _OPENBLAS_SETTERS = [prefix + "openblas_set_num_threads" + suffix

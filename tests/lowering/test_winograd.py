@@ -1,6 +1,7 @@
 """cct.lowering.winograd: the transforms against the direct convolution, the
 cached transformed weights, the chooser's timed choice and the Convolution
 layer's use of it (forward-only nets, the run settings)."""
+import contextlib
 import json
 
 import numpy as np
@@ -138,7 +139,7 @@ def test_transformed_weights_follow_writes_through_views():
 # --- the chooser ------------------------------------------------------------------------------------
 def test_timed_choice_is_cached_per_shape(cache_dir, monkeypatch):
     geom = ConvGeometry(8, 8, 28, 28, 3, 3, pad_h=1, pad_w=1)
-    monkeypatch.setattr(chooser, "measure_forward", lambda geom, batch, kind, dtype: {0: 2.0, 2: 1.0, 4: 1.5})
+    monkeypatch.setattr(chooser, "measure_forward", lambda geom, batch, kind, dtype, threads: {0: 2.0, 2: 1.0, 4: 1.5})
     assert chooser.choose_forward(geom, 1, 1) == 2
     chooser.clear_memory_cache()
     monkeypatch.setattr(chooser, "measure_forward", lambda *args: pytest.fail("timed twice"))
@@ -150,10 +151,27 @@ def test_timed_choice_is_cached_per_shape(cache_dir, monkeypatch):
 def test_winograd_is_kept_only_where_clearly_faster(cache_dir, monkeypatch):
     geom = ConvGeometry(8, 8, 28, 28, 3, 3, pad_h=1, pad_w=1)
     near = 1.0 * chooser.CLEARLY_FASTER + 0.01
-    monkeypatch.setattr(chooser, "measure_forward", lambda geom, batch, kind, dtype: {0: 1.0, 2: near, 4: 2.0})
+    monkeypatch.setattr(chooser, "measure_forward", lambda geom, batch, kind, dtype, threads: {0: 1.0, 2: near, 4: 2.0})
     assert chooser.choose_forward(geom, 1, 1) == 0
-    monkeypatch.setattr(chooser, "measure_forward", lambda geom, batch, kind, dtype: {0: 1.0, 2: 0.9, 4: 0.8})
+    monkeypatch.setattr(chooser, "measure_forward", lambda geom, batch, kind, dtype, threads: {0: 1.0, 2: 0.9, 4: 0.8})
     assert chooser.choose_forward(geom, 2, 1) == 4
+
+
+def test_the_runtime_lends_the_chooser_its_blas_setter():
+    from cct.runtime import threads
+    assert chooser.blas_threads is threads.blas_limited
+    library = threads.blas()
+    before = library.current
+    with threads.blas_limited(1):
+        assert library.current == 1
+    assert library.current == before
+
+
+def test_measure_forward_runs_at_the_threads_asked(monkeypatch):
+    counts = []
+    monkeypatch.setattr(chooser, "blas_threads", lambda count: counts.append(count) or contextlib.nullcontext())
+    chooser.measure_forward(ConvGeometry(3, 4, 10, 10, 3, 3, pad_h=1, pad_w=1), 2, 1, repeats=1, threads=1)
+    assert counts == [1]
 
 
 def test_measure_forward_times_the_lowering_and_each_tile_size():
@@ -217,11 +235,15 @@ def test_a_forced_tile_size_applies_where_the_kernel_has_it(tmp_path):
 
 def test_auto_times_only_forward_only_shapes_worth_it(tmp_path, monkeypatch):
     asked = []
-    monkeypatch.setattr(chooser, "choose_forward", lambda geom, batch, kind, dtype: asked.append(batch) or 4)
+    monkeypatch.setattr(chooser, "choose_forward", lambda geom, batch, kind, dtype, threads: asked.append(
+        (batch, threads)) or 4)
     monkeypatch.setattr(winograd, "AUTO_MIN_FLOPS", 1)
     contents = RNG.standard_normal((2, 4, 12, 12)).astype(np.float32)
     net = _deploy(tmp_path, contents)
-    assert net.layer_dict["conv"].winograd_tile == 4 and asked
+    assert net.layer_dict["conv"].winograd_tile == 4
+    # timed for one partition's batch at its BLAS threads (the executor's split)
+    partitions = net.executor.partitions(net.layers.index(net.layer_dict["conv"]))
+    assert asked[-1] == (-(-2 // partitions), net.executor.blas_count(partitions))
     monkeypatch.setattr(winograd, "AUTO_MIN_FLOPS", 10 ** 9)
     asked.clear()
     assert _deploy(tmp_path, contents).layer_dict["conv"].winograd_tile == 0 and not asked
