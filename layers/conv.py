@@ -195,7 +195,7 @@ class _ConvolutionBase(Layer):
         # (a deploy net: at batch 1 the model of both passes picked type 2 for
         # CaffeNet's conv2 and conv5, whose forwards then took 1.1x and 1.7x type 1's).
         parts = max(1, min(self._partitions, batch))
-        key = (geom, -(-batch // parts), dtype, parts, self.runs_backward, self._partition_threads)
+        key = (geom, -(-batch // parts), dtype, parts, self.runs_backward)
         if self._forced_type:
             kind = self._forced_type
         else:
@@ -205,14 +205,15 @@ class _ConvolutionBase(Layer):
                                                  forward_only=not self.runs_backward)
                 self._choice_key = key
             kind = self._auto_type
-        self._choose_winograd(key, kind)
+        self._choose_winograd(key + (self._partition_threads,), kind)
         return kind
 
     def _choose_winograd(self, key, kind):
-        """Set _winograd_m for the chooser's key: the forced tile size, or for
-        "auto" the measured choice (chooser.choose_forward), where the net never
-        runs this layer's backward and Winograd can run the shape; a forced
-        lowering type keeps "auto" off, as the lowering was asked for."""
+        """Set _winograd_m for the chooser's key (and the partitions' BLAS
+        threads): the forced tile size, or for "auto" the measured choice
+        (chooser.choose_forward), where the net never runs this layer's
+        backward and Winograd can run the shape; a forced lowering type keeps
+        "auto" off, as the lowering was asked for."""
         setting = self._winograd_setting
         key = key + (setting, self._forced_type, kind)
         if key == self._winograd_key:

@@ -21,6 +21,9 @@ backward: a deploy net):
              its inputs and runs far below the peak rate; the three constants
              are fitted to three timed GEMMs
 
+`choose_forward` decides, for a forward that never runs backward, between the
+lowering and Winograd (cct.lowering.winograd), by timing both on the shape.
+
 `Machine` holds those constants, measured once per process (0.13 to 0.22 s
 here) and merged, keeping each constant's fastest value, with the ones cached in
 $CCT_CACHE_DIR/lowering.json (default ~/.cache/cct), one entry per host and
@@ -470,9 +473,9 @@ def choose(geom, batch, machine=None, measure=False, dtype=np.float32, budget=No
 # Winograd is kept only where its timed forward takes at most this share of
 # the lowering's: a near tie is noise (CaffeNet's conv3 at 8 images: 14.53
 # against 14.60 ms, then 1.056x the net's time), and the lowering's numbers
-# are the closer to Caffe's. Timed with cold caches instead (64 MiB written
-# before each run), the choices did worse in the nets at batch 16 (GoogLeNet
-# 0.945x against 0.865x the time without Winograd) and no better at batch 1.
+# are the closer to Caffe's. (Timing with cold caches, 64 MiB written before
+# each run, changed no pick at batch 1, where in the net a layer's weights
+# come from memory: tried, not kept.)
 CLEARLY_FASTER = 0.95
 # Largest input + output (bytes) of the batch Winograd is timed on: the
 # lowerings' MEASURE_BYTES, which bounds their largest matrix, would time
@@ -504,7 +507,6 @@ def measure_forward(geom, batch, lowering_type, dtype=np.float32, repeats=3, thr
     arena = Arena()
     tiles = winograd.tile_sizes(geom.kernel_h)
     cached = {m: winograd.TransformedWeights() for m in tiles}
-
     itemsize = np.dtype(dtype).itemsize
     chunk = min(chunk_size(geom, lowering_type, batch, itemsize, DEFAULT_BUDGET_MB * 2 ** 20),
                 cache_chunk(geom, lowering_type, batch, itemsize))
@@ -530,6 +532,8 @@ def choose_forward(geom, batch, lowering_type, dtype=np.float32, threads=None):
     At CaffeNet's conv2 with 8 images, F(2x2, 5x5) took 0.95x the lowering's
     time on 2 BLAS threads and 0.63x on the one each of two partitions has."""
     dtype = np.dtype(dtype)
+    # "winograd2": timed on the partition's own batch and BLAS threads (the first
+    # timings, on the lowerings' capped batch at the process's threads, are not reused)
     key = (shape_key(geom, batch, dtype.itemsize, forward_only=True)
            + f"|winograd2|t{lowering_type}|threads={threads or _blas_threads()}")
     with _lock:

@@ -15,12 +15,12 @@ fewer multiplications than the direct convolution (2.25x for F(2x2, 3x3), 4x
 for F(4x4, 3x3), 2.8x for F(2x2, 5x5)), with no lowered matrix r^2 times the
 input. What it costs: U is alpha^2 / r^2 times the weights (1.8x, 4x, 1.4x),
 read by every GEMM, and the transforms are passes over alpha^2 / m^2 times
-the input and output. F(4x4, 3x3) and F(2x2, 5x5) share alpha = 6 and the
-points 0, +-1, +-2, so their B^T, the input transform, is one.
-So it pays on large planes (many tiles per GEMM) and loses on small ones,
-where the GEMMs are few columns wide and bound by reading U: the chooser
-times it against the lowering on the shape itself (cct.lowering.chooser.
-choose_forward) and keeps whichever is faster.
+the input and output. So it pays on large planes (many tiles per GEMM) and
+at larger batches, and loses on small planes, where the GEMMs are few
+columns wide and bound by reading U: the chooser times it against the
+lowering on the shape itself (cct.lowering.chooser.choose_forward) and keeps
+Winograd where it is clearly faster. F(4x4, 3x3) and F(2x2, 5x5) share
+alpha = 6 and the points 0, +-1, +-2, so their B^T, the input transform, is one.
 
 Numbers: the same sums in another order, and the transforms' fractions (1/6,
 1/24 at alpha = 6) round: the output differs from the direct convolution by a
@@ -187,8 +187,9 @@ class TransformedWeights:
 # transform run as unit-stride loops over all the channel's tiles at once;
 # only the gather and the final scatter move one value per tile. The
 # formulas are B^T and A^T written out (multiplying by their 0s and 1s
-# through general loops took three times as long).
-_4, _5, _8 = np.float32(4), np.float32(5), np.float32(8)
+# through general loops took two to three times as long).
+# float32 constants: a Python int in a float32 expression widens it to float64
+_2, _4, _5, _8 = np.float32(2), np.float32(4), np.float32(5), np.float32(8)
 
 
 @kernel
@@ -223,8 +224,8 @@ def _bt6(d0, d1, d2, d3, d4, d5, r0, r1, r2, r3, r4, r5, count):
         r0[t] = _4 * a0 - _5 * a2 + a4
         r1[t] = -_4 * (a1 + a2) + a3 + a4
         r2[t] = _4 * (a1 - a2) - a3 + a4
-        r3[t] = (a3 - a1) * 2 - a2 + a4
-        r4[t] = (a1 - a3) * 2 - a2 + a4
+        r3[t] = (a3 - a1) * _2 - a2 + a4
+        r4[t] = (a1 - a3) * _2 - a2 + a4
         r5[t] = _4 * a1 - _5 * a3 + a5
 
 
@@ -245,7 +246,7 @@ def _at4(m0, m1, m2, m3, m4, m5, r0, r1, r2, r3, count):
     for t in range(count):
         a0, a1, a2, a3, a4, a5 = m0[t], m1[t], m2[t], m3[t], m4[t], m5[t]
         r0[t] = a0 + a1 + a2 + a3 + a4
-        r1[t] = a1 - a2 + (a3 - a4) * 2
+        r1[t] = a1 - a2 + (a3 - a4) * _2
         r2[t] = a1 + a2 + _4 * (a3 + a4)
         r3[t] = a1 - a2 + _8 * (a3 - a4) + a5
 
@@ -265,7 +266,7 @@ def _at25(m0, m1, m2, m3, m4, m5, r0, r1, count):
     for t in range(count):
         a1, a2, a3, a4 = m1[t], m2[t], m3[t], m4[t]
         r0[t] = m0[t] + a1 + a2 + a3 + a4
-        r1[t] = a1 - a2 + (a3 - a4) * 2 + m5[t]
+        r1[t] = a1 - a2 + (a3 - a4) * _2 + m5[t]
 
 
 @kernel

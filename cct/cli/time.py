@@ -299,7 +299,8 @@ def profile_table(net, forward_ms, backward_ms, peak, bandwidth=None):
 
 def _algorithm(layer):
     """A convolution's lowering type, or "W2"/"W4" where its forward runs
-    Winograd F(2x2, 3x3) / F(4x4, 3x3) (cct.lowering.winograd); "-" elsewhere."""
+    Winograd with 2 x 2 / 4 x 4 output tiles (F(2x2, 3x3) or F(2x2, 5x5),
+    F(4x4, 3x3): cct.lowering.winograd); "-" elsewhere."""
     tile = getattr(layer, "winograd_tile", 0)
     return f"W{tile}" if tile else str(getattr(layer, "lowering_type", "-"))
 

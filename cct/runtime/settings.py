@@ -46,15 +46,16 @@ Keys, per layer (under "layers", by layer name) or for every layer ("default"):
                         instead of trusting the cost model (cached per shape)
     lowering_budget_mb  largest lowering workspace matrix, MB; bigger batches
                         are lowered in chunks (cct.lowering.chunking)
-    winograd            "auto" (the default), false, 2 or 4: how a 3 x 3
-                        convolution at stride 1 whose net never runs its
+    winograd            "auto" (the default), false, 2 or 4: how a 3 x 3 or
+                        5 x 5 convolution at stride 1 whose net never runs its
                         backward (a deploy net, `cct test`) computes its
                         forward: "auto" times the lowering against Winograd
-                        F(2x2, 3x3) and F(4x4, 3x3) on the layer's shape and
-                        keeps the fastest (cached per shape, beside the
-                        lowering choices; a forced lowering type keeps it off);
-                        2 or 4 that Winograd tile size wherever it applies;
-                        false never (cct.lowering.winograd)
+                        F(2x2, 3x3) and F(4x4, 3x3), or F(2x2, 5x5), on the
+                        layer's shape at its partitions' BLAS threads, and
+                        keeps Winograd where clearly faster (cached per shape,
+                        beside the lowering choices; a forced lowering type
+                        keeps it off); 2 or 4 that output tile size wherever
+                        the kernel has it; false never (cct.lowering.winograd)
     partitions          batch partitions (cct.runtime.partition); as a default
                         it applies only to the layers that can be partitioned.
                         A layer runs at most one partition per sample of the
