@@ -454,6 +454,33 @@ def test_a_forward_no_backward_follows_gives_the_same_maxima(fields, shape, dtyp
     assert (layer.winner is None) == general
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(2, 3, 7, 7), (1, 4, 28, 28), (2, 3, 1, 5), (1, 2, 4, 1), (1, 1, 1, 1),
+                                   (1, 2, 2, 2), (1, 3, 2, 9), (2, 2, 9, 2)])
+def test_the_inception_3x3_pooling_kernel_gives_the_general_maxima(shape, dtype, monkeypatch):
+    """3 x 3 at stride 1, padding 1, no backward to follow: _max_3x3_same, bit
+    for bit the general kernel's values (winners found) on planes down to one
+    row or column, with ties of 0.0 and -0.0 (the first in scan order wins),
+    NaN and infinities."""
+    x = RNG.standard_normal(shape).astype(dtype)
+    x.flat[::5] = 0.0
+    x.flat[1::5] = -0.0
+    if x.size > 8:
+        x.flat[3], x.flat[-1], x.flat[-3] = np.nan, -np.inf, np.inf
+    prototxt = 'type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 1 pad: 1 }'
+    general = forward_in(x, prototxt)[0].data
+    calls = []
+    real = pooling_module._max_3x3_same
+    monkeypatch.setattr(pooling_module, "_max_3x3_same", lambda *a: calls.append(1) or real(*a))
+    layer = make_layer(prototxt, cct.TEST)
+    layer.runs_backward = False
+    bottoms, tops = setup_layer(layer, [x], dtype=dtype)
+    layer.forward(bottoms, tops)
+    assert calls and layer.winner is None
+    np.testing.assert_array_equal(tops[0].data, general)
+    assert (np.signbit(tops[0].data) == np.signbit(general)).all()
+
+
 def test_whole_image_average_sums_in_caffe_order():
     x = RNG.standard_normal((2, 3, 7, 7)).astype(np.float32) * 1000
     tops = forward_in(x, 'type: "Pooling" pooling_param { pool: AVE global_pooling: true }')
