@@ -4,8 +4,10 @@ MAX and AVE run as compiled kernels (cct.devices.jit), one call per layer
 pass: MAX's forward finds a block of planes' window maxima and their argmax
 in one sweep (the maxima alone where the net never runs the layer's
 backward and there is no mask top: GoogLeNet's 13 at batch 1, 0.86x the
-time; for its inception units' 3 x 3 windows at stride 1, a kernel of their
-own, _max_3x3_same: the 13 then 0.69x the time with winners), AVE's forward sums and divides by Caffe's divisor in one sweep,
+time; 3 x 3 windows at stride 1 with padding 1 (the inception units') and at
+stride 2 without (between stages, in GoogLeNet, CaffeNet and ResNet-50) have
+kernels of their own, _max_3x3_same and _max_3x3_stride2: GoogLeNet's 13
+then take 0.67-0.72x the time with winners, CaffeNet's 3 0.87x), AVE's forward sums and divides by Caffe's divisor in one sweep,
 AVE's backward spreads in one. MAX's backward is a scatter, one add per
 output at its winner: the sweep of KH*KW runs described below, a compare and
 an add per window cell, measured 6x slower there. The numpy passes the
@@ -453,6 +455,53 @@ def _max_3x3_same(x, value):
 
 
 @kernel
+def _forward_max3(source, width, rows):
+    """rows[y, c] = the maximum (strictly greater, from -FLT_MAX) of
+    source[y, c:c + 3] clipped to the row, for planes flattened to `width`-wide
+    rows: one unit-stride sweep, then each row's last two cells fixed up."""
+    cells = source.shape[0]
+    floor = rows.dtype.type(-_FLT_MAX)
+    if cells > 2:
+        _keep_greater3(source[:cells - 2], source[1:cells - 1], source[2:], rows[:cells - 2], cells - 2)
+    for last in range(width - 1, cells, width):
+        if width > 1:
+            _keep_greater2(source[last - 1:last], source[last:last + 1], rows[last - 1:last], 1)
+        v = source[last]
+        rows[last] = v if v > floor else floor
+
+
+@kernel
+def _max_3x3_stride2(x, value):
+    """value (P, PH, PW) = the maxima of the 3 x 3 windows of x (P, H, W) at
+    stride 2 without padding, windows past the edge clipped (ceil rounding),
+    without winners: GoogLeNet's, CaffeNet's and ResNet-50's pooling between
+    stages. Each row's 3-cell maxima at every column, the even columns kept,
+    then the maxima of three such rows."""
+    planes, h, w = x.shape
+    out_h, out_w = value.shape[1], value.shape[2]
+    floor = x.dtype.type(-_FLT_MAX)
+    rows = np.empty(h * w, x.dtype)
+    picked = np.empty((h, out_w), x.dtype)
+    for p in range(planes):
+        _forward_max3(x[p].reshape(h * w), w, rows)
+        for y in range(h):
+            line, kept = rows[y * w:(y + 1) * w], picked[y]
+            for o in range(out_w):
+                kept[o] = line[2 * o]
+        for oy in range(out_h):
+            first = 2 * oy
+            target = value[p, oy]
+            if first + 2 < h:
+                _keep_greater3(picked[first], picked[first + 1], picked[first + 2], target, out_w)
+            elif first + 1 < h:
+                _keep_greater2(picked[first], picked[first + 1], target, out_w)
+            else:
+                for o in range(out_w):
+                    v = picked[first, o]
+                    target[o] = v if v > floor else floor
+
+
+@kernel
 def _max_whole(x, value, winner):
     """value (P,) = each plane's maximum, winner (P,) its flat index h*W + w
     (the first in scan order; -1 and -FLT_MAX where nothing is above -FLT_MAX)."""
@@ -759,6 +808,9 @@ class Pooling(Layer):
             elif not track and self._same_3x3(x):
                 self._run(_max_3x3_same, [_planes(x)], [], [_planes(value, True)])
                 return None
+            elif not track and self._stride2_3x3(x):
+                self._run(_max_3x3_stride2, [_planes(x)], [], [_planes(value, True)])
+                return None
             else:
                 self._run(_max_forward, [_planes(x)], [*self.kernel, *self.stride, *self.pad, BLOCK_CELLS, track],
                           [_planes(value, True), _planes(winner, True)])
@@ -801,6 +853,13 @@ class Pooling(Layer):
         cell on its input cell (_max_3x3_same): the inception units' pooling."""
         return (self.kernel == (3, 3) and self.stride == (1, 1) and self.pad == (1, 1)
                 and tuple(self.out_hw) == tuple(x.shape[2:]) and x.dtype.kind == "f")
+
+    def _stride2_3x3(self, x):
+        """Whether the windows are 3 x 3 at stride 2 without padding
+        (_max_3x3_stride2): every window starts inside the plane, the last ones
+        clipped (ceil rounding)."""
+        return (self.kernel == (3, 3) and self.stride == (2, 2) and self.pad == (0, 0)
+                and all(0 < 2 * out - 1 <= size for out, size in zip(self.out_hw, x.shape[2:])) and x.dtype.kind == "f")
 
     def _tiles_2x2(self, x):
         """Whether the windows are 2 x 2 at stride 2 without padding on planes

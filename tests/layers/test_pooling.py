@@ -456,27 +456,32 @@ def test_a_forward_no_backward_follows_gives_the_same_maxima(fields, shape, dtyp
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("shape", [(2, 3, 7, 7), (1, 4, 28, 28), (2, 3, 1, 5), (1, 2, 4, 1), (1, 1, 1, 1),
-                                   (1, 2, 2, 2), (1, 3, 2, 9), (2, 2, 9, 2)])
-def test_the_inception_3x3_pooling_kernel_gives_the_general_maxima(shape, dtype, monkeypatch):
-    """3 x 3 at stride 1, padding 1, no backward to follow: _max_3x3_same, bit
-    for bit the general kernel's values (winners found) on planes down to one
-    row or column, with ties of 0.0 and -0.0 (the first in scan order wins),
-    NaN and infinities."""
+                                   (1, 2, 2, 2), (1, 3, 2, 9), (2, 2, 9, 2), (1, 3, 13, 13), (1, 2, 12, 11)])
+@pytest.mark.parametrize("fields, kernel_name", [("stride: 1 pad: 1", "_max_3x3_same"),
+                                                 ("stride: 2", "_max_3x3_stride2")])
+def test_the_3x3_pooling_kernels_give_the_general_maxima(shape, dtype, fields, kernel_name, monkeypatch):
+    """3 x 3 at stride 1 with padding 1 (_max_3x3_same) and at stride 2 with
+    ceil-mode overhang (_max_3x3_stride2), no backward to follow: bit for bit
+    the general kernel's values (winners found) on planes down to one row or
+    column, with ties of 0.0 and -0.0 (the first in scan order wins), NaN and
+    infinities."""
     x = RNG.standard_normal(shape).astype(dtype)
     x.flat[::5] = 0.0
     x.flat[1::5] = -0.0
     if x.size > 8:
         x.flat[3], x.flat[-1], x.flat[-3] = np.nan, -np.inf, np.inf
-    prototxt = 'type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 1 pad: 1 }'
+    prototxt = f'type: "Pooling" pooling_param {{ pool: MAX kernel_size: 3 {fields} }}'
     general = forward_in(x, prototxt)[0].data
     calls = []
-    real = pooling_module._max_3x3_same
-    monkeypatch.setattr(pooling_module, "_max_3x3_same", lambda *a: calls.append(1) or real(*a))
+    real = getattr(pooling_module, kernel_name)
+    monkeypatch.setattr(pooling_module, kernel_name, lambda *a: calls.append(1) or real(*a))
     layer = make_layer(prototxt, cct.TEST)
     layer.runs_backward = False
     bottoms, tops = setup_layer(layer, [x], dtype=dtype)
     layer.forward(bottoms, tops)
-    assert calls and layer.winner is None
+    # the stride-2 kernel takes planes whose windows all start inside (not whole-image ones)
+    applies = layer._same_3x3(x) if kernel_name == "_max_3x3_same" else layer._stride2_3x3(x) and not layer.whole_image
+    assert bool(calls) == applies and (applies or min(shape[2:]) < 3)
     np.testing.assert_array_equal(tops[0].data, general)
     assert (np.signbit(tops[0].data) == np.signbit(general)).all()
 
