@@ -2,13 +2,13 @@
 
 MAX and AVE run as compiled kernels (cct.devices.jit), one call per layer
 pass: MAX's forward finds a block of planes' window maxima and their argmax
-in one sweep (the maxima alone where the net never runs the layer's
-backward and there is no mask top: GoogLeNet's 13 at batch 1, 0.86x the
-time; 3 x 3 windows at stride 1 with padding 1 (the inception units') and at
-stride 2 without (between stages, in GoogLeNet, CaffeNet and ResNet-50) have
-kernels of their own, _max_3x3_same and _max_3x3_stride2: GoogLeNet's 13
-then take 0.67-0.72x the time with winners, CaffeNet's 3 0.87x), AVE's forward sums and divides by Caffe's divisor in one sweep,
-AVE's backward spreads in one. MAX's backward is a scatter, one add per
+in one sweep, AVE's forward sums and divides by Caffe's divisor in one sweep,
+AVE's backward spreads in one. Where the net never runs a MAX layer's
+backward and it has no mask top, the forward finds the maxima alone, and 3 x
+3 windows at stride 1 with padding 1 (the inception units') or at stride 2
+without (between stages: GoogLeNet, CaffeNet, ResNet-50) run kernels of their
+own (_max_3x3_same, _max_3x3_stride2): GoogLeNet's 13 max poolings then take
+0.67-0.72x the time with winners, CaffeNet's 3 0.87x. MAX's backward is a scatter, one add per
 output at its winner: the sweep of KH*KW runs described below, a compare and
 an add per window cell, measured 6x slower there. The numpy passes the
 kernels replaced, KH*KW strided slices of a padded copy of the input, stay
@@ -398,15 +398,16 @@ def _max_forward_2x2(x, value, winner):
                 where_row[ow] = where
 
 
-# The inception units' 3 x 3 max pooling at stride 1 with padding 1, for a
-# forward no backward follows (no winners to find): each cell's row maximum
-# over its three columns, then the maximum of three such rows, both as
-# unit-stride loops over whole planes with the edges fixed up after; the
-# general kernel's padded copy and its output copy are not needed. The same
-# values: maxima are exact, and both start at -FLT_MAX and take a cell only
-# when strictly greater (NaN and -inf never win).
+# The deploy nets' 3 x 3 max poolings, for a forward no backward follows (no
+# winners to find): each cell's maximum over three columns, then over three
+# such rows, as unit-stride loops over whole planes with the edges fixed up
+# after; the general kernel's padded copy, phases and output copy are not
+# needed. The same values: maxima are exact, and both start at -FLT_MAX and
+# take a cell only when strictly greater (NaN and -inf never win; of equal
+# cells, 0.0 and -0.0, the first in scan order stays).
 @kernel
 def _keep_greater3(a, b, c, target, count):
+    """target = the first strictly greatest of a, b, c, from -FLT_MAX."""
     floor = target.dtype.type(-_FLT_MAX)
     for t in range(count):
         best = floor
@@ -418,6 +419,7 @@ def _keep_greater3(a, b, c, target, count):
 
 @kernel
 def _keep_greater2(a, b, target, count):
+    """target = the first strictly greatest of a, b, from -FLT_MAX."""
     floor = target.dtype.type(-_FLT_MAX)
     for t in range(count):
         best = floor
@@ -432,12 +434,15 @@ def _max_3x3_same(x, value):
     stride 1, padding 1 (the window clipped to the plane), without winners."""
     planes, h, w = x.shape
     cells = h * w
+    floor = x.dtype.type(-_FLT_MAX)
     rows = np.empty(cells, x.dtype)
     for p in range(planes):
         source = x[p].reshape(cells)
         target = value[p].reshape(cells)
-        if w == 1:
-            rows[:] = source
+        if w == 1:     # one column: each row's window is its one cell
+            for i in range(cells):
+                v = source[i]
+                rows[i] = v if v > floor else floor
         else:          # rows[i] = max over columns i-1..i+1 of the same row
             _keep_greater3(source[:cells - 2], source[1:cells - 1], source[2:], rows[1:cells - 1], cells - 2)
             for y in range(h):
@@ -792,9 +797,10 @@ class Pooling(Layer):
         a whole-image window that is the flat index h*W + w), -1 for a window
         with nothing above -FLT_MAX: such a window keeps Caffe's initial -FLT_MAX
         and gets no gradient. Kept for backward in the smallest integer that
-        holds KH*KW: a byte for kernels up to 11 x 11. Without `track` the
-        general kernel finds the maxima alone and None is returned (the other
-        paths find both, at little cost)."""
+        holds KH*KW: a byte for kernels up to 11 x 11. Without `track` (no
+        backward and no mask top to come) the general kernel and the 3 x 3
+        kernels find the maxima alone and return None; the whole-image and
+        2 x 2 kernels find both, at little cost."""
         n, c, h, w = x.shape
         area = self.kernel[0] * self.kernel[1]
         offset_type = np.int8 if area <= 127 else np.int16 if area <= 32767 else np.int32

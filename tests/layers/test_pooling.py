@@ -468,8 +468,9 @@ def test_the_3x3_pooling_kernels_give_the_general_maxima(shape, dtype, fields, k
     x = RNG.standard_normal(shape).astype(dtype)
     x.flat[::5] = 0.0
     x.flat[1::5] = -0.0
+    x.flat[-1] = np.nan if x.size % 2 else -np.inf      # a window of one cell that never wins included
     if x.size > 8:
-        x.flat[3], x.flat[-1], x.flat[-3] = np.nan, -np.inf, np.inf
+        x.flat[3], x.flat[-3] = np.nan, np.inf
     prototxt = f'type: "Pooling" pooling_param {{ pool: MAX kernel_size: 3 {fields} }}'
     general = forward_in(x, prototxt)[0].data
     calls = []
