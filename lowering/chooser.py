@@ -492,9 +492,19 @@ def forward_measured_batch(geom, batch, itemsize=4):
     return int(max(1, min(batch, FORWARD_MEASURE_BYTES // max(1, per_image))))
 
 
-def measure_forward(geom, batch, lowering_type, dtype=np.float32, repeats=3, threads=None):
+# Timed runs of each candidate in measure_forward: at least 3, and more (up to
+# 9) while a candidate's runs add up to under FORWARD_TIMING_SECONDS. Small
+# forwards are the noisy ones (ResNet-50's 28x28 3 x 3s at batch 1 flipped
+# between Winograd and the lowering from one timing to the next on best-of-3),
+# and nine of them cost a few milliseconds.
+FORWARD_TIMING_SECONDS = 0.02
+FORWARD_REPEATS = (3, 9)
+
+
+def measure_forward(geom, batch, lowering_type, dtype=np.float32, repeats=None, threads=None):
     """{0: the lowering's forward, m: Winograd F(m x m, r x r)'s} in seconds on
-    random data, the best of `repeats` interleaved runs, at `threads` BLAS
+    random data, the best of `repeats` interleaved runs (None: as many as
+    FORWARD_TIMING_SECONDS allows, within FORWARD_REPEATS), at `threads` BLAS
     threads when given (and blas_threads is set); Winograd's include checking
     its transformed weights (cct.lowering.winograd.TransformedWeights), as
     every forward of a layer does."""
@@ -519,6 +529,12 @@ def measure_forward(geom, batch, lowering_type, dtype=np.float32, repeats=3, thr
 
     limited = blas_threads(threads) if threads and blas_threads else contextlib.nullcontext()
     with limited:
+        if repeats is None:
+            start = time.perf_counter()
+            run(0)
+            once = max(time.perf_counter() - start, 1e-6)
+            low, high = FORWARD_REPEATS
+            repeats = int(min(high, max(low, FORWARD_TIMING_SECONDS // once)))
         return _interleaved_best((0,) + tiles, run, repeats)
 
 

@@ -174,6 +174,16 @@ def test_measure_forward_runs_at_the_threads_asked(monkeypatch):
     assert counts == [1]
 
 
+def test_measure_forward_times_small_forwards_more_often(monkeypatch):
+    rounds = []
+    monkeypatch.setattr(chooser, "_interleaved_best", lambda candidates, run, repeats: rounds.append(repeats) or {})
+    small = ConvGeometry(3, 4, 10, 10, 3, 3, pad_h=1, pad_w=1)
+    chooser.measure_forward(small, 1, 1)
+    monkeypatch.setattr(chooser, "FORWARD_TIMING_SECONDS", 1e-9)
+    chooser.measure_forward(small, 1, 1)
+    assert rounds == [chooser.FORWARD_REPEATS[1], chooser.FORWARD_REPEATS[0]]
+
+
 def test_measure_forward_times_the_lowering_and_each_tile_size():
     seconds = chooser.measure_forward(ConvGeometry(3, 4, 10, 10, 3, 3, pad_h=1, pad_w=1), 2, 1, repeats=1)
     assert sorted(seconds) == [0, 2, 4] and all(s > 0 for s in seconds.values())
