@@ -502,8 +502,9 @@ FORWARD_REPEATS = (3, 9)
 
 
 def measure_forward(geom, batch, lowering_type, dtype=np.float32, repeats=None, threads=None):
-    """{0: the lowering's forward, m: Winograd F(m x m, r x r)'s} in seconds on
-    random data, the best of `repeats` interleaved runs (None: as many as
+    """{0: the lowering's forward, m: Winograd F(m x m, r x r)'s for the tile
+    sizes winograd.timing_tiles takes} in seconds on random data, the best of
+    `repeats` interleaved runs (None: as many as
     FORWARD_TIMING_SECONDS allows, within FORWARD_REPEATS), at `threads` BLAS
     threads when given (and blas_threads is set); Winograd's include checking
     its transformed weights (cct.lowering.winograd.TransformedWeights), as
@@ -515,7 +516,7 @@ def measure_forward(geom, batch, lowering_type, dtype=np.float32, repeats=None, 
     bias = rng.standard_normal(geom.num_output).astype(dtype)
     y = np.empty(geom.output_shape(batch), dtype)
     arena = Arena()
-    tiles = winograd.tile_sizes(geom.kernel_h)
+    tiles = winograd.timing_tiles(geom, batch)
     cached = {m: winograd.TransformedWeights() for m in tiles}
     itemsize = np.dtype(dtype).itemsize
     chunk = min(chunk_size(geom, lowering_type, batch, itemsize, DEFAULT_BUDGET_MB * 2 ** 20),
@@ -556,7 +557,9 @@ def choose_forward(geom, batch, lowering_type, dtype=np.float32, threads=None):
         path = cache_path()
         stored = _load_cache(path)["choices"].get(key)
     if stored and "seconds" in stored:
-        return _winograd_pick({int(m): s for m, s in stored["seconds"].items()})
+        from . import winograd
+        allowed = (0,) + winograd.timing_tiles(geom, forward_measured_batch(geom, batch, dtype.itemsize))
+        return _winograd_pick({int(m): s for m, s in stored["seconds"].items() if int(m) in allowed})
     seconds = measure_forward(geom, forward_measured_batch(geom, batch, dtype.itemsize), lowering_type, dtype,
                               threads=threads)
     with _lock:
@@ -569,5 +572,8 @@ def choose_forward(geom, batch, lowering_type, dtype=np.float32, threads=None):
 
 def _winograd_pick(seconds):
     """The fastest tile size if clearly faster than the lowering (key 0), else 0."""
-    fastest = min((m for m in seconds if m), key=lambda m: (seconds[m], m))
+    tiles = [m for m in seconds if m]
+    if not tiles:
+        return 0
+    fastest = min(tiles, key=lambda m: (seconds[m], m))
     return fastest if seconds[fastest] <= CLEARLY_FASTER * seconds[0] else 0

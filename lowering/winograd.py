@@ -101,6 +101,11 @@ def tile_sizes(kernel):
 # (checking the weights, the calls) eat what it saves, and the timing would
 # pick between noise.
 AUTO_MIN_FLOPS = 10 ** 7
+# GEMM columns (tiles in the batch) below which "auto" does not time a tile
+# size: 4 to 16 columns are bound by reading U, and every such pick lost in
+# the nets (GoogLeNet's 5b/5x5 on 7x7 at batch 1, F(2x2, 5x5): 1.30x the
+# lowering's time), while a timing taken under load could still pick it.
+AUTO_MIN_COLUMNS = 32
 
 BLOCK_COLUMNS = 256            # tiles per block of images, at least (whole images)
 BLOCK_BYTES = 4 * 2 ** 20      # ... while V and M of the block stay within this
@@ -125,10 +130,17 @@ def applicable(geom, dtype=np.float32):
 
 
 def worth_timing(geom, batch):
-    """Whether "auto" times Winograd on this shape at all (AUTO_MIN_FLOPS)."""
+    """Whether "auto" times Winograd on this shape at all: AUTO_MIN_FLOPS, and
+    some tile size with AUTO_MIN_COLUMNS (timing_tiles)."""
     flops = (2 * batch * geom.out_h * geom.out_w * geom.num_output * geom.channels_per_group
              * geom.kernel_h * geom.kernel_w)
-    return flops >= AUTO_MIN_FLOPS
+    return flops >= AUTO_MIN_FLOPS and bool(timing_tiles(geom, batch))
+
+
+def timing_tiles(geom, batch):
+    """The tile sizes "auto" times on this shape: those whose GEMMs get at
+    least AUTO_MIN_COLUMNS columns (tiles) from the batch."""
+    return tuple(m for m in tile_sizes(geom.kernel_h) if batch * np.prod(tile_counts(geom, m)) >= AUTO_MIN_COLUMNS)
 
 
 def transform_weights(w, m):

@@ -174,6 +174,25 @@ def test_measure_forward_runs_at_the_threads_asked(monkeypatch):
     assert counts == [1]
 
 
+def test_auto_times_only_tile_sizes_with_enough_columns(cache_dir, monkeypatch):
+    """On 7x7 planes at batch 1, F(4x4, 3x3) has 4 tiles and F(2x2, 3x3) 16:
+    neither is timed (AUTO_MIN_COLUMNS), and a layer lowers; 8 images give
+    F(2x2, 3x3) 128 columns and F(4x4, 3x3) 32."""
+    seven = ConvGeometry(64, 64, 7, 7, 3, 3, pad_h=1, pad_w=1)
+    assert winograd.timing_tiles(seven, 1) == () and not winograd.worth_timing(seven, 1)
+    assert winograd.timing_tiles(seven, 8) == (2, 4) and winograd.worth_timing(seven, 8)
+    assert winograd.timing_tiles(ConvGeometry(16, 16, 14, 14, 3, 3, pad_h=1, pad_w=1), 1) == (2,)
+    seconds = chooser.measure_forward(ConvGeometry(8, 8, 14, 14, 3, 3, pad_h=1, pad_w=1), 1, 1, repeats=1)
+    assert sorted(seconds) == [0, 2]
+    # a timing cached before the rule keeps to it
+    key_geom = ConvGeometry(8, 8, 14, 14, 3, 3, pad_h=1, pad_w=1)
+    monkeypatch.setattr(chooser, "measure_forward", lambda geom, batch, kind, dtype, threads: {0: 1.0, 2: 0.99, 4: 0.5})
+    assert chooser.choose_forward(key_geom, 1, 1) == 4       # measured now: the stub's seconds as given
+    chooser.clear_memory_cache()
+    monkeypatch.setattr(chooser, "measure_forward", lambda *args: pytest.fail("timed twice"))
+    assert chooser.choose_forward(key_geom, 1, 1) == 0       # read back: F(4x4, 3x3)'s 16 columns left out
+
+
 def test_measure_forward_times_small_forwards_more_often(monkeypatch):
     rounds = []
     monkeypatch.setattr(chooser, "_interleaved_best", lambda candidates, run, repeats: rounds.append(repeats) or {})
@@ -185,9 +204,9 @@ def test_measure_forward_times_small_forwards_more_often(monkeypatch):
 
 
 def test_measure_forward_times_the_lowering_and_each_tile_size():
-    seconds = chooser.measure_forward(ConvGeometry(3, 4, 10, 10, 3, 3, pad_h=1, pad_w=1), 2, 1, repeats=1)
+    seconds = chooser.measure_forward(ConvGeometry(3, 4, 20, 20, 3, 3, pad_h=1, pad_w=1), 2, 1, repeats=1)
     assert sorted(seconds) == [0, 2, 4] and all(s > 0 for s in seconds.values())
-    five = chooser.measure_forward(ConvGeometry(3, 4, 10, 10, 5, 5, pad_h=2, pad_w=2), 1, 1, repeats=1)
+    five = chooser.measure_forward(ConvGeometry(3, 4, 20, 20, 5, 5, pad_h=2, pad_w=2), 1, 1, repeats=1)
     assert sorted(five) == [0, 2]
 
 
