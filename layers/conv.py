@@ -170,7 +170,8 @@ class _ConvolutionBase(Layer):
                 raise self.shape_error(f"every bottom must have bottom[0]'s shape {shape}, "
                                        f"bottom[{index}] is {blob.shape}")
         # The geometry depends on the bottom's spatial size alone: a repeated
-        # forward of one shape skips building and checking it (10 us a layer).
+        # forward of one shape skips building and checking it (the reshape
+        # took 6.1 us with it, 2.9 without).
         if shape[2:] != getattr(self, "_geometry_of", None):
             geom = self._geometry(shape)
             if geom != getattr(self, "geom", None):
@@ -313,10 +314,10 @@ class _ConvolutionBase(Layer):
             return {}
         batch, itemsize = -(-bottom[0].shape[0] // partitions), bottom[0].dtype.itemsize
         kind = self.lowering_type
-        if self.winograd_tile:
-            m = self.winograd_tile
-            held = winograd.held_bytes(self.blobs[0].data, m)
-            return {"lowering": sum(winograd.slot_bytes(self.geom, m, batch).values()), "held": held}
+        m = self.winograd_tile
+        if m:
+            return {"lowering": sum(winograd.slot_bytes(self.geom, m, batch).values()),
+                    "held": winograd.held_bytes(self.blobs[0].data, m)}
         chunk = min(chunk_size(self.geom, kind, batch, itemsize, max(1, self._owner._lowering_budget // partitions)),
                     cache_chunk(self.geom, kind, batch, itemsize))
         slots = slot_bytes(self.geom, kind, chunk, itemsize)

@@ -418,6 +418,16 @@ def _keep_greater3(a, b, c, target, count):
 
 
 @kernel
+def _keep_greater1(a, target, count):
+    """target = a where strictly greater than -FLT_MAX, else -FLT_MAX (a
+    window of one cell)."""
+    floor = target.dtype.type(-_FLT_MAX)
+    for t in range(count):
+        u = a[t]
+        target[t] = u if u > floor else floor
+
+
+@kernel
 def _keep_greater2(a, b, target, count):
     """target = the first strictly greatest of a, b, from -FLT_MAX."""
     floor = target.dtype.type(-_FLT_MAX)
@@ -434,15 +444,12 @@ def _max_3x3_same(x, value):
     stride 1, padding 1 (the window clipped to the plane), without winners."""
     planes, h, w = x.shape
     cells = h * w
-    floor = x.dtype.type(-_FLT_MAX)
     rows = np.empty(cells, x.dtype)
     for p in range(planes):
         source = x[p].reshape(cells)
         target = value[p].reshape(cells)
         if w == 1:     # one column: each row's window is its one cell
-            for i in range(cells):
-                v = source[i]
-                rows[i] = v if v > floor else floor
+            _keep_greater1(source, rows, cells)
         else:          # rows[i] = max over columns i-1..i+1 of the same row
             _keep_greater3(source[:cells - 2], source[1:cells - 1], source[2:], rows[1:cells - 1], cells - 2)
             for y in range(h):
@@ -465,14 +472,12 @@ def _forward_max3(source, width, rows):
     source[y, c:c + 3] clipped to the row, for planes flattened to `width`-wide
     rows: one unit-stride sweep, then each row's last two cells fixed up."""
     cells = source.shape[0]
-    floor = rows.dtype.type(-_FLT_MAX)
     if cells > 2:
         _keep_greater3(source[:cells - 2], source[1:cells - 1], source[2:], rows[:cells - 2], cells - 2)
     for last in range(width - 1, cells, width):
         if width > 1:
             _keep_greater2(source[last - 1:last], source[last:last + 1], rows[last - 1:last], 1)
-        v = source[last]
-        rows[last] = v if v > floor else floor
+        _keep_greater1(source[last:last + 1], rows[last:last + 1], 1)
 
 
 @kernel
@@ -484,7 +489,6 @@ def _max_3x3_stride2(x, value):
     then the maxima of three such rows."""
     planes, h, w = x.shape
     out_h, out_w = value.shape[1], value.shape[2]
-    floor = x.dtype.type(-_FLT_MAX)
     rows = np.empty(h * w, x.dtype)
     picked = np.empty((h, out_w), x.dtype)
     for p in range(planes):
@@ -501,9 +505,7 @@ def _max_3x3_stride2(x, value):
             elif first + 1 < h:
                 _keep_greater2(picked[first], picked[first + 1], target, out_w)
             else:
-                for o in range(out_w):
-                    v = picked[first, o]
-                    target[o] = v if v > floor else floor
+                _keep_greater1(picked[first], target, out_w)
 
 
 @kernel
@@ -858,7 +860,7 @@ class Pooling(Layer):
         """Whether the windows are 3 x 3 at stride 1 with padding 1, each output
         cell on its input cell (_max_3x3_same): the inception units' pooling."""
         return (self.kernel == (3, 3) and self.stride == (1, 1) and self.pad == (1, 1)
-                and tuple(self.out_hw) == tuple(x.shape[2:]) and x.dtype.kind == "f")
+                and self.out_hw == x.shape[2:] and x.dtype.kind == "f")
 
     def _stride2_3x3(self, x):
         """Whether the windows are 3 x 3 at stride 2 without padding

@@ -18,9 +18,10 @@ they process the batch that many images at a time, which bounds the workspace
 (see workspace.chunk_size). The chooser (cct.lowering.chooser) picks a type
 per layer from a cost model.
 
-A forward that never runs backward (a deploy net's) may instead run a 3 x 3
-convolution at stride 1 by Winograd's minimal filtering (cct.lowering.winograd),
-where timing it on the shape says it is faster (chooser.choose_forward).
+A forward that never runs backward (a deploy net's) may instead run a 3 x 3 or
+5 x 5 convolution at stride 1 by Winograd's minimal filtering
+(cct.lowering.winograd), where timing it on the shape says it is faster
+(chooser.choose_forward).
 """
 import numpy as np
 

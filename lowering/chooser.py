@@ -562,12 +562,12 @@ def choose_forward(geom, batch, lowering_type, dtype=np.float32, threads=None):
         return _winograd_pick({int(m): s for m, s in stored["seconds"].items() if int(m) in allowed})
     seconds = measure_forward(geom, forward_measured_batch(geom, batch, dtype.itemsize), lowering_type, dtype,
                               threads=threads)
+    choice = _winograd_pick(seconds)
     with _lock:
         contents = _load_cache(path)
-        contents["choices"][key] = {"winograd": _winograd_pick(seconds),
-                                    "seconds": {str(m): seconds[m] for m in seconds}}
+        contents["choices"][key] = {"winograd": choice, "seconds": {str(m): seconds[m] for m in seconds}}
         _save_cache(path, contents)
-    return _winograd_pick(seconds)
+    return choice
 
 
 def _winograd_pick(seconds):
