@@ -55,7 +55,6 @@ only inside one forward or backward call (the running thread's arena,
 cct.core.workspace, shared by every layer that thread runs, so they cost
 threads x the largest request, not layers x partitions).
 """
-import contextlib
 import copy
 
 import numpy as np
@@ -291,17 +290,11 @@ class Layer:
             raise error.renamed(f"{self.where()}: parameter blob ({field})") from None
         return fillers.fill(blob, filler_param, where=f"{self.where()}: {field}")
 
-    @contextlib.contextmanager
     def naming_allocations(self, top):
         """Name this layer, and the top when it is one, in an array refused as
         too large inside the block (the runtime wraps reshape, forward and
         backward in it): `layer 'ip1' (InnerProduct): top 'ip1' of shape ...`."""
-        try:
-            yield
-        except MemoryLimitError as error:
-            if error.named:
-                raise                               # by filled_blob, or an inner layer
-            raise error.renamed(f"{self.where()}: {self._array_name(error, top)}") from None
+        return _NamingAllocations(self, top)
 
     def _array_name(self, error, top):
         for index, blob in enumerate(top):
@@ -365,3 +358,22 @@ class NoBackward:
 
     def allow_force_backward(self, bottom_index):
         return False
+
+
+class _NamingAllocations:
+    """Layer.naming_allocations's block. A class, not a generator context
+    manager: the runtime enters one for every layer of every pass, and
+    contextlib's costs 0.95 us a block against 0.27 here (the 2-core host)."""
+    __slots__ = ("layer", "top")
+
+    def __init__(self, layer, top):
+        self.layer, self.top = layer, top
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, kind, error, traceback):
+        if kind is None or not issubclass(kind, MemoryLimitError) or error.named:
+            return False                            # named already: by filled_blob, or an inner layer
+        layer = self.layer
+        raise error.renamed(f"{layer.where()}: {layer._array_name(error, self.top)}") from None

@@ -277,14 +277,13 @@ class Net:
         """Run layers start..end inclusive (by index); return the summed loss."""
         end = len(self.layers) - 1 if end is None else end
         executor = self.executor
-        executor.forward_end = end                  # a ReLU is fused only into a forward that reaches it
+        executor.begin_forward(end)
         loss = 0.0
         try:
             for i in range(start, end + 1):
                 loss += executor.forward(i)
         finally:
-            executor.forward_end = None
-            executor.finish()                       # a failing layer leaves no lowered BLAS count
+            executor.end_forward()                  # a failing layer leaves no lowered BLAS count
         return loss
 
     @property

@@ -59,6 +59,7 @@ DEFAULT_SPLIT_ELEMENTS = 1 << 20
 TUNE_PARAM_COPY_BYTES = 64 << 20
 
 EVENTS = ("before_forward", "after_forward", "before_backward", "after_backward")
+_ASK = object()                # Executor._forward_device outside a Net.forward: ask settings.device()
 
 log = logging.getLogger("cct.runtime.executor")
 
@@ -118,6 +119,7 @@ class Executor:
         settings.apply(self)
         self.fusion = fusion_module.plan(net) if settings.fusion_enabled(net.phase) else None
         self.forward_end = None       # the last layer of the Net.forward under way (fusion's output ReLUs)
+        self._forward_device = _ASK   # the device of the Net.forward under way, looked up once for its layers
         # Refused now, before the first forward touches the blobs setup mapped.
         self.memory_plan = memory_plan.net_plan(net, self)
         self.memory_plan.check(f"net '{net.name}' ({net.source})")
@@ -240,7 +242,9 @@ class Executor:
         if self._listeners:
             self._emit("before_forward", index)
         fusion = self.fusion
-        device = settings.device()
+        device = self._forward_device
+        if device is _ASK:
+            device = settings.device()
         if device is not None:
             if fusion is not None:
                 fusion.flush(self)
@@ -269,6 +273,18 @@ class Executor:
         if self._listeners:
             self._emit("after_forward", index)
         return loss
+
+    def begin_forward(self, end):
+        """A Net.forward through layer `end` starts: a ReLU is fused only into a
+        forward that reaches it, and the device (settings.device(), which reads
+        the environment) is looked up once for all its layers."""
+        self.forward_end = end
+        self._forward_device = settings.device()
+
+    def end_forward(self):
+        self.forward_end = None
+        self._forward_device = _ASK
+        self.finish()
 
     def _run_with_relu(self, index, relu):
         """Convolution `index` with the ReLU after it in its output store

@@ -56,6 +56,10 @@ reached, or when the forward stops inside the run (Executor.finish, which
 ends every Net.forward), or before any layer outside it runs: a forward over
 any range (start=, end=) leaves every blob as Caffe would. With per-layer
 callbacks subscribed, and for forwards a stream runs, layers run one by one.
+A whole run's prepared pass is kept (Replay) and run again by the next
+forwards that go through the run, without its layers' reshapes and
+epilogues, while its blobs keep their shapes and arrays and its layers'
+parameters their values.
 
 Why a pass after the producing op, not BatchNorm and Scale folded into its
 weights: pycaffe reads and writes net.params, so folded weights would be
@@ -271,6 +275,11 @@ class Run:
     def run(self, threads=1):
         """The pass, on up to `threads` threads (pieces of the batch, or of
         the channels for a batch of one)."""
+        _execute(self.prepare(), threads)
+
+    def prepare(self):
+        """(the pass's arrays, its flags): what run() hands the kernel, kept
+        by a Replay for the forwards that change nothing."""
         source = self.source.data
         batch = source.shape[0] if source.ndim else 1
         channels = source.shape[1] if source.ndim > 1 else 1
@@ -278,7 +287,7 @@ class Run:
         dtype = source.dtype
 
         def per_channel(values, default):
-            return np.full(channels, default, dtype) if values is None else np.asarray(values, dtype)
+            return np.full(channels, default, dtype) if values is None else np.array(values, dtype)
 
         affine = not (self.shift is None and self.scale is None and self.bias is None)
         nothing = np.zeros((0, 0, 0), dtype)
@@ -292,20 +301,27 @@ class Run:
         flags = (affine, dtype.type(self.relu1 or 0), self.relu1 is not None, store_value,
                  dtype.type(coeffs[0]), dtype.type(coeffs[1]), summed, dtype.type(self.relu2 or 0),
                  self.relu2 is not None)
+        return arrays, flags
 
-        def piece(part):
-            s, shift, scale, bias, value, other, o = part
-            _fused_pass(s, shift, scale, bias, flags[0], flags[1], flags[2], value, flags[3], other, flags[4],
-                        flags[5], flags[6], flags[7], flags[8], o)
 
-        parts = max(1, min(threads, source.size // PARALLEL_ELEMENTS))
-        if parts == 1:
-            piece(arrays)
-            return
-        along = 0 if batch >= parts else 1
-        edges = np.linspace(0, shape[along], parts + 1).astype(int)
-        pieces = [(_piece(arrays, along, start, stop),) for start, stop in zip(edges[:-1], edges[1:])]
-        threads_module.run_all(threads_module.workers(parts), piece, pieces)
+def _execute(prepared, threads):
+    """Run.prepare's pass on up to `threads` threads."""
+    arrays, flags = prepared
+
+    def piece(part):
+        s, shift, scale, bias, value, other, o = part
+        _fused_pass(s, shift, scale, bias, flags[0], flags[1], flags[2], value, flags[3], other, flags[4],
+                    flags[5], flags[6], flags[7], flags[8], o)
+
+    source = arrays[0]
+    parts = max(1, min(threads, source.size // PARALLEL_ELEMENTS))
+    if parts == 1:
+        piece(arrays)
+        return
+    along = 0 if source.shape[0] >= parts else 1
+    edges = np.linspace(0, source.shape[along], parts + 1).astype(int)
+    pieces = [(_piece(arrays, along, start, stop),) for start, stop in zip(edges[:-1], edges[1:])]
+    threads_module.run_all(threads_module.workers(parts), piece, pieces)
 
 
 def _piece(arrays, along, start, stop):
@@ -320,6 +336,55 @@ def _piece(arrays, along, start, stop):
         else:
             sliced.append(array[start:stop] if along == 0 else array[:, start:stop])
     return sliced
+
+
+# --- a run's pass again ----------------------------------------------------------------------------
+@kernel
+def _same_values(current, snapshot):
+    """Whether the flat arrays hold the same values (a NaN never does: a run
+    whose parameters hold one is composed again at every forward)."""
+    if current.shape[0] != snapshot.shape[0]:
+        return False
+    for i in range(current.shape[0]):
+        if current[i] != snapshot[i]:
+            return False
+    return True
+
+
+class Replay:
+    """A whole run's prepared pass, kept for the next forwards: composing it
+    (its layers' reshapes and epilogues, the per-channel maps multiplied
+    together) cost more than the pass itself on small blobs (34 us of Python
+    for a BatchNorm + Scale + ReLU), and a net runs the same shapes and
+    parameters forward after forward. It is used only while every blob of
+    the run has the shape and the array it had, and every parameter of its
+    layers the values (compared value for value: pycaffe writes them through
+    numpy views, which nothing else sees); otherwise the run is composed
+    again and replaces it."""
+
+    def __init__(self, net, members, prepared):
+        self.members = members
+        self.prepared = prepared
+        self.blobs = []
+        for index in members:
+            for blob in net.bottom_vecs[index] + net.top_vecs[index]:
+                if all(blob is not known for known, _, _ in self.blobs):
+                    self.blobs.append((blob, blob.shape, blob.data))
+        self.params = [(blob, blob.data, blob.data.reshape(-1).copy())
+                       for index in members for blob in net.layers[index].blobs]
+
+    def still_valid(self):
+        for blob, shape, data in self.blobs:
+            if blob.shape != shape or blob.data is not data:
+                return False
+        for blob, data, snapshot in self.params:
+            current = blob.data
+            if current is not data or not _same_values(current.reshape(-1), snapshot):
+                return False
+        return True
+
+    def run(self, threads):
+        _execute(self.prepared, threads)
 
 
 # --- the plan over a net --------------------------------------------------------------------------------
@@ -341,11 +406,14 @@ class Fusion:
         self.pending = None           # the Run being gathered
         self._pending_run = None      # its number in runs, and the index expected next
         self._expected = None
+        self._replays = {}            # run number -> its Replay
+        self._replaying = None        # the number of the run being replayed in this forward
 
     def plan_runs(self, net):
         """(Re)plan the runs and output ReLUs: at construction, and when
         forward_only() says so."""
         self.runs = _plan_runs(net, self.forward_only)
+        self._replays = {}
         self.run_of = {index: number for number, run in enumerate(self.runs) for index in run}
         self.output_relus = _plan_output_relus(net, self.run_of, self.forward_only)
 
@@ -368,12 +436,18 @@ class Fusion:
         run's, run the pending pass first and leave the layer to the caller
         (False)."""
         number = self.run_of.get(index)
+        if self._replaying is not None:
+            if number == self._replaying and index == self._expected:
+                return self._replay_member(executor, index)
+            self.flush(executor)
         if self.pending is not None and (number != self._pending_run or index != self._expected):
             self.flush(executor)
         net = executor.net
         applied, self.applied = self.applied, None
         if index != applied and number is None:
             return False
+        if index != applied and self._replay_start(executor, number, index):
+            return True
         layer, bottom, top = net.layers[index], net.bottom_vecs[index], net.top_vecs[index]
         with layer.naming_allocations(top):
             layer.reshape(bottom, top)
@@ -393,16 +467,40 @@ class Fusion:
             self.flush(executor)
         return True
 
+    def _replay_start(self, executor, number, index):
+        """At the first layer of run `number`: replay its kept pass when the
+        forward goes through the whole run and nothing it read has changed
+        (the run's layers are then neither reshaped nor asked again)."""
+        run = self.runs[number]
+        replay = self._replays.get(number)
+        if (replay is None or index != run[0] or executor.forward_end is None or executor.forward_end < run[-1]
+                or not replay.still_valid()):
+            return False
+        self._replaying, self._expected = number, index
+        return self._replay_member(executor, index)
+
+    def _replay_member(self, executor, index):
+        self._expected = index + 1
+        if index == self.runs[self._replaying][-1]:
+            replay, self._replaying = self._replays[self._replaying], None
+            replay.run(executor.threads)
+        return True
+
     def flush(self, executor):
-        """Run the pending pass, if any: a run of one layer runs that layer."""
+        """Run the pending pass, if any: a run of one layer runs that layer.
+        A whole run's pass is kept for its next forwards (Replay)."""
         pending, self.pending = self.pending, None
-        self._pending_run = self._expected = None
+        number, self._pending_run = self._pending_run, None
+        self._expected = self._replaying = None
         if pending is None:
             return
         if len(pending.members) == 1:
             executor.run_layer(pending.members[0])
             return
-        pending.run(executor.threads)
+        prepared = pending.prepare()
+        if number is not None and pending.members == self.runs[number]:
+            self._replays[number] = Replay(executor.net, pending.members, prepared)
+        _execute(prepared, executor.threads)
 
 
 def _op(net, index, forward_only=False):

@@ -319,6 +319,58 @@ def test_weights_set_or_loaded_after_building_take_effect(tmp_path):
     assert relative_error(fused.blobs["conv1"].data, chain_value(other, x)) <= TOLERANCE
 
 
+def _counting_epilogues(monkeypatch):
+    """Calls of BatchNorm's epilogue, counted: a replayed run asks none."""
+    from cct.layers.normalization import BatchNorm
+    calls = []
+    original = BatchNorm.epilogue
+    monkeypatch.setattr(BatchNorm, "epilogue", lambda self, *a: calls.append(self.name) or original(self, *a))
+    return calls
+
+
+def test_a_run_is_replayed_while_nothing_it_reads_changes(monkeypatch):
+    x = RNG.normal(size=(3, 3, 7, 6)).astype(np.float32)
+    fused, unfused = pair(CHAIN, data=x)
+    calls = _counting_epilogues(monkeypatch)
+    for _ in range(2):
+        x = RNG.normal(size=(3, 3, 7, 6)).astype(np.float32)
+        fused.blobs["data"].data[...] = x
+        fused.forward()
+        assert relative_error(fused.blobs["conv1"].data, chain_value(unfused, x)) <= TOLERANCE
+    assert calls == []                          # the input's values changed, nothing the run composes did
+    fused.blobs["data"].reshape(2, 3, 7, 6)     # a new shape: composed again, then replayed again
+    fused.blobs["data"].data[...] = x[:2]
+    fused.forward()
+    fused.forward()
+    assert calls == ["bn1"]
+    assert relative_error(fused.blobs["conv1"].data, chain_value(unfused, x[:2])) <= TOLERANCE
+
+
+@pytest.mark.parametrize("layer, param", [("bn1", 0), ("bn1", 1), ("bn1", 2), ("sc1", 0), ("sc1", 1)])
+def test_a_parameter_written_through_its_view_ends_the_replay(layer, param, monkeypatch):
+    x = RNG.normal(size=(3, 3, 7, 6)).astype(np.float32)
+    fused, unfused = pair(CHAIN, data=x)
+    fused.forward()                             # replayed
+    calls = _counting_epilogues(monkeypatch)
+    view = fused.params[layer][param].data
+    view[view.size // 2 if view.ndim else ()] *= 1.75       # one value, in place
+    fused.forward()
+    assert calls == ["bn1"]
+    assert relative_error(fused.blobs["conv1"].data, chain_value(fused, x)) <= TOLERANCE
+
+
+def test_a_forward_ending_inside_a_kept_run_leaves_caffes_values():
+    x = RNG.normal(size=(3, 3, 7, 6)).astype(np.float32)
+    fused, unfused = pair(CHAIN, data=x)
+    fused.forward()                             # the run's pass is kept
+    y = conv(x, *params(unfused, "conv1"), pad=1)
+    fused.forward(end="sc1")
+    assert relative_error(fused.blobs["conv1"].data, scale(unfused, "sc1", batch_norm(unfused, "bn1", y))) \
+        <= TOLERANCE
+    fused.forward()
+    assert relative_error(fused.blobs["conv1"].data, chain_value(unfused, x)) <= TOLERANCE
+
+
 def test_a_forward_over_part_of_a_run_leaves_caffes_values():
     x = RNG.normal(size=(3, 3, 7, 6)).astype(np.float32)
     fused, unfused = pair(CHAIN, data=x)
