@@ -278,6 +278,8 @@ class Blob:
     def share_data(self, other):
         """Use `other`'s data storage (Caffe's ShareData); counts must agree."""
         self._check_same_count(other)
+        if self._data_store is other._data_store and self._data_mirror is other._data_mirror:
+            return      # shared already, views and all: an aliased Split shares again at every reshape
         self._data_store, self._data_mirror = other._data_store, other._data_mirror
         self._make_views()
 

@@ -346,6 +346,24 @@ def test_a_run_is_replayed_while_nothing_it_reads_changes(monkeypatch):
     assert relative_error(fused.blobs["conv1"].data, chain_value(unfused, x[:2])) <= TOLERANCE
 
 
+def test_a_sum_reading_an_aliased_split_is_replayed_too(monkeypatch):
+    """ResNet's identity blocks: the sum's other operand is a Split top that
+    shares its bottom's data, shared again at every forward (Blob.share_data
+    keeps the views it has, so the run still reads the same arrays)."""
+    x = RNG.normal(size=(2, 4, 5, 5)).astype(np.float32)
+    fused, unfused = pair(RESIDUAL, data=x)
+    assert fused.executor.fusion.aliases
+    calls = _counting_epilogues(monkeypatch)
+    x = RNG.normal(size=(2, 4, 5, 5)).astype(np.float32)
+    for net in (fused, unfused):
+        net.blobs["data"].data[...] = x
+        net.forward()
+    assert calls == []                          # replayed (the unfused net runs BatchNorm's forward)
+    a = relu(conv(x, *params(unfused, "conv_a"), pad=0))
+    b = scale(unfused, "sc_b", batch_norm(unfused, "bn_b", conv(a, *params(unfused, "conv_b"), pad=1)))
+    assert_agree(fused, unfused, {"a": a, "b": b, "sum": relu(0.5 * a - 2 * b)})
+
+
 @pytest.mark.parametrize("layer, param", [("bn1", 0), ("bn1", 1), ("bn1", 2), ("sc1", 0), ("sc1", 1)])
 def test_a_parameter_written_through_its_view_ends_the_replay(layer, param, monkeypatch):
     x = RNG.normal(size=(3, 3, 7, 6)).astype(np.float32)
