@@ -42,7 +42,9 @@ def checkout(revision, scratch):
 
 
 def run(source, site, script, args, metric):
-    env = dict(os.environ, PYTHONPATH=site)
+    # the revision's install first; the caller's own path after it (wheels installed by
+    # hand for a comparison: OpenCV 4 for bench_deploy, PyTorch)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")])))
     result = subprocess.run([sys.executable, os.path.join(source, "bench", script), *args], cwd=scratch_cwd(),
                             env=env, capture_output=True, text=True)
     found = re.search(metric, result.stdout + result.stderr)
