@@ -95,15 +95,28 @@ def test_forward_applies_the_relu_as_the_layer_does(slope):
     assert (y[expected < -1e-3] == 0).all() if slope == 0 else (y[expected < -1e-3] < 0).all()
 
 
-def test_blocks_of_images_give_the_whole_batch(monkeypatch):
-    """Several blocks (BLOCK_COLUMNS small) and a last, shorter one."""
+@pytest.mark.parametrize("m, columns, images", [(2, 40, 2), (4, 20, 3)])
+def test_blocks_of_images_give_the_whole_batch(m, columns, images, monkeypatch):
+    """Several blocks (BLOCK_COLUMNS small) and a last, shorter one: 25 tiles
+    an image at m = 2, 9 at m = 4 (channels innermost)."""
     geom = GEOMETRIES[0]
     x, w, bias, _ = _case(geom, 5)
-    u = winograd.transform_weights(w, 2)
-    whole = winograd.forward(x, u, geom, 2, bias=bias)
-    monkeypatch.setattr(winograd, "BLOCK_COLUMNS", 40)            # 2 images of 25 tiles per block
-    assert winograd.block_images(geom, 2, 5) == 2
-    np.testing.assert_array_equal(winograd.forward(x, u, geom, 2, bias=bias, ws=Arena()), whole)
+    u = winograd.transform_weights(w, m)
+    whole = winograd.forward(x, u, geom, m, bias=bias)
+    monkeypatch.setattr(winograd, "BLOCK_COLUMNS", columns)
+    assert winograd.block_images(geom, m, 5) == images
+    np.testing.assert_array_equal(winograd.forward(x, u, geom, m, bias=bias, ws=Arena()), whole)
+
+
+def test_channels_innermost_weights_are_the_tile_innermost_ones_transposed():
+    w = RNG.standard_normal((6, 4, 3, 3)).astype(np.float32)
+    assert (4, 3) in winograd.CHANNELS_INNER and (2, 3) not in winograd.CHANNELS_INNER
+    tile_inner = winograd.transform_weights(w, 2)
+    assert tile_inner.shape == (16, 6, 4)
+    u = winograd.transform_weights(w, 4)
+    assert u.shape == (36, 4, 6) and u.flags.c_contiguous
+    _, g, _ = winograd.transforms(4, 3)
+    np.testing.assert_allclose(u[:, 1, 2].reshape(6, 6), g @ w[2, 1].astype(np.float64) @ g.T, rtol=1e-6, atol=1e-6)
 
 
 def test_applicable_shapes():
