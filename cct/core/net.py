@@ -277,9 +277,9 @@ class Net:
         """Run layers start..end inclusive (by index); return the summed loss."""
         end = len(self.layers) - 1 if end is None else end
         executor = self.executor
-        executor.begin_forward(end)
         loss = 0.0
         try:
+            executor.begin_forward(end)             # inside: a bad CCT_GPU still ends the forward
             for i in range(start, end + 1):
                 loss += executor.forward(i)
         finally:

@@ -363,22 +363,23 @@ class Replay:
     again and replaces it."""
 
     def __init__(self, net, members, prepared):
-        self.members = members
         self.prepared = prepared
         self.blobs = []
         for index in members:
             for blob in net.bottom_vecs[index] + net.top_vecs[index]:
                 if all(blob is not known for known, _, _ in self.blobs):
                     self.blobs.append((blob, blob.shape, blob.data))
-        self.params = [(blob, blob.data, blob.data.reshape(-1).copy())
-                       for index in members for blob in net.layers[index].blobs]
+        # (the layer's blob list, its index, the array, a copy): looked up in the
+        # list again, so that a blob put in another's place is seen too
+        self.params = [(layer.blobs, k, blob.data, blob.data.reshape(-1).copy())
+                       for layer in (net.layers[index] for index in members) for k, blob in enumerate(layer.blobs)]
 
     def still_valid(self):
         for blob, shape, data in self.blobs:
             if blob.shape != shape or blob.data is not data:
                 return False
-        for blob, data, snapshot in self.params:
-            current = blob.data
+        for blobs, k, data, snapshot in self.params:
+            current = blobs[k].data
             if current is not data or not _same_values(current.reshape(-1), snapshot):
                 return False
         return True
