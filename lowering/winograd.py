@@ -36,19 +36,21 @@ timing includes it.
 Layout: the image's tiles t = (ty, tx) run along the GEMMs' columns; a block
 of images is transformed at once, its tiles side by side, so that the GEMMs
 are wide enough (BLOCK_COLUMNS) while V and M stay small (BLOCK_BYTES).
-F(2x2, 3x3) and F(2x2, 5x5) keep a channel's tiles innermost: V (alpha^2, C,
-tiles), M (alpha^2, O, tiles), transforms vectorised over a channel's tiles.
-F(4x4, 3x3) runs channels innermost (CHANNELS_INNER): the image is copied to
-(H, W, C), V is (36, tiles, C) and M (36, tiles, O) = V @ U with U (36, C, O),
-and the transforms work each tile as vectors over the channels. A channel
-has few tiles on small planes (49 on 28x28, batch 1), and the tile-innermost
-loops were short; alone, at batch 1, a forward took 0.64-0.92x the time
-(GoogLeNet's conv2/3x3 2.40 against 3.09 ms, its 3a/3x3 0.71 against 1.02,
-ResNet-50's res3 3x3 0.79 against 1.24), and blocks of 6-16 images
-0.42-0.76x; the GEMM in this orientation was the faster one too on 196
-tiles (1.07 against 1.68 ms on conv2/3x3). The same sums: outputs equal the
-tile-innermost ones bit for bit but where OpenBLAS orders a GEMM's sums
-otherwise (3.7e-6 of the largest value at worst, 54 shapes).
+The 3 x 3 variants run channels innermost (CHANNELS_INNER): the image is
+copied to (H, W, C), V is (alpha^2, tiles, C) and M (alpha^2, tiles, O) =
+V @ U with U (alpha^2, C, O), and the transforms work each tile as vectors
+over the channels. F(2x2, 5x5) keeps a channel's tiles innermost, V (36, C,
+tiles) and M (36, O, tiles), its transforms vectorised over a channel's
+tiles: on small planes a channel has few tiles (49 on 28x28 at batch 1 for
+F(4x4, 3x3)), and those loops were short. Alone, at batch 1, channels
+innermost took 0.64-0.92x the time at F(4x4, 3x3) (GoogLeNet's conv2/3x3
+2.40 against 3.09 ms, ResNet-50's res3 3x3 0.79 against 1.24) and
+0.63-0.81x at F(2x2, 3x3) (14x14 and 13x13 planes), and blocks of 6-16
+images 0.42-0.76x; the GEMM in this orientation was the faster one too on
+196 tiles (1.07 against 1.68 ms on conv2/3x3). The same sums: outputs equal
+the tile-innermost ones bit for bit but where OpenBLAS orders a GEMM's sums
+otherwise (48 of 54 shapes bit for bit; 3.7e-6 of the largest value at
+worst).
 """
 import threading
 
@@ -121,7 +123,7 @@ AUTO_MIN_FLOPS = 10 ** 7
 AUTO_MIN_COLUMNS = 32
 
 # Variants run channel-innermost (see "Layout" in the module docstring).
-CHANNELS_INNER = {(4, 3)}
+CHANNELS_INNER = {(2, 3), (4, 3)}
 
 BLOCK_COLUMNS = 256            # tiles per block of images, at least (whole images)
 BLOCK_BYTES = 4 * 2 ** 20      # ... while V and M of the block stay within this
@@ -410,7 +412,7 @@ def _output_tiles(product, variant, first, tiles_h, tiles_w, bias, has_bias, slo
         _finish_tiles(done, bias, has_bias, slope, has_relu, o, tiles_h, tiles_w, out)
 
 
-# --- F(4x4, 3x3) channel-innermost: each tile's values are vectors over the channels -----------------
+# --- F(2x2, 3x3) and F(4x4, 3x3) channels innermost: each tile's values are vectors over the channels ----
 @kernel
 def _bt6_rows(d, r, count):
     """r[k] = (B^T d)[k] at alpha = 6 over the rows d[0..5], element by element
@@ -479,7 +481,7 @@ def _output_channels(product, first, tiles_h, tiles_w, bias, has_bias, slope, ha
     vectors, then the bias and the ReLU as _finish_tiles, and each of the
     tile's values put in place (a tile that overhangs the output writes only
     its part inside it)."""
-    outputs, out_h, out_w = out.shape
+    outputs = out.shape[0]
     half = np.empty((4, 6, outputs), np.float32)
     done = np.empty((4, 4, outputs), np.float32)
     for ty in range(tiles_h):
@@ -504,26 +506,104 @@ def _output_channels(product, first, tiles_h, tiles_w, bias, has_bias, slope, ha
                     d1[o] = a1 - a2 + (a3 - a4) * _2
                     d2[o] = a1 + a2 + _4 * (a3 + a4)
                     d3[o] = a1 - a2 + _8 * (a3 - a4) + a5
+            _put_tile(done, ty, tx, bias, has_bias, slope, has_relu, out)
+
+
+@kernel
+def _input_channels_a4(image, pad_h, pad_w, tiles_h, tiles_w, v, first):
+    """As _input_channels, for F(2x2, 3x3): V[4j + k, first + t, c] from the
+    4 x 4 block at (ty*2 - pad_h, tx*2 - pad_w)."""
+    height, width, channels = image.shape
+    block = np.zeros((4, 4, channels), np.float32)
+    rows = np.empty((4, 4, channels), np.float32)
+    for ty in range(tiles_h):
+        for tx in range(tiles_w):
+            t = first + ty * tiles_w + tx
             for i in range(4):
-                y = ty * 4 + i
-                if y >= out_h:
-                    break
+                y = ty * 2 - pad_h + i
                 for j in range(4):
-                    x = tx * 4 + j
-                    if x >= out_w:
-                        break
-                    values = done[i, j]
-                    for o in range(outputs):
-                        value = values[o]
-                        if has_bias:
-                            value += bias[o]
-                        if has_relu:
-                            if slope == 0:
-                                if value <= 0:
-                                    value = slope
-                            elif not value > 0:
-                                value = value * slope
-                        out[o, y, x] = value
+                    x = tx * 2 - pad_w + j
+                    target = block[i, j]
+                    if 0 <= y < height and 0 <= x < width:
+                        source = image[y, x]
+                        for c in range(channels):
+                            target[c] = source[c]
+                    else:
+                        for c in range(channels):
+                            target[c] = 0
+            for j in range(4):                    # rows[:, j] = B^T block[:, j]
+                d0, d1, d2, d3 = block[0, j], block[1, j], block[2, j], block[3, j]
+                r0, r1, r2, r3 = rows[0, j], rows[1, j], rows[2, j], rows[3, j]
+                for c in range(channels):
+                    a0, a1, a2, a3 = d0[c], d1[c], d2[c], d3[c]
+                    r0[c] = a0 - a2
+                    r1[c] = a1 + a2
+                    r2[c] = a2 - a1
+                    r3[c] = a1 - a3
+            for k in range(4):                    # V[4k:4k + 4] = B^T rows[k]
+                d0, d1, d2, d3 = rows[k, 0], rows[k, 1], rows[k, 2], rows[k, 3]
+                r0, r1, r2, r3 = v[4 * k, t], v[4 * k + 1, t], v[4 * k + 2, t], v[4 * k + 3, t]
+                for c in range(channels):
+                    a0, a1, a2, a3 = d0[c], d1[c], d2[c], d3[c]
+                    r0[c] = a0 - a2
+                    r1[c] = a1 + a2
+                    r2[c] = a2 - a1
+                    r3[c] = a1 - a3
+
+
+@kernel
+def _put_tile(done, ty, tx, bias, has_bias, slope, has_relu, out):
+    """A tile's m x m output vectors done (m, m, O) into out (O, OH, OW) at
+    (ty*m, tx*m), with the bias and the ReLU as _finish_tiles; the part of
+    an overhanging tile inside the output only."""
+    m, outputs = done.shape[0], done.shape[2]
+    out_h, out_w = out.shape[1], out.shape[2]
+    for i in range(m):
+        y = ty * m + i
+        if y >= out_h:
+            break
+        for j in range(m):
+            x = tx * m + j
+            if x >= out_w:
+                break
+            values = done[i, j]
+            for o in range(outputs):
+                value = values[o]
+                if has_bias:
+                    value += bias[o]
+                if has_relu:
+                    if slope == 0:
+                        if value <= 0:
+                            value = slope
+                    elif not value > 0:
+                        value = value * slope
+                out[o, y, x] = value
+
+
+@kernel
+def _output_channels_f2(product, first, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out):
+    """As _output_channels, for F(2x2, 3x3): M = product[:, first:] (16, tiles, O)."""
+    outputs = out.shape[0]
+    half = np.empty((2, 4, outputs), np.float32)
+    done = np.empty((2, 2, outputs), np.float32)
+    for ty in range(tiles_h):
+        for tx in range(tiles_w):
+            t = first + ty * tiles_w + tx
+            for col in range(4):                  # half[:, col] = A^T M[col::4]
+                m0, m1, m2, m3 = product[col, t], product[4 + col, t], product[8 + col, t], product[12 + col, t]
+                h0, h1 = half[0, col], half[1, col]
+                for o in range(outputs):
+                    a1, a2 = m1[o], m2[o]
+                    h0[o] = m0[o] + a1 + a2
+                    h1[o] = a1 - a2 - m3[o]
+            for i in range(2):                    # done[i] = A^T half[i]
+                h = half[i]
+                d0, d1 = done[i, 0], done[i, 1]
+                for o in range(outputs):
+                    a1, a2 = h[1, o], h[2, o]
+                    d0[o] = h[0, o] + a1 + a2
+                    d1[o] = a1 - a2 - h[3, o]
+            _put_tile(done, ty, tx, bias, has_bias, slope, has_relu, out)
 
 
 # (m, r) -> the input transform (by alpha) and _output_tiles's variant
@@ -583,7 +663,7 @@ def forward(x, u, geom, m, out=None, ws=FRESH, bias=None, relu=None):
     step = block_images(geom, m, n)
     ws.plan(slot_bytes(geom, m, step))
     if variant in CHANNELS_INNER:
-        _forward_channels(x, u, geom, y, ws, step, bias_values, has_bias, slope, relu is not None)
+        _forward_channels(x, u, geom, m, y, ws, step, bias_values, has_bias, slope, relu is not None)
         return y
     for start in range(0, n, step):
         images = min(step, n - start)
@@ -601,25 +681,30 @@ def forward(x, u, geom, m, out=None, ws=FRESH, bias=None, relu=None):
     return y
 
 
-def _forward_channels(x, u, geom, y, ws, step, bias, has_bias, slope, has_relu):
-    """forward() of a channel-innermost variant (F(4x4, 3x3)): each image
-    copied to (H, W, C), V (36, tiles, C), M (36, tiles, O) = V @ U per
-    group, U (36, C/group, O)."""
-    n, per_image = x.shape[0], np.prod(tile_counts(geom, 4))
-    tiles_h, tiles_w = tile_counts(geom, 4)
+def _forward_channels(x, u, geom, m, y, ws, step, bias, has_bias, slope, has_relu):
+    """forward() of a channel-innermost variant (CHANNELS_INNER): each image
+    copied to (H, W, C), V (alpha^2, tiles, C), M (alpha^2, tiles, O) = V @ U
+    per group, U (alpha^2, C/group, O)."""
+    transform_input, transform_output = _CHANNELS_INNER_KERNELS[m]
+    n, alpha2 = x.shape[0], _alpha(geom, m) ** 2
+    tiles_h, tiles_w = tile_counts(geom, m)
+    per_image = tiles_h * tiles_w
     cg, og = geom.channels_per_group, geom.outputs_per_group
     image = ws.empty("winograd_image", (geom.in_h, geom.in_w, geom.channels), np.float32)
     for start in range(0, n, step):
         images = min(step, n - start)
         columns = images * per_image
-        v = ws.empty("winograd_input", (36, columns, geom.channels), np.float32)
-        product = ws.empty("winograd_product", (36, columns, geom.num_output), np.float32)
+        v = ws.empty("winograd_input", (alpha2, columns, geom.channels), np.float32)
+        product = ws.empty("winograd_product", (alpha2, columns, geom.num_output), np.float32)
         for k in range(images):
             np.copyto(image, x[start + k].transpose(1, 2, 0))
-            _input_channels(image, geom.pad_h, geom.pad_w, tiles_h, tiles_w, v, k * per_image)
+            transform_input(image, geom.pad_h, geom.pad_w, tiles_h, tiles_w, v, k * per_image)
         for g in range(geom.group):
             np.matmul(v[:, :, g * cg:(g + 1) * cg], u[:, :, g * og:(g + 1) * og],
                       out=product[:, :, g * og:(g + 1) * og])
         for k in range(images):
-            _output_channels(product, k * per_image, tiles_h, tiles_w, bias, has_bias, slope, has_relu,
-                             y[start + k])
+            transform_output(product, k * per_image, tiles_h, tiles_w, bias, has_bias, slope, has_relu, y[start + k])
+
+
+# m -> the channel-innermost (input, output) transforms of F(m x m, 3 x 3)
+_CHANNELS_INNER_KERNELS = {2: (_input_channels_a4, _output_channels_f2), 4: (_input_channels, _output_channels)}

@@ -108,15 +108,18 @@ def test_blocks_of_images_give_the_whole_batch(m, columns, images, monkeypatch):
     np.testing.assert_array_equal(winograd.forward(x, u, geom, m, bias=bias, ws=Arena()), whole)
 
 
-def test_channels_innermost_weights_are_the_tile_innermost_ones_transposed():
+def test_channels_innermost_weights_are_g_g_gt_with_the_channels_before_the_outputs():
+    assert winograd.CHANNELS_INNER == {(2, 3), (4, 3)}                 # F(2x2, 5x5) keeps tiles innermost
+    w5 = RNG.standard_normal((6, 4, 5, 5)).astype(np.float32)
+    assert winograd.transform_weights(w5, 2).shape == (36, 6, 4)
     w = RNG.standard_normal((6, 4, 3, 3)).astype(np.float32)
-    assert (4, 3) in winograd.CHANNELS_INNER and (2, 3) not in winograd.CHANNELS_INNER
-    tile_inner = winograd.transform_weights(w, 2)
-    assert tile_inner.shape == (16, 6, 4)
-    u = winograd.transform_weights(w, 4)
-    assert u.shape == (36, 4, 6) and u.flags.c_contiguous
-    _, g, _ = winograd.transforms(4, 3)
-    np.testing.assert_allclose(u[:, 1, 2].reshape(6, 6), g @ w[2, 1].astype(np.float64) @ g.T, rtol=1e-6, atol=1e-6)
+    for m in (2, 4):
+        u = winograd.transform_weights(w, m)
+        alpha = m + 2
+        assert u.shape == (alpha * alpha, 4, 6) and u.flags.c_contiguous
+        _, g, _ = winograd.transforms(m, 3)
+        np.testing.assert_allclose(u[:, 1, 2].reshape(alpha, alpha), g @ w[2, 1].astype(np.float64) @ g.T,
+                                   rtol=1e-6, atol=1e-6)
 
 
 def test_applicable_shapes():
