@@ -413,142 +413,65 @@ def _output_tiles(product, variant, first, tiles_h, tiles_w, bias, has_bias, slo
 
 
 # --- F(2x2, 3x3) and F(4x4, 3x3) channels innermost: each tile's values are vectors over the channels ----
+# The same B^T and A^T kernels as above, run over a tile's C (or O) values
+# instead of a channel's tiles.
 @kernel
-def _bt6_rows(d, r, count):
-    """r[k] = (B^T d)[k] at alpha = 6 over the rows d[0..5], element by element
-    over `count` channels."""
-    for c in range(count):
-        a0, a1, a2, a3, a4, a5 = d[0, c], d[1, c], d[2, c], d[3, c], d[4, c], d[5, c]
-        r[0, c] = _4 * a0 - _5 * a2 + a4
-        r[1, c] = -_4 * (a1 + a2) + a3 + a4
-        r[2, c] = _4 * (a1 - a2) - a3 + a4
-        r[3, c] = (a3 - a1) * _2 - a2 + a4
-        r[4, c] = (a1 - a3) * _2 - a2 + a4
-        r[5, c] = _4 * a1 - _5 * a3 + a5
+def _gather_block(image, y0, x0, block):
+    """block[i, j] = image[y0 + i, x0 + j] (C-long vectors of the (H, W, C)
+    image), zeros outside it."""
+    height, width, channels = image.shape
+    for i in range(block.shape[0]):
+        y = y0 + i
+        for j in range(block.shape[1]):
+            x = x0 + j
+            target = block[i, j]
+            if 0 <= y < height and 0 <= x < width:
+                source = image[y, x]
+                for c in range(channels):
+                    target[c] = source[c]
+            else:
+                for c in range(channels):
+                    target[c] = 0
 
 
 @kernel
 def _input_channels(image, pad_h, pad_w, tiles_h, tiles_w, v, first):
     """V[6j + k, first + t, c] = (B^T d B)[j, k] of every tile t and channel c
-    of `image` (H, W, C), channels innermost: d the 6 x 6 block at
-    (ty*4 - pad_h, tx*4 - pad_w), read as C-long vectors (cells outside the
-    image are zeros)."""
-    height, width, channels = image.shape
-    block = np.zeros((6, 6, channels), np.float32)
-    column = np.empty((6, channels), np.float32)
+    of `image` (H, W, C), channels innermost, for F(4x4, 3x3): d the 6 x 6
+    block at (ty*4 - pad_h, tx*4 - pad_w)."""
+    channels = image.shape[2]
+    block = np.empty((6, 6, channels), np.float32)
     rows = np.empty((6, 6, channels), np.float32)
-    done = np.empty((6, channels), np.float32)
     for ty in range(tiles_h):
         for tx in range(tiles_w):
             t = first + ty * tiles_w + tx
-            for i in range(6):
-                y = ty * 4 - pad_h + i
-                for j in range(6):
-                    x = tx * 4 - pad_w + j
-                    target = block[i, j]
-                    if 0 <= y < height and 0 <= x < width:
-                        source = image[y, x]
-                        for c in range(channels):
-                            target[c] = source[c]
-                    else:
-                        for c in range(channels):
-                            target[c] = 0
-            for j in range(6):                    # rows[:, j] = B^T block[:, j]
-                for i in range(6):
-                    source = block[i, j]
-                    target = column[i]
-                    for c in range(channels):
-                        target[c] = source[c]
-                _bt6_rows(column, done, channels)
-                for k in range(6):
-                    source = done[k]
-                    target = rows[k, j]
-                    for c in range(channels):
-                        target[c] = source[c]
-            for k in range(6):                    # V[6k:6k + 6] = B^T rows[k]
-                _bt6_rows(rows[k], done, channels)
-                for l in range(6):
-                    source = done[l]
-                    target = v[6 * k + l, t]
-                    for c in range(channels):
-                        target[c] = source[c]
-
-
-@kernel
-def _output_channels(product, first, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out):
-    """out (O, OH, OW) of one image from M = product[:, first:] (36, tiles, O),
-    channels innermost: Y = A^T M A of F(4x4, 3x3) per tile as O-long
-    vectors, then the bias and the ReLU as _finish_tiles, and each of the
-    tile's values put in place (a tile that overhangs the output writes only
-    its part inside it)."""
-    outputs = out.shape[0]
-    half = np.empty((4, 6, outputs), np.float32)
-    done = np.empty((4, 4, outputs), np.float32)
-    for ty in range(tiles_h):
-        for tx in range(tiles_w):
-            t = first + ty * tiles_w + tx
-            for col in range(6):                  # half[:, col] = A^T M[col::6]
-                m0, m1, m2 = product[col, t], product[6 + col, t], product[12 + col, t]
-                m3, m4, m5 = product[18 + col, t], product[24 + col, t], product[30 + col, t]
-                h0, h1, h2, h3 = half[0, col], half[1, col], half[2, col], half[3, col]
-                for o in range(outputs):
-                    a0, a1, a2, a3, a4, a5 = m0[o], m1[o], m2[o], m3[o], m4[o], m5[o]
-                    h0[o] = a0 + a1 + a2 + a3 + a4
-                    h1[o] = a1 - a2 + (a3 - a4) * _2
-                    h2[o] = a1 + a2 + _4 * (a3 + a4)
-                    h3[o] = a1 - a2 + _8 * (a3 - a4) + a5
-            for i in range(4):                    # done[i] = A^T half[i]
-                h = half[i]
-                d0, d1, d2, d3 = done[i, 0], done[i, 1], done[i, 2], done[i, 3]
-                for o in range(outputs):
-                    a0, a1, a2, a3, a4, a5 = h[0, o], h[1, o], h[2, o], h[3, o], h[4, o], h[5, o]
-                    d0[o] = a0 + a1 + a2 + a3 + a4
-                    d1[o] = a1 - a2 + (a3 - a4) * _2
-                    d2[o] = a1 + a2 + _4 * (a3 + a4)
-                    d3[o] = a1 - a2 + _8 * (a3 - a4) + a5
-            _put_tile(done, ty, tx, bias, has_bias, slope, has_relu, out)
+            _gather_block(image, ty * 4 - pad_h, tx * 4 - pad_w, block)
+            for col in range(6):                  # rows[:, col] = B^T block[:, col]
+                _bt6(block[0, col], block[1, col], block[2, col], block[3, col], block[4, col], block[5, col],
+                     rows[0, col], rows[1, col], rows[2, col], rows[3, col], rows[4, col], rows[5, col], channels)
+            for j in range(6):                    # V[6j:6j + 6] = B^T rows[j]
+                _bt6(rows[j, 0], rows[j, 1], rows[j, 2], rows[j, 3], rows[j, 4], rows[j, 5],
+                     v[6 * j, t], v[6 * j + 1, t], v[6 * j + 2, t], v[6 * j + 3, t], v[6 * j + 4, t],
+                     v[6 * j + 5, t], channels)
 
 
 @kernel
 def _input_channels_a4(image, pad_h, pad_w, tiles_h, tiles_w, v, first):
     """As _input_channels, for F(2x2, 3x3): V[4j + k, first + t, c] from the
     4 x 4 block at (ty*2 - pad_h, tx*2 - pad_w)."""
-    height, width, channels = image.shape
-    block = np.zeros((4, 4, channels), np.float32)
+    channels = image.shape[2]
+    block = np.empty((4, 4, channels), np.float32)
     rows = np.empty((4, 4, channels), np.float32)
     for ty in range(tiles_h):
         for tx in range(tiles_w):
             t = first + ty * tiles_w + tx
-            for i in range(4):
-                y = ty * 2 - pad_h + i
-                for j in range(4):
-                    x = tx * 2 - pad_w + j
-                    target = block[i, j]
-                    if 0 <= y < height and 0 <= x < width:
-                        source = image[y, x]
-                        for c in range(channels):
-                            target[c] = source[c]
-                    else:
-                        for c in range(channels):
-                            target[c] = 0
-            for j in range(4):                    # rows[:, j] = B^T block[:, j]
-                d0, d1, d2, d3 = block[0, j], block[1, j], block[2, j], block[3, j]
-                r0, r1, r2, r3 = rows[0, j], rows[1, j], rows[2, j], rows[3, j]
-                for c in range(channels):
-                    a0, a1, a2, a3 = d0[c], d1[c], d2[c], d3[c]
-                    r0[c] = a0 - a2
-                    r1[c] = a1 + a2
-                    r2[c] = a2 - a1
-                    r3[c] = a1 - a3
-            for k in range(4):                    # V[4k:4k + 4] = B^T rows[k]
-                d0, d1, d2, d3 = rows[k, 0], rows[k, 1], rows[k, 2], rows[k, 3]
-                r0, r1, r2, r3 = v[4 * k, t], v[4 * k + 1, t], v[4 * k + 2, t], v[4 * k + 3, t]
-                for c in range(channels):
-                    a0, a1, a2, a3 = d0[c], d1[c], d2[c], d3[c]
-                    r0[c] = a0 - a2
-                    r1[c] = a1 + a2
-                    r2[c] = a2 - a1
-                    r3[c] = a1 - a3
+            _gather_block(image, ty * 2 - pad_h, tx * 2 - pad_w, block)
+            for col in range(4):
+                _bt4(block[0, col], block[1, col], block[2, col], block[3, col],
+                     rows[0, col], rows[1, col], rows[2, col], rows[3, col], channels)
+            for j in range(4):
+                _bt4(rows[j, 0], rows[j, 1], rows[j, 2], rows[j, 3],
+                     v[4 * j, t], v[4 * j + 1, t], v[4 * j + 2, t], v[4 * j + 3, t], channels)
 
 
 @kernel
@@ -581,6 +504,27 @@ def _put_tile(done, ty, tx, bias, has_bias, slope, has_relu, out):
 
 
 @kernel
+def _output_channels(product, first, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out):
+    """out (O, OH, OW) of one image from M = product[:, first:] (36, tiles, O),
+    channels innermost, for F(4x4, 3x3): Y = A^T M A per tile as O-long
+    vectors, then _put_tile."""
+    outputs = out.shape[0]
+    half = np.empty((4, 6, outputs), np.float32)
+    done = np.empty((4, 4, outputs), np.float32)
+    for ty in range(tiles_h):
+        for tx in range(tiles_w):
+            t = first + ty * tiles_w + tx
+            for col in range(6):                  # half[:, col] = A^T M[col::6]
+                _at4(product[col, t], product[6 + col, t], product[12 + col, t], product[18 + col, t],
+                     product[24 + col, t], product[30 + col, t], half[0, col], half[1, col], half[2, col],
+                     half[3, col], outputs)
+            for i in range(4):                    # done[i] = A^T half[i]
+                h = half[i]
+                _at4(h[0], h[1], h[2], h[3], h[4], h[5], done[i, 0], done[i, 1], done[i, 2], done[i, 3], outputs)
+            _put_tile(done, ty, tx, bias, has_bias, slope, has_relu, out)
+
+
+@kernel
 def _output_channels_f2(product, first, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out):
     """As _output_channels, for F(2x2, 3x3): M = product[:, first:] (16, tiles, O)."""
     outputs = out.shape[0]
@@ -589,20 +533,12 @@ def _output_channels_f2(product, first, tiles_h, tiles_w, bias, has_bias, slope,
     for ty in range(tiles_h):
         for tx in range(tiles_w):
             t = first + ty * tiles_w + tx
-            for col in range(4):                  # half[:, col] = A^T M[col::4]
-                m0, m1, m2, m3 = product[col, t], product[4 + col, t], product[8 + col, t], product[12 + col, t]
-                h0, h1 = half[0, col], half[1, col]
-                for o in range(outputs):
-                    a1, a2 = m1[o], m2[o]
-                    h0[o] = m0[o] + a1 + a2
-                    h1[o] = a1 - a2 - m3[o]
-            for i in range(2):                    # done[i] = A^T half[i]
+            for col in range(4):
+                _at2(product[col, t], product[4 + col, t], product[8 + col, t], product[12 + col, t],
+                     half[0, col], half[1, col], outputs)
+            for i in range(2):
                 h = half[i]
-                d0, d1 = done[i, 0], done[i, 1]
-                for o in range(outputs):
-                    a1, a2 = h[1, o], h[2, o]
-                    d0[o] = h[0, o] + a1 + a2
-                    d1[o] = a1 - a2 - h[3, o]
+                _at2(h[0], h[1], h[2], h[3], done[i, 0], done[i, 1], outputs)
             _put_tile(done, ty, tx, bias, has_bias, slope, has_relu, out)
 
 
