@@ -305,8 +305,8 @@ def _at25(m0, m1, m2, m3, m4, m5, r0, r1, count):
 @kernel
 def _input_a6(image, pad_h, pad_w, m, tiles_h, tiles_w, v, first):
     """V[6j + k, c, first + t] = (B^T d B)[j, k] of every channel c and tile t
-    of `image` (C, H, W), for the alpha = 6 variants: d the 6 x 6 block at
-    (ty*m - pad_h, tx*m - pad_w), m = 4 for F(4x4, 3x3), 2 for F(2x2, 5x5)."""
+    of `image` (C, H, W), tiles innermost, at alpha = 6: d the 6 x 6 block at
+    (ty*m - pad_h, tx*m - pad_w) (m = 2: F(2x2, 5x5))."""
     count = tiles_h * tiles_w
     plane = np.zeros((tiles_h * m + 6 - m, tiles_w * m + 6 - m), np.float32)
     blocks = np.empty((6, 6, count), np.float32)
@@ -321,24 +321,6 @@ def _input_a6(image, pad_h, pad_w, m, tiles_h, tiles_w, v, first):
             _bt6(rows[j, 0], rows[j, 1], rows[j, 2], rows[j, 3], rows[j, 4], rows[j, 5],
                  v[6 * j, c, first:last], v[6 * j + 1, c, first:last], v[6 * j + 2, c, first:last],
                  v[6 * j + 3, c, first:last], v[6 * j + 4, c, first:last], v[6 * j + 5, c, first:last], count)
-
-
-@kernel
-def _input_a4(image, pad_h, pad_w, m, tiles_h, tiles_w, v, first):
-    """As _input_a6, F(2 x 2, 3 x 3) (alpha 4, m 2): V[4j + k, c, first + t]."""
-    count = tiles_h * tiles_w
-    plane = np.zeros((tiles_h * 2 + 2, tiles_w * 2 + 2), np.float32)
-    blocks = np.empty((4, 4, count), np.float32)
-    rows = np.empty((4, 4, count), np.float32)
-    last = first + count
-    for c in range(image.shape[0]):
-        _gather_tiles(image, c, plane, pad_h, pad_w, 2, tiles_h, tiles_w, blocks)
-        for col in range(4):
-            _bt4(blocks[0, col], blocks[1, col], blocks[2, col], blocks[3, col],
-                 rows[0, col], rows[1, col], rows[2, col], rows[3, col], count)
-        for j in range(4):
-            _bt4(rows[j, 0], rows[j, 1], rows[j, 2], rows[j, 3], v[4 * j, c, first:last],
-                 v[4 * j + 1, c, first:last], v[4 * j + 2, c, first:last], v[4 * j + 3, c, first:last], count)
 
 
 @kernel
@@ -379,36 +361,22 @@ def _finish_tiles(done, bias, has_bias, slope, has_relu, o, tiles_h, tiles_w, ou
 
 
 @kernel
-def _output_tiles(product, variant, first, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out):
-    """out (O, OH, OW) of one image from M = product[:, :, first:] (alpha^2,
-    O, tiles): Y = A^T M A per tile, then _finish_tiles. variant 0:
-    F(2 x 2, 3 x 3) (alpha 4), 1: F(4 x 4, 3 x 3), 2: F(2 x 2, 5 x 5) (alpha 6)."""
-    m = 4 if variant == 1 else 2
-    alpha = 4 if variant == 0 else 6
+def _output_tiles(product, first, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out):
+    """out (O, OH, OW) of one image from M = product[:, :, first:] (36, O,
+    tiles), tiles innermost, for F(2x2, 5x5): Y = A^T M A per tile, then
+    _finish_tiles."""
     count = tiles_h * tiles_w
-    half = np.empty((m, alpha, count), np.float32)
-    done = np.empty((m, m, count), np.float32)
+    half = np.empty((2, 6, count), np.float32)
+    done = np.empty((2, 2, count), np.float32)
     last = first + count
     for o in range(out.shape[0]):
-        for col in range(alpha):                  # half[:, col] = A^T M[col::alpha]
-            m0, m1 = product[col, o, first:last], product[alpha + col, o, first:last]
-            m2, m3 = product[2 * alpha + col, o, first:last], product[3 * alpha + col, o, first:last]
-            if variant == 0:
-                _at2(m0, m1, m2, m3, half[0, col], half[1, col], count)
-                continue
-            m4, m5 = product[4 * alpha + col, o, first:last], product[5 * alpha + col, o, first:last]
-            if variant == 1:
-                _at4(m0, m1, m2, m3, m4, m5, half[0, col], half[1, col], half[2, col], half[3, col], count)
-            else:
-                _at25(m0, m1, m2, m3, m4, m5, half[0, col], half[1, col], count)
-        for i in range(m):                        # done[i] = A^T half[i]
+        for col in range(6):                      # half[:, col] = A^T M[col::6]
+            _at25(product[col, o, first:last], product[6 + col, o, first:last], product[12 + col, o, first:last],
+                  product[18 + col, o, first:last], product[24 + col, o, first:last],
+                  product[30 + col, o, first:last], half[0, col], half[1, col], count)
+        for i in range(2):                        # done[i] = A^T half[i]
             h = half[i]
-            if variant == 0:
-                _at2(h[0], h[1], h[2], h[3], done[i, 0], done[i, 1], count)
-            elif variant == 1:
-                _at4(h[0], h[1], h[2], h[3], h[4], h[5], done[i, 0], done[i, 1], done[i, 2], done[i, 3], count)
-            else:
-                _at25(h[0], h[1], h[2], h[3], h[4], h[5], done[i, 0], done[i, 1], count)
+            _at25(h[0], h[1], h[2], h[3], h[4], h[5], done[i, 0], done[i, 1], count)
         _finish_tiles(done, bias, has_bias, slope, has_relu, o, tiles_h, tiles_w, out)
 
 
@@ -542,11 +510,6 @@ def _output_channels_f2(product, first, tiles_h, tiles_w, bias, has_bias, slope,
             _put_tile(done, ty, tx, bias, has_bias, slope, has_relu, out)
 
 
-# (m, r) -> the input transform (by alpha) and _output_tiles's variant
-_INPUT = {(2, 3): _input_a4, (4, 3): _input_a6, (2, 5): _input_a6}
-_OUTPUT = {(2, 3): 0, (4, 3): 1, (2, 5): 2}
-
-
 # --- a forward --------------------------------------------------------------------------------------
 def tile_counts(geom, m):
     return -(-geom.out_h // m), -(-geom.out_w // m)
@@ -585,36 +548,36 @@ def forward(x, u, geom, m, out=None, ws=FRESH, bias=None, relu=None):
     `relu` when given, by F(m x m, r x r) (r the kernel's size) from
     U = transform_weights(w, m)."""
     n = x.shape[0]
-    variant = (m, geom.kernel_h)
-    transform_input, output_variant = _INPUT[variant], _OUTPUT[variant]
-    alpha = _alpha(geom, m)
-    tiles_h, tiles_w = tile_counts(geom, m)
-    per_image = tiles_h * tiles_w
     y = np.empty(geom.output_shape(n), x.dtype) if out is None else out
     x = np.ascontiguousarray(x)
     has_bias = bias is not None
     bias_values = np.ascontiguousarray(weights_as(bias, np.float32)) if has_bias else np.zeros(0, np.float32)
     slope = np.float32(relu or 0)
-    group, cg, og = geom.group, geom.channels_per_group, geom.outputs_per_group
     step = block_images(geom, m, n)
     ws.plan(slot_bytes(geom, m, step))
-    if variant in CHANNELS_INNER:
-        _forward_channels(x, u, geom, m, y, ws, step, bias_values, has_bias, slope, relu is not None)
-        return y
+    run = _forward_channels if (m, geom.kernel_h) in CHANNELS_INNER else _forward_tiles
+    run(x, u, geom, m, y, ws, step, bias_values, has_bias, slope, relu is not None)
+    return y
+
+
+def _forward_tiles(x, u, geom, m, y, ws, step, bias, has_bias, slope, has_relu):
+    """forward() of F(2x2, 5x5), tiles innermost: V (36, C, tiles), M (36, O,
+    tiles) = U @ V per group, U (36, O, C/group)."""
+    n = x.shape[0]
+    tiles_h, tiles_w = tile_counts(geom, m)
+    per_image = tiles_h * tiles_w
+    cg, og = geom.channels_per_group, geom.outputs_per_group
     for start in range(0, n, step):
         images = min(step, n - start)
         columns = images * per_image
-        v = ws.empty("winograd_input", (alpha * alpha, geom.channels, columns), np.float32)
-        product = ws.empty("winograd_product", (alpha * alpha, geom.num_output, columns), np.float32)
+        v = ws.empty("winograd_input", (36, geom.channels, columns), np.float32)
+        product = ws.empty("winograd_product", (36, geom.num_output, columns), np.float32)
         for k in range(images):
-            transform_input(x[start + k], geom.pad_h, geom.pad_w, m, tiles_h, tiles_w, v, k * per_image)
-        for g in range(group):
+            _input_a6(x[start + k], geom.pad_h, geom.pad_w, m, tiles_h, tiles_w, v, k * per_image)
+        for g in range(geom.group):
             np.matmul(u[:, g * og:(g + 1) * og], v[:, g * cg:(g + 1) * cg], out=product[:, g * og:(g + 1) * og])
-        target = y[start:start + images]
         for k in range(images):
-            _output_tiles(product, output_variant, k * per_image, tiles_h, tiles_w, bias_values, has_bias, slope,
-                          relu is not None, target[k])
-    return y
+            _output_tiles(product, k * per_image, tiles_h, tiles_w, bias, has_bias, slope, has_relu, y[start + k])
 
 
 def _forward_channels(x, u, geom, m, y, ws, step, bias, has_bias, slope, has_relu):
