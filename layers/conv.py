@@ -439,7 +439,7 @@ class Convolution(_ConvolutionBase):
         bias = self.blobs[1].data if self.bias_term else None
         m = self._owner._winograd_m
         if m:
-            transformed = self._owner._transformed.get(weight, m)
+            transformed = self._owner._transformed.get(weight, self.geom, m)
             for b, t in zip(bottom, top):
                 winograd.forward(b.data, transformed, self.geom, m, out=t.data, ws=arena, bias=bias,
                                  relu=self._owner._output_relu)

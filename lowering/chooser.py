@@ -524,7 +524,7 @@ def measure_forward(geom, batch, lowering_type, dtype=np.float32, repeats=None, 
 
     def run(m):
         if m:
-            winograd.forward(x, cached[m].get(w, m), geom, m, out=y, ws=arena, bias=bias)
+            winograd.forward(x, cached[m].get(w, geom, m), geom, m, out=y, ws=arena, bias=bias)
         else:
             conv_forward(x, w, geom, lowering_type, out=y, ws=arena, chunk=chunk, bias=bias)
 
@@ -549,11 +549,11 @@ def choose_forward(geom, batch, lowering_type, dtype=np.float32, threads=None):
     At CaffeNet's conv2 with 8 images, F(2x2, 5x5) took 0.95x the lowering's
     time on 2 BLAS threads and 0.63x on the one each of two partitions has."""
     dtype = np.dtype(dtype)
-    # "winograd4": timed on the partition's own batch and BLAS threads (the first
+    # "winograd5": timed on the partition's own batch and BLAS threads (the first
     # timings, on the lowerings' capped batch at the process's threads, are not
-    # reused), the 3 x 3 variants channels innermost (nor are their earlier timings)
+    # reused), each shape tiles or channels innermost (nor are earlier timings)
     key = (shape_key(geom, batch, dtype.itemsize, forward_only=True)
-           + f"|winograd4|t{lowering_type}|threads={threads or _blas_threads()}")
+           + f"|winograd5|t{lowering_type}|threads={threads or _blas_threads()}")
     with _lock:
         path = cache_path()
         stored = _load_cache(path)["choices"].get(key)

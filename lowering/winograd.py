@@ -36,21 +36,24 @@ timing includes it.
 Layout: the image's tiles t = (ty, tx) run along the GEMMs' columns; a block
 of images is transformed at once, its tiles side by side, so that the GEMMs
 are wide enough (BLOCK_COLUMNS) while V and M stay small (BLOCK_BYTES).
-The 3 x 3 variants run channels innermost (CHANNELS_INNER): the image is
-copied to (H, W, C), V is (alpha^2, tiles, C) and M (alpha^2, tiles, O) =
-V @ U with U (alpha^2, C, O), and the transforms work each tile as vectors
-over the channels. F(2x2, 5x5) keeps a channel's tiles innermost, V (36, C,
-tiles) and M (36, O, tiles), its transforms vectorised over a channel's
-tiles: on small planes a channel has few tiles (49 on 28x28 at batch 1 for
-F(4x4, 3x3)), and those loops were short. Alone, at batch 1, channels
-innermost took 0.64-0.92x the time at F(4x4, 3x3) (GoogLeNet's conv2/3x3
-2.40 against 3.09 ms, ResNet-50's res3 3x3 0.79 against 1.24) and
-0.63-0.81x at F(2x2, 3x3) (14x14 and 13x13 planes), and blocks of 6-16
-images 0.42-0.76x; the GEMM in this orientation was the faster one too on
-196 tiles (1.07 against 1.68 ms on conv2/3x3). The same sums: outputs equal
-the tile-innermost ones bit for bit but where OpenBLAS orders a GEMM's sums
-otherwise (48 of 54 cases, 9 shapes with and without bias and ReLU, bit
-for bit; 3.7e-6 of the largest value at worst).
+Each variant runs a shape one of two ways (channels_inner). Tiles
+innermost: V (alpha^2, C, tiles) and M (alpha^2, O, tiles) = U @ V, the
+transforms vectorised over a channel's tiles. Channels innermost: the
+image is copied to (H, W, C), V is (alpha^2, tiles, C) and M (alpha^2,
+tiles, O) = V @ U with U (alpha^2, C, O), and each tile is transformed as
+vectors over the channels, by the same B^T and A^T kernels. The longer
+vectors win, so channels innermost runs images of 64 channels or more, or
+of fewer tiles than channels: at batch 1 a channel has few tiles (49 on
+28x28 at F(4x4, 3x3)). Alone, at batch 1, channels innermost took
+0.64-0.92x the time at F(4x4, 3x3) (GoogLeNet's conv2/3x3 2.40 against
+3.09 ms, ResNet-50's res3 3x3 0.79 against 1.24), 0.63-0.81x at F(2x2,
+3x3) (14x14 and 13x13 planes), 0.80x at F(2x2, 5x5) on CaffeNet's conv2,
+and blocks of 6-16 images 0.42-0.78x; the GEMM in this orientation was
+the faster one too on 196 tiles (1.07 against 1.68 ms on conv2/3x3). With
+16 or 32 channels on 16x16 to 56x56 planes it took 1.1-4.5x the time.
+The same sums either way: outputs equal bit for bit but where OpenBLAS
+orders a GEMM's sums otherwise (48 of 54 cases, 9 shapes with and without
+bias and ReLU, bit for bit; 3.7e-6 of the largest value at worst).
 """
 import threading
 
@@ -122,8 +125,9 @@ AUTO_MIN_FLOPS = 10 ** 7
 # lowering's time), while a timing taken under load could still pick it.
 AUTO_MIN_COLUMNS = 32
 
-# Variants run channel-innermost (see "Layout" in the module docstring).
-CHANNELS_INNER = {(2, 3), (4, 3)}
+# Channels innermost where the image has at least this many channels, or as
+# many as it has tiles (see "Layout" in the module docstring, and channels_inner).
+CHANNELS_INNER_MIN = 64
 
 BLOCK_COLUMNS = 256            # tiles per block of images, at least (whole images)
 BLOCK_BYTES = 4 * 2 ** 20      # ... while V and M of the block stay within this
@@ -161,18 +165,32 @@ def timing_tiles(geom, batch):
     return tuple(m for m in tile_sizes(geom.kernel_h) if batch * np.prod(tile_counts(geom, m)) >= AUTO_MIN_COLUMNS)
 
 
-def transform_weights(w, m):
-    """U float32 from w (O, C/group, r, r), in the layout forward() takes for
-    F(m x m, r x r): (alpha^2, O, C/group), or (alpha^2, C/group, O) for the
-    channel-innermost variants (CHANNELS_INNER)."""
+def channels_inner(geom, m):
+    """Whether F(m x m) runs this shape channels innermost: vectors of C
+    values, against tiles innermost, vectors of one image's tiles. The
+    longer vectors win: channels innermost took 0.20-0.83x the time with 64
+    channels or more, or on planes of fewer tiles than channels, and
+    1.1-4.5x with 16 or 32 channels on 16x16 to 56x56 planes (F(2x2, 3x3)
+    and F(4x4, 3x3), batch 1 and 8)."""
+    return geom.channels >= CHANNELS_INNER_MIN or geom.channels >= np.prod(tile_counts(geom, m))
+
+
+def transform_weights(w, m, channels_inner=False):
+    """U float32 from w (O, C/group, r, r), in the layout forward() takes:
+    (alpha^2, O, C/group) tiles innermost, (alpha^2, C/group, O) channels
+    innermost."""
     r = w.shape[-1]
     _, g, _ = transforms(m, r)
     alpha = g.shape[0]
     kernels = np.asarray(w, np.float64).reshape(-1, r, r)
     u = g @ kernels @ g.T                                     # (O*Cg, alpha, alpha)
     u = u.reshape(w.shape[0], w.shape[1], alpha * alpha)
-    order = (2, 1, 0) if (m, r) in CHANNELS_INNER else (2, 0, 1)
-    return np.ascontiguousarray(u.transpose(order), dtype=np.float32)
+    return np.ascontiguousarray(u.transpose((2, 1, 0) if channels_inner else (2, 0, 1)), dtype=np.float32)
+
+
+def weights_for(w, geom, m):
+    """transform_weights in the layout forward() takes for this shape."""
+    return transform_weights(w, m, channels_inner(geom, m))
 
 
 def held_bytes(w, m):
@@ -191,14 +209,16 @@ class TransformedWeights:
         self._source = None            # a copy of the weights U was made from
         self._made = {}                # m -> U
 
-    def get(self, w, m):
+    def get(self, w, geom, m):
+        """U of w for F(m x m) on this shape (its layout: channels_inner)."""
+        key = (m, channels_inner(geom, m))
         with self._lock:
             if not self._same(w):
                 self._source = np.array(w, copy=True)
                 self._made = {}
-            u = self._made.get(m)
+            u = self._made.get(key)
             if u is None:
-                u = self._made[m] = transform_weights(w, m)
+                u = self._made[key] = transform_weights(w, m, key[1])
             return u
 
     def _same(self, w):
@@ -306,7 +326,7 @@ def _at25(m0, m1, m2, m3, m4, m5, r0, r1, count):
 def _input_a6(image, pad_h, pad_w, m, tiles_h, tiles_w, v, first):
     """V[6j + k, c, first + t] = (B^T d B)[j, k] of every channel c and tile t
     of `image` (C, H, W), tiles innermost, at alpha = 6: d the 6 x 6 block at
-    (ty*m - pad_h, tx*m - pad_w) (m = 2: F(2x2, 5x5))."""
+    (ty*m - pad_h, tx*m - pad_w) (m = 4: F(4x4, 3x3); 2: F(2x2, 5x5))."""
     count = tiles_h * tiles_w
     plane = np.zeros((tiles_h * m + 6 - m, tiles_w * m + 6 - m), np.float32)
     blocks = np.empty((6, 6, count), np.float32)
@@ -321,6 +341,24 @@ def _input_a6(image, pad_h, pad_w, m, tiles_h, tiles_w, v, first):
             _bt6(rows[j, 0], rows[j, 1], rows[j, 2], rows[j, 3], rows[j, 4], rows[j, 5],
                  v[6 * j, c, first:last], v[6 * j + 1, c, first:last], v[6 * j + 2, c, first:last],
                  v[6 * j + 3, c, first:last], v[6 * j + 4, c, first:last], v[6 * j + 5, c, first:last], count)
+
+
+@kernel
+def _input_a4(image, pad_h, pad_w, m, tiles_h, tiles_w, v, first):
+    """As _input_a6, F(2 x 2, 3 x 3) (alpha 4, m 2): V[4j + k, c, first + t]."""
+    count = tiles_h * tiles_w
+    plane = np.zeros((tiles_h * 2 + 2, tiles_w * 2 + 2), np.float32)
+    blocks = np.empty((4, 4, count), np.float32)
+    rows = np.empty((4, 4, count), np.float32)
+    last = first + count
+    for c in range(image.shape[0]):
+        _gather_tiles(image, c, plane, pad_h, pad_w, 2, tiles_h, tiles_w, blocks)
+        for col in range(4):
+            _bt4(blocks[0, col], blocks[1, col], blocks[2, col], blocks[3, col],
+                 rows[0, col], rows[1, col], rows[2, col], rows[3, col], count)
+        for j in range(4):
+            _bt4(rows[j, 0], rows[j, 1], rows[j, 2], rows[j, 3], v[4 * j, c, first:last],
+                 v[4 * j + 1, c, first:last], v[4 * j + 2, c, first:last], v[4 * j + 3, c, first:last], count)
 
 
 @kernel
@@ -361,22 +399,36 @@ def _finish_tiles(done, bias, has_bias, slope, has_relu, o, tiles_h, tiles_w, ou
 
 
 @kernel
-def _output_tiles(product, first, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out):
-    """out (O, OH, OW) of one image from M = product[:, :, first:] (36, O,
-    tiles), tiles innermost, for F(2x2, 5x5): Y = A^T M A per tile, then
-    _finish_tiles."""
+def _output_tiles(product, variant, first, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out):
+    """out (O, OH, OW) of one image from M = product[:, :, first:] (alpha^2,
+    O, tiles): Y = A^T M A per tile, then _finish_tiles. variant 0:
+    F(2 x 2, 3 x 3) (alpha 4), 1: F(4 x 4, 3 x 3), 2: F(2 x 2, 5 x 5) (alpha 6)."""
+    m = 4 if variant == 1 else 2
+    alpha = 4 if variant == 0 else 6
     count = tiles_h * tiles_w
-    half = np.empty((2, 6, count), np.float32)
-    done = np.empty((2, 2, count), np.float32)
+    half = np.empty((m, alpha, count), np.float32)
+    done = np.empty((m, m, count), np.float32)
     last = first + count
     for o in range(out.shape[0]):
-        for col in range(6):                      # half[:, col] = A^T M[col::6]
-            _at25(product[col, o, first:last], product[6 + col, o, first:last], product[12 + col, o, first:last],
-                  product[18 + col, o, first:last], product[24 + col, o, first:last],
-                  product[30 + col, o, first:last], half[0, col], half[1, col], count)
-        for i in range(2):                        # done[i] = A^T half[i]
+        for col in range(alpha):                  # half[:, col] = A^T M[col::alpha]
+            m0, m1 = product[col, o, first:last], product[alpha + col, o, first:last]
+            m2, m3 = product[2 * alpha + col, o, first:last], product[3 * alpha + col, o, first:last]
+            if variant == 0:
+                _at2(m0, m1, m2, m3, half[0, col], half[1, col], count)
+                continue
+            m4, m5 = product[4 * alpha + col, o, first:last], product[5 * alpha + col, o, first:last]
+            if variant == 1:
+                _at4(m0, m1, m2, m3, m4, m5, half[0, col], half[1, col], half[2, col], half[3, col], count)
+            else:
+                _at25(m0, m1, m2, m3, m4, m5, half[0, col], half[1, col], count)
+        for i in range(m):                        # done[i] = A^T half[i]
             h = half[i]
-            _at25(h[0], h[1], h[2], h[3], h[4], h[5], done[i, 0], done[i, 1], count)
+            if variant == 0:
+                _at2(h[0], h[1], h[2], h[3], done[i, 0], done[i, 1], count)
+            elif variant == 1:
+                _at4(h[0], h[1], h[2], h[3], h[4], h[5], done[i, 0], done[i, 1], done[i, 2], done[i, 3], count)
+            else:
+                _at25(h[0], h[1], h[2], h[3], h[4], h[5], done[i, 0], done[i, 1], count)
         _finish_tiles(done, bias, has_bias, slope, has_relu, o, tiles_h, tiles_w, out)
 
 
@@ -403,17 +455,17 @@ def _gather_block(image, y0, x0, block):
 
 
 @kernel
-def _input_channels(image, pad_h, pad_w, tiles_h, tiles_w, v, first):
+def _input_channels(image, pad_h, pad_w, m, tiles_h, tiles_w, v, first):
     """V[6j + k, first + t, c] = (B^T d B)[j, k] of every tile t and channel c
-    of `image` (H, W, C), channels innermost, for F(4x4, 3x3): d the 6 x 6
-    block at (ty*4 - pad_h, tx*4 - pad_w)."""
+    of `image` (H, W, C), channels innermost, at alpha = 6: d the 6 x 6 block
+    at (ty*m - pad_h, tx*m - pad_w) (m = 4: F(4x4, 3x3); 2: F(2x2, 5x5))."""
     channels = image.shape[2]
     block = np.empty((6, 6, channels), np.float32)
     rows = np.empty((6, 6, channels), np.float32)
     for ty in range(tiles_h):
         for tx in range(tiles_w):
             t = first + ty * tiles_w + tx
-            _gather_block(image, ty * 4 - pad_h, tx * 4 - pad_w, block)
+            _gather_block(image, ty * m - pad_h, tx * m - pad_w, block)
             for col in range(6):                  # rows[:, col] = B^T block[:, col]
                 _bt6(block[0, col], block[1, col], block[2, col], block[3, col], block[4, col], block[5, col],
                      rows[0, col], rows[1, col], rows[2, col], rows[3, col], rows[4, col], rows[5, col], channels)
@@ -424,9 +476,9 @@ def _input_channels(image, pad_h, pad_w, tiles_h, tiles_w, v, first):
 
 
 @kernel
-def _input_channels_a4(image, pad_h, pad_w, tiles_h, tiles_w, v, first):
-    """As _input_channels, for F(2x2, 3x3): V[4j + k, first + t, c] from the
-    4 x 4 block at (ty*2 - pad_h, tx*2 - pad_w)."""
+def _input_channels_a4(image, pad_h, pad_w, m, tiles_h, tiles_w, v, first):
+    """As _input_channels, at alpha = 4 (F(2x2, 3x3), m = 2): V[4j + k,
+    first + t, c] from the 4 x 4 block at (ty*2 - pad_h, tx*2 - pad_w)."""
     channels = image.shape[2]
     block = np.empty((4, 4, channels), np.float32)
     rows = np.empty((4, 4, channels), np.float32)
@@ -510,6 +562,29 @@ def _output_channels_f2(product, first, tiles_h, tiles_w, bias, has_bias, slope,
             _put_tile(done, ty, tx, bias, has_bias, slope, has_relu, out)
 
 
+@kernel
+def _output_channels_f25(product, first, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out):
+    """As _output_channels, for F(2x2, 5x5): M = product[:, first:] (36, tiles, O)."""
+    outputs = out.shape[0]
+    half = np.empty((2, 6, outputs), np.float32)
+    done = np.empty((2, 2, outputs), np.float32)
+    for ty in range(tiles_h):
+        for tx in range(tiles_w):
+            t = first + ty * tiles_w + tx
+            for col in range(6):
+                _at25(product[col, t], product[6 + col, t], product[12 + col, t], product[18 + col, t],
+                      product[24 + col, t], product[30 + col, t], half[0, col], half[1, col], outputs)
+            for i in range(2):
+                h = half[i]
+                _at25(h[0], h[1], h[2], h[3], h[4], h[5], done[i, 0], done[i, 1], outputs)
+            _put_tile(done, ty, tx, bias, has_bias, slope, has_relu, out)
+
+
+# (m, r) -> the tiles-innermost input transform (by alpha) and _output_tiles's variant
+_INPUT = {(2, 3): _input_a4, (4, 3): _input_a6, (2, 5): _input_a6}
+_OUTPUT = {(2, 3): 0, (4, 3): 1, (2, 5): 2}
+
+
 # --- a forward --------------------------------------------------------------------------------------
 def tile_counts(geom, m):
     return -(-geom.out_h // m), -(-geom.out_w // m)
@@ -538,15 +613,15 @@ def slot_bytes(geom, m, batch):
     alpha2 = _alpha(geom, m) ** 2
     slots = {"winograd_input": alpha2 * geom.channels * columns * 4,
              "winograd_product": alpha2 * geom.num_output * columns * 4}
-    if (m, geom.kernel_h) in CHANNELS_INNER:
+    if channels_inner(geom, m):
         slots["winograd_image"] = geom.in_h * geom.in_w * geom.channels * 4
     return slots
 
 
 def forward(x, u, geom, m, out=None, ws=FRESH, bias=None, relu=None):
     """y (N, O, OH, OW) = conv(x, w) + bias, then a ReLU of negative slope
-    `relu` when given, by F(m x m, r x r) (r the kernel's size) from
-    U = transform_weights(w, m)."""
+    `relu` when given, by F(m x m, r x r) (r the kernel's size) from U in
+    this shape's layout (weights_for(w, geom, m), TransformedWeights.get)."""
     n = x.shape[0]
     y = np.empty(geom.output_shape(n), x.dtype) if out is None else out
     x = np.ascontiguousarray(x)
@@ -555,36 +630,39 @@ def forward(x, u, geom, m, out=None, ws=FRESH, bias=None, relu=None):
     slope = np.float32(relu or 0)
     step = block_images(geom, m, n)
     ws.plan(slot_bytes(geom, m, step))
-    run = _forward_channels if (m, geom.kernel_h) in CHANNELS_INNER else _forward_tiles
+    run = _forward_channels if channels_inner(geom, m) else _forward_tiles
     run(x, u, geom, m, y, ws, step, bias_values, has_bias, slope, relu is not None)
     return y
 
 
 def _forward_tiles(x, u, geom, m, y, ws, step, bias, has_bias, slope, has_relu):
-    """forward() of F(2x2, 5x5), tiles innermost: V (36, C, tiles), M (36, O,
-    tiles) = U @ V per group, U (36, O, C/group)."""
-    n = x.shape[0]
+    """forward() tiles innermost: V (alpha^2, C, tiles), M (alpha^2, O,
+    tiles) = U @ V per group, U (alpha^2, O, C/group)."""
+    n, alpha2 = x.shape[0], _alpha(geom, m) ** 2
+    variant = (m, geom.kernel_h)
+    transform_input, output_variant = _INPUT[variant], _OUTPUT[variant]
     tiles_h, tiles_w = tile_counts(geom, m)
     per_image = tiles_h * tiles_w
     cg, og = geom.channels_per_group, geom.outputs_per_group
     for start in range(0, n, step):
         images = min(step, n - start)
         columns = images * per_image
-        v = ws.empty("winograd_input", (36, geom.channels, columns), np.float32)
-        product = ws.empty("winograd_product", (36, geom.num_output, columns), np.float32)
+        v = ws.empty("winograd_input", (alpha2, geom.channels, columns), np.float32)
+        product = ws.empty("winograd_product", (alpha2, geom.num_output, columns), np.float32)
         for k in range(images):
-            _input_a6(x[start + k], geom.pad_h, geom.pad_w, m, tiles_h, tiles_w, v, k * per_image)
+            transform_input(x[start + k], geom.pad_h, geom.pad_w, m, tiles_h, tiles_w, v, k * per_image)
         for g in range(geom.group):
             np.matmul(u[:, g * og:(g + 1) * og], v[:, g * cg:(g + 1) * cg], out=product[:, g * og:(g + 1) * og])
         for k in range(images):
-            _output_tiles(product, k * per_image, tiles_h, tiles_w, bias, has_bias, slope, has_relu, y[start + k])
+            _output_tiles(product, output_variant, k * per_image, tiles_h, tiles_w, bias, has_bias, slope, has_relu,
+                          y[start + k])
 
 
 def _forward_channels(x, u, geom, m, y, ws, step, bias, has_bias, slope, has_relu):
-    """forward() of a channel-innermost variant (CHANNELS_INNER): each image
-    copied to (H, W, C), V (alpha^2, tiles, C), M (alpha^2, tiles, O) = V @ U
-    per group, U (alpha^2, C/group, O)."""
-    transform_input, transform_output = _CHANNELS_INNER_KERNELS[m]
+    """forward() channels innermost: each image copied to (H, W, C), V
+    (alpha^2, tiles, C), M (alpha^2, tiles, O) = V @ U per group, U
+    (alpha^2, C/group, O)."""
+    transform_input, transform_output = _CHANNELS_INNER_KERNELS[(m, geom.kernel_h)]
     n, alpha2 = x.shape[0], _alpha(geom, m) ** 2
     tiles_h, tiles_w = tile_counts(geom, m)
     per_image = tiles_h * tiles_w
@@ -597,7 +675,7 @@ def _forward_channels(x, u, geom, m, y, ws, step, bias, has_bias, slope, has_rel
         product = ws.empty("winograd_product", (alpha2, columns, geom.num_output), np.float32)
         for k in range(images):
             np.copyto(image, x[start + k].transpose(1, 2, 0))
-            transform_input(image, geom.pad_h, geom.pad_w, tiles_h, tiles_w, v, k * per_image)
+            transform_input(image, geom.pad_h, geom.pad_w, m, tiles_h, tiles_w, v, k * per_image)
         for g in range(geom.group):
             np.matmul(v[:, :, g * cg:(g + 1) * cg], u[:, :, g * og:(g + 1) * og],
                       out=product[:, :, g * og:(g + 1) * og])
@@ -605,5 +683,7 @@ def _forward_channels(x, u, geom, m, y, ws, step, bias, has_bias, slope, has_rel
             transform_output(product, k * per_image, tiles_h, tiles_w, bias, has_bias, slope, has_relu, y[start + k])
 
 
-# m -> the channel-innermost (input, output) transforms of F(m x m, 3 x 3)
-_CHANNELS_INNER_KERNELS = {2: (_input_channels_a4, _output_channels_f2), 4: (_input_channels, _output_channels)}
+# (m, r) -> the channel-innermost (input, output) transforms of F(m x m, r x r)
+_CHANNELS_INNER_KERNELS = {(2, 3): (_input_channels_a4, _output_channels_f2),
+                           (4, 3): (_input_channels, _output_channels),
+                           (2, 5): (_input_channels, _output_channels_f25)}

@@ -76,7 +76,7 @@ def _close(actual, expected, scale=None, m=4, r=3):
 @pytest.mark.parametrize("geom, m", CASES, ids=[f"{geom}-F{m}" for geom, m in CASES])
 def test_forward_matches_the_direct_convolution(geom, m):
     x, w, bias, expected = _case(geom, 3)
-    u = winograd.transform_weights(w, m)
+    u = winograd.weights_for(w, geom, m)
     y = winograd.forward(x, u, geom, m, bias=bias)
     assert y.shape == expected.shape and y.dtype == np.float32
     _close(y, expected, m=m, r=geom.kernel_h)
@@ -89,7 +89,7 @@ def test_forward_matches_the_direct_convolution(geom, m):
 def test_forward_applies_the_relu_as_the_layer_does(slope):
     geom = GEOMETRIES[0]
     x, w, bias, expected = _case(geom, 2)
-    y = winograd.forward(x, winograd.transform_weights(w, 4), geom, 4, bias=bias, relu=slope)
+    y = winograd.forward(x, winograd.weights_for(w, geom, 4), geom, 4, bias=bias, relu=slope)
     relu = np.where(expected > 0, expected, expected * slope)
     _close(y, relu, np.abs(expected).max())
     assert (y[expected < -1e-3] == 0).all() if slope == 0 else (y[expected < -1e-3] < 0).all()
@@ -101,25 +101,44 @@ def test_blocks_of_images_give_the_whole_batch(m, columns, images, monkeypatch):
     an image at m = 2, 9 at m = 4 (channels innermost)."""
     geom = GEOMETRIES[0]
     x, w, bias, _ = _case(geom, 5)
-    u = winograd.transform_weights(w, m)
+    u = winograd.weights_for(w, geom, m)
     whole = winograd.forward(x, u, geom, m, bias=bias)
     monkeypatch.setattr(winograd, "BLOCK_COLUMNS", columns)
     assert winograd.block_images(geom, m, 5) == images
     np.testing.assert_array_equal(winograd.forward(x, u, geom, m, bias=bias, ws=Arena()), whole)
 
 
-def test_channels_innermost_weights_are_g_g_gt_with_the_channels_before_the_outputs():
-    assert winograd.CHANNELS_INNER == {(2, 3), (4, 3)}                 # F(2x2, 5x5) keeps tiles innermost
-    w5 = RNG.standard_normal((6, 4, 5, 5)).astype(np.float32)
-    assert winograd.transform_weights(w5, 2).shape == (36, 6, 4)
-    w = RNG.standard_normal((6, 4, 3, 3)).astype(np.float32)
-    for m in (2, 4):
-        u = winograd.transform_weights(w, m)
-        alpha = m + 2
-        assert u.shape == (alpha * alpha, 4, 6) and u.flags.c_contiguous
-        _, g, _ = winograd.transforms(m, 3)
-        np.testing.assert_allclose(u[:, 1, 2].reshape(alpha, alpha), g @ w[2, 1].astype(np.float64) @ g.T,
+@pytest.mark.parametrize("m, r", winograd.VARIANTS)
+def test_both_layouts_give_the_same_convolution(m, r, monkeypatch):
+    """Tiles innermost and channels innermost (the threshold moved to force
+    each), batch 3 in blocks of 2 images, grouped, bias and ReLU: the same
+    numbers up to the GEMM's order of sums; each U is G g G^T in its layout."""
+    geom = ConvGeometry(8, 6, 11, 9, r, r, pad_h=r // 2, pad_w=r // 2, group=2)
+    x, w, bias, expected = _case(geom, 3)
+    monkeypatch.setattr(winograd, "BLOCK_COLUMNS", 2 * np.prod(winograd.tile_counts(geom, m)))
+    results = {}
+    for inner in (False, True):
+        monkeypatch.setattr(winograd, "CHANNELS_INNER_MIN", 1 if inner else 10 ** 9)
+        assert winograd.channels_inner(geom, m) == inner
+        u = winograd.weights_for(w, geom, m)
+        alpha = m + r - 1
+        assert u.shape == ((alpha * alpha, 4, 6) if inner else (alpha * alpha, 6, 4)) and u.flags.c_contiguous
+        _, g, _ = winograd.transforms(m, r)
+        kernel = u[:, 1, 2] if inner else u[:, 2, 1]
+        np.testing.assert_allclose(kernel.reshape(alpha, alpha), g @ w[2, 1].astype(np.float64) @ g.T,
                                    rtol=1e-6, atol=1e-6)
+        results[inner] = winograd.forward(x, u, geom, m, bias=bias, relu=0.0, ws=Arena())
+        _close(results[inner], np.maximum(expected, 0), np.abs(expected).max(), m, r)
+    _close(results[True], results[False], np.abs(expected).max(), m, r)
+
+
+def test_the_layout_follows_the_channels_and_the_tiles():
+    """Channels innermost from CHANNELS_INNER_MIN channels, or with as many
+    channels as tiles; tiles innermost for few channels on large planes."""
+    assert winograd.channels_inner(ConvGeometry(64, 64, 56, 56, 3, 3, pad_h=1, pad_w=1), 4)
+    assert winograd.channels_inner(ConvGeometry(32, 32, 16, 16, 3, 3, pad_h=1, pad_w=1), 4)      # 16 tiles
+    assert not winograd.channels_inner(ConvGeometry(32, 32, 32, 32, 3, 3, pad_h=1, pad_w=1), 4)  # 64 tiles
+    assert not winograd.channels_inner(ConvGeometry(16, 96, 28, 28, 5, 5, pad_h=2, pad_w=2), 2)
 
 
 def test_applicable_shapes():
@@ -140,15 +159,16 @@ def test_applicable_shapes():
 def test_transformed_weights_follow_writes_through_views():
     w = RNG.standard_normal((4, 3, 3, 3)).astype(np.float32)
     cache = winograd.TransformedWeights()
-    first = cache.get(w, 4)
-    assert cache.get(w, 4) is first                           # unchanged: not made again
-    np.testing.assert_array_equal(first, winograd.transform_weights(w, 4))
+    geom = ConvGeometry(3, 4, 8, 8, 3, 3, pad_h=1, pad_w=1)
+    first = cache.get(w, geom, 4)
+    assert cache.get(w, geom, 4) is first                     # unchanged: not made again
+    np.testing.assert_array_equal(first, winograd.weights_for(w, geom, 4))
     w[1, 2, 0, 0] += 1                                        # a write no flag sees
-    second = cache.get(w, 4)
+    second = cache.get(w, geom, 4)
     assert second is not first
-    np.testing.assert_array_equal(second, winograd.transform_weights(w, 4))
+    np.testing.assert_array_equal(second, winograd.weights_for(w, geom, 4))
     w[0, 0, 0, 0] = -0.0 if w[0, 0, 0, 0] == 0 else 0.0       # bit for bit, -0.0 too
-    assert cache.get(w, 4) is not second
+    assert cache.get(w, geom, 4) is not second
     assert cache.nbytes == first.nbytes + w.nbytes
 
 
