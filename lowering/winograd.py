@@ -524,59 +524,38 @@ def _put_tile(done, ty, tx, bias, has_bias, slope, has_relu, out):
 
 
 @kernel
-def _output_channels(product, first, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out):
-    """out (O, OH, OW) of one image from M = product[:, first:] (36, tiles, O),
-    channels innermost, for F(4x4, 3x3): Y = A^T M A per tile as O-long
-    vectors, then _put_tile."""
+def _output_channels(product, variant, first, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out):
+    """out (O, OH, OW) of one image from M = product[:, first:] (alpha^2,
+    tiles, O), channels innermost: Y = A^T M A per tile as O-long vectors,
+    then _put_tile. variant as _output_tiles's."""
+    m = 4 if variant == 1 else 2
+    alpha = 4 if variant == 0 else 6
     outputs = out.shape[0]
-    half = np.empty((4, 6, outputs), np.float32)
-    done = np.empty((4, 4, outputs), np.float32)
+    half = np.empty((m, alpha, outputs), np.float32)
+    done = np.empty((m, m, outputs), np.float32)
     for ty in range(tiles_h):
         for tx in range(tiles_w):
             t = first + ty * tiles_w + tx
-            for col in range(6):                  # half[:, col] = A^T M[col::6]
-                _at4(product[col, t], product[6 + col, t], product[12 + col, t], product[18 + col, t],
-                     product[24 + col, t], product[30 + col, t], half[0, col], half[1, col], half[2, col],
-                     half[3, col], outputs)
-            for i in range(4):                    # done[i] = A^T half[i]
+            for col in range(alpha):              # half[:, col] = A^T M[col::alpha]
+                m0, m1 = product[col, t], product[alpha + col, t]
+                m2, m3 = product[2 * alpha + col, t], product[3 * alpha + col, t]
+                if variant == 0:
+                    _at2(m0, m1, m2, m3, half[0, col], half[1, col], outputs)
+                    continue
+                m4, m5 = product[4 * alpha + col, t], product[5 * alpha + col, t]
+                if variant == 1:
+                    _at4(m0, m1, m2, m3, m4, m5, half[0, col], half[1, col], half[2, col], half[3, col], outputs)
+                else:
+                    _at25(m0, m1, m2, m3, m4, m5, half[0, col], half[1, col], outputs)
+            for i in range(m):                    # done[i] = A^T half[i]
                 h = half[i]
-                _at4(h[0], h[1], h[2], h[3], h[4], h[5], done[i, 0], done[i, 1], done[i, 2], done[i, 3], outputs)
-            _put_tile(done, ty, tx, bias, has_bias, slope, has_relu, out)
-
-
-@kernel
-def _output_channels_f2(product, first, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out):
-    """As _output_channels, for F(2x2, 3x3): M = product[:, first:] (16, tiles, O)."""
-    outputs = out.shape[0]
-    half = np.empty((2, 4, outputs), np.float32)
-    done = np.empty((2, 2, outputs), np.float32)
-    for ty in range(tiles_h):
-        for tx in range(tiles_w):
-            t = first + ty * tiles_w + tx
-            for col in range(4):
-                _at2(product[col, t], product[4 + col, t], product[8 + col, t], product[12 + col, t],
-                     half[0, col], half[1, col], outputs)
-            for i in range(2):
-                h = half[i]
-                _at2(h[0], h[1], h[2], h[3], done[i, 0], done[i, 1], outputs)
-            _put_tile(done, ty, tx, bias, has_bias, slope, has_relu, out)
-
-
-@kernel
-def _output_channels_f25(product, first, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out):
-    """As _output_channels, for F(2x2, 5x5): M = product[:, first:] (36, tiles, O)."""
-    outputs = out.shape[0]
-    half = np.empty((2, 6, outputs), np.float32)
-    done = np.empty((2, 2, outputs), np.float32)
-    for ty in range(tiles_h):
-        for tx in range(tiles_w):
-            t = first + ty * tiles_w + tx
-            for col in range(6):
-                _at25(product[col, t], product[6 + col, t], product[12 + col, t], product[18 + col, t],
-                      product[24 + col, t], product[30 + col, t], half[0, col], half[1, col], outputs)
-            for i in range(2):
-                h = half[i]
-                _at25(h[0], h[1], h[2], h[3], h[4], h[5], done[i, 0], done[i, 1], outputs)
+                if variant == 0:
+                    _at2(h[0], h[1], h[2], h[3], done[i, 0], done[i, 1], outputs)
+                elif variant == 1:
+                    _at4(h[0], h[1], h[2], h[3], h[4], h[5], done[i, 0], done[i, 1], done[i, 2], done[i, 3],
+                         outputs)
+                else:
+                    _at25(h[0], h[1], h[2], h[3], h[4], h[5], done[i, 0], done[i, 1], outputs)
             _put_tile(done, ty, tx, bias, has_bias, slope, has_relu, out)
 
 
@@ -662,7 +641,8 @@ def _forward_channels(x, u, geom, m, y, ws, step, bias, has_bias, slope, has_rel
     """forward() channels innermost: each image copied to (H, W, C), V
     (alpha^2, tiles, C), M (alpha^2, tiles, O) = V @ U per group, U
     (alpha^2, C/group, O)."""
-    transform_input, transform_output = _CHANNELS_INNER_KERNELS[(m, geom.kernel_h)]
+    variant = (m, geom.kernel_h)
+    transform_input, output_variant = _CHANNELS_INNER_INPUT[variant], _OUTPUT[variant]
     n, alpha2 = x.shape[0], _alpha(geom, m) ** 2
     tiles_h, tiles_w = tile_counts(geom, m)
     per_image = tiles_h * tiles_w
@@ -680,10 +660,9 @@ def _forward_channels(x, u, geom, m, y, ws, step, bias, has_bias, slope, has_rel
             np.matmul(v[:, :, g * cg:(g + 1) * cg], u[:, :, g * og:(g + 1) * og],
                       out=product[:, :, g * og:(g + 1) * og])
         for k in range(images):
-            transform_output(product, k * per_image, tiles_h, tiles_w, bias, has_bias, slope, has_relu, y[start + k])
+            _output_channels(product, output_variant, k * per_image, tiles_h, tiles_w, bias, has_bias, slope,
+                             has_relu, y[start + k])
 
 
-# (m, r) -> the channel-innermost (input, output) transforms of F(m x m, r x r)
-_CHANNELS_INNER_KERNELS = {(2, 3): (_input_channels_a4, _output_channels_f2),
-                           (4, 3): (_input_channels, _output_channels),
-                           (2, 5): (_input_channels, _output_channels_f25)}
+# (m, r) -> the channel-innermost input transform of F(m x m, r x r) (the output's variant: _OUTPUT)
+_CHANNELS_INNER_INPUT = {(2, 3): _input_channels_a4, (4, 3): _input_channels, (2, 5): _input_channels}
