@@ -33,9 +33,9 @@ numpy views (net.params[...][0].data[...] = ...), which no flag sees, so
 every forward compares, a pass over twice the weights' bytes. The chooser's
 timing includes it.
 
-Layout: the image's tiles t = (ty, tx) run along the GEMMs' columns; a block
+Layout: the images' tiles t = (ty, tx) make one side of the GEMMs; a block
 of images is transformed at once, its tiles side by side, so that the GEMMs
-are wide enough (BLOCK_COLUMNS) while V and M stay small (BLOCK_BYTES).
+are large enough (BLOCK_COLUMNS) while V and M stay small (BLOCK_BYTES).
 Each variant runs a shape one of two ways (channels_inner). Tiles
 innermost: V (alpha^2, C, tiles) and M (alpha^2, O, tiles) = U @ V, the
 transforms vectorised over a channel's tiles. Channels innermost: the
@@ -175,17 +175,17 @@ def channels_inner(geom, m):
     return geom.channels >= CHANNELS_INNER_MIN or geom.channels >= np.prod(tile_counts(geom, m))
 
 
-def transform_weights(w, m, channels_inner=False):
+def transform_weights(w, m, inner=False):
     """U float32 from w (O, C/group, r, r), in the layout forward() takes:
     (alpha^2, O, C/group) tiles innermost, (alpha^2, C/group, O) channels
-    innermost."""
+    innermost (`inner`)."""
     r = w.shape[-1]
     _, g, _ = transforms(m, r)
     alpha = g.shape[0]
     kernels = np.asarray(w, np.float64).reshape(-1, r, r)
     u = g @ kernels @ g.T                                     # (O*Cg, alpha, alpha)
     u = u.reshape(w.shape[0], w.shape[1], alpha * alpha)
-    return np.ascontiguousarray(u.transpose((2, 1, 0) if channels_inner else (2, 0, 1)), dtype=np.float32)
+    return np.ascontiguousarray(u.transpose((2, 1, 0) if inner else (2, 0, 1)), dtype=np.float32)
 
 
 def weights_for(w, geom, m):
