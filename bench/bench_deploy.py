@@ -4,6 +4,9 @@ saves a .caffemodel, OpenCV reads it with cv2.dnn.readNetFromCaffe), the same
 input, the two frameworks alternating in rounds so a noisy host's drift falls
 on both; medians in ms per forward, their ratio, and how far the logits (the
 final Softmax's input) agree: largest difference over the largest value.
+A second line gives the quartiles of the per-round ratio (cct's time over
+the other framework's in the same round): the host's noise, in the
+ratio's own terms.
 
     python bench/bench_deploy.py [--nets caffenet,googlenet,resnet50] [--batches 1,16] [--rounds 5] [--threads 2]
 
@@ -164,7 +167,17 @@ def compare(name, batch, rounds, folder):
         for key, (run, subject) in runs.items():
             times[key].append(timed(run, subject, images, layer)[0])
     medians = {key: 1e3 * statistics.median(values) for key, values in times.items()}
-    return medians, agreement
+    return medians, agreement, times
+
+
+def _paired_spread(ours, theirs):
+    """The quartiles of cct's time over the other's, round by round: how far
+    the host's noise moves the ratio the medians give."""
+    ratios = sorted(a / b for a, b in zip(ours, theirs))
+    if len(ratios) < 4:
+        return f"{ratios[0]:.2f}-{ratios[-1]:.2f}"
+    quartiles = statistics.quantiles(ratios, n=4)
+    return f"{quartiles[0]:.2f}-{quartiles[2]:.2f}"
 
 
 def _agreement(ours, theirs):
@@ -195,7 +208,7 @@ def main():
     with tempfile.TemporaryDirectory() as folder:
         for name in args.nets.split(","):
             for batch in (int(b) for b in args.batches.split(",")):
-                medians, agreement = compare(name, batch, args.rounds, folder)
+                medians, agreement, times = compare(name, batch, args.rounds, folder)
                 line = (f"{name} batch {batch}: cct {medians['cct']:.1f} ms, OpenCV DNN {medians['opencv']:.1f} ms, "
                         f"cct / OpenCV time {medians['cct'] / medians['opencv']:.2f}")
                 if "torch" in medians:
@@ -203,6 +216,9 @@ def main():
                              f"{medians['cct'] / medians['torch']:.2f}")
                 agree = ", ".join(f"{key} {value:.1e}" for key, value in agreement.items())
                 p(f"{line}; logits agree to ({agree}) of the largest")
+                spread = ", ".join(f"/ {label} {_paired_spread(times['cct'], times[key])}"
+                                   for key, label in (("opencv", "OpenCV"), ("torch", "PyTorch")) if key in times)
+                p(f"  cct's time round by round (quartiles): {spread}")
     p(f"load after the runs: {common.load_average():.2f}")
 
 
