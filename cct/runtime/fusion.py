@@ -340,15 +340,20 @@ def _piece(arrays, along, start, stop):
 
 # --- a run's pass again ----------------------------------------------------------------------------
 @kernel
-def _same_values(current, snapshot):
-    """Whether the flat arrays hold the same values (a NaN never does: a run
-    whose parameters hold one is composed again at every forward)."""
+def _same_bits(current, snapshot):
+    """Whether the flat arrays (unsigned-integer views of the values) hold
+    the same bits: -0.0 against 0.0 differs, a NaN left alone does not."""
     if current.shape[0] != snapshot.shape[0]:
         return False
     for i in range(current.shape[0]):
         if current[i] != snapshot[i]:
             return False
     return True
+
+
+def _bits(values):
+    """A blob's values as a flat view of unsigned integers of their width."""
+    return values.reshape(-1).view(f"u{values.dtype.itemsize}")
 
 
 class Replay:
@@ -358,7 +363,7 @@ class Replay:
     for a BatchNorm + Scale + ReLU), and a net runs the same shapes and
     parameters forward after forward. It is used only while every blob of
     the run has the shape and the array it had, and every parameter of its
-    layers the values (compared value for value: pycaffe writes them through
+    layers the values (compared bit for bit: pycaffe writes them through
     numpy views, which nothing else sees); otherwise the run is composed
     again and replaces it."""
 
@@ -369,18 +374,18 @@ class Replay:
             for blob in net.bottom_vecs[index] + net.top_vecs[index]:
                 if all(blob is not known for known, _, _ in self.blobs):
                     self.blobs.append((blob, blob.shape, blob.data))
-        # (the layer's blob list, its index, the array, a copy): looked up in the
-        # list again, so that a blob put in another's place is seen too
-        self.params = [(layer.blobs, k, blob.data, blob.data.reshape(-1).copy())
+        # (the layer's blob list, its index, the array, a view of its bits, a copy
+        # of them): looked up in the list again, so that a blob put in another's
+        # place is seen too; the view serves every forward the array is the same
+        self.params = [(layer.blobs, k, blob.data, _bits(blob.data), _bits(blob.data).copy())
                        for layer in (net.layers[index] for index in members) for k, blob in enumerate(layer.blobs)]
 
     def still_valid(self):
         for blob, shape, data in self.blobs:
             if blob.shape != shape or blob.data is not data:
                 return False
-        for blobs, k, data, snapshot in self.params:
-            current = blobs[k].data
-            if current is not data or not _same_values(current.reshape(-1), snapshot):
+        for blobs, k, data, bits, snapshot in self.params:
+            if blobs[k].data is not data or not _same_bits(bits, snapshot):
                 return False
         return True
 

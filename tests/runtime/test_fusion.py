@@ -377,6 +377,27 @@ def test_a_parameter_written_through_its_view_ends_the_replay(layer, param, monk
     assert relative_error(fused.blobs["conv1"].data, chain_value(fused, x)) <= TOLERANCE
 
 
+def test_a_zero_whose_sign_changes_ends_the_replay_and_a_nan_left_alone_does_not(monkeypatch):
+    """Bit for bit: -0.0 and 0.0 compare equal as values, but a BatchNorm
+    mean of -0.0 gives shift +0.0 and a -0.0 input a +0.0 output; a NaN kept
+    as it was is unchanged."""
+    x = RNG.normal(size=(3, 3, 7, 6)).astype(np.float32)
+    fused, _ = pair(CHAIN, data=x)
+    mean = fused.params["bn1"][0].data
+    mean[0] = 0.0
+    fused.forward()                             # composed with +0.0, then kept
+    calls = _counting_epilogues(monkeypatch)
+    fused.forward()
+    assert calls == []
+    mean[0] = -0.0
+    fused.forward()
+    assert calls == ["bn1"]
+    fused.params["sc1"][1].data[1] = np.nan     # a NaN bias: composed once, then kept
+    fused.forward()
+    fused.forward()
+    assert calls == ["bn1", "bn1"]
+
+
 def test_a_forward_ending_inside_a_kept_run_leaves_caffes_values():
     x = RNG.normal(size=(3, 3, 7, 6)).astype(np.float32)
     fused, unfused = pair(CHAIN, data=x)
