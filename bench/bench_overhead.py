@@ -24,7 +24,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -62,13 +61,7 @@ def unit(kind, i):
 def tiny_net(kind, units):
     import cct
     import numpy as np
-    text = 'name: "overhead"\n' + INPUT + "".join(unit(kind, i)[0] for i in range(units))
-    with tempfile.NamedTemporaryFile("w", suffix=".prototxt", delete=False) as handle:
-        handle.write(text)
-    try:
-        net = cct.Net(handle.name, cct.TEST)
-    finally:
-        os.unlink(handle.name)
+    net = cct.Net('name: "overhead"\n' + INPUT + "".join(unit(kind, i)[0] for i in range(units)), cct.TEST)
     for layer in net.layers:
         if layer.type == "BatchNorm":
             layer.blobs[1].data[...] = 1.0             # variance
