@@ -155,7 +155,8 @@ class Blob:
             self._data_mirror.to_host()                  # the values move to the grown store
             self._data_store = _grown(self._data_store, count)
             self._data_mirror = Mirror(self._data_store)
-            if self._diff_store is not None:
+            # (a data store placed in another blob's, use_data_storage, may be the smaller)
+            if self._diff_store is not None and count > self._diff_store.size:
                 self._diff_mirror.to_host()
                 self._diff_store = _grown(self._diff_store, count)
                 self._diff_mirror = Mirror(self._diff_store)
@@ -290,6 +291,40 @@ class Blob:
             other._allocate_diff()
         self._diff_store, self._diff_mirror = other._diff_store, other._diff_mirror
         self._make_views()
+
+    def shares_data_with(self, other):
+        """Whether the two blobs' data stores overlap (ShareData, a Flatten's
+        top and bottom, a Concat's placed bottoms and top)."""
+        return np.may_share_memory(self._data_store, other._data_store)
+
+    def use_data_storage(self, store):
+        """Keep the data in `store`, a flat array of at least the count (a
+        Concat places its bottoms in slices of its top's store, cct.runtime.
+        fusion), holding the values: the caller copied them there. A reshape
+        that outgrows it moves the values to a store of the blob's own."""
+        if store.size < self.count:
+            raise ShapeError(f"a store of {store.size} elements cannot hold a blob of count {self.count}")
+        self._data_mirror.to_host()
+        self._data_store, self._data_mirror = store, Mirror(store)
+        self._make_views()
+
+    def sync_data_to_host(self):
+        """Copy down the data a device wrote; both sides current."""
+        self._data_mirror.to_host()
+
+    def own_data_storage(self):
+        """Move the data to a store of its own (a copy of the host values),
+        its device copy and which side is current kept: a placed Concat
+        bottom leaves its top's store."""
+        store = self._data_store[:self.count].copy()
+        self._data_store = self._data_mirror.store = store
+        self._make_views()
+
+    def written_on_host(self):
+        """The host data was written in full through views of the store (a
+        Concat's bottoms placed in it): a device copy is stale now, and is
+        not copied down over it."""
+        self._data_mirror.head = HOST
 
     def use_diff_storage(self, store):
         """Keep the diff in `store`, a flat array of the data's capacity (diff

@@ -33,6 +33,7 @@ What the runtime reads (declarations, never type names):
     epilogue(bottom, top)  the forward as one element-wise step inference fusion may
                            chain into one pass (cct.runtime.fusion), or None
     aliases                (Split) set by fusion: the tops share the bottom's data
+    views                  (Concat) set by fusion: the bottoms' data in the top's store
     planned_bytes(...)     work memory the memory plan counts (cct.runtime.memory_plan)
 
 On a device (cct.devices; Caffe's Forward_gpu, with its fallback):

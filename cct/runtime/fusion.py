@@ -49,6 +49,15 @@ forward holding Caffe's value:
    apart, so a backward is unchanged. (Before the Split runs in a forward
    that stops early, net.forward(end=...), its tops show the bottom's new
    value rather than the last forward's copy.)
+4. Concat as views: where a Concat's bottoms are its top's contiguous pieces
+   (batch 1 along the channels: GoogLeNet's inception outputs), each
+   bottom's data lives in its piece of the top's store (Concat.views), so
+   the producers write the top and the Concat copies nothing. Only where
+   every bottom is computed by an earlier layer from its bottoms (not a net
+   input or a data layer's top), read by no other layer but in
+   place before the Concat, shares its data with no other blob, and no later
+   layer writes a bottom or the top. (As for Split: a forward that stops
+   before the Concat shows the bottoms' new values in the top.)
 
 How it runs (the executor, cct.runtime.executor): a run's layers are
 reshaped as they come and their pass runs when its last layer has been
@@ -409,6 +418,11 @@ class Fusion:
             layer = net.layers[index]
             layer.aliases = True
             layer.reshape(net.bottom_vecs[index], net.top_vecs[index])   # the tops' own stores are dropped now
+        self.concat_views = _plan_concat_views(net)
+        for index in self.concat_views:
+            layer = net.layers[index]
+            layer.views = True
+            layer.reshape(net.bottom_vecs[index], net.top_vecs[index])   # the bottoms placed now
         self.pending = None           # the Run being gathered
         self._pending_run = None      # its number in runs, and the index expected next
         self._expected = None
@@ -571,6 +585,38 @@ def _plan_aliases(net):
     return chosen
 
 
+def _plan_concat_views(net):
+    """Indices of the Concat layers (layers with `views`) whose bottoms may
+    live in the top's store (module docstring, rule 4)."""
+    chosen = []
+    blobs = list(net.blobs.values())
+    for index, layer in enumerate(net.layers):
+        if not hasattr(layer, "views"):
+            continue
+        bottom, top = net.bottom_vecs[index], net.top_vecs[index][0]
+        if all(_may_view(net, index, blob, blobs) for blob in bottom) and not _written_after(net, index, top):
+            chosen.append(index)
+    return chosen
+
+
+def _may_view(net, index, blob, blobs):
+    """Whether `blob`, bottom of the Concat `index`, may live in its top: an
+    earlier layer computes it (not a net input: the user writes those), no
+    other layer reads it but in place before the Concat, no later layer
+    writes it, and no other blob shares its data."""
+    made = any(net.bottom_vecs[j] and any(top is blob for top in net.top_vecs[j]) for j in range(index))
+    for j, (bottoms, tops) in enumerate(zip(net.bottom_vecs, net.top_vecs)):
+        reads, writes = any(b is blob for b in bottoms), any(t is blob for t in tops)
+        if j != index and reads and not (writes and j < index):
+            return False
+    return (made and not _written_after(net, index, blob)
+            and not any(other is not blob and other.shares_data_with(blob) for other in blobs))
+
+
+def _written_after(net, index, blob):
+    return any(top is blob for tops in net.top_vecs[index + 1:] for top in tops)
+
+
 def plan(net):
     """The net's Fusion (it sets the aliases at once)."""
     return Fusion(net)
@@ -605,7 +651,8 @@ def describe(net):
     names = {id(blob): name for name, blob in net.blobs.items()}
     fused = sum(len(run) for run in fusion.runs)
     lines = [f"Fusion: {fused} layers run as {len(fusion.runs)} passes; {len(fusion.output_relus)} ReLUs in "
-             f"their convolution's output store; {len(fusion.aliases)} Split layers as aliases"]
+             f"their convolution's output store; {len(fusion.aliases)} Split layers as aliases; "
+             f"{len(fusion.concat_views)} Concat layers as views"]
     for run in fusion.runs:
         first = run[0]
         source = net.bottom_vecs[first][0]
@@ -624,4 +671,8 @@ def describe(net):
     for index in fusion.aliases:
         tops = ", ".join(repr(names[id(top)]) for top in net.top_vecs[index])
         lines.append(f"  {net.layers[index].name}: {tops} share '{names[id(net.bottom_vecs[index][0])]}'")
+    for index in fusion.concat_views:
+        bottoms = ", ".join(repr(names[id(blob)]) for blob in net.bottom_vecs[index])
+        lines.append(f"  {net.layers[index].name}: {bottoms} written in place in "
+                     f"'{names[id(net.top_vecs[index][0])]}' (where contiguous)")
     return lines

@@ -297,6 +297,120 @@ def test_split_tops_alias_their_bottom_unless_a_later_layer_writes_them():
     assert_agree(fused, unfused, expected)
 
 
+# --- rule 4: Concat as views ------------------------------------------------------------------
+CONCAT = """name: "concat"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 3 dim: 6 dim: 5 } } }
+layer { name: "conv_a" type: "Convolution" bottom: "data" top: "a" convolution_param { num_output: 2 kernel_size: 1 } }
+layer { name: "relu_a" type: "ReLU" bottom: "a" top: "a" }
+layer { name: "conv_b" type: "Convolution" bottom: "data" top: "b"
+        convolution_param { num_output: 3 kernel_size: 3 pad: 1 } }
+layer { name: "cat" type: "Concat" bottom: "a" bottom: "b" top: "cat" }
+layer { name: "conv_c" type: "Convolution" bottom: "cat" top: "c" convolution_param { num_output: 2 kernel_size: 1 } }
+"""
+
+
+def concat_values(net, x):
+    a = relu(conv(x, *params(net, "conv_a"), pad=0))
+    b = conv(x, *params(net, "conv_b"), pad=1)
+    joined = np.concatenate([a, b], axis=1)
+    return {"a": a, "b": b, "cat": joined, "c": conv(joined, *params(net, "conv_c"), pad=0)}
+
+
+def concat_views(net):
+    return [net.layers[i].name for i in net.executor.fusion.concat_views]
+
+
+def placed(net, names=("a", "b")):
+    """Whether each bottom's data lives in the Concat's top."""
+    return [np.shares_memory(net.blobs[name].data, net.blobs["cat"].data) for name in names]
+
+
+def test_concat_bottoms_live_in_the_top_where_its_pieces_are_contiguous():
+    x = RNG.normal(size=(1, 3, 6, 5)).astype(np.float32)
+    fused, unfused = pair(CONCAT, data=x)
+    assert concat_views(fused) == ["cat"]
+    assert fusion.describe(fused)[-1] == "  cat: 'a', 'b' written in place in 'cat' (where contiguous)"
+    assert placed(fused) == [True, True] and placed(unfused) == [False, False]
+    assert_agree(fused, unfused, concat_values(unfused, x))
+    # the next forwards write the top through the bottoms, nothing copied
+    for batch in (1, 2, 1):           # at batch 2 the pieces are strided: copied as Caffe does
+        x = RNG.normal(size=(batch, 3, 6, 5)).astype(np.float32)
+        for net in (fused, unfused):
+            net.blobs["data"].reshape(x.shape)
+            net.blobs["data"].data[...] = x
+            net.forward()
+        assert placed(fused) == [batch == 1] * 2
+        assert_agree(fused, unfused, concat_values(unfused, x))
+
+
+@pytest.mark.parametrize("change, kept", [
+    ('layer { name: "relu_cat" type: "ReLU" bottom: "cat" top: "cat" }', False),     # a later layer writes the top
+    ('layer { name: "conv_d" type: "Convolution" bottom: "b" top: "d" '               # b is read twice: by a Split
+     'convolution_param { num_output: 1 kernel_size: 1 } }', False),
+    ('layer { name: "flat" type: "Flatten" bottom: "cat" top: "flat" }', True)])      # the top read, shared
+def test_concat_views_only_where_no_other_layer_or_blob_can_see_the_difference(change, kept):
+    x = RNG.normal(size=(1, 3, 6, 5)).astype(np.float32)
+    text = CONCAT.replace('layer { name: "conv_c"', change + '\nlayer { name: "conv_c"')
+    fused, unfused = pair(text, data=x)
+    assert concat_views(fused) == (["cat"] if kept else [])
+    assert_agree(fused, unfused, {})
+
+
+def test_a_net_input_is_not_placed_in_a_concat():
+    text = CONCAT.replace('bottom: "a" bottom: "b" top: "cat"', 'bottom: "a" bottom: "side" top: "cat"') + \
+        'layer { name: "side" type: "Input" top: "side" input_param { shape { dim: 1 dim: 1 dim: 6 dim: 5 } } }'
+    text = text.replace('layer { name: "cat"', 'layer { name: "side" type: "Input" top: "side" '
+                        'input_param { shape { dim: 1 dim: 1 dim: 6 dim: 5 } } }\nlayer { name: "cat"', 1)
+    text = text[:text.rindex('layer { name: "side"')]
+    fused, unfused = pair(text, data=RNG.normal(size=(1, 3, 6, 5)), side=RNG.normal(size=(1, 1, 6, 5)))
+    assert concat_views(fused) == []
+    assert_agree(fused, unfused, {})
+
+
+def test_a_reshape_to_strided_pieces_of_the_same_size_moves_the_bottoms_out():
+    x = RNG.normal(size=(1, 3, 6, 5)).astype(np.float32)
+    fused, unfused = pair(CONCAT, data=x)
+    x = RNG.normal(size=(2, 3, 3, 5)).astype(np.float32)     # every blob keeps its count
+    for net in (fused, unfused):
+        net.blobs["data"].reshape(x.shape)
+        net.blobs["data"].data[...] = x
+        net.forward()
+    assert placed(fused) == [False, False]
+    assert_agree(fused, unfused, concat_values(unfused, x))
+
+
+# Each step: (mode, whether the Concat runs on the device in "gpu" mode: False
+# runs it on the host, as a layer without a device path or of a hybrid share 0).
+@pytest.mark.parametrize("steps", [
+    [("gpu", True), ("cpu", True)],
+    [("cpu", True), ("gpu", True)],
+    [("gpu", True), ("gpu", False)],                   # the top's device copy is stale: never copied down
+    [("gpu", False), ("gpu", False)],                  # ... nor read by the device layer after the Concat
+    [("gpu", False), ("cpu", True), ("gpu", True), ("cpu", True)]])
+def test_concat_views_hold_through_forwards_on_a_device_and_back(steps, monkeypatch):
+    """Forwards one after the other with nothing read in between (a read
+    makes the host current), then every blob against the unfused net's."""
+    from cct.layers.shape import Concat
+    from helpers.devices import opencl_or_skip
+    device = opencl_or_skip()
+    fused, unfused = pair(CONCAT, data=RNG.normal(size=(1, 3, 6, 5)))
+    monkeypatch.setattr(settings, "_device_id", device.index)
+    runs_on = Concat.runs_on
+    for mode, concat_on_device in steps:
+        x = RNG.normal(size=(1, 3, 6, 5)).astype(np.float32)
+        monkeypatch.setattr(settings, "_device_mode", mode)
+        monkeypatch.setattr(Concat, "runs_on", runs_on if concat_on_device else lambda *args: False)
+        fused.blobs["data"].data[...] = x
+        fused.forward()
+    monkeypatch.setattr(settings, "_device_mode", "cpu")
+    unfused.blobs["data"].data[...] = x
+    unfused.forward()
+    assert_agree(fused, unfused, concat_values(unfused, x))
+    # placed again at the reshape after a host forward of the Concat, so from the second
+    on_host = [mode == "cpu" or not concat_on_device for mode, concat_on_device in steps]
+    assert placed(fused) == [on_host[-1] and (len(steps) == 1 or on_host[-2])] * 2
+
+
 # --- what the rules keep: current weights, any range, backward, callbacks -----------------------------
 def test_weights_set_or_loaded_after_building_take_effect(tmp_path):
     x = RNG.normal(size=(3, 3, 7, 6)).astype(np.float32)
@@ -530,7 +644,8 @@ def test_describe_names_each_pass_and_alias():
     split = next(layer for layer in fused.layers if layer.type == "Split")
     tops = ", ".join(repr(name) for name in fused.top_names[split.name])
     assert fusion.describe(fused) == [
-        "Fusion: 4 layers run as 1 passes; 1 ReLUs in their convolution's output store; 1 Split layers as aliases",
+        "Fusion: 4 layers run as 1 passes; 1 ReLUs in their convolution's output store; 1 Split layers as aliases; "
+        "0 Concat layers as views",
         "  after conv_b: bn_b + sc_b + sum + relu_sum (one pass writing 'b', 'sum')",
         "  conv_a + relu_a (the ReLU in the output store)",
         f"  {split.name}: {tops} share 'a'"]
