@@ -116,6 +116,9 @@ def conv_forward(x, w, geom, lowering_type=1, out=None, ws=FRESH, chunk=None, bi
     if pointwise(geom, n):            # nothing to lower, so nothing kept: a backward multiplies x itself
         return _pointwise_forward(x, w, geom, out, bias, relu)
     _plan(ws, geom, lowering_type, n, chunk, x.dtype)
+    rows = type1.band_rows(geom, n, x.dtype.itemsize) if impl is type1 and keep is None else 0
+    if rows and out is not None and out.flags.c_contiguous:
+        return type1.forward_in_bands(x, w, geom, rows, out, ws=ws, bias=bias, relu=relu)
     if _whole(n, chunk):
         y = impl.forward(x, w, geom, out=out, ws=ws if keep is None else keep.workspace(ws, lowering_type), bias=bias,
                          relu=relu)

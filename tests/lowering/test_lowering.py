@@ -344,6 +344,48 @@ def test_batch_first_transpose_crops_adds_bias_and_fills_any_out(bias):
     np.testing.assert_array_equal(strided, expected)
 
 
+# --- type 1 on one image, in bands of output rows (forward_in_bands) -----------------------
+@pytest.mark.parametrize("geom", [ConvGeometry(3, 4, 23, 17, 7, 7, stride_h=2, stride_w=2, pad_h=3, pad_w=3),
+                                  ConvGeometry(4, 6, 11, 13, 3, 2, stride_h=2, pad_w=1, dilation_w=2, group=2),
+                                  ConvGeometry(2, 3, 9, 8, 4, 4, stride_h=3, dilation_h=2, pad_h=2)],
+                         ids=["conv1", "group_dilation", "overrun"])
+@pytest.mark.parametrize("relu", [None, 0.0])
+def test_one_image_in_bands_gives_the_whole_forward(geom, relu, monkeypatch):
+    """Bands of 2 output rows (the last one shorter where OH is odd) give the
+    whole lowering's output, into a C-contiguous `out`, within float32
+    rounding (OpenBLAS's kernels for small GEMMs may sum in another order);
+    a forward that keeps its lowering for the backward lowers whole."""
+    from cct.core.workspace import Arena
+    from cct.lowering.kept import KeptLowering
+    x, w, _ = arrays(geom, batch=1, dtype=np.float32)
+    bias = RNG.standard_normal(geom.num_output).astype(np.float32)
+    whole = conv_forward(x, w, geom, 1, out=np.empty(geom.output_shape(1), np.float32), ws=Arena(), bias=bias,
+                         relu=relu)
+    row_bytes = 4 * geom.channels * geom.kernel_h * geom.kernel_w * geom.out_w
+    monkeypatch.setattr(type1, "BAND_BYTES", 2 * row_bytes)
+    monkeypatch.setattr(type1, "BAND_MIN_COLUMNS", 1)
+    assert type1.band_rows(geom, 1, 4) == 2 and type1.band_rows(geom, 2, 4) == 0
+    real, calls = np.matmul, []
+    monkeypatch.setattr(np, "matmul", lambda *a, **k: calls.append(a[1].shape[-1]) or real(*a, **k))
+    banded = conv_forward(x, w, geom, 1, out=np.empty(geom.output_shape(1), np.float32), ws=Arena(), bias=bias,
+                          relu=relu)
+    assert calls == [2 * geom.out_w] * (geom.out_h // 2) + [geom.out_w] * (geom.out_h % 2)
+    np.testing.assert_allclose(banded, whole, rtol=1e-5, atol=1e-5)
+    expected = reference.forward(x.astype(np.float64), w.astype(np.float64), geom) + bias.reshape(1, -1, 1, 1)
+    np.testing.assert_allclose(banded, np.maximum(expected, 0) if relu == 0.0 else expected, rtol=1e-4, atol=1e-4)
+    calls.clear()
+    kept = KeptLowering()
+    conv_forward(x, w, geom, 1, out=np.empty(geom.output_shape(1), np.float32), ws=Arena(), keep=kept, bias=bias)
+    assert len(calls) == 1 and kept.matrix_for(x, 1, geom) is not None
+
+
+def test_bands_only_where_they_hold_enough_columns():
+    conv1 = ConvGeometry(3, 64, 224, 224, 7, 7, stride_h=2, stride_w=2, pad_h=3, pad_w=3)    # GoogLeNet's
+    assert type1.band_rows(conv1, 1, 4) * conv1.out_w >= type1.BAND_MIN_COLUMNS
+    assert type1.band_rows(ConvGeometry(96, 256, 27, 27, 5, 5, pad_h=2, pad_w=2, group=2), 1, 4) == 0  # CaffeNet conv2
+    assert type1.band_rows(ConvGeometry(3, 8, 10, 10, 3, 3), 1, 4) == 0          # fits one band
+
+
 # --- type 1 image by image (image_major) -----------------------------------------------
 def force_image_major(monkeypatch):
     """Every geometry whose output is at least as wide as its lowered rows, image by image."""
