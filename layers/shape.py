@@ -134,7 +134,8 @@ class Concat(Layer):
     bottom's data): where the bottoms' pieces of the top are contiguous (one
     row before the axis: batch 1 along the channels), each bottom's data is
     placed in its piece of the top's store, so its producer writes the top
-    and forward copies nothing (GoogLeNet at batch 1: 0.8 ms a forward).
+    and forward copies nothing (GoogLeNet at batch 1: its 9 Concats copied
+    5.3 MB, 0.25-0.3 ms of a 30 ms forward).
     Placed at each reshape that changed the shapes or stores; the diffs stay
     the bottoms' own.
     """
@@ -172,7 +173,8 @@ class Concat(Layer):
     def _place(self, bottom, top):
         """Each bottom's data into its piece of the top's store, values kept,
         where the pieces are contiguous and the bottoms distinct blobs."""
-        if top.count_range(0, self.axis) != 1 or len({id(blob) for blob in bottom + [top]}) <= len(bottom):
+        distinct = len({id(blob) for blob in bottom + [top]}) == len(bottom) + 1
+        if top.count_range(0, self.axis) != 1 or not distinct:
             return
         store, inner = top._data_store, top.count_range(self.axis + 1)
         pieces = [store[start * inner:stop * inner] for start, stop in self._bounds]

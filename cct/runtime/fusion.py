@@ -54,10 +54,12 @@ forward holding Caffe's value:
    bottom's data lives in its piece of the top's store (Concat.views), so
    the producers write the top and the Concat copies nothing. Only where
    every bottom is computed by an earlier layer from its bottoms (not a net
-   input or a data layer's top), read by no other layer but in
-   place before the Concat, shares its data with no other blob, and no later
+   input or a data layer's top), read by no other layer but in place before
+   the Concat, and shares its data with no other blob, and where no later
    layer writes a bottom or the top. (As for Split: a forward that stops
-   before the Concat shows the bottoms' new values in the top.)
+   before the Concat shows the bottoms' new values in the top.) The
+   placement follows the shapes: a reshape to strided pieces, or a forward
+   of the Concat on a device, moves the bottoms to stores of their own.
 
 How it runs (the executor, cct.runtime.executor): a run's layers are
 reshaped as they come and their pass runs when its last layer has been

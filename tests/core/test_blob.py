@@ -102,6 +102,33 @@ def test_share_data_and_share_diff():
         Blob((4,)).share_diff(owner)
 
 
+def test_data_placed_in_another_store_and_moved_out_again():
+    """use_data_storage (a Concat's bottom in its top's store): the blob's
+    data is a view of the store; a reshape past it moves the values to a
+    store of the blob's own, leaving a larger diff store as it is;
+    own_data_storage copies them out at once."""
+    blob = Blob((3, 4))
+    blob.diff[...] = 7                                    # a diff store of 12 elements
+    blob.reshape(2, 3)
+    top = np.zeros(10, np.float32)
+    top[2:8] = np.arange(6)
+    blob.use_data_storage(top[2:8])
+    np.testing.assert_array_equal(blob.data, np.arange(6).reshape(2, 3))
+    blob.data[...] += 1
+    np.testing.assert_array_equal(top[2:8], np.arange(1, 7))        # written through
+    blob.reshape(2, 5)                                    # past the piece, within the diff's store
+    assert not np.shares_memory(blob.data, top)
+    np.testing.assert_array_equal(blob.data.ravel()[:6], np.arange(1, 7))
+    assert blob.diff.shape == (2, 5) and (blob.diff == 7).all()
+    blob.reshape(2, 3)
+    blob.use_data_storage(top[2:8])
+    blob.own_data_storage()
+    top[...] = -1
+    np.testing.assert_array_equal(blob.data, np.arange(1, 7).reshape(2, 3))
+    with pytest.raises(cct.ShapeError, match="cannot hold a blob of count 6"):
+        blob.use_data_storage(top[:5])
+
+
 def test_diff_made_once_when_asked_from_several_threads():
     blob = Blob((64, 1000))
     views = [None] * 8
