@@ -102,6 +102,40 @@ def test_lrn_within_gradient(size, alpha, beta):
     check_layer_gradient(layer, [random((2, 2, 4, 5), seed=2)])
 
 
+@pytest.mark.parametrize("size", [1, 3, 5, 9])
+def test_lrn_across_sums_in_caffes_order(size):
+    """The scale and backward's window sum in the steps of Caffe's
+    CrossChannelForward_cpu / Backward_cpu (padded squares, caffe_axpy from
+    k, the head added and the tail subtracted), emulated here one float32
+    operation at a time: bit for bit (local sizes past the channel count too)."""
+    from cct.layers.normalization import _caffe_scales, _caffe_window
+    x = random((2, 7, 3, 2), seed=9).astype(np.float32) * 3
+    a, k = np.float32(0.7 / size), np.float32(2)
+    n, channels, pre_pad = x.shape[0], x.shape[1], (size - 1) // 2
+    padded = np.zeros((n, channels + size - 1) + x.shape[2:], np.float32)
+    padded[:, pre_pad:pre_pad + channels] = x * x
+    want = np.empty_like(x)
+    want[:, 0] = k
+    for c in range(size):
+        want[:, 0] = a * padded[:, c] + want[:, 0]
+    for c in range(1, channels):
+        want[:, c] = a * padded[:, c + size - 1] + want[:, c - 1]
+        want[:, c] = -a * padded[:, c - 1] + want[:, c]
+    got = _caffe_scales(x * x, pre_pad, a, k, np.empty_like(x))
+    np.testing.assert_array_equal(got, want)
+    ratio = random(x.shape, seed=10).astype(np.float32)
+    padded_ratio = np.zeros_like(padded)
+    padded_ratio[:, size - (size + 1) // 2:size - (size + 1) // 2 + channels] = ratio
+    accum, window = np.zeros_like(x[:, 0]), np.empty_like(x)
+    for c in range(size - 1):
+        accum = accum + padded_ratio[:, c]
+    for c in range(channels):
+        accum = accum + padded_ratio[:, c + size - 1]
+        window[:, c] = accum
+        accum = accum - padded_ratio[:, c]
+    np.testing.assert_array_equal(_caffe_window(ratio, pre_pad, np.empty_like(x)), window)
+
+
 def test_lrn_rejects_even_local_size():
     with pytest.raises(ConfigError, match="lrn_param.local_size.*odd"):
         setup_layer(make_layer('type: "LRN" lrn_param { local_size: 4 }'), [random((1, 4, 2, 2))])
