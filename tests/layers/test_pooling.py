@@ -516,10 +516,10 @@ def test_kernel_blocks_give_the_one_block_numbers(monkeypatch, fields, shape, me
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("shape", [(3, 4, 8, 8), (1, 2, 2, 6)])
 def test_2x2_kernels_equal_the_general_kernels_and_the_numpy_passes(monkeypatch, shape, dtype):
-    """2 x 2 windows at stride 2 tiling the planes run _max_forward_2x2: bit
-    for bit the general kernel and the numpy passes, values, winners and the
-    gradient routed by those winners (no mask top), with ties, NaN,
-    infinities and gradients of -0.0."""
+    """2 x 2 windows at stride 2 tiling the planes run _max_forward_2x2 and
+    _max_backward_2x2: bit for bit the general kernels and the numpy passes,
+    values, winners and the gradient routed by those winners (no mask top),
+    with ties, NaN, infinities and gradients of -0.0."""
     x = RNG.standard_normal(shape).astype(dtype)
     x[0, 0, 0, :2] = x[0, 0, 1, 0]                             # ties: the first in scan order wins
     x[0, 1, :2, :2] = np.nan
@@ -529,10 +529,11 @@ def test_2x2_kernels_equal_the_general_kernels_and_the_numpy_passes(monkeypatch,
     dy = RNG.standard_normal(run_layer(prototxt, [x])[2][0].shape).astype(dtype)
     dy[0, 0, 0, 0] = -0.0
     calls = []
-    real = pooling_module._max_forward_2x2
-    monkeypatch.setattr(pooling_module, "_max_forward_2x2", lambda *a: calls.append(1) or real(*a))
+    for name in ("_max_forward_2x2", "_max_backward_2x2"):
+        real = getattr(pooling_module, name)
+        monkeypatch.setattr(pooling_module, name, lambda *a, name=name, real=real: calls.append(name) or real(*a))
     (compiled, numpy_passes), layer = forward_backward_both(prototxt, x, dy, monkeypatch)
-    assert calls == [1]
+    assert calls == ["_max_forward_2x2", "_max_backward_2x2", "_max_backward_2x2"]   # the numpy passes route too
     monkeypatch.setattr(pooling_module.Pooling, "_tiles_2x2", lambda self, x: False)
     (general, _), _ = forward_backward_both(prototxt, x, dy, monkeypatch)
     for ours, theirs, other in zip(compiled, numpy_passes, general):
