@@ -9,6 +9,11 @@ the other framework's in the same round): the host's noise, in the
 ratio's own terms.
 
     python bench/bench_deploy.py [--nets caffenet,googlenet,resnet50] [--batches 1,16] [--rounds 5] [--threads 2]
+                                 [--settle 0.5]
+
+--settle is the pause before each timed forward (SETTLE_SECONDS below);
+shorter pauses show how the ratio depends on the other framework's threads
+still holding the cores.
 
 Where PyTorch is importable (installed by hand too), CaffeNet also runs as a
 torch.nn model built layer for layer from the deploy net (grouped
@@ -108,8 +113,8 @@ def run_opencv(cv_net, images, layer):
 SETTLE_SECONDS = 0.5
 
 
-def timed(function, *args):
-    time.sleep(SETTLE_SECONDS)
+def timed(function, *args, settle=SETTLE_SECONDS):
+    time.sleep(settle)
     start = time.perf_counter()
     result = function(*args)
     return time.perf_counter() - start, result
@@ -146,7 +151,7 @@ def run_torch(model, images, layer):
         return model(torch.from_numpy(images)).numpy()
 
 
-def compare(name, batch, rounds, folder):
+def compare(name, batch, rounds, folder, settle=SETTLE_SECONDS):
     import cv2
     if not hasattr(cv2.dnn, "readNetFromCaffe"):
         sys.exit(f"OpenCV {cv2.__version__} has no Caffe importer (OpenCV 5 dropped it): "
@@ -165,7 +170,7 @@ def compare(name, batch, rounds, folder):
     times = {key: [] for key in runs}
     for _ in range(rounds):
         for key, (run, subject) in runs.items():
-            times[key].append(timed(run, subject, images, layer)[0])
+            times[key].append(timed(run, subject, images, layer, settle=settle)[0])
     medians = {key: 1e3 * statistics.median(values) for key, values in times.items()}
     return medians, agreement, times
 
@@ -191,6 +196,8 @@ def main():
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--settle", type=float, default=SETTLE_SECONDS,
+                        help="seconds of pause before each timed forward")
     args = parser.parse_args()
     import cv2
     from threadpoolctl import threadpool_limits
@@ -208,7 +215,7 @@ def main():
     with tempfile.TemporaryDirectory() as folder:
         for name in args.nets.split(","):
             for batch in (int(b) for b in args.batches.split(",")):
-                medians, agreement, times = compare(name, batch, args.rounds, folder)
+                medians, agreement, times = compare(name, batch, args.rounds, folder, args.settle)
                 line = (f"{name} batch {batch}: cct {medians['cct']:.1f} ms, OpenCV DNN {medians['opencv']:.1f} ms, "
                         f"cct / OpenCV time {medians['cct'] / medians['opencv']:.2f}")
                 if "torch" in medians:
