@@ -590,6 +590,20 @@ def test_backward_with_force_backward_after_a_fused_forward_gives_the_unfused_gr
     assert_same_gradients(fused, unfused)
 
 
+def test_backward_through_a_concat_of_views_gives_the_unfused_gradients():
+    """The placed bottoms keep diffs of their own: the Concat's backward
+    hands each its slice of the top's diff, as unfused."""
+    text = CONCAT.replace('name: "concat"', 'name: "concat" force_backward: true')
+    x = RNG.normal(size=(1, 3, 6, 5)).astype(np.float32)
+    fused, unfused = pair(text, data=x)
+    assert placed(fused) == [True, True]
+    diff = RNG.normal(size=fused.blobs["c"].shape).astype(np.float32)
+    for net in (fused, unfused):
+        net.backward(c=diff)
+    assert_same_gradients(fused, unfused)
+    assert not np.shares_memory(fused.blobs["a"].diff, fused.blobs["cat"].diff)
+
+
 def test_callbacks_see_every_layer_run_by_itself():
     x = RNG.normal(size=(3, 3, 7, 6)).astype(np.float32)
     fused, unfused = pair(CHAIN, data=x)
