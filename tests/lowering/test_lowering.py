@@ -175,6 +175,27 @@ def test_type1_both_column_orders_match_reference(geom, width, monkeypatch):
     np.testing.assert_allclose(dw, reference.backward_weights(x, dy, geom), atol=1e-10)
 
 
+@pytest.mark.parametrize("geom", [ConvGeometry(6, 2, 9, 8, 3, 3, pad_h=1, pad_w=1),
+                                  ConvGeometry(4, 2, 11, 12, 3, 2, stride_h=2, pad_w=1, dilation_w=2, group=2),
+                                  ConvGeometry(3, 1, 8, 9, 2, 3, dilation_h=2, pad_h=2)],
+                         ids=["plain", "stride_h_dilation_w_group", "dilation_h"])
+@pytest.mark.parametrize("batch", [2, 3, 7])
+def test_batch_inner_col2im_by_whole_rows_gives_the_same_bits(geom, batch, monkeypatch):
+    """Few images at stride_w 1: col2im adds each output row's OW*N values in
+    one run (ROWS_BELOW_BATCH): bit for bit the N-at-a-time loop's data
+    gradient, and the reference's."""
+    monkeypatch.setattr(type1, "BATCH_INNER_WIDTH", 10 ** 6)
+    x, w, dy = arrays(geom, batch=batch, dtype=np.float32)
+    assert type1.batch_inner(geom, batch)
+    gradients = []
+    for below in (0, 8):
+        monkeypatch.setattr(type1, "ROWS_BELOW_BATCH", below)
+        gradients.append(conv_backward_data(dy, w, geom, 1))
+    assert gradients[0].tobytes() == gradients[1].tobytes()
+    expected = reference.backward_data(dy.astype(np.float64), w.astype(np.float64), geom)
+    np.testing.assert_allclose(gradients[1], expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("kind", TYPES)
 @pytest.mark.parametrize("chunk", [None, 2])
 def test_forward_adds_the_bias_while_storing(kind, chunk):
