@@ -167,8 +167,8 @@ class Concat(Layer):
 
     def _still_placed(self, bottom, top):
         placed = self._placed
-        return (placed is not None and placed[0] is top._data_store and placed[1] == (top.shape, self._bounds)
-                and all(blob._data_store is piece for blob, piece in zip(bottom, placed[2])))
+        return (placed is not None and placed[0] is top.data_store and placed[1] == (top.shape, self._bounds)
+                and all(blob.data_store is piece for blob, piece in zip(bottom, placed[2])))
 
     def _place(self, bottom, top):
         """Each bottom's data into its piece of the top's store, values kept,
@@ -176,7 +176,7 @@ class Concat(Layer):
         distinct = len({id(blob) for blob in bottom + [top]}) == len(bottom) + 1
         if top.count_range(0, self.axis) != 1 or not distinct:
             return
-        store, inner = top._data_store, top.count_range(self.axis + 1)
+        store, inner = top.data_store, top.count_range(self.axis + 1)
         pieces = [store[start * inner:stop * inner] for start, stop in self._bounds]
         for blob, piece in zip(bottom, pieces):
             piece[...] = blob.data.reshape(-1)
@@ -188,7 +188,7 @@ class Concat(Layer):
         of their own: a copy into the top (strided pieces, or a device's
         forward) must not write over them."""
         for blob, piece in zip(bottom, self._placed[2]):
-            if blob._data_store is piece:
+            if blob.data_store is piece:
                 blob.own_data_storage()
         self._placed = None
 

@@ -292,6 +292,12 @@ class Blob:
         self._diff_store, self._diff_mirror = other._diff_store, other._diff_mirror
         self._make_views()
 
+    @property
+    def data_store(self):
+        """The flat host array the data is a view of (capacity >= count): a
+        Concat places its bottoms in pieces of its top's (use_data_storage)."""
+        return self._data_store
+
     def shares_data_with(self, other):
         """Whether the two blobs' data stores overlap (ShareData, a Flatten's
         top and bottom, a Concat's placed bottoms and top)."""
