@@ -57,7 +57,8 @@ forward holding Caffe's value:
    input or a data layer's top), read by no other layer but in place before
    the Concat, and shares its data with no other blob, and where no later
    layer writes a bottom or the top. (As for Split: a forward that stops
-   before the Concat shows the bottoms' new values in the top.) The
+   before the Concat shows the bottoms' new values in the top, and a value
+   written into the top through net.blobs shows in its bottom.) The
    placement follows the shapes: a reshape to strided pieces, or a forward
    of the Concat on a device, moves the bottoms to stores of their own.
 
