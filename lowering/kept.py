@@ -24,6 +24,8 @@ arena when the backward wrote that product elsewhere, evicting the store).
 """
 import numpy as np
 
+from cct.core.bits import same_bits
+
 LOWERED_SLOT = {1: "lowered", 2: "lowered", 3: "padded"}    # type 3's lowered matrix is the padded input
 
 
@@ -60,8 +62,7 @@ class KeptLowering:
         """The kept matrix when `x` is bitwise the bottom it was lowered from, else None."""
         if self.key != (lowering_type, geom, x.shape, x.dtype):
             return None
-        bits = "u%d" % x.dtype.itemsize                        # bitwise: -0.0 is not 0.0, NaN is itself
-        return self.matrix if np.array_equal(self._bottom_as(x).view(bits), x.view(bits)) else None
+        return self.matrix if same_bits(self._bottom_as(x), x) else None     # -0.0 is not 0.0, NaN is itself
 
     def forget(self):
         self.key = self.matrix = None

@@ -30,8 +30,8 @@ reference cases' 1e-4. float32 only; the weights are transformed in float64.
 U is cached (TransformedWeights) with a copy of the weights it came from, and
 made again when they differ bit for bit: pycaffe writes weights through
 numpy views (net.params[...][0].data[...] = ...), which no flag sees, so
-every forward compares, a pass over twice the weights' bytes. The chooser's
-timing includes it.
+every forward compares, a pass over twice the weights' bytes (one memcmp,
+cct.core.bits). The chooser's timing includes it.
 
 Layout: the images' tiles t = (ty, tx) make one side of the GEMMs; a block
 of images is transformed at once, its tiles side by side, so that the GEMMs
@@ -59,6 +59,7 @@ import threading
 
 import numpy as np
 
+from cct.core.bits import same_bits
 from cct.core.workspace import FRESH
 from cct.devices.jit import kernel
 
@@ -222,11 +223,7 @@ class TransformedWeights:
             return u
 
     def _same(self, w):
-        source = self._source
-        if source is None or source.shape != w.shape or source.dtype != w.dtype:
-            return False
-        bits = np.dtype(f"u{w.dtype.itemsize}")     # bit for bit: NaN payloads and -0.0 too
-        return np.array_equal(np.ascontiguousarray(w).view(bits), source.view(bits))
+        return self._source is not None and same_bits(w, self._source)   # NaN payloads and -0.0 too
 
     @property
     def nbytes(self):
