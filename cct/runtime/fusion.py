@@ -293,15 +293,20 @@ class Run:
         """(the pass's arrays, its flags): what run() hands the kernel, kept
         by a Replay for the forwards that change nothing."""
         source = self.source.data
+        affine = not (self.shift is None and self.scale is None and self.bias is None)
         batch = source.shape[0] if source.ndim else 1
-        channels = source.shape[1] if source.ndim > 1 else 1
+        # Without per-channel maps the channels need no rows of their own: an
+        # image is one row, not C kernel calls (CaffeNet's fc6 ReLU + Dropout,
+        # 4096 channels of one value: 54 us a pass), unless a single image is
+        # large enough for _execute to split it between threads by channels.
+        split_by_channels = batch == 1 and source.size >= 2 * PARALLEL_ELEMENTS
+        channels = source.shape[1] if source.ndim > 1 and (affine or split_by_channels) else 1
         shape = (batch, channels, source.size // max(1, batch * channels))
         dtype = source.dtype
 
         def per_channel(values, default):
             return np.full(channels, default, dtype) if values is None else np.array(values, dtype)
 
-        affine = not (self.shift is None and self.scale is None and self.bias is None)
         nothing = np.zeros((0, 0, 0), dtype)
         summed = self.other is not None
         out = self.out if summed else self.value

@@ -723,6 +723,39 @@ def test_the_compiled_pass_is_the_reference_bit_for_bit_across_chunks_and_specia
         for got, want in results:
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32)) or (
                 np.array_equal(got, want, equal_nan=True) and np.array_equal(np.signbit(got), np.signbit(want)))
+FC_RELU_DROPOUT = """name: "fc"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 6 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" inner_product_param { num_output: 40 } }
+layer { name: "relu" type: "ReLU" bottom: "ip" top: "ip" }
+layer { name: "drop" type: "Dropout" bottom: "ip" top: "ip" }
+"""
+
+
+@pytest.mark.parametrize("batch, parallel_elements", [(1, None), (3, None), (1, 16)])
+def test_a_pass_without_channel_maps_runs_each_image_as_one_row(batch, parallel_elements, monkeypatch):
+    """A ReLU + Dropout run has no per-channel maps, so its pass takes each
+    image as one row of C*S values instead of C rows (an FC output: C rows of
+    one value); a single image large enough to split between threads keeps
+    its channels, the pieces the split takes. Either way: Caffe's numbers."""
+    if parallel_elements:
+        monkeypatch.setattr(fusion, "PARALLEL_ELEMENTS", parallel_elements)
+    x = RNG.normal(size=(batch, 6)).astype(np.float32)
+    text = FC_RELU_DROPOUT.replace("dim: 1 dim: 6", f"dim: {batch} dim: 6")
+    fused, unfused = build(text, True), build(text, False)
+    randomize(fused)
+    unfused.share_with(fused)
+    fused.executor.threads = 2
+    for net in (fused, unfused):
+        net.blobs["data"].data[...] = x
+        net.forward()
+    assert runs(fused) == [["relu", "drop"]]
+    (replay,) = fused.executor.fusion._replays.values()
+    rows = 40 if parallel_elements else 1
+    assert replay.prepared[0][0].shape == (batch, rows, 40 // rows)
+    w, b = params(unfused, "ip")
+    assert_agree(fused, unfused, {"ip": relu(x @ w.T + b)})
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_a_pass_split_between_threads_gives_the_same_numbers(batch, monkeypatch):
     """Pieces of the batch, or of the channels for a batch of one."""
