@@ -34,7 +34,7 @@ from cct.lowering import (ConvGeometry, chooser, conv_backward, conv_backward_da
                           conv_forward, lowering, pointwise, type1, winograd)
 from cct.lowering import device as device_lowering
 from cct.core.workspace import thread_arena
-from cct.lowering.chunking import DEFAULT_BUDGET_MB, cache_chunk, chunk_size, slot_bytes
+from cct.lowering.chunking import DEFAULT_BUDGET_MB, band_slot_bytes, cache_chunk, chunk_size, slot_bytes
 from cct.lowering.kept import KeptLowering, kept_bytes
 
 DEFAULT_LOWERING = 1          # before the first reshape, and where nothing decides
@@ -318,11 +318,17 @@ class _ConvolutionBase(Layer):
         if m:
             return {"lowering": sum(winograd.slot_bytes(self.geom, m, batch).values()),
                     "held": winograd.held_bytes(self.blobs[0].data, m)}
+        if pointwise(self.geom, batch) and not self.runs_backward:
+            return {}                 # the forward multiplies the blobs themselves; only a backward lowers
         chunk = min(chunk_size(self.geom, kind, batch, itemsize, max(1, self._owner._lowering_budget // partitions)),
                     cache_chunk(self.geom, kind, batch, itemsize))
+        keeps = self._keeps(batch, chunk)
+        rows = type1.band_rows(self.geom, batch, itemsize) if kind == 1 and not keeps else 0
+        if rows:                      # one image lowered a band at a time (conv_forward)
+            return {"lowering": sum(band_slot_bytes(self.geom, rows, itemsize).values())}
         slots = slot_bytes(self.geom, kind, chunk, itemsize)
         needs = {"lowering": sum(slots.values())}
-        if self._keeps(batch, chunk):
+        if keeps:
             needs["kept"] = len(bottom) * kept_bytes(slots, kind, batch * bottom[0].count_range(1) * itemsize)
         return needs
 

@@ -29,7 +29,7 @@ from . import type1, type2, type3
 from .geometry import ConvGeometry, finish, weights_as
 from cct.core.workspace import FRESH
 
-from .chunking import chunks, slot_bytes
+from .chunking import band_slot_bytes, chunks, slot_bytes
 
 LOWERINGS = {1: type1, 2: type2, 3: type3}
 
@@ -115,10 +115,11 @@ def conv_forward(x, w, geom, lowering_type=1, out=None, ws=FRESH, chunk=None, bi
         return _bias_only(geom, n, x.dtype, out, bias, relu)
     if pointwise(geom, n):            # nothing to lower, so nothing kept: a backward multiplies x itself
         return _pointwise_forward(x, w, geom, out, bias, relu)
-    _plan(ws, geom, lowering_type, n, chunk, x.dtype)
     rows = type1.band_rows(geom, n, x.dtype.itemsize) if impl is type1 and keep is None else 0
     if rows and out is not None and out.flags.c_contiguous:
+        ws.plan(band_slot_bytes(geom, rows, x.dtype.itemsize))      # a band, not the whole lowering
         return type1.forward_in_bands(x, w, geom, rows, out, ws=ws, bias=bias, relu=relu)
+    _plan(ws, geom, lowering_type, n, chunk, x.dtype)
     if _whole(n, chunk):
         y = impl.forward(x, w, geom, out=out, ws=ws if keep is None else keep.workspace(ws, lowering_type), bias=bias,
                          relu=relu)

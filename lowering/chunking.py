@@ -36,6 +36,14 @@ def slot_bytes(geom, lowering_type, batch, itemsize):
     return {slot: count * itemsize for slot, count in sizes.items()}
 
 
+def band_slot_bytes(geom, rows, itemsize):
+    """{slot: bytes} of a one-image type-1 forward in bands of `rows` output
+    rows (cct.lowering.type1.forward_in_bands): the padded frame and one
+    band's lowered matrix; the bands' GEMMs write the output itself."""
+    lowered = geom.channels * geom.kernel_h * geom.kernel_w * rows * geom.out_w
+    return {"lowered": lowered * itemsize, "padded": geom.channels * geom.padded_h * geom.padded_w * itemsize}
+
+
 def image_bytes(geom, lowering_type, itemsize):
     """Workspace bytes per image of a lowering type."""
     return sum(slot_bytes(geom, lowering_type, 1, itemsize).values())

@@ -8,6 +8,7 @@ import pytest
 
 from cct.lowering import (LOWERINGS, ConvGeometry, conv_backward, conv_backward_data, conv_backward_weights,
                           conv_forward, lowering, pointwise, reference, type1)
+from cct.lowering.chunking import band_slot_bytes, slot_bytes
 
 RNG = np.random.default_rng(11)
 TYPES = sorted(LOWERINGS)
@@ -388,9 +389,14 @@ def test_one_image_in_bands_gives_the_whole_forward(geom, relu, monkeypatch):
     assert type1.band_rows(geom, 1, 4) == 2 and type1.band_rows(geom, 2, 4) == 0
     real, calls = np.matmul, []
     monkeypatch.setattr(np, "matmul", lambda *a, **k: calls.append(a[1].shape[-1]) or real(*a, **k))
-    banded = conv_forward(x, w, geom, 1, out=np.empty(geom.output_shape(1), np.float32), ws=Arena(), bias=bias,
+    arena = Arena()
+    banded = conv_forward(x, w, geom, 1, out=np.empty(geom.output_shape(1), np.float32), ws=arena, bias=bias,
                           relu=relu)
     assert calls == [2 * geom.out_w] * (geom.out_h // 2) + [geom.out_w] * (geom.out_h % 2)
+    # the workspace holds a band and the padded frame, not the whole lowering, and nothing beside its plan
+    band = band_slot_bytes(geom, 2, 4)
+    assert arena.store.nbytes == sum(-(-size // 64) * 64 for size in band.values()) and not arena.stores
+    assert arena.store.nbytes < sum(slot_bytes(geom, 1, 1, 4).values())
     np.testing.assert_allclose(banded, whole, rtol=1e-5, atol=1e-5)
     expected = reference.forward(x.astype(np.float64), w.astype(np.float64), geom) + bias.reshape(1, -1, 1, 1)
     np.testing.assert_allclose(banded, np.maximum(expected, 0) if relu == 0.0 else expected, rtol=1e-4, atol=1e-4)

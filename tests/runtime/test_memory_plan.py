@@ -14,7 +14,7 @@ import pytest
 
 import cct
 from cct.core.allocation import format_bytes, peak_resident_bytes, resident_bytes
-from cct.lowering.chunking import slot_bytes
+from cct.lowering.chunking import band_slot_bytes, slot_bytes
 from cct.runtime import memory_plan, settings
 from cct.training.solver import get_solver
 from helpers.cli import assert_one_line_error, messages, run_cct
@@ -126,6 +126,48 @@ def test_a_convolution_plans_its_lowering_workspace(monkeypatch):
     planned = layer.planned_bytes(net.bottom_vecs[index], net.top_vecs[index], partitions)["lowering"]
     chunk = layer._chunk(layer.lowering_type, bottom.data[:-(-bottom.shape[0] // partitions)])
     assert planned == sum(slot_bytes(layer.geom, layer.lowering_type, chunk, 4).values())
+
+
+def test_one_image_lowered_in_bands_plans_a_band(tmp_path):
+    """A deploy convolution on one image that lowers in bands (GoogLeNet's
+    conv1: cct.lowering.type1.forward_in_bands) plans one band and the padded
+    frame, not the whole lowered matrix, and its forward asks for no more."""
+    from cct.core.workspace import thread_arena
+    from cct.lowering import type1
+    path = tmp_path / "conv1.prototxt"
+    path.write_text("""name: "conv1"
+    layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 3 dim: 224 dim: 224 } } }
+    layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+      convolution_param { num_output: 64 kernel_size: 7 stride: 2 pad: 3 } }""")
+    net = cct.Net(str(path), cct.TEST)
+    layer = net.layers[1]
+    rows = type1.band_rows(layer.geom, 1, 4)
+    assert rows
+    planned = layer.planned_bytes(net.bottom_vecs[1], net.top_vecs[1], 1)
+    assert planned == {"lowering": sum(band_slot_bytes(layer.geom, rows, 4).values())}
+    assert planned["lowering"] < sum(slot_bytes(layer.geom, 1, 1, 4).values()) / 4
+    net.forward()
+    assert thread_arena().layout["lowered"][1] == band_slot_bytes(layer.geom, rows, 4)["lowered"]
+
+
+def test_a_deploy_pointwise_convolution_plans_no_workspace(tmp_path):
+    """A 1x1 convolution on one image multiplies the blobs themselves
+    (cct.lowering.pointwise): nothing to plan where the net never runs its
+    backward, which lowers; a net that does plans the lowering."""
+    path = tmp_path / "pointwise.prototxt"
+    text = """name: "pointwise" {force}
+    layer {{ name: "data" type: "Input" top: "data" input_param {{ shape {{ dim: 1 dim: 64 dim: 56 dim: 56 }} }} }}
+    layer {{ name: "reduce" type: "Convolution" bottom: "data" top: "reduce"
+      convolution_param {{ num_output: 256 kernel_size: 1 }} }}"""
+    for force, planned in (("", {}), ("force_backward: true", None)):
+        path.write_text(text.format(force=force))
+        net = cct.Net(str(path), cct.TEST)
+        layer = net.layers[1]
+        needs = layer.planned_bytes(net.bottom_vecs[1], net.top_vecs[1], 1)
+        if planned is None:
+            assert needs["lowering"] == sum(slot_bytes(layer.geom, layer.lowering_type, 1, 4).values())
+        else:
+            assert needs == planned
 
 
 # LeNet's two convolutions at batch 64 behind DummyData.
