@@ -12,6 +12,7 @@ partition, an update stripe), so the per-thread work stores (the lowering
 arenas, Layer.work) exist once per worker, not once per net. A stream's
 sub-task runs its units on the workers it leased (`leased`) instead.
 """
+import os
 import threading
 from contextlib import contextmanager
 
@@ -145,6 +146,24 @@ class Worker:
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+
+def _after_fork_in_child():
+    """A forked child has only the thread that forked: the parent's workers
+    are gone, and a run handed to one would wait for ever (a net run in a
+    multiprocessing worker forked from a process that had run it). Start the
+    pool and the locks afresh: a lock another thread held at the fork stays
+    held in the child."""
+    global _lock, _workers, _lease
+    _lock = threading.Lock()
+    _workers = []
+    _lease = threading.local()
+    if _blas is not None:
+        _blas._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def workers(count):

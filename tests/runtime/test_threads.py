@@ -1,5 +1,8 @@
 """The process-wide BLAS thread controller: a net built after a partitioned
 training step gets every BLAS thread, and no pass leaves the count lowered."""
+import os
+import signal
+
 import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
@@ -136,3 +139,26 @@ def test_a_worker_whose_join_was_interrupted_finishes_its_call_before_the_next()
     worker.submit(order.append, "next")
     worker.join()
     assert order == ["slow", "next"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_runs_units_on_workers_of_its_own():
+    """The parent's workers do not exist in a forked child (a multiprocessing
+    worker forked from a process that ran a partitioned net): a run there
+    starts workers of its own instead of waiting for ever on the dead ones."""
+    done = []
+    threads.run_all(threads.workers(2), done.append, [(0,), (1,)])       # the parent's worker exists
+    assert sorted(done) == [0, 1]
+    parent_workers = threads.workers(2)
+    pid = os.fork()
+    if pid == 0:                                   # the child: exit 0 only if the run ends, on new workers
+        signal.alarm(20)
+        try:
+            child = []
+            fresh = threads.workers(2)
+            threads.run_all(fresh, child.append, [(0,), (1,)])
+            os._exit(0 if sorted(child) == [0, 1] and fresh[0] is not parent_workers[0] else 1)
+        finally:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
