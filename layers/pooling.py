@@ -33,9 +33,12 @@ executor's worker threads through set_parallel_runner, from
 PARALLEL_ELEMENTS up; nothing sets a runner by default, because on the
 2-core development host, shared with other jobs, it did not pay: at batch 1
 every GoogLeNet pooling layer is a 0.1-0.5 ms call that a hand-off (tens of
-microseconds) and a busy second core made slower (the 14 layers: 4.5
-against 3.4 ms, 5.9 against 4.9 ms split in two), and the big calls of
-batch 16 gained 1.5-1.8x in one run and lost 5-15% in the next. numba's own
+microseconds) and the two cores' shared memory bandwidth made slower (the
+14 layers: 4.5 against 3.4 ms, 5.9 against 4.9 ms split in two; 5.0
+against 4.6 ms when only those of 256K elements and more split), and the
+big calls of batch 16 gained 1.5-1.8x in one run and lost 5-15% in the
+next. (Not OpenBLAS's spinning thread: a kernel on the worker right after a
+2-thread GEMM ran at its quiet speed.) numba's own
 threads (prange) would compete with OpenBLAS's busy-waiting ones and with
 the partitions.
 """

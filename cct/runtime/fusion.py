@@ -94,10 +94,12 @@ from cct.core.layer import TEST
 from cct.devices.jit import kernel
 from cct.runtime import threads as threads_module
 
-# Elements per thread below which a pass runs on one thread. Handing pieces
-# to a worker right after a GEMM waits on cores OpenBLAS's threads still spin
-# on: at 1 << 17, ResNet-50's passes at batch 1 took 3x longer split in two;
-# at 1 << 21 only batch 16's large ones split, and they took 0.7x as long.
+# Elements per thread below which a pass runs on one thread: at 1 << 17,
+# ResNet-50's passes at batch 1 took 3x longer split in two (the hand-off
+# and the shared memory bandwidth; a kernel on the worker right after a
+# 2-thread GEMM runs at its quiet speed, so OpenBLAS's spinning thread is not
+# the cause); at 1 << 21 only batch 16's large ones split, and they took
+# 0.7x as long.
 PARALLEL_ELEMENTS = 1 << 21
 
 
