@@ -366,6 +366,37 @@ def test_batch_first_transpose_crops_adds_bias_and_fills_any_out(bias):
     np.testing.assert_array_equal(strided, expected)
 
 
+# --- type 1's lowering of one image (a compiled loop) -----------------------------------
+@pytest.mark.parametrize("geom", [ConvGeometry(16, 4, 28, 28, 5, 5, pad_h=2, pad_w=2),
+                                  ConvGeometry(3, 4, 9, 7, 3, 2, stride_h=2),                  # no border
+                                  ConvGeometry(4, 6, 10, 9, 3, 3, stride_h=3, pad_h=1, group=2),
+                                  ConvGeometry(2, 3, 9, 8, 4, 4, stride_h=3, pad_h=2),          # overrun
+                                  ConvGeometry(5, 3, 6, 6, 1, 1, pad_w=1)],
+                         ids=["5x5", "no_border", "stride_h_group", "overrun", "1x1_padded"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_one_image_lowers_as_the_strided_copy(geom, dtype):
+    """One image at stride 1 along the width, no dilation, lowers through a
+    compiled loop: the same matrix as numpy's copy of the window view, with
+    the signed zeros, NaN and infinities of the input where they fall."""
+    x = RNG.standard_normal(geom.input_shape(1)).astype(dtype)
+    x.flat[::7] = -0.0
+    x.flat[3], x.flat[-2] = np.nan, -np.inf
+    expected = np.array(type1.window_view(type1.pad_channels_first(x, geom), geom))
+    expected = expected.reshape(geom.channels * geom.kernel_h * geom.kernel_w, -1)
+    calls, real = [], type1._lower_one_image
+    type1._lower_one_image = lambda *a: calls.append(1) or real(*a)
+    try:
+        got = type1.lower(x, geom)
+    finally:
+        type1._lower_one_image = real
+    assert calls == [1]
+    np.testing.assert_array_equal(got.view(f"u{x.itemsize}"), expected.view(f"u{x.itemsize}"))
+    batch = np.concatenate([x, x])                         # two images: numpy's copy, the same columns twice
+    both = type1.lower(batch, geom).reshape(got.shape[0], 2, -1)
+    np.testing.assert_array_equal(both[:, 0], got)
+    np.testing.assert_array_equal(both[:, 1], got)
+
+
 # --- type 1 on one image, in bands of output rows (forward_in_bands) -----------------------
 @pytest.mark.parametrize("geom", [ConvGeometry(3, 4, 23, 17, 7, 7, stride_h=2, stride_w=2, pad_h=3, pad_w=3),
                                   ConvGeometry(4, 6, 11, 13, 3, 2, stride_h=2, pad_w=1, dilation_w=2, group=2),
