@@ -9,8 +9,9 @@ pooling's backward (unit-stride sweeps over column phases of a block of
 planes), max pooling's backward (a scatter to each window's winner), col2im
 of the batch-inner layout and the tiled transpose back from it
 (cct.lowering.type1), LRN across channels, the SGD update, and Winograd's
-input and output transforms (cct.lowering.winograd). Only where it
-pays: compiled im2col (either layout) and channels-first col2im were
+input and output transforms (cct.lowering.winograd), and type 1's
+lowering of a single image (its rows are short). Only where it pays:
+compiled im2col of a batch (either layout) and channels-first col2im were
 measured slower than numpy's strided copies (BENCHMARKS.md), and stay numpy.
 A loop vectorises only over unit-stride slices indexed by its own counter
 (or unsigned indices): numba's check for negative indices otherwise keeps
