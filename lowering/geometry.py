@@ -198,10 +198,20 @@ def store(y, out, bias=None):
 
 
 @kernel
+def relu_value(v, slope):
+    """One value through cct's ReLU layer: max(v, 0) for slope 0 (-0.0 to 0
+    too; `slope` is 0 in v's type), else v where v > 0, v * slope otherwise.
+    The kernels that end a convolution with its fused ReLU all call this, so
+    they give the layer's numbers."""
+    if slope == 0:
+        return slope if v <= 0 else v
+    return v if v > 0 else v * slope
+
+
+@kernel
 def _bias_relu(out, bias, slope):
     """out (N, C, S) in place: + bias[c] (an empty bias adds nothing), then
-    ReLU as cct's layer: max(v, 0) (-0.0 to 0 too), or v where v > 0 else
-    v * slope; the same operations, so the same numbers, as the two passes."""
+    relu_value; the same operations, so the same numbers, as the two passes."""
     batch, channels, inner = out.shape
     for n in range(batch):
         for c in range(channels):
@@ -209,12 +219,7 @@ def _bias_relu(out, bias, slope):
                 v = out[n, c, s]
                 if bias.shape[0]:
                     v = v + bias[c]
-                if slope == 0:
-                    if v <= 0:
-                        v = slope
-                elif not v > 0:
-                    v = v * slope
-                out[n, c, s] = v
+                out[n, c, s] = relu_value(v, slope)
 
 
 def finish(out, bias=None, relu=None):

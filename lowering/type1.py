@@ -42,7 +42,7 @@ import numpy as np
 from cct.core.workspace import FRESH
 from cct.devices.jit import kernel
 
-from .geometry import (channels_first_output, finish, matmul_nt, pad_channels_first, store_relu,
+from .geometry import (channels_first_output, finish, matmul_nt, pad_channels_first, relu_value, store_relu,
                        unpad_channels_first, weights_as, window_view)
 
 
@@ -146,13 +146,7 @@ def _to_batch_first(source, row0, col0, bias, relu, slope, out):
                             v = source[c, row0 + h, col0 + w, n]
                             if bias.shape[0]:
                                 v = v + bias[c]
-                            if relu:
-                                if slope == 0:
-                                    if v <= 0:
-                                        v = slope
-                                elif not v > 0:
-                                    v = v * slope
-                            out[n, c, h, w] = v
+                            out[n, c, h, w] = relu_value(v, slope) if relu else v
 
 
 def _batch_first(source, row0, col0, shape, out, bias=None, relu=None):

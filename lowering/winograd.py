@@ -63,7 +63,7 @@ from cct.core.bits import same_bits
 from cct.core.workspace import FRESH
 from cct.devices.jit import kernel
 
-from .geometry import weights_as
+from .geometry import relu_value, weights_as
 
 # Transform matrices (B^T, G, A^T) per (output tile m, kernel r), points 0,
 # +-1, +-2, as in Lavin and Gray and wincnn. F(2x2, 5x5)'s G and A^T follow
@@ -360,10 +360,9 @@ def _input_a4(image, pad_h, pad_w, m, tiles_h, tiles_w, v, first):
 
 @kernel
 def _finish_tiles(done, bias, has_bias, slope, has_relu, o, tiles_h, tiles_w, out):
-    """out[o] from done (m, m, tiles): the bias added, the ReLU (cct's ReLU
-    layer: max(v, 0) for slope 0, else v * slope where v <= 0), and each
-    tile's m x m values put in place; tiles that overhang the output write
-    only their part inside it."""
+    """out[o] from done (m, m, tiles): the bias added, the ReLU (relu_value,
+    cct's ReLU layer), and each tile's m x m values put in place; tiles that
+    overhang the output write only their part inside it."""
     m = done.shape[0]
     count = tiles_h * tiles_w
     out_h, out_w = out.shape[1], out.shape[2]
@@ -374,14 +373,9 @@ def _finish_tiles(done, bias, has_bias, slope, has_relu, o, tiles_h, tiles_w, ou
             if has_bias:
                 for t in range(count):
                     values[t] += shift
-            if has_relu and slope == 0:
+            if has_relu:
                 for t in range(count):
-                    value = values[t]
-                    values[t] = slope if value <= 0 else value
-            elif has_relu:
-                for t in range(count):
-                    value = values[t]
-                    values[t] = value if value > 0 else value * slope
+                    values[t] = relu_value(values[t], slope)
     for ty in range(tiles_h):
         for i in range(m):
             y = ty * m + i
@@ -514,13 +508,7 @@ def _put_tile(done, ty, tx, bias, has_bias, slope, has_relu, out):
                 value = values[o]
                 if has_bias:
                     value += bias[o]
-                if has_relu:
-                    if slope == 0:
-                        if value <= 0:
-                            value = slope
-                    elif not value > 0:
-                        value = value * slope
-                out[o, y, x] = value
+                out[o, y, x] = relu_value(value, slope) if has_relu else value
 
 
 @kernel

@@ -34,9 +34,9 @@ import threading
 
 def kernel(function):
     """`function` compiled by numba (nogil, cached) on its first call. A kernel
-    may call other kernels of its module: they are compiled first, and each
-    compiled kernel replaces its wrapper in the module, which is how numba
-    finds it when compiling the caller."""
+    may call other kernels, of its module or imported into it: they are
+    compiled first, and each compiled kernel replaces its wrapper in the
+    caller's module, which is how numba finds it when compiling the caller."""
     @functools.wraps(function)
     def call(*args):
         return _compiled(call)(*args)
@@ -58,7 +58,7 @@ def _compiled(wrapper):
             for name in function.__code__.co_names:      # the kernels it calls, first
                 callee = namespace.get(name)
                 if hasattr(callee, "python_function"):
-                    _compiled(callee)
+                    namespace[name] = _compiled(callee)  # an imported one is bound here too
             compiled = _compile(function)
             if namespace.get(function.__name__) is wrapper:
                 namespace[function.__name__] = compiled

@@ -92,6 +92,7 @@ import numpy as np
 from cct.core.errors import ConfigError
 from cct.core.layer import TEST
 from cct.devices.jit import kernel
+from cct.lowering.geometry import relu_value
 from cct.runtime import threads as threads_module
 
 # Elements per thread below which a pass runs on one thread: at 1 << 17,
@@ -123,16 +124,9 @@ def _copy_into(source, target, count):
 
 @kernel
 def _relu_in_place(values, slope, count):
-    """ReLU as cct's layer: max(v, 0) (-0.0 and NaN as np.maximum), or v where
-    v > 0 else v * slope."""
-    if slope == 0:
-        for s in range(count):
-            v = values[s]
-            values[s] = slope if v <= 0 else v       # slope: 0 in the arrays' type
-    else:
-        for s in range(count):
-            v = values[s]
-            values[s] = v if v > 0 else v * slope
+    """ReLU as cct's layer (relu_value: -0.0 and NaN as np.maximum)."""
+    for s in range(count):
+        values[s] = relu_value(values[s], slope)
 
 
 @kernel
