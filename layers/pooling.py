@@ -38,9 +38,8 @@ microseconds) and the two cores' shared memory bandwidth made slower (the
 against 4.6 ms when only those of 256K elements and more split), and the
 big calls of batch 16 gained 1.5-1.8x in one run and lost 5-15% in the
 next. (Not OpenBLAS's spinning thread: a kernel on the worker right after a
-2-thread GEMM ran at its quiet speed.) numba's own
-threads (prange) would compete with OpenBLAS's busy-waiting ones and with
-the partitions.
+2-thread GEMM ran at its quiet speed.) numba's own threads (prange) would
+compete with OpenBLAS's busy-waiting ones and with the partitions.
 """
 import numpy as np
 
