@@ -117,6 +117,7 @@ class Prefetcher:
     """Runs `load_batch()` in a daemon thread, keeping up to `count` results ready."""
 
     def __init__(self, load_batch, count, name):
+        self._pid = os.getpid()        # the thread lives in this process only (fork copies no threads)
         self._ready = queue.Queue(maxsize=max(1, int(count)))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=_prefetch_loop, name=name, daemon=True,
@@ -125,6 +126,12 @@ class Prefetcher:
 
     def get(self):
         """The next batch; re-raises an error the thread met (as _Failure)."""
+        if os.getpid() != self._pid:
+            # a forked child: its copy of the queue may hold batches the parent
+            # reads too, or a lock the thread held at the fork, so it is not touched
+            raise DataError(f"the net was built in process {self._pid}, which forked this one ({os.getpid()}): "
+                            "a data layer's prefetch thread and database do not cross a fork; "
+                            "build the net in the process that runs it")
         while True:
             try:
                 return self._ready.get(timeout=0.5)
@@ -186,7 +193,10 @@ class PrefetchingDataLayer(Layer):
             raise DataError(f"{self.where()}: closed (Net.close): its prefetch thread has stopped "
                             "and its database is closed")
         if self._failure is None:
-            item = self._prefetcher.get()
+            try:
+                item = self._prefetcher.get()
+            except DataError as error:
+                raise DataError(f"{self.where()}: {error}") from None
             if isinstance(item, _Failure):
                 self._failure = item.error
         if self._failure is not None:

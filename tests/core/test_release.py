@@ -123,3 +123,34 @@ def test_close_and_with_release_the_database_and_a_drop_does_too(source, no_cycl
     with cct.Net(text_format.Parse(NET.replace("SOURCE", source), caffe_pb2.NetParameter()), cct.TEST) as net:
         net.forward()
     assert open_readers(source) == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_is_told_the_data_layer_does_not_cross_a_fork(source):
+    """A net built before a fork: the child's forward names the data layer and
+    the fork at once, and reads no batch from the parent's queue (which holds
+    batches the parent reads too)."""
+    net = cct.Net(text_format.Parse(NET.replace("SOURCE", source), caffe_pb2.NetParameter()), cct.TEST)
+    net.forward()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                   # the child: send the error's text, exit 0 if it was DataError
+        import signal
+        signal.alarm(20)
+        code = 1
+        try:
+            net.forward()
+            os.write(write, b"no error")
+        except cct.DataError as error:
+            os.write(write, str(error).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    message = os.read(read, 4096).decode()
+    os.close(read)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (status, message)
+    assert "layer 'data'" in message and "fork" in message and str(os.getpid()) in message, message
+    net.forward()                                  # the parent's thread goes on
+    net.close()
