@@ -95,6 +95,9 @@ class _ConvolutionBase(Layer):
     reverse = False               # Deconvolution: forward is the convolution's backward
     batch_independent = True
     splits_backward = True
+    # the lowering choice its reshape makes is made again at every forward's
+    # run_partitions, which also sees the run settings (configure)
+    reshape_reads_layout = True
     run_settings = ("lowering", "measure", "lowering_budget_mb", "winograd")
 
     def setup(self, bottom, top):

@@ -620,6 +620,7 @@ class Pooling(Layer):
     """
     batch_independent = True
     shares_threads = False          # a batch partition's twin (clone) runs beside the others
+    reshape_reads_layout = True
 
     def can_partition(self, bottom, top):
         # stochastic pooling draws from one random stream in batch order

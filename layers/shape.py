@@ -74,6 +74,7 @@ class Split(Layer):
     exact_bottoms = 1
     min_tops = 1
     aliases = False
+    reshape_reads_layout = True       # (fusion sets aliases, then reshapes it itself)
 
     def reshape(self, bottom, top):
         for blob in top:
@@ -142,6 +143,7 @@ class Concat(Layer):
     min_bottoms = 1
     exact_tops = 1
     views = False
+    reshape_reads_layout = True       # and _on_device: a host forward after a device one reshapes again
     _placed = None                    # (the top's store, (its shape, the bounds), each bottom's piece) while placed
     _on_device = False                # the last forward ran on a device: not placed before a host one
 
@@ -193,6 +195,8 @@ class Concat(Layer):
         self._placed = None
 
     def forward(self, bottom, top):
+        if self._on_device:
+            self.reshape_again()          # its next reshape places the bottoms again
         self._on_device = False
         if self._still_placed(bottom, top[0]):
             for blob in bottom:

@@ -293,6 +293,13 @@ class Blob:
         self._make_views()
 
     @property
+    def data_view(self):
+        """The host data view as it stands, not synced from a device: a new
+        array at every reshape to another shape and every change of store,
+        which is what Layer.reshape_if_changed compares."""
+        return self._data
+
+    @property
     def data_store(self):
         """The flat host array the data is a view of (capacity >= count): a
         Concat places its bottoms in pieces of its top's (use_data_storage)."""

@@ -101,6 +101,12 @@ def check_layer_type(layer_param, source=None):
                           f"{layer_param.type!r}; known types: {', '.join(sorted(LAYER_TYPES))}")
 
 
+def _layout_key(blobs):
+    """Each blob's shape and the id of its data view (unique while the
+    caller holds the views)."""
+    return [(blob.shape, id(blob.data_view)) for blob in blobs]
+
+
 class Layer:
     type = None
     # Declared blob counts (Caffe's ExactNum*/MinNum*/MaxNum*); None: unconstrained.
@@ -124,6 +130,11 @@ class Layer:
     # which the net sets here), so the layer may plan for its forward alone
     # (Convolution's lowering choice in a deploy net).
     runs_backward = True
+    # True: reshape reads nothing but its blobs' shapes and data stores and
+    # the layer's own settings, so a forward may skip it while they are as
+    # its last reshape left them (reshape_if_changed)
+    reshape_reads_layout = False
+    _reshaped_layout = None           # (the blobs' layout key, their data views, which keep its ids unique)
 
     def __init__(self, layer_param, phase=TRAIN, source=None):
         self.layer_param = layer_param
@@ -156,6 +167,28 @@ class Layer:
 
     def setup(self, bottom, top):
         pass
+
+    def reshape_if_changed(self, bottom, top):
+        """Reshape, as Caffe's Layer::Forward does first, unless the layer
+        declares reshape_reads_layout and every bottom and top still has the
+        shape and the data view its last reshape here left. A net mostly
+        forwards the shapes it had: GoogLeNet at batch 1 spent 1.8 ms of a
+        forward in its convolutions', poolings', Splits' and Concats'
+        reshapes to the shapes they already had."""
+        if not self.reshape_reads_layout:
+            self.reshape(bottom, top)
+            return
+        blobs = [*bottom, *top]
+        known = self._reshaped_layout
+        if known is not None and known[0] == _layout_key(blobs):
+            return
+        self.reshape(bottom, top)
+        self._reshaped_layout = (_layout_key(blobs), [blob.data_view for blob in blobs])
+
+    def reshape_again(self):
+        """The next reshape_if_changed reshapes: something its reshape reads
+        besides the blobs' layout has changed."""
+        self._reshaped_layout = None
 
     def reshape(self, bottom, top):
         raise NotImplementedError(f"{self.where()}: reshape not implemented")

@@ -233,7 +233,8 @@ class Executor:
         return runner
 
     def forward(self, index, set_blas=True):
-        """Run layer `index` forward (reshape first, as Caffe's Layer::Forward),
+        """Run layer `index` forward (reshape first, as Caffe's Layer::Forward,
+        where its blobs changed: Layer.reshape_if_changed),
         set its loss tops' diffs to their loss weights, and return its weighted
         loss. set_blas=False leaves the BLAS thread count as it is (a stream
         of cct.runtime.scheduler, which sets it for the sub-tasks it runs at once).
@@ -302,7 +303,7 @@ class Executor:
         """Layer `index`'s reshape and forward, in its batch partitions."""
         layer, bottoms, tops = self._layer(index)
         with layer.naming_allocations(tops):
-            layer.reshape(bottoms, tops)
+            layer.reshape_if_changed(bottoms, tops)
             # decided anew at every reshape: a batch that shrank gets fewer partitions
             partitions = self.partitions(index)
             layer.run_partitions(partitions, self.blas_count(partitions))
@@ -319,7 +320,7 @@ class Executor:
         the blobs synced (Caffe's fallback to Forward_cpu)."""
         layer, bottoms, tops = self._layer(index)
         with layer.naming_allocations(tops):
-            layer.reshape(bottoms, tops)
+            layer.reshape_if_changed(bottoms, tops)
             layer.run_partitions(1)
             split = self._split(device, index)
             if split is not None:

@@ -474,7 +474,7 @@ class Fusion:
             return True
         layer, bottom, top = net.layers[index], net.bottom_vecs[index], net.top_vecs[index]
         with layer.naming_allocations(top):
-            layer.reshape(bottom, top)
+            layer.reshape_if_changed(bottom, top)
         if index == applied:              # its convolution's store ran it
             return True
         op = layer.epilogue(bottom, top)

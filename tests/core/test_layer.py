@@ -1,12 +1,15 @@
 """The layer contract's shared checks (cct.core.layer): an array too large
 named by its layer and top, at setup and at forward, before it is allocated;
-a layer run in place that would change its bottom's shape (issue 15)."""
+a layer run in place that would change its bottom's shape (issue 15); the
+reshape at forward a layer skips while its blobs are unchanged."""
 import time
 
+import numpy as np
 import pytest
 
 import cct
 from cct.core.errors import MemoryLimitError, ShapeError
+from cct.runtime import settings
 
 HUGE_INPUT = """
 layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 64 dim: 1000000000 } } }
@@ -66,3 +69,97 @@ def test_a_layer_in_place_may_not_change_its_bottoms_shape():
 def test_layers_in_place_that_keep_the_shape_still_run():
     net = cct.Net(TILE + 'layer { name: "relu" type: "ReLU" bottom: "t" top: "t" }', cct.TEST)
     net.forward()
+
+
+# --- reshape at forward: skipped while the blobs are as the last reshape left them -------------------
+LAYOUT_NET = """
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 3 dim: 6 dim: 5 } } }
+layer { name: "conv_a" type: "Convolution" bottom: "data" top: "a" convolution_param { num_output: 2 kernel_size: 1 } }
+layer { name: "relu_a" type: "ReLU" bottom: "a" top: "a" }
+layer { name: "conv_b" type: "Convolution" bottom: "data" top: "b"
+        convolution_param { num_output: 3 kernel_size: 3 pad: 1 } }
+layer { name: "cat" type: "Concat" bottom: "a" bottom: "b" top: "cat" }
+layer { name: "pool" type: "Pooling" bottom: "cat" top: "pool" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "conv_c" type: "Convolution" bottom: "cat" top: "c" convolution_param { num_output: 2 kernel_size: 1 } }
+"""
+
+
+def counting_reshapes(net):
+    """{layer name: reshapes so far}, counted from now."""
+    counts = {layer.name: 0 for layer in net.layers}
+    for layer in net.layers:
+        def counted(bottom, top, layer=layer, reshape=layer.reshape):
+            counts[layer.name] += 1
+            reshape(bottom, top)
+        layer.reshape = counted
+    return counts
+
+
+def layout_net(rng, fused):
+    settings.set_fusion(fused)
+    try:
+        net = cct.Net(LAYOUT_NET, cct.TEST)
+    finally:
+        settings.set_fusion(None)
+    for layer in net.layers:
+        for blob in layer.blobs:
+            blob.data[...] = rng.normal(0, 0.5, blob.shape)
+    return net
+
+
+def outputs_of(net, x):
+    net.blobs["data"].reshape(x.shape)
+    net.blobs["data"].data[...] = x
+    net.forward()
+    return {name: net.blobs[name].data.copy() for name in ("a", "b", "cat", "pool", "c")}
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_forward_reshapes_only_the_layers_whose_blobs_changed(fused):
+    """Caffe reshapes every layer at every forward; the convolutions,
+    poolings, Splits and Concats (reshape_reads_layout) skip it while their
+    blobs keep the shapes and stores the last one left, and the numbers are
+    those of a net that reshaped."""
+    rng = np.random.default_rng(3)
+    net = layout_net(rng, fused)
+    reference = layout_net(np.random.default_rng(3), fused)
+    net.forward()
+    counts = counting_reshapes(net)
+    skipping = {layer.name for layer in net.layers if layer.reshape_reads_layout}
+    assert {"conv_a", "conv_b", "cat", "pool", "conv_c"} <= skipping and "relu_a" not in skipping
+    x = rng.normal(size=(1, 3, 6, 5)).astype(np.float32)
+    first = outputs_of(net, x)
+    assert all(counts[name] == 0 for name in skipping)
+    assert counts["relu_a"] == 1                           # the others reshape at every forward, as Caffe's
+    for name, values in outputs_of(reference, x).items():
+        np.testing.assert_array_equal(first[name], values, err_msg=name)
+    # another batch: every layer reshapes, and again after the batch returns
+    for batch in (2, 1):
+        x = rng.normal(size=(batch, 3, 6, 5)).astype(np.float32)
+        before = dict(counts)
+        got, expected = outputs_of(net, x), outputs_of(reference, x)
+        assert all(counts[name] == before[name] + 1 for name in skipping)
+        for name in expected:
+            np.testing.assert_array_equal(got[name], expected[name], err_msg=f"{name} at batch {batch}")
+
+
+def test_a_blob_given_another_store_of_the_same_shape_is_reshaped_for():
+    """A top reshaped larger and back by the user has a new store at the
+    same shape: its layers reshape (a Concat's placed bottom moves to its
+    piece of the top again), and reshape_again asks for one too."""
+    rng = np.random.default_rng(4)
+    net, reference = layout_net(rng, True), layout_net(np.random.default_rng(4), True)
+    x = rng.normal(size=(1, 3, 6, 5)).astype(np.float32)
+    outputs_of(net, x)
+    counts = counting_reshapes(net)
+    shape = net.blobs["b"].shape
+    net.blobs["b"].reshape((4,) + shape[1:])               # grows: a store of its own
+    net.blobs["b"].reshape(shape)
+    got = outputs_of(net, x)
+    assert counts["conv_b"] == 1 and counts["cat"] == 1 and counts["conv_a"] == 0
+    for name, values in outputs_of(reference, x).items():
+        np.testing.assert_array_equal(got[name], values, err_msg=name)
+    assert np.shares_memory(net.blobs["b"].data, net.blobs["cat"].data)   # placed again
+    net.layer_dict["pool"].reshape_again()
+    outputs_of(net, x)
+    assert counts["pool"] == 1

@@ -386,7 +386,8 @@ def test_a_reshape_to_strided_pieces_of_the_same_size_moves_the_bottoms_out():
     [("cpu", True), ("gpu", True)],
     [("gpu", True), ("gpu", False)],                   # the top's device copy is stale: never copied down
     [("gpu", False), ("gpu", False)],                  # ... nor read by the device layer after the Concat
-    [("gpu", False), ("cpu", True), ("gpu", True), ("cpu", True)]])
+    [("gpu", False), ("cpu", True), ("gpu", True), ("cpu", True)],
+    [("gpu", True), ("cpu", True), ("cpu", True)]])             # placed again, its reshape not skipped
 def test_concat_views_hold_through_forwards_on_a_device_and_back(steps, monkeypatch):
     """Forwards one after the other with nothing read in between (a read
     makes the host current), then every blob against the unfused net's."""
