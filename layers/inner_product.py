@@ -32,6 +32,7 @@ class InnerProduct(Layer):
     exact_tops = 1
     batch_independent = True
     splits_backward = True
+    reshape_reads_layout = True
     # one GEMM splits as well across BLAS threads, and twins would copy the weights' diffs
     split_by_default = False
 

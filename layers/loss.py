@@ -116,6 +116,7 @@ class Softmax(Layer):
     Fields: softmax_param.axis (1). Shapes: top = bottom."""
     exact_bottoms = 1
     exact_tops = 1
+    reshape_reads_layout = True
 
     def reshape(self, bottom, top):
         shape = bottom[0].shape

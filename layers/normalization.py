@@ -160,6 +160,7 @@ class LRN(Layer):
                        no window reaches past the pooling's padded border.
     """
     batch_independent = True
+    reshape_reads_layout = True
 
     def flops(self, bottom, top):
         # per element: square, window sum, scale, power, product (+2 more backward)

@@ -81,6 +81,7 @@ layer { name: "conv_b" type: "Convolution" bottom: "data" top: "b"
 layer { name: "cat" type: "Concat" bottom: "a" bottom: "b" top: "cat" }
 layer { name: "pool" type: "Pooling" bottom: "cat" top: "pool" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
 layer { name: "conv_c" type: "Convolution" bottom: "cat" top: "c" convolution_param { num_output: 2 kernel_size: 1 } }
+layer { name: "ip" type: "InnerProduct" bottom: "pool" top: "ip" inner_product_param { num_output: 3 } }
 """
 
 
@@ -111,22 +112,22 @@ def outputs_of(net, x):
     net.blobs["data"].reshape(x.shape)
     net.blobs["data"].data[...] = x
     net.forward()
-    return {name: net.blobs[name].data.copy() for name in ("a", "b", "cat", "pool", "c")}
+    return {name: net.blobs[name].data.copy() for name in ("a", "b", "cat", "pool", "c", "ip")}
 
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_a_forward_reshapes_only_the_layers_whose_blobs_changed(fused):
-    """Caffe reshapes every layer at every forward; the convolutions,
-    poolings, Splits and Concats (reshape_reads_layout) skip it while their
-    blobs keep the shapes and stores the last one left, and the numbers are
-    those of a net that reshaped."""
+    """Caffe reshapes every layer at every forward; the layers that declare
+    reshape_reads_layout (convolutions, poolings, Splits, Concats, inner
+    products, ...) skip it while their blobs keep the shapes and stores the
+    last one left, and the numbers are those of a net that reshaped."""
     rng = np.random.default_rng(3)
     net = layout_net(rng, fused)
     reference = layout_net(np.random.default_rng(3), fused)
     net.forward()
     counts = counting_reshapes(net)
     skipping = {layer.name for layer in net.layers if layer.reshape_reads_layout}
-    assert {"conv_a", "conv_b", "cat", "pool", "conv_c"} <= skipping and "relu_a" not in skipping
+    assert {"conv_a", "conv_b", "cat", "pool", "conv_c", "ip"} <= skipping and "relu_a" not in skipping
     x = rng.normal(size=(1, 3, 6, 5)).astype(np.float32)
     first = outputs_of(net, x)
     assert all(counts[name] == 0 for name in skipping)
