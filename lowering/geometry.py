@@ -261,13 +261,19 @@ def store_output(y_cf, out, bias=None):
     return store(y_cf.transpose(1, 0, 2, 3), out, bias)
 
 
+def lowered_shape(geom, batch):
+    """The channels-first lowered tensor's shape (C, KH, KW, N, OH, OW): the
+    window view's, im2col's and col2im's."""
+    return (geom.channels, geom.kernel_h, geom.kernel_w, batch, geom.out_h, geom.out_w)
+
+
 def window_view(xp, geom, lower_h=True, lower_w=True):
     """Read-only strided view of padded channels-first xp (C, N, Hp, Wp) as the
     lowered tensor, no copy: (C, KH, KW, N, OH, OW) when lowering both axes,
     (C, KW, N, Hp, OW) when lowering the width only."""
     sc, sn, sh, sw = xp.strides
     if lower_h and lower_w:
-        shape = (geom.channels, geom.kernel_h, geom.kernel_w, xp.shape[1], geom.out_h, geom.out_w)
+        shape = lowered_shape(geom, xp.shape[1])
         strides = (sc, sh * geom.dilation_h, sw * geom.dilation_w, sn, sh * geom.stride_h, sw * geom.stride_w)
     else:
         shape = (geom.channels, geom.kernel_w, xp.shape[1], xp.shape[2], geom.out_w)

@@ -42,8 +42,8 @@ import numpy as np
 from cct.core.workspace import FRESH
 from cct.devices.jit import kernel
 
-from .geometry import (channels_first_output, finish, matmul_nt, pad_channels_first, relu_value, store_relu,
-                       unpad_channels_first, weights_as, window_view)
+from .geometry import (channels_first_output, finish, lowered_shape, matmul_nt, pad_channels_first, relu_value,
+                       store_relu, unpad_channels_first, weights_as, window_view)
 
 
 def _channels_first(x, geom, ws):
@@ -65,7 +65,7 @@ def lower(x, geom, out=None, ws=FRESH):
     """im2col of a whole batch: x (N, C, H, W) -> (C*KH*KW, N*OH*OW)."""
     n = x.shape[0]
     xp = _channels_first(x, geom, ws)
-    shape = (geom.channels, geom.kernel_h, geom.kernel_w, n, geom.out_h, geom.out_w)    # window_view's
+    shape = lowered_shape(geom, n)
     cols = ws.empty("lowered", shape, x.dtype) if out is None else out.reshape(shape)
     if n == 1 and geom.stride_w == geom.dilation_h == geom.dilation_w == 1 and xp.flags.c_contiguous:
         # (no window view: numpy's as_strided costs 5 us a call, and this loop reads xp itself)
@@ -101,7 +101,7 @@ def _lower_one_image(xp, kernel_h, kernel_w, stride_h, out_h, out_w, cols):
 
 def col2im(cols, geom, batch, out=None, ws=FRESH):
     """Adjoint of `lower`: (C*KH*KW, N*OH*OW) -> (N, C, H, W), summing overlaps."""
-    cols = cols.reshape(geom.channels, geom.kernel_h, geom.kernel_w, batch, geom.out_h, geom.out_w)
+    cols = cols.reshape(lowered_shape(geom, batch))
     dxp = ws.zeros("padded", (geom.channels, batch, geom.padded_h, geom.padded_w), cols.dtype)
     for i in range(geom.kernel_h):
         for j in range(geom.kernel_w):
