@@ -3,7 +3,9 @@ net being built against what is left of it.
 
 The limit is the machine's memory (or a smaller cgroup limit, which is what
 the kernel kills at), or one the user sets (set_memory_limit, which
-`--memory_limit` on the command line and cct.set_memory_limit call). An array larger
+`--memory_limit` on the command line and cct.set_memory_limit call); and where
+the process has resource limits on its address space or data segment
+(`ulimit -v`, `ulimit -d`), whichever of them leaves the least. An array larger
 than the limit is refused before numpy tries (check_allocation): numpy would
 raise MemoryError or "array is too big", or the kernel would kill the process
 at first touch of a lazily mapped one. While a net is built (`charging`), the
@@ -57,10 +59,52 @@ def machine_memory():
 
 
 def available():
-    """(bytes, what they are): the user's limit, else the machine's memory."""
+    """(bytes, what they are): the user's limit, else the machine's memory; or
+    less, where a resource limit of the process (process_limits) leaves less."""
     if _limit is not None:
-        return _limit, f"the memory limit of {format_bytes(_limit)}"
-    return machine_memory()
+        smallest = _limit, f"the memory limit of {format_bytes(_limit)}"
+    else:
+        smallest = machine_memory()
+    return min([smallest, *process_limits()], key=lambda limit: limit[0])
+
+
+# The kernel refuses a mapping that takes the address space (VmSize) past
+# RLIMIT_AS, or the private writable memory (VmData, numpy's arrays among it:
+# Linux 4.7 on) past RLIMIT_DATA, when it is mapped, not when it is touched.
+_RLIMITS = (("RLIMIT_AS", "VmSize", "address space", "ulimit -v"),
+            ("RLIMIT_DATA", "VmData", "data segment", "ulimit -d"))
+
+
+def process_limits():
+    """[(bytes, what they are)] for each of RLIMIT_AS and RLIMIT_DATA that is
+    set, in the terms the plan counts: the plan adds what will be allocated
+    to the resident memory, and these limits count mappings, so what the
+    process has mapped beyond its resident memory is taken off the limit:
+    resident + new <= limit - (mapped - resident) is mapped + new <= limit."""
+    found = []
+    for name, field, what, command in _RLIMITS:
+        soft = resource.getrlimit(getattr(resource, name))[0]
+        if soft == resource.RLIM_INFINITY:
+            continue
+        mapped, resident = _status_bytes(field), resident_bytes()
+        if mapped is None:
+            continue
+        found.append((soft - (mapped - resident),
+                      f"what this process's {what} limit of {format_bytes(soft)} leaves ({name}, `{command}`; "
+                      f"{format_bytes(mapped)} of it mapped, {format_bytes(resident)} resident)"))
+    return found
+
+
+def _status_bytes(field):
+    """A /proc/self/status field in bytes (VmSize, VmData), or None off Linux."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def resident_bytes():
@@ -76,13 +120,9 @@ def peak_resident_bytes():
     """This process's peak resident memory so far: Linux's VmHWM, which starts
     afresh at exec (ru_maxrss, the fallback, keeps the parent's peak across a
     fork and exec, so a run started from a big process would report that)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    peak = _status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if os.uname().sysname == "Darwin" else peak * 1024      # KiB on Linux
 

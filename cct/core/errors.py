@@ -37,6 +37,10 @@ class MemoryLimitError(CctError, MemoryError):
         """The same error under a fuller name, final: the layer and the field."""
         return MemoryLimitError(what, self.need, named=True)
 
+    def noted(self, note):
+        """The same error with `note` added to its message."""
+        return MemoryLimitError(self.what, self.need + note, self.blob, self.named)
+
 
 def layer_where(layer_param, source=None):
     """`layer 'conv1' (Convolution)`, with the file when known."""

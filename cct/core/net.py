@@ -12,8 +12,8 @@ from collections import OrderedDict
 import numpy as np
 
 from cct.core.blob import Blob
-from cct.core.allocation import charging
-from cct.core.errors import ConfigError, ShapeError, WeightsError
+from cct.core.allocation import charging, format_bytes
+from cct.core.errors import ConfigError, MemoryLimitError, ShapeError, WeightsError
 from cct.core.layer import TEST, TRAIN, check_layer_type, create_layer
 from cct.core.passes import filter_net, insert_splits
 from cct.formats import weights as weights_io
@@ -51,11 +51,27 @@ class Net:
         param.state.CopyFrom(state)
         self.phase = phase
         self.net_param = insert_splits(filter_net(param, state, str(self.source)), str(self.source))
-        with charging(f"net '{param.name}' ({self.source})") as charge:
-            self.memory_baseline = charge.in_use     # the process before the net: the plan's first term
-            self._build()
+        try:
+            with charging(f"net '{param.name}' ({self.source})") as charge:
+                self.memory_baseline = charge.in_use     # the process before the net: the plan's first term
+                self._build()
+        except MemoryLimitError as refused:
+            raise refused.noted(f". Largest so far: {self._largest_stores()}") from None
         if weights:
             self.copy_from(weights)
+
+    def _largest_stores(self, count=3):
+        """The largest blob and parameter stores the build has made, for the
+        message of a net refused as too large: "blob 'x' 1 GiB; ..."."""
+        stores = {}
+        for name, blob in self.blobs.items():
+            stores.setdefault(id(blob._data_store), (blob._data_store.nbytes, f"blob '{name}'"))
+        for layer in self.layers:
+            for index, blob in enumerate(layer.blobs):
+                stores.setdefault(id(blob._data_store), (blob._data_store.nbytes, f"{layer.where()}: parameter {index}"))
+        largest = sorted(stores.values(), key=lambda store: -store[0])[:count]
+        largest = [store for store in largest if store[0] * 100 >= largest[0][0]]    # not the 4-byte ones
+        return "; ".join(f"{owner} {format_bytes(nbytes)}" for nbytes, owner in largest) or "none"
 
     # --- construction ------------------------------------------------------------
     def _build(self):
