@@ -18,6 +18,22 @@ threadpool_limits(limits=1, user_api="blas")
 os.environ.setdefault("CCT_CACHE_DIR", tempfile.mkdtemp(prefix="cct-cache-"))
 sys.path.insert(0, os.path.dirname(__file__))
 
+from helpers.requirements import missing, require  # noqa: E402  (needs the path above)
+
+# Markers (setup.cfg) whose tests need packages beyond cct's own.
+NEEDS = ("opencl", "mpi")
+
+
+def pytest_report_header(config):
+    """One line per marker whose packages are missing: its tests will skip."""
+    return [f"{need} tests: missing {missing(need)}" for need in NEEDS if missing(need)]
+
+
+def pytest_runtest_setup(item):
+    for need in NEEDS:
+        if item.get_closest_marker(need):
+            require(need)
+
 
 @pytest.fixture(params=[1, 2], ids=lambda p: f"partitions{p}")
 def partitions(request, monkeypatch):

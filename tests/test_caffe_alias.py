@@ -106,6 +106,7 @@ def test_alias_enabled_reads_the_environment(monkeypatch, setting, enabled):
     assert caffe_name.alias_enabled() is enabled
 
 
+@pytest.mark.slow
 def test_caffe_import_says_which_module_answers(tmp_path):
     code = "from cct.core.caffe_name import caffe_import; print(caffe_import())"
     assert python(code, tmp_path).startswith("cct, through its alias ")

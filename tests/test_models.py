@@ -332,6 +332,7 @@ def test_googlenet_train_val_builds_with_its_auxiliary_classifiers():
     assert net.blob_loss_weights["loss3/loss3"] == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 def test_vgg16_shapes_through_pool5():
     # Up to pool5 only: fc6 alone is 25088 x 4096 (400 MB of float32) and adds nothing here.
     net_param = with_batch("vgg16/deploy.prototxt", 1)

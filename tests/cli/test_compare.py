@@ -77,6 +77,7 @@ def test_single_file_reference(tmp_path, fmt):
     assert len(rows) == len(forward.files) + len(backward.files)
 
 
+@pytest.mark.slow
 def test_reference_from_another_interpreter(tmp_path, capsys):
     # A stand-in for BVLC Caffe: a `caffe` package that is cct, imported by a subprocess.
     shim = tmp_path / "shim" / "caffe"

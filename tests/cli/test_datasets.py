@@ -13,6 +13,7 @@ from cct.data.digits import convert_arrays_to_lmdb
 from cct.data.transformer import load_mean_file
 from cct.proto import caffe_pb2
 from helpers.data import opencv_read, read_db, read_with_data_layer, rgb_to_bgr_chw
+from helpers.requirements import require
 
 RNG = np.random.default_rng(9)
 
@@ -127,7 +128,8 @@ def test_convert_imageset_errors(image_set, tmp_path):
 
 def test_leveldb_round_trip(image_set, tmp_path):
     """convert_imageset --backend leveldb, read back by a Data layer, keys read by plyvel."""
-    plyvel = pytest.importorskip("plyvel")
+    require("plyvel")
+    import plyvel
     root, listing, pixels = image_set
     out = tmp_path / "images_leveldb"
     assert convert_imageset(["--backend", "leveldb", root, listing, str(out)]) == 0

@@ -4,11 +4,14 @@ partitions; --tune's chosen partitions)."""
 import json
 import re
 
+import pytest
+
 from helpers.cli import assert_one_line_error, messages, run_cct
 from helpers.linreg import net_text
 from helpers.nets import PROFILE_NET, PROFILE_NET_LAYERS
 
 
+@pytest.mark.slow
 def test_time_output_format(run_folder, capsys):
     code, _, err = run_cct(capsys, "time", "-model", "net.prototxt", "-iterations", "3")
     assert code == 0, err
@@ -23,6 +26,7 @@ def test_time_output_format(run_folder, capsys):
     assert text.index("*** Benchmark begins ***") < text.index("*** Benchmark ends ***")
 
 
+@pytest.mark.slow
 def test_time_and_test_phase_flag(run_folder, capsys):
     (run_folder / "net.prototxt").write_text(net_text() + """
 layer { name: "only_test" type: "TestLinReg" bottom: "x" bottom: "t" top: "loss2"
@@ -44,6 +48,7 @@ def test_time_prints_caffes_per_layer_lines(run_folder, capsys):
     assert any(re.fullmatch(r" +fc\tbackward: \S+ ms\.", m) for m in messages(err))
 
 
+@pytest.mark.opencl
 def test_time_on_an_opencl_device_says_where_each_layer_ran(tmp_path, capsys, monkeypatch):
     from cct.runtime import settings
     from helpers.devices import opencl_or_skip

@@ -4,6 +4,7 @@ compute_image_mean, compare) and draw."""
 import sys
 import types
 
+import pytest
 from google.protobuf import text_format
 
 from cct import cli
@@ -21,6 +22,7 @@ def test_device_query(capsys):
     assert text[-1].startswith("import caffe: cct, through its alias ") or text[-1].startswith("import caffe: cct ")
 
 
+@pytest.mark.opencl
 def test_device_query_of_an_opencl_device_measures_its_gemm(capsys):
     from helpers.devices import opencl_or_skip
     device = opencl_or_skip()

@@ -23,6 +23,7 @@ def test_train_flag_styles(style, run_folder, capsys):
         "snap_iter_2.caffemodel", "snap_iter_2.solverstate", "snap_iter_4.caffemodel", "snap_iter_4.solverstate"]
 
 
+@pytest.mark.opencl
 def test_train_on_an_opencl_device(run_folder, capsys, monkeypatch):
     """--gpu 0: the layers with a device path train on the device (set_mode_gpu), and
     the weights match a host run's; an id that does not exist is a one-line error."""

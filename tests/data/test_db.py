@@ -6,6 +6,7 @@ import pytest
 
 from cct.core.errors import DataError
 from cct.data import db as cct_db
+from helpers.requirements import require
 
 
 def test_db_cursor_wraps_and_lmdb_grows(tmp_path):
@@ -36,7 +37,7 @@ def test_one_database_read_by_several_readers_at_once(tmp_path, backend):
     handle; readers share that handle (a test net reading the train net's
     database, a solver made twice), each with its own cursor."""
     if backend == "leveldb":
-        pytest.importorskip("plyvel")
+        require("plyvel")
     with cct_db.open_db(str(tmp_path / "db"), backend, "w") as writer:
         for index in range(3):
             writer.put(cct_db.record_key(index), bytes([index]))

@@ -8,7 +8,7 @@ import pytest
 from cct.devices.base import DeviceError
 from cct.devices.cpu import CPU
 from cct.lowering import ConvGeometry, reference
-from helpers.devices import on_device, opencl_or_skip, same_op, to_host
+from helpers.devices import OPENCL, on_device, opencl_or_skip, same_op, to_host
 
 RNG = np.random.default_rng(11)
 
@@ -17,7 +17,7 @@ def random(*shape):
     return RNG.standard_normal(shape).astype(np.float32)
 
 
-@pytest.fixture
+@pytest.fixture(params=[OPENCL])
 def opencl():
     return opencl_or_skip()
 

@@ -6,10 +6,10 @@ import pytest
 
 from cct.devices.base import DeviceError
 from cct.devices.cpu import CPU
-from helpers.devices import on_device, opencl_or_skip, same_op, to_host
+from helpers.devices import OPENCL, on_device, opencl_or_skip, same_op, to_host
 
 
-@pytest.fixture
+@pytest.fixture(params=[OPENCL])
 def device():
     return opencl_or_skip()
 

@@ -8,7 +8,7 @@ import pytest
 
 from cct.devices.cpu import CPU
 from cct.layers.pooling import pooled_size
-from helpers.devices import on_device, opencl_or_skip, same_op, to_host
+from helpers.devices import OPENCL, on_device, opencl_or_skip, same_op, to_host
 
 RNG = np.random.default_rng(23)
 FLT_MAX = float(np.finfo(np.float32).max)
@@ -18,7 +18,7 @@ def random(*shape):
     return RNG.standard_normal(shape).astype(np.float32)
 
 
-@pytest.fixture
+@pytest.fixture(params=[OPENCL])
 def opencl():
     return opencl_or_skip()
 

@@ -6,10 +6,10 @@ import pytest
 
 from cct.devices.cpu import CPU
 from cct.lowering import device as device_lowering, ConvGeometry
-from helpers.devices import assert_close_both_ways, opencl_or_skip, run_both_ways
+from helpers.devices import OPENCL, assert_close_both_ways, opencl_or_skip, run_both_ways
 
 
-@pytest.fixture(params=["cpu", "opencl"])
+@pytest.fixture(params=["cpu", OPENCL])
 def device(request):
     return CPU if request.param == "cpu" else opencl_or_skip()
 

@@ -7,13 +7,13 @@ import pytest
 
 import cct
 from cct.devices.cpu import CPU
-from helpers.devices import assert_close_both_ways, opencl_or_skip, run_both_ways
+from helpers.devices import OPENCL, assert_close_both_ways, opencl_or_skip, run_both_ways
 
 RNG = np.random.default_rng(7)
 SHAPE = (2, 3, 4, 5)
 
 
-@pytest.fixture(params=["cpu", "opencl"])
+@pytest.fixture(params=["cpu", OPENCL])
 def device(request):
     return CPU if request.param == "cpu" else opencl_or_skip()
 

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from cct.devices.cpu import CPU
-from helpers.devices import assert_close_both_ways, opencl_or_skip, run_both_ways
+from helpers.devices import OPENCL, assert_close_both_ways, opencl_or_skip, run_both_ways
 
 
-@pytest.fixture(params=["cpu", "opencl"])
+@pytest.fixture(params=["cpu", OPENCL])
 def device(request):
     return CPU if request.param == "cpu" else opencl_or_skip()
 

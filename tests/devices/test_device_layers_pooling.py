@@ -9,10 +9,10 @@ import cct
 from cct.core.blob import Blob
 from cct.devices.cpu import CPU
 from cct.testing.gradient_check import make_layer
-from helpers.devices import assert_close_both_ways, opencl_or_skip, run_both_ways
+from helpers.devices import OPENCL, assert_close_both_ways, opencl_or_skip, run_both_ways
 
 
-@pytest.fixture(params=["cpu", "opencl"])
+@pytest.fixture(params=["cpu", OPENCL])
 def device(request):
     return CPU if request.param == "cpu" else opencl_or_skip()
 

@@ -5,12 +5,12 @@ on the host, their blobs synced, as Caffe falls back to Forward_cpu)."""
 import pytest
 
 from cct.runtime import settings
-from helpers.devices import opencl_or_skip
+from helpers.devices import OPENCL, opencl_or_skip
 from helpers.reference import (CASE_NAMES, CASES, assert_matches_caffe, assert_solver_matches_caffe, run_case,
                                run_solver_case)
 
 
-@pytest.fixture
+@pytest.fixture(params=[OPENCL])
 def on_opencl(monkeypatch):
     device = opencl_or_skip()
     monkeypatch.setattr(settings, "_device_mode", "gpu")

@@ -36,6 +36,7 @@ def one_pass(param, weights, top_diff_seed=5):
     return net, arrays
 
 
+@pytest.mark.opencl
 @pytest.mark.parametrize("name", sorted(DEPLOY_NETS))
 def test_a_deploy_net_on_the_device_matches_the_host(name, monkeypatch):
     device = opencl_or_skip()

@@ -14,6 +14,7 @@ import pytest
 import cct
 from cct.formats.prototxt import atomic_path, atomic_write
 from helpers.linreg import make_solver
+from helpers.requirements import require
 
 NET = '''layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 5 } } }
          layer { name: "fc" type: "InnerProduct" bottom: "data" top: "fc"
@@ -163,7 +164,7 @@ def test_mean_file_is_durable(tmp_path, disk_events):
 
 
 def test_plot_is_durable(tmp_path, disk_events):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     from cct.cli.train_log import plot_training_log
     (tmp_path / "train.log").write_text(LOG)
     plot_training_log(str(tmp_path / "train.log"), str(tmp_path / "plot"))      # no extension: still PNG

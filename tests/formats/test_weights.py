@@ -18,6 +18,7 @@ layer { name: "fc" type: "InnerProduct" bottom: "data" top: "fc" inner_product_p
 '''
 
 
+@pytest.mark.slow
 def test_caffemodel_over_64_megabytes_loads(tmp_path):
     net = cct.Net(BIG_NET, cct.TEST)
     fc = net.params["fc"][0]

@@ -18,6 +18,9 @@ from cct.data.transformer import array_to_datum, save_mean_file
 from cct.proto import caffe_pb2
 from helpers.fuzz import attempt, byte_ops, fuzz_settings, hdf5_ops, message_ops, mutate_bytes, mutate_hdf5, \
     mutate_text, mutated_message_bytes, text_ops
+from helpers.requirements import require
+
+pytestmark = pytest.mark.fuzz
 
 PIXELS = np.random.default_rng(15).integers(0, 256, (3, 6, 7), dtype=np.uint8)     # (C, H, W) BGR
 # transform_param variants: plain, cropped and mirrored, scaled with mean values
@@ -81,7 +84,7 @@ def test_lmdb_datums(seed, edits, raw, transform, position):
 @fuzz_settings()
 @given(**DATUM_CASES)
 def test_leveldb_datums(seed, edits, raw, transform, position):
-    pytest.importorskip("plyvel")
+    require("plyvel")
     _read_datums("leveldb", seed, edits, raw, transform, position)
 
 

@@ -6,6 +6,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -16,6 +17,8 @@ from cct.runtime.settings import PARTITIONS_ENV
 from helpers.fuzz import attempt, byte_ops, fuzz_settings, message_ops, mutate_bytes, mutate_text, \
     mutated_message_bytes, text_ops
 from helpers.paths import MODELS, REPO
+
+pytestmark = pytest.mark.fuzz
 
 CASES = sorted(path.parent for path in (REPO / "tests" / "reference" / "cases").glob("*/net.prototxt"))
 MODEL_NETS = [MODELS / "lenet" / "lenet.prototxt", MODELS / "lenet" / "lenet_train_test.prototxt",

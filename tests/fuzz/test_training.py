@@ -13,6 +13,8 @@ from cct.training.solver import get_solver
 from helpers.fuzz import attempt, byte_ops, fuzz_settings, hdf5_ops, message_ops, mutate_bytes, mutate_hdf5, \
     mutate_text, mutated_message_bytes, text_ops
 
+pytestmark = pytest.mark.fuzz
+
 NET = """name: "tiny"
 layer { name: "data" type: "Input" top: "data" top: "label"
         input_param { shape { dim: 4 dim: 2 dim: 5 dim: 5 } shape { dim: 4 } } }

@@ -15,6 +15,8 @@ from helpers.fuzz import attempt, byte_ops, fuzz_settings, hdf5_ops, message_ops
     mutated_message_bytes
 from helpers.paths import REPO
 
+pytestmark = pytest.mark.fuzz
+
 CASES = [REPO / "tests" / "reference" / "cases" / name for name in
          ("conv_basic", "inner_product", "batchnorm_global", "prelu", "scale_bias", "deconv", "lstm_basic")]
 MODELS = [caffe_pb2.NetParameter.FromString((case / "weights.caffemodel").read_bytes()) for case in CASES]

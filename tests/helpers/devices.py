@@ -6,12 +6,17 @@ import pytest
 
 from cct.devices import opencl
 from cct.devices.cpu import CPU
+from helpers.requirements import require
+
+
+# A fixture's param for the OpenCL device: the tests that use the fixture are
+# marked `opencl` (-m "not opencl" leaves them out; conftest skips them, or
+# fails them under CI=true, where OpenCL is missing).
+OPENCL = pytest.param("opencl", marks=pytest.mark.opencl)
 
 
 def opencl_or_skip(index=0):
-    reason = opencl.why_unavailable()
-    if reason:
-        pytest.skip(f"no OpenCL device: {reason}")
+    require("opencl")
     return opencl.device(index)
 
 

@@ -18,6 +18,7 @@ from cct.testing.gradient_check import make_layer
 from cct.proto import caffe_pb2
 from helpers.data import (data_layer, forward, images, opencv_read, opencv_resize, png_bytes, raw_datum, start,
                           write_hdf5_list, write_image_list, write_lmdb, write_window_file)
+from helpers.requirements import require
 
 RNG = np.random.default_rng(5)
 
@@ -277,7 +278,7 @@ def test_a_refused_data_layer_closes_its_database(tmp_path, backend):
     """Found by the fuzzer: a Data layer whose first record was refused kept
     its database open, so many refused nets ran out of file descriptors."""
     if backend == "leveldb":
-        pytest.importorskip("plyvel")
+        require("plyvel")
     open_before = len(os.listdir("/proc/self/fd"))
     for index in range(20):
         source = tmp_path / f"db{index}"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from google.protobuf import descriptor_pool, text_format
+from helpers.requirements import require
 
 REPO = Path(__file__).resolve().parents[2]
 PROTO_DIR = REPO / "proto"
@@ -70,7 +71,7 @@ def _field(message, name):
 
 
 def test_generated_module_is_current(tmp_path):
-    pytest.importorskip("grpc_tools")
+    require("grpc_tools")
     # Same command as tools/gen_proto.sh, writing into a temporary folder.
     result = subprocess.run(
         [

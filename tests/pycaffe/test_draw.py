@@ -8,8 +8,13 @@ import cct
 from cct import draw
 from cct.core.errors import CctError
 from cct.proto import caffe_pb2
+from helpers.requirements import require
 
-pytest.importorskip("pydot", reason="drawing needs pydot")
+
+
+@pytest.fixture(autouse=True)
+def pydot():
+    require("pydot")
 
 NET = """name: "drawn"
 layer { name: "data" type: "Data" top: "data" top: "label" include { phase: TRAIN }
@@ -67,8 +72,7 @@ def test_phase_filter():
 
 
 def test_draw_net_to_png_file(tmp_path):
-    if shutil.which("dot") is None:
-        pytest.skip("graphviz's dot is not installed")
+    require("graphviz")
     path = tmp_path / "net.png"
     draw.draw_net_to_file(net_param(), str(path), "BT", phase=cct.TRAIN)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

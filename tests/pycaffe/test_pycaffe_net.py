@@ -270,6 +270,7 @@ def test_timer():
     assert not timer.running
 
 
+@pytest.mark.opencl
 def test_set_mode_gpu_and_set_device_pick_the_opencl_device_layers_run_on():
     from cct.runtime import settings
     from helpers.devices import opencl_or_skip

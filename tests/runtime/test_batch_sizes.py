@@ -107,12 +107,14 @@ def test_lenet_is_batch_invariant_under_every_plan_and_lowering(plan, lowering, 
     assert_batch_invariant(LENET, plan, monkeypatch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plan", PLANS)
 def test_caffenet_is_batch_invariant_under_every_plan(plan, monkeypatch):
     # (the default plan splits the layers of a million outputs or more in 2, one per thread)
     assert assert_batch_invariant(CAFFENET, plan, monkeypatch) == (2 if plan == "default" else plan)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plan", PLANS)
 def test_googlenet_is_batch_invariant_under_every_plan(plan, monkeypatch):
     assert assert_batch_invariant(GOOGLENET, plan, monkeypatch) == (2 if plan == "default" else plan)

@@ -381,6 +381,7 @@ def test_a_reshape_to_strided_pieces_of_the_same_size_moves_the_bottoms_out():
 
 # Each step: (mode, whether the Concat runs on the device in "gpu" mode: False
 # runs it on the host, as a layer without a device path or of a hybrid share 0).
+@pytest.mark.opencl
 @pytest.mark.parametrize("steps", [
     [("gpu", True), ("cpu", True)],
     [("cpu", True), ("gpu", True)],

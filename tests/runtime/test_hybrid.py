@@ -11,12 +11,12 @@ import pytest
 import cct
 from cct.core.blob import SPLIT
 from cct.runtime import hybrid, settings
-from helpers.devices import opencl_or_skip
+from helpers.devices import OPENCL, opencl_or_skip
 from helpers.reference import (CASE_NAMES, CASES, assert_matches_caffe, assert_solver_matches_caffe, load_case,
                                run_solver_case)
 
 
-@pytest.fixture
+@pytest.fixture(params=[OPENCL])
 def on_opencl(monkeypatch):
     device = opencl_or_skip()
     monkeypatch.setattr(settings, "_device_mode", "gpu")

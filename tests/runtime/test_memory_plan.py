@@ -226,6 +226,7 @@ print(json.dumps({"planned": solver.memory_plan.total, "measured": peak_resident
 """
 
 
+@pytest.mark.slow
 def test_the_planned_peak_is_within_ten_percent_of_the_measured_one(tmp_path):
     """In a process of its own, so that the measured peak is this run's: the
     wide net at batch 1024 (weights, diffs, momentum, activations: ~0.4 GiB)."""

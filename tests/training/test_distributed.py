@@ -5,7 +5,8 @@ at every iteration, the records one reader of batch N*b reads, so within an
 epoch the ranks' records are disjoint and together cover the source. The
 sums' buckets: small parameters gathered, large ones cut.
 
-Under `mpirun` (skipped where mpirun or mpi4py are missing): LeNet and
+Under `mpirun` (marked mpi; tests/conftest.py skips them where mpirun or
+mpi4py are missing, and fails them under CI=true): LeNet and
 CaffeNet-mini trained for 20 iterations by 2 ranks of batch b and by 4 of
 batch b/2 end with the weights of 1 rank of batch 2b fed the same images, to
 1e-5 of each blob's largest value, for SGD, Nesterov and Adam, with and
@@ -22,7 +23,6 @@ removed after) train as one process too."""
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -36,6 +36,7 @@ import cct
 from cct.testing.gradient_check import make_layer
 from cct.training import distributed
 from helpers.data import raw_datum, start, write_hdf5_list, write_image_list, write_lmdb
+from helpers.requirements import require, skip_or_fail
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE.parent / "helpers" / "mpi_worker.py"
@@ -50,19 +51,6 @@ ITERATIONS = 20
 # the gradients.
 UPDATES = {"SGD": "momentum: 0.9", "Nesterov": "momentum: 0.9",
            "Adam": "momentum: 0.9 momentum2: 0.999 delta: 1e-3"}
-
-
-def mpi_missing():
-    if shutil.which("mpirun") is None:
-        return "mpirun not found (apt-get install openmpi-bin libopenmpi-dev)"
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        return "mpi4py not installed (pip install 'cct[mpi]')"
-    return None
-
-
-needs_mpi = pytest.mark.skipif(mpi_missing() is not None, reason=str(mpi_missing()))
 
 
 def mpirun(ranks, *argv):
@@ -365,7 +353,7 @@ def alone(lenet, caffenet_mini):
 EVERY_CASE = [(net, kind, size) for net in NETS for kind, size in CASES]
 
 
-@needs_mpi
+@pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [2, 4])
 @pytest.mark.parametrize("net, kind, iter_size", EVERY_CASE, ids=[f"{n}-{k}-iter_size{s}" for n, k, s in EVERY_CASE])
 def test_ranks_train_as_one_of_their_summed_batch(request, alone, net, kind, iter_size, ranks):
@@ -385,7 +373,7 @@ def assert_trained_alike(got, first, expected):
         assert np.abs(values - first[name]).max() > 1e-3 * scale, name
 
 
-@needs_mpi
+@pytest.mark.mpi
 def test_sums_after_backward_give_the_numbers_of_sums_during_it(lenet, two_ranks):
     """CCT_MPI_OVERLAP=0 sums every gradient once backward has ended: the same
     sums, bitwise (with iter_size 2, and with clip_gradients, whose norm waits
@@ -398,7 +386,7 @@ def test_sums_after_backward_give_the_numbers_of_sums_during_it(lenet, two_ranks
         assert all(got[name].tobytes() == expected[name].tobytes() for name in expected), case
 
 
-@needs_mpi
+@pytest.mark.mpi
 def test_sums_on_the_streams_give_the_numbers_of_sums_beside_them(lenet, two_ranks):
     """In the streams schedule each sum is a sub-task on the communication
     stream (buckets of 64 KiB: LeNet's 1.6 MB would be one 2 MiB bucket,
@@ -430,7 +418,7 @@ def small_buckets(lenet, two_ranks):         # two_ranks writes the solvers
                         MPI_WORKER_HOLD="1")
 
 
-@needs_mpi
+@pytest.mark.mpi
 def test_buckets_gather_small_parameters_and_cut_large_ones_to_the_same_numbers(two_ranks, small_buckets):
     weights, said = small_buckets
     units = said[0]["units"][0]
@@ -446,7 +434,7 @@ def test_buckets_gather_small_parameters_and_cut_large_ones_to_the_same_numbers(
         assert all(got[name].tobytes() == expected[name].tobytes() for name in expected), case
 
 
-@needs_mpi
+@pytest.mark.mpi
 def test_sums_go_in_the_order_the_next_forward_needs_them_alike_on_every_rank(small_buckets):
     """Of the sums ready on every rank, the one holding the lowest layer goes
     first (parameter order is forward order: the lowest parameter, then the
@@ -463,7 +451,7 @@ def test_sums_go_in_the_order_the_next_forward_needs_them_alike_on_every_rank(sm
         assert all(len(trace[k][1]) == len(units) and first[trace[k][0]][0] == 0 for k in starts)
 
 
-@needs_mpi
+@pytest.mark.mpi
 def test_pycaffe_reports_the_mpi_world(two_ranks):
     said = [{k: v for k, v in rank.items() if k in ("solver_count", "solver_rank")} for rank in two_ranks[1]]
     assert said == [{"solver_count": 2, "solver_rank": 0}, {"solver_count": 2, "solver_rank": 1}]
@@ -489,13 +477,12 @@ def run_quiet(*command):
 def two_hosts(tmp_path):
     """Two namespaces with private addresses on a veth pair, removed after:
     (the command prefix that runs mpirun on host A, mpirun's flags)."""
-    if shutil.which("ip") is None or shutil.which("unshare") is None:
-        pytest.skip("needs ip (iproute2) and unshare")
+    require("two hosts")
     a, b = f"cct{os.getpid()}a", f"cct{os.getpid()}b"
     names = {"a": a, "b": b, "a_ip": "10.77.0.1", "b_ip": "10.77.0.2"}
     made = run_quiet("ip", "netns", "add", a)
     if made.returncode:
-        pytest.skip(f"cannot make network namespaces here: {made.stderr.strip()}")
+        skip_or_fail(f"cannot make network namespaces here: {made.stderr.strip()}")
     try:
         steps = [("netns", "add", b), ("link", "add", f"v{a}", "type", "veth", "peer", "name", f"v{b}")]
         for ns, ip in ((a, names["a_ip"]), (b, names["b_ip"])):
@@ -517,7 +504,7 @@ def two_hosts(tmp_path):
             run_quiet("ip", "netns", "delete", ns)
 
 
-@needs_mpi
+@pytest.mark.mpi
 def test_two_hosts_over_tcp_train_as_one(lenet, two_hosts, tmp_path, one_way):
     """Ranks on two hosts sum during backward by default, to the same numbers."""
     folder, nets = lenet
@@ -555,7 +542,7 @@ def snapshots(folder, name):
     return sorted(found)
 
 
-@needs_mpi
+@pytest.mark.mpi
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks through /proc")
 def test_a_killed_rank_ends_the_job_and_the_snapshot_resumes(lenet, tmp_path, one_way):
     """SIGHUP to rank 1 alone: rank 0 snapshots (the ranks agree on requests);
@@ -618,7 +605,7 @@ def resume_on_two_and_one(folder, nets, state, one_way):
     net.close()
 
 
-@needs_mpi
+@pytest.mark.mpi
 def test_a_failing_rank_ends_every_rank_with_its_error(lenet, tmp_path):
     """Rank 1's first record (the second of the database) is no Datum: its
     error, not a hang of rank 0 in the gradient sum."""
@@ -637,7 +624,7 @@ def test_a_failing_rank_ends_every_rank_with_its_error(lenet, tmp_path):
                      done.stderr), done.stderr[-3000:]
 
 
-@needs_mpi
+@pytest.mark.mpi
 def test_ranks_training_other_nets_are_refused_by_name(lenet, tmp_path):
     """mpirun's two programs (A : B): rank 1's net has batch 8, rank 0's 4."""
     folder, nets = lenet
@@ -650,7 +637,7 @@ def test_ranks_training_other_nets_are_refused_by_name(lenet, tmp_path):
                      done.stderr), done.stderr[-3000:]
 
 
-@needs_mpi
+@pytest.mark.mpi
 def test_only_rank_0_reads_the_weights(lenet, tmp_path, one_way):
     """Rank 1 is given a weights file that does not exist: it never opens it,
     and ends at rank 0's weights, trained from the file rank 0 read."""

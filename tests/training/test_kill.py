@@ -147,6 +147,7 @@ def kill_chain(folder, snapshot_format, solver_path, loader, moments):
     return state, mid_write
 
 
+@pytest.mark.slow
 def test_killed_at_random_moments_always_resumes(tmp_path):
     rng = random.Random(SEED)
     moments = [rng.uniform(0.0, 0.1) for _ in range(KILLS)]
@@ -182,6 +183,7 @@ def test_killed_at_random_moments_always_resumes(tmp_path):
                              folder / f"unbroken_iter_{end}{state_ext}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(SOLVERS))
 def test_steps_then_resume_in_another_process_equals_unbroken_steps(kind, tmp_path):
     write_net(tmp_path)

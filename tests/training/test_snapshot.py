@@ -244,6 +244,7 @@ def snapshot_iters(folder):
                   if (m := re.fullmatch(r"snap_iter_(\d+)\.solverstate", name)))
 
 
+@pytest.mark.slow
 def test_killed_training_resumes_from_its_latest_snapshot(tmp_path):
     solver_path = write_run(tmp_path, max_iter=10 ** 7)
     log_path = tmp_path / "train.log"
@@ -270,6 +271,7 @@ def test_killed_training_resumes_from_its_latest_snapshot(tmp_path):
     assert resumed.iter == latest + 3
 
 
+@pytest.mark.slow
 def test_sighup_snapshots_and_sigint_stops(tmp_path):
     solver_path = write_run(tmp_path, max_iter=10 ** 7, snapshot=0)
     log_path = tmp_path / "train.log"
@@ -286,6 +288,7 @@ def test_sighup_snapshots_and_sigint_stops(tmp_path):
     assert len(snapshot_iters(tmp_path)) == 2       # SIGHUP's, then the stop's (snapshot_after_train)
 
 
+@pytest.mark.slow
 def test_sigint_effect_snapshot_goes_on_and_sighup_effect_stop_stops(tmp_path):
     """As Caffe's Solver::Step: a 'snapshot' request snapshots and training goes
     on; a 'stop' request ends training, with the snapshot_after_train snapshot."""
@@ -304,6 +307,7 @@ def test_sigint_effect_snapshot_goes_on_and_sighup_effect_stop_stops(tmp_path):
     assert last > first                             # it trained on after the SIGINT snapshot
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ignored, stopping", [("SIGINT", "SIGHUP"), ("SIGHUP", "SIGINT")])
 def test_effect_none_ignores_and_stop_without_snapshot_after_train_writes_nothing(ignored, stopping, tmp_path):
     solver_path = write_run(tmp_path, max_iter=10 ** 7, snapshot=0, extra="snapshot_after_train: false")
