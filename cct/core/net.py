@@ -447,7 +447,7 @@ class Net:
         if hdf5:
             skipped = weights_io.copy_layers_from_hdf5(self, path)
         else:
-            skipped = weights_io.copy_layers_from_proto(self, weights_io.read_caffemodel(path), path)
+            skipped = weights_io.copy_layers_from_caffemodel(self, path)
         for name in skipped:
             log.info("%s: ignoring source layer '%s' (not in net '%s')", path, name, self.name)
 

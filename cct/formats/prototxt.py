@@ -52,12 +52,21 @@ def read_text(path, message):
 
 
 def read_binary(path, message):
-    data = _read(path, "rb")
+    return parse_binary(_read(path, "rb"), message, path)
+
+
+def parse_binary(data, message, path):
+    """Parse `data`, the bytes of the file at `path`, into `message`."""
     try:
         message.ParseFromString(data)
     except DecodeError as error:
         raise ConfigError(f"{path}: not a valid binary {message.DESCRIPTOR.name}: {error}") from None
     return message
+
+
+def read_bytes(path):
+    """The bytes of the file at `path`; a missing file or a folder is a ConfigError."""
+    return _read(path, "rb")
 
 
 def read_net(path_or_text, *, is_text=None):

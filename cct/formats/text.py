@@ -35,16 +35,52 @@ def undecoded_string(message, path=""):
     """(field path, bytes) of the first string field of `message`, nested
     messages included, that holds bytes which are not UTF-8, else None: a
     binary file can carry them, and protobuf hands them back as bytes, where
-    everything else in cct expects str (a layer name, a blob name, a path)."""
+    everything else in cct expects str (a layer name, a blob name, a path).
+    Only string fields and messages that can hold one are visited: a weight
+    file's millions of floats are never touched (issue 39)."""
     for field, value in message.ListFields():
-        name = f"{path}{field.name}"
-        values = value if field.is_repeated else [value]
-        for index, item in enumerate(values):
-            where = f"{name}[{index}]" if field.is_repeated else name
-            if field.type == field.TYPE_STRING and isinstance(item, bytes):
-                return where, item
-            if field.type == field.TYPE_MESSAGE:
-                found = undecoded_string(item, where + ".")
-                if found:
-                    return found
+        if field.type == field.TYPE_STRING:
+            found = _bytes_in(field, value, path)
+        elif field.type == field.TYPE_MESSAGE and _holds_strings(field.message_type):
+            found = _bytes_in_messages(field, value, path)
+        else:
+            continue
+        if found:
+            return found
     return None
+
+
+def _bytes_in(field, value, path):
+    values = value if field.is_repeated else [value]
+    for index, item in enumerate(values):
+        if isinstance(item, bytes):
+            return _where(field, index, path), item
+    return None
+
+
+def _bytes_in_messages(field, value, path):
+    for index, item in enumerate(value if field.is_repeated else [value]):
+        found = undecoded_string(item, _where(field, index, path) + ".")
+        if found:
+            return found
+    return None
+
+
+def _where(field, index, path):
+    return f"{path}{field.name}[{index}]" if field.is_repeated else f"{path}{field.name}"
+
+
+_HOLDS_STRINGS = {}     # message full name -> whether it or a message inside it has a string field
+
+
+def _holds_strings(descriptor):
+    """Whether a message of this type can hold a string, at any depth
+    (BlobProto cannot: the check skips a blob whole)."""
+    name = descriptor.full_name
+    if name not in _HOLDS_STRINGS:
+        _HOLDS_STRINGS[name] = True             # a message type that contains itself: assume it may
+        _HOLDS_STRINGS[name] = any(
+            field.type == field.TYPE_STRING
+            or (field.type == field.TYPE_MESSAGE and _holds_strings(field.message_type))
+            for field in descriptor.fields)
+    return _HOLDS_STRINGS[name]

@@ -2,16 +2,20 @@
 and the BlobProto <-> numpy conversions they rest on.
 
 Large models (VGG-16 is ~550 MB) load without per-element Python work: the
-protobuf runtime parses the packed floats in C and numpy copies them in bulk;
-writing builds the packed field bytes directly from the array's buffer.
+file is mapped, cct.formats.wire cuts each blob's packed values out of the
+message as views of its bytes, protobuf parses the rest, and each value is
+copied once, into the net's array; writing builds the packed field bytes
+directly from the array's buffer.
 """
+import mmap
 import os
 
 import numpy as np
 
 from cct.core.errors import ShapeError, WeightsError
 from cct.formats import hdf5
-from cct.formats.prototxt import atomic_path, atomic_write, read_binary
+from cct.formats.prototxt import atomic_path, atomic_write, parse_binary, read_bytes
+from cct.formats.wire import Unexpected, field_pieces, split_blobs, varint
 from cct.proto import caffe_pb2
 
 _PACKED_DATA_TAG = (5 << 3) | 2          # BlobProto.data = 5, length-delimited (packed)
@@ -20,14 +24,15 @@ _LAYER_BLOBS = 7                          # LayerParameter.blobs
 _NET_LAYER = 100                          # NetParameter.layer
 
 
-def blob_proto_shape(blob_proto):
+def blob_proto_shape(blob_proto, count=None):
     """The shape a BlobProto describes: legacy num/channels/height/width when any
-    is set (Caffe's Blob::FromProto looks at them first), else `shape.dim`."""
+    is set (Caffe's Blob::FromProto looks at them first), else `shape.dim`,
+    else its `count` values (by default those it holds) in one axis."""
     if _has_legacy_shape(blob_proto):
         return (blob_proto.num, blob_proto.channels, blob_proto.height, blob_proto.width)
     if blob_proto.HasField("shape"):
         return tuple(blob_proto.shape.dim)
-    return (len(blob_proto.double_data) or len(blob_proto.data),)
+    return (len(blob_proto.double_data) or len(blob_proto.data),) if count is None else (count,)
 
 
 def _has_legacy_shape(blob_proto):
@@ -38,10 +43,15 @@ def blob_proto_to_array(blob_proto, diff=False):
     """A float32 array of the BlobProto's data (or diff), shaped as it says;
     `double_data` (`double_diff`) is read in preference to `data`, as Caffe does."""
     values = (blob_proto.double_diff or blob_proto.diff) if diff else (blob_proto.double_data or blob_proto.data)
-    array = np.array(values, dtype=np.float32)
-    shape = blob_proto_shape(blob_proto)
+    return _shaped(np.array(values, dtype=np.float32), blob_proto)
+
+
+def _shaped(array, blob_proto, where=""):
+    """`array`, the values of `blob_proto`, in the shape it describes."""
+    shape = blob_proto_shape(blob_proto, array.size)
     if array.size != int(np.prod(shape)):
-        raise WeightsError(f"BlobProto holds {array.size} values but its shape {shape} needs {int(np.prod(shape))}")
+        raise WeightsError(f"{where}BlobProto holds {array.size} values but its shape {shape} "
+                           f"needs {int(np.prod(shape))}")
     return array.reshape(shape)
 
 
@@ -61,19 +71,7 @@ def array_to_blob_proto(array, diff=None):
 
 def _packed_floats(tag, array):
     raw = np.ascontiguousarray(array, dtype="<f4").tobytes()
-    return _varint(tag) + _varint(len(raw)) + raw
-
-
-def _varint(value):
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
+    return varint(tag) + varint(len(raw)) + raw
 
 
 def legacy_shape_matches(blob_shape, proto):
@@ -91,36 +89,80 @@ def legacy_shape_matches(blob_shape, proto):
 # --- .caffemodel ----------------------------------------------------------------
 def read_caffemodel(path):
     """The NetParameter in a .caffemodel, upgraded to the current format."""
-    from cct.formats.upgrade import upgrade_net
     if not os.path.exists(path):
         raise WeightsError(f"{path}: weight file not found")
-    return upgrade_net(read_binary(path, caffe_pb2.NetParameter()), source=str(path))
+    return _upgraded(read_bytes(path), path)
 
 
-def copy_layers_from_proto(net, net_param, source="<weights>"):
+def _mapped(path):
+    """The bytes of the weight file at `path`, mapped rather than read where the
+    system allows: a read fills fresh pages that cost 6x the copy out of them
+    (BENCHMARKS.md, "Loading a .caffemodel"). Unmapped when the last view goes."""
+    if not os.path.exists(path):
+        raise WeightsError(f"{path}: weight file not found")
+    try:
+        with open(path, "rb") as handle:
+            return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):                   # an empty file, a pipe: read it
+        return read_bytes(path)
+
+
+def copy_layers_from_caffemodel(net, path):
+    """copy_layers_from_proto from the .caffemodel at `path`, each value copied
+    once, from the file's bytes into the net's array (cct.formats.wire); a file
+    the walk leaves to protobuf is parsed whole, as read_caffemodel does."""
+    data = _mapped(path)
+    try:
+        skeleton, values = split_blobs(data)
+    except Unexpected:
+        skeleton, values = data[:], None
+    net_param = _upgraded(skeleton, path)
+    if values is not None and sum(len(layer.blobs) for layer in net_param.layer) != len(values):
+        net_param, values = _upgraded(data[:], path), None     # not expected: the upgrades keep the blobs' order
+    return copy_layers_from_proto(net, net_param, path, values)
+
+
+def _upgraded(data, path):
+    from cct.formats.upgrade import upgrade_net
+    return upgrade_net(parse_binary(data, caffe_pb2.NetParameter(), path), source=str(path))
+
+
+def copy_layers_from_proto(net, net_param, source="<weights>", values=None):
     """Copy weights into `net` by layer name (Caffe's CopyTrainedLayersFrom).
 
     Source layers the net lacks are skipped, as in Caffe (fine-tuning renames
     the layers it wants to learn from scratch); every skipped name is returned.
-    A layer whose blob count or shapes differ is an error.
+    A layer whose blob count or shapes differ is an error. `values`, when
+    given, are the blobs' values in order (wire.split_blobs): the BlobProtos
+    then hold only their shapes.
     """
-    skipped = []
+    skipped, offset = [], 0
     for source_layer in net_param.layer:
+        count = len(source_layer.blobs)
+        layer_values = values[offset:offset + count] if values is not None else [None] * count
+        offset += count
         layer = net.layer_dict.get(source_layer.name)
         if layer is None:
             skipped.append(source_layer.name)
             continue
-        where = f"{source}: layer '{source_layer.name}' ({layer.type})"
-        if len(layer.blobs) != len(source_layer.blobs):
-            raise WeightsError(f"{where}: the file has {len(source_layer.blobs)} blobs, "
-                               f"the net's layer has {len(layer.blobs)}")
-        for index, (blob, proto) in enumerate(zip(layer.blobs, source_layer.blobs)):
-            if not legacy_shape_matches(blob.shape, proto):
-                raise WeightsError(
-                    f"{where}: blobs[{index}]: shape mismatch, the file has {blob_proto_shape(proto)}, "
-                    f"the net wants {blob.shape}; to learn this layer from scratch, rename it")
-            blob.data[...] = blob_proto_to_array(proto).reshape(blob.shape)
+        _copy_layer(layer, source_layer, layer_values, f"{source}: layer '{source_layer.name}' ({layer.type})")
     return skipped
+
+
+def _copy_layer(layer, source_layer, values, where):
+    if len(layer.blobs) != len(source_layer.blobs):
+        raise WeightsError(f"{where}: the file has {len(source_layer.blobs)} blobs, "
+                           f"the net's layer has {len(layer.blobs)}")
+    for index, (blob, proto, array) in enumerate(zip(layer.blobs, source_layer.blobs, values)):
+        count = None if array is None else array.size
+        if not legacy_shape_matches(blob.shape, proto):
+            raise WeightsError(
+                f"{where}: blobs[{index}]: shape mismatch, the file has {blob_proto_shape(proto, count)}, "
+                f"the net wants {blob.shape}; to learn this layer from scratch, rename it")
+        if array is None:
+            array = np.array(proto.double_data or proto.data, dtype=np.float32)
+        # the one copy: the file's float32 (or float64) values into the blob
+        blob.data[...] = _shaped(array, proto, f"{where}: blobs[{index}]: ").reshape(blob.shape)
 
 
 def net_to_proto(net, write_diff=False):
@@ -156,7 +198,7 @@ def blob_pieces(array, diff=None):
     for tag, values in ((_PACKED_DATA_TAG, array), (_PACKED_DIFF_TAG, diff)):
         if values is not None:
             raw = np.ascontiguousarray(values, dtype="<f4")
-            pieces += [_varint(tag) + _varint(raw.nbytes), memoryview(raw).cast("B")]
+            pieces += [varint(tag) + varint(raw.nbytes), memoryview(raw).cast("B")]
     head = caffe_pb2.BlobProto()
     head.shape.dim.extend(np.shape(array))
     return pieces + [head.SerializeToString()]
@@ -176,12 +218,6 @@ def _layer_pieces(layer_param, arrays):
     for data, diff in arrays:
         pieces += field_pieces(_LAYER_BLOBS, blob_pieces(data, diff))
     return pieces + [above.SerializeToString()]
-
-
-def field_pieces(number, pieces):
-    """A length-delimited field `number` holding the concatenated `pieces`."""
-    length = sum(len(piece) if isinstance(piece, bytes) else piece.nbytes for piece in pieces)
-    return [_varint((number << 3) | 2) + _varint(length)] + pieces
 
 
 # --- HDF5 (Caffe's Net::ToHDF5 / CopyTrainedLayersFromHDF5) ----------------------
