@@ -41,7 +41,7 @@ def set_mode_gpu():
 
 def set_schedule(mode):
     """cct's extension: how nets made from now on train, "sequential", "streams",
-    "tuned" or "auto" (None: back to CCT_SCHEDULE / the run configuration / "auto"); what
+    "tuned" or "auto" (None: back to the run configuration / CCT_SCHEDULE / "auto"); what
     `cct train --schedule` sets (cct.runtime.settings, cct.runtime.scheduler)."""
     from cct.runtime import settings
     settings.set_schedule(mode)
@@ -50,7 +50,7 @@ def set_schedule(mode):
 def set_fusion(enabled):
     """cct's extension: whether TEST-phase nets built from now on run chains
     of BatchNorm, Scale, ReLU, Eltwise sums as one pass and Split tops as
-    aliases (None: back to CCT_FUSION / the run configuration / on;
+    aliases (None: back to the run configuration / CCT_FUSION / on;
     cct.runtime.fusion)."""
     from cct.runtime import settings
     settings.set_fusion(enabled)

@@ -34,7 +34,6 @@ same file.
 """
 import contextlib
 import json
-import os
 import platform
 import threading
 import time
@@ -43,19 +42,14 @@ from pathlib import Path
 
 import numpy as np
 
+from cct.core import settings
 from cct.core.workspace import Arena
+from cct.devices.blas import blas_limited
 from cct.formats.prototxt import atomic_write
 
 from .type1 import batch_inner
 from .chunking import DEFAULT_BUDGET_MB, cache_chunk, chunk_size, chunks, image_bytes
 
-# fn() -> the cache folder or None (~/.cache/cct); the runtime sets it to read
-# CCT_CACHE_DIR on every use (cct.runtime.settings), as the chooser is below it.
-cache_folder = None
-# fn(count) -> a context in which BLAS runs `count` threads, or None; the runtime
-# sets it (cct.runtime.threads.blas_limited), for timing a forward as a batch
-# partition runs it.
-blas_threads = None
 CACHE_FILE = "lowering.json"
 CACHE_VERSION = 2                      # 2: calibrations keep their timed copies (Machine.copies)
 TYPES = (1, 2, 3)
@@ -209,8 +203,7 @@ def machine_key():
 
 # --- the cache file --------------------------------------------------------------------------
 def cache_path():
-    directory = (cache_folder() if cache_folder else None) or os.path.join(os.path.expanduser("~"), ".cache", "cct")
-    return Path(directory) / CACHE_FILE
+    return Path(settings.value("cache_dir")) / CACHE_FILE
 
 
 def _load_cache(path):
@@ -506,7 +499,7 @@ def measure_forward(geom, batch, lowering_type, dtype=np.float32, repeats=None, 
     sizes winograd.timing_tiles takes} in seconds on random data, the best of
     `repeats` interleaved runs (None: as many as
     FORWARD_TIMING_SECONDS allows, within FORWARD_REPEATS), at `threads` BLAS
-    threads when given (and blas_threads is set); Winograd's include checking
+    threads when given; Winograd's include checking
     its transformed weights (cct.lowering.winograd.TransformedWeights), as
     every forward of a layer does."""
     from . import conv_forward, winograd
@@ -528,7 +521,7 @@ def measure_forward(geom, batch, lowering_type, dtype=np.float32, repeats=None, 
         else:
             conv_forward(x, w, geom, lowering_type, out=y, ws=arena, chunk=chunk, bias=bias)
 
-    limited = blas_threads(threads) if threads and blas_threads else contextlib.nullcontext()
+    limited = blas_limited(threads) if threads else contextlib.nullcontext()
     with limited:
         if repeats is None:
             start = time.perf_counter()

@@ -29,6 +29,15 @@ def pytest_report_header(config):
     return [f"{need} tests: missing {missing(need)}" for need in NEEDS if missing(need)]
 
 
+@pytest.fixture(autouse=True)
+def explicit_settings():
+    """What a test sets by calls (set_mode_gpu, --gpu, set_schedule, load)
+    ends with it (cct.core.settings.restoring)."""
+    from cct.core.settings import restoring
+    with restoring():
+        yield
+
+
 def pytest_runtest_setup(item):
     for need in NEEDS:
         if item.get_closest_marker(need):

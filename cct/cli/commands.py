@@ -98,8 +98,7 @@ def apply_gpu(args):
         settings.set_mode("cpu")
         return
     ids = settings.parse_device_ids(given, "--gpu")
-    settings.set_device_ids(ids)
-    settings.set_mode("gpu")
+    settings.set_device_ids(ids)                # gpu mode on the first, as set_mode_gpu
     device = settings.device()
     log.info("Using OpenCL device %d: %s%s", ids[0], device.name,
              f" (devices {','.join(map(str, ids))} for a hybrid split)" if len(ids) > 1 else "")

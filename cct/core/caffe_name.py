@@ -19,8 +19,15 @@ ALIAS_MARK = "__cct_alias__"          # a name only cct's caffe.py defines: how 
 
 
 def alias_enabled():
-    """False when CCT_CAFFE_ALIAS says 0/off/false/no."""
-    return os.environ.get(ALIAS_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    """False when the caffe_alias knob (CCT_CAFFE_ALIAS) says 0/off/false/no."""
+    from cct.core import settings
+    return settings.value("caffe_alias")
+
+
+def _alias_source():
+    from cct.core import settings
+    source = settings.source_value("caffe_alias")[0]
+    return f"{ALIAS_ENV}=0" if source == "environment" else "by a call"
 
 
 def real_pycaffe():
@@ -43,7 +50,7 @@ def caffe_import():
     if real is not None:
         return f"pycaffe at {os.path.dirname(real.origin)} (Caffe's own: code that imports caffe does not get cct)"
     if not alias_enabled():
-        return f"no module named 'caffe' (cct's alias is turned off: {ALIAS_ENV}={os.environ[ALIAS_ENV]})"
+        return f"no module named 'caffe' (cct's alias is turned off: {_alias_source()})"
     spec = importlib.util.find_spec("caffe")
     if spec is None:
         return "no module named 'caffe' (cct's alias is not installed: pip install cct)"

@@ -59,7 +59,7 @@ DEFAULT_SPLIT_ELEMENTS = 1 << 20
 TUNE_PARAM_COPY_BYTES = 64 << 20
 
 EVENTS = ("before_forward", "after_forward", "before_backward", "after_backward")
-_ASK = object()                # Executor._forward_device outside a Net.forward: ask settings.device()
+_ASK = object()                # Executor._forward_device outside a Net.forward: ask self.device()
 
 log = logging.getLogger("cct.runtime.executor")
 
@@ -95,12 +95,13 @@ class Executor:
         # is freed at once, with no cycle for the garbage collector to find.
         self._net = weakref.ref(net)
         self.blas = threads_module.blas()
-        self.threads = int(threads or settings.threads() or self.blas.default)
+        self.settings = settings.resolve(net.phase)
+        self.threads = int(threads or self.settings.workers or self.blas.default)
         self.plan = {}
         self._partitioned = {}
         self._defaults = {}           # layer index -> (its top shape and settings, default partitions)
         self._listeners = {}          # kind -> callbacks; empty until a subscription, so the checks cost little
-        self.schedule = settings.schedule()   # sequential, streams or auto (cct.runtime.scheduler)
+        self.schedule = self.settings.schedule   # sequential, streams, tuned or auto (cct.runtime.scheduler)
         self._streams = None          # (net shape, scheduler.Schedule) for the streams mode
         self._auto = None             # (shape_key, FasterOf): "auto"'s choice for the backward alone
         self.placed = {}              # layer index -> where its last forward ran on a device: its name or "host"
@@ -111,13 +112,13 @@ class Executor:
         # CCT_PARTITIONS=p partitions every layer that allows it (the conformance
         # suite runs with it to check partitioned results equal unpartitioned
         # ones); CCT_PARTITIONS=1 runs every layer whole.
-        forced = settings.forced_partitions()
+        forced = self.settings.forced_partitions
         if forced:                         # 1: every layer whole, the default plan off
             for index in range(len(net.layers)):
                 if self.batch(index) is not None:
                     self.plan[index] = forced
-        settings.apply(self)
-        self.fusion = fusion_module.plan(net) if settings.fusion_enabled(net.phase) else None
+        settings.apply(self, self.settings.config)
+        self.fusion = fusion_module.plan(net) if self.settings.fusion else None
         self.forward_end = None       # the last layer of the Net.forward under way (fusion's output ReLUs)
         self._forward_device = _ASK   # the device of the Net.forward under way, looked up once for its layers
         # Refused now, before the first forward touches the blobs setup mapped.
@@ -127,6 +128,16 @@ class Executor:
     @property
     def net(self):
         return self._net()
+
+    def current_settings(self):
+        """The net's settings, made again where an explicit call changed a knob."""
+        if self.settings.stale():
+            self.settings = settings.resolve(self.net.phase)
+        return self.settings
+
+    def device(self):
+        """The OpenCL device this net's layers run on now, or None (the host)."""
+        return self.current_settings().device()
 
     # --- events ---------------------------------------------------------------------
     def subscribe(self, kind, callback):
@@ -245,7 +256,7 @@ class Executor:
         fusion = self.fusion
         device = self._forward_device
         if device is _ASK:
-            device = settings.device()
+            device = self.device()
         if device is not None:
             if fusion is not None:
                 fusion.flush(self)
@@ -277,10 +288,10 @@ class Executor:
 
     def begin_forward(self, end):
         """A Net.forward through layer `end` starts: a ReLU is fused only into a
-        forward that reaches it, and the device (settings.device(), which reads
-        the environment) is looked up once for all its layers."""
+        forward that reaches it, and the device is looked up once for all its
+        layers."""
         self.forward_end = end
-        self._forward_device = settings.device()
+        self._forward_device = self.device()
 
     def end_forward(self):
         self.forward_end = None
@@ -339,7 +350,7 @@ class Executor:
         plan for the net's shapes (cct.runtime.hybrid.plan), made once a whole
         forward at those shapes ran (its blobs are what the FLOPS rule times
         each layer on); until then layers run whole."""
-        wanted = settings.hybrid()
+        wanted = self.current_settings().hybrid
         if wanted is None:
             return
         key = (self.shape_key(), device)
@@ -388,7 +399,7 @@ class Executor:
             self.fusion.before_backward(self)
         if self._listeners:
             self._emit("before_backward", index)
-        device = settings.device()
+        device = self.device()
         if device is not None and (force or self.net.layer_need_backward[index]):
             self.backward_on(device, index)
         elif force or self.net.layer_need_backward[index]:
@@ -459,9 +470,10 @@ class Executor:
         sequential. The numbers are the same in every mode."""
         if self.fusion is not None:
             self.fusion.before_backward(self)
-        if self._listeners or self.schedule != "auto" or settings.device() is not None:
+        device = self.device()
+        if self._listeners or self.schedule != "auto" or device is not None:
             # a device's one in-order queue runs the layers in turn: sequential
-            sequential = self._listeners or settings.device() is not None
+            sequential = self._listeners or device is not None
             self._backward_in("sequential" if sequential else self.schedule)
             return
         key = self.shape_key()
@@ -491,7 +503,7 @@ class Executor:
         partitions (built once for each)."""
         key = self.shape_key()
         if self._streams is None or self._streams[0] != key:
-            self._streams = (key, scheduler.Schedule(self.net, **settings.priorities()))
+            self._streams = (key, scheduler.Schedule(self.net, **self.settings.priorities))
         return self._streams[1]
 
     # --- choosing p per layer by measurement ---------------------------------------

@@ -1,11 +1,6 @@
-"""The process's threads: one BLAS thread controller and one pool of worker
-threads, shared by every net, executor and solver of the process.
-
-OpenBLAS's thread count is process-wide, not per calling thread, so there is
-exactly one `BlasThreads` (`blas()`). Its `default` is the count the process
-had when cct first needed it, before any partitioned layer lowered it: a net
-built later (a test net made after `solver.step()`, a second pycaffe Net)
-gets the same default instead of whatever count the last layer left behind.
+"""The process's threads: one pool of worker threads, shared by every net,
+executor and solver of the process, beside the one BLAS thread controller
+(cct.devices.blas).
 
 Worker k - 1 of `workers()` runs unit k of every parallel run (a batch
 partition, an update stripe), so the per-thread work stores (the lowering
@@ -16,87 +11,11 @@ import os
 import threading
 from contextlib import contextmanager
 
-from threadpoolctl import ThreadpoolController
+from cct.devices.blas import BlasThreads, blas, blas_limited  # noqa: F401  (the runtime's names for them)
 
 _lock = threading.Lock()
-_blas = None
 _workers = []
 _lease = threading.local()     # .workers: the workers a stream's sub-task holds (leased), or None
-
-
-class BlasThreads:
-    """The BLAS libraries' thread count, set directly (threadpoolctl's
-    context manager re-scans the loaded libraries on every call)."""
-
-    def __init__(self):
-        # Streams set the count from their own threads. threadpoolctl 3.8 lets
-        # only the first thread that set an OpenBLAS (pthreads) count set it
-        # again and silently drops the others' calls, so the stream threads'
-        # sets went nowhere: a lone GEMM on a stream ran on the one thread the
-        # main thread had left. cct serializes every set under its own lock,
-        # so it calls OpenBLAS's own setter (`_setters`) from any thread. A set
-        # compares with the count the library reports, not only the one last
-        # asked: a count changed behind cct's back is set again.
-        self._lock = threading.Lock()
-        self._libraries = ThreadpoolController().select(user_api="blas").lib_controllers
-        self._setters = [_setter(lib) for lib in self._libraries]
-        # the lowest count: a limit the user set (threadpool_limits) may have
-        # reached only the libraries loaded then (numpy's, not scipy's later one)
-        self.default = min([lib.num_threads for lib in self._libraries] or [1])
-        self.current = self.default
-
-    def set(self, count):
-        count = max(1, int(count))
-        with self._lock:
-            for lib, setter in zip(self._libraries, self._setters):
-                if count != self.current or lib.get_num_threads() != count:
-                    setter(count)
-            self.current = count
-
-    def restore(self):
-        """Back to the process's default count."""
-        self.set(self.default)
-
-
-@contextmanager
-def blas_limited(count):
-    """The BLAS libraries at `count` threads inside the block, then back to
-    the count in force before it."""
-    library = blas()
-    previous = library.current
-    library.set(count)
-    try:
-        yield
-    finally:
-        library.set(previous)
-
-
-# OpenBLAS's setter is exported with the build's affixes: plain, 64-bit
-# integer ("64_"), and the scipy-openblas wheels' prefix ("scipy_").
-_OPENBLAS_SETTERS = [prefix + "openblas_set_num_threads" + suffix
-                     for prefix in ("", "scipy_") for suffix in ("", "64_")]
-
-
-def _setter(lib):
-    """The function that sets `lib`'s process-wide count from any thread:
-    OpenBLAS's own symbol for its pthreads builds (threadpoolctl's set would
-    drop calls from threads other than the first that set it), else
-    threadpoolctl's set (OpenMP builds and other libraries)."""
-    if lib.internal_api == "openblas" and lib.threading_layer != "openmp":
-        for name in _OPENBLAS_SETTERS:
-            function = getattr(lib.dynlib, name, None)
-            if function is not None:
-                return function
-    return lib.set_num_threads
-
-
-def blas():
-    """The process's BlasThreads, made on first use."""
-    global _blas
-    with _lock:
-        if _blas is None:
-            _blas = BlasThreads()
-        return _blas
 
 
 class Worker:
@@ -158,8 +77,6 @@ def _after_fork_in_child():
     _lock = threading.Lock()
     _workers = []
     _lease = threading.local()
-    if _blas is not None:
-        _blas._lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):

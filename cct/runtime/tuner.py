@@ -67,7 +67,8 @@ class Tuner:
         self.fixed = {}                  # key -> seconds at its fixed width (the fastest seen)
         self.climbing = set()
         self.pinned = {}                 # key -> the count the run configuration fixes ("threads")
-        net, config = schedule.net, settings.active()
+        net = schedule.net
+        config = net.executor.settings.config
         for task in schedule.tasks:
             if not self.tunable(net, task):
                 continue

@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from cct.core import settings as table
 from cct.core.errors import ConfigError
 from cct.core.rng import get_rng
 from cct.runtime import settings as run_config
@@ -42,7 +43,7 @@ BUCKET_ENV = "CCT_MPI_BUCKET"
 # more load 141 ms at 2 MiB, 161 at 1, 184 at 4, 347 each alone (pieces of
 # about a cache's size beat one 151 MB fc6). LeNet's 1.6 MiB (one bucket at 2
 # MiB) summed in 0.5-4 ms at every size, the spread the load's.
-BUCKET_BYTES = 2 * 2**20
+BUCKET_BYTES = table.BY_NAME["mpi_bucket"].default
 
 _world = None            # World, or False once a single process is known
 
@@ -432,20 +433,10 @@ def plan_units(params, order, bucket):
 
 
 def bucket_bytes(environ=None):
-    """The sums' bucket size in bytes: CCT_MPI_BUCKET (bytes, or with a K or
-    M suffix: KiB, MiB; 0: each parameter alone), else BUCKET_BYTES."""
-    environ = os.environ if environ is None else environ
-    value = environ.get(BUCKET_ENV, "").strip()
-    if not value:
-        return BUCKET_BYTES
-    scale = {"K": 2**10, "M": 2**20}.get(value[-1].upper(), 1)
-    try:
-        number = int(value[:-1] if scale > 1 else value) * scale
-    except ValueError:
-        number = -1
-    if number < 0:
-        raise ConfigError(f"environment: {BUCKET_ENV}={value!r} is not a size in bytes (e.g. 4M, 256K, 0)")
-    return number
+    """The sums' bucket size in bytes: the mpi_bucket knob (CCT_MPI_BUCKET:
+    bytes, or with a K or M suffix: KiB, MiB; 0: each parameter alone);
+    `environ` in place of the process's environment."""
+    return table.value("mpi_bucket", environ=environ)
 
 
 def _last_layers(net):

@@ -53,8 +53,6 @@ def test_time_on_an_opencl_device_says_where_each_layer_ran(tmp_path, capsys, mo
     from cct.runtime import settings
     from helpers.devices import opencl_or_skip
     device = opencl_or_skip()
-    for name in ("_device_mode", "_device_id", "_device_ids"):
-        monkeypatch.setattr(settings, name, getattr(settings, name))
     path = tmp_path / "tiny.prototxt"
     path.write_text(PROFILE_NET)
     code, _, err = run_cct(capsys, "time", "--model", path, "--iterations", "1", "--peak_size", "64", "--gpu", "0")

@@ -30,8 +30,6 @@ def test_train_on_an_opencl_device(run_folder, capsys, monkeypatch):
     from cct.runtime import settings
     from helpers.devices import opencl_or_skip
     device = opencl_or_skip()
-    for name in ("_device_mode", "_device_id", "_device_ids"):
-        monkeypatch.setattr(settings, name, getattr(settings, name))
     code, _, err = run_cct(capsys, "train", "-solver", "solver.prototxt", "--gpu", "0")
     assert code == 0, err
     assert f"Using OpenCL device 0: {device.name}" in messages(err)

@@ -13,8 +13,8 @@ from helpers.reference import (CASE_NAMES, CASES, assert_matches_caffe, assert_s
 @pytest.fixture(params=[OPENCL])
 def on_opencl(monkeypatch):
     device = opencl_or_skip()
-    monkeypatch.setattr(settings, "_device_mode", "gpu")
-    monkeypatch.setattr(settings, "_device_id", device.index)
+    settings.set_device_id(device.index)
+    settings.set_mode("gpu")
     return device
 
 

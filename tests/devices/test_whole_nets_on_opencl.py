@@ -48,10 +48,10 @@ def test_a_deploy_net_on_the_device_matches_the_host(name, monkeypatch):
     weights = {layer: [rng.standard_normal(p.shape).astype(np.float32) * (0.5 if p.data.ndim > 1 else 0.1)
                        / np.sqrt(max(p.count // p.shape[0], 1)) for p in params]
                for layer, params in probe.params.items()}
-    monkeypatch.setattr(settings, "_device_mode", "cpu")
+    settings.set_mode("cpu")
     _, on_host = one_pass(param, weights)
-    monkeypatch.setattr(settings, "_device_mode", "gpu")
-    monkeypatch.setattr(settings, "_device_id", device.index)
+    settings.set_device_id(device.index)
+    settings.set_mode("gpu")
     net, on_device = one_pass(param, weights)
     assert all(where == device.name for index, where in net.executor.placed.items()
                if net.layers[index].type != "Input"), net.executor.placed

@@ -24,7 +24,7 @@ RNG = np.random.default_rng(5)
 
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(chooser, "cache_folder", lambda: str(tmp_path))
+    monkeypatch.setenv("CCT_CACHE_DIR", str(tmp_path))
     chooser.clear_memory_cache()
     yield tmp_path
     chooser.clear_memory_cache()

@@ -19,7 +19,7 @@ RNG = np.random.default_rng(17)
 
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(chooser, "cache_folder", lambda: str(tmp_path))
+    monkeypatch.setenv("CCT_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("CCT_WINOGRAD", raising=False)
     monkeypatch.delenv("CCT_LOWERING", raising=False)
     chooser.clear_memory_cache()
@@ -193,9 +193,9 @@ def test_winograd_is_kept_only_where_clearly_faster(cache_dir, monkeypatch):
     assert chooser.choose_forward(geom, 2, 1) == 4
 
 
-def test_the_runtime_lends_the_chooser_its_blas_setter():
+def test_the_chooser_times_at_the_runtimes_blas_count():
     from cct.runtime import threads
-    assert chooser.blas_threads is threads.blas_limited
+    assert chooser.blas_limited is threads.blas_limited
     library = threads.blas()
     before = library.current
     with threads.blas_limited(1):
@@ -205,7 +205,7 @@ def test_the_runtime_lends_the_chooser_its_blas_setter():
 
 def test_measure_forward_runs_at_the_threads_asked(monkeypatch):
     counts = []
-    monkeypatch.setattr(chooser, "blas_threads", lambda count: counts.append(count) or contextlib.nullcontext())
+    monkeypatch.setattr(chooser, "blas_limited", lambda count: counts.append(count) or contextlib.nullcontext())
     chooser.measure_forward(ConvGeometry(3, 4, 10, 10, 3, 3, pad_h=1, pad_w=1), 2, 1, repeats=1, threads=1)
     assert counts == [1]
 
@@ -346,7 +346,7 @@ def test_bad_settings_name_the_key(tmp_path, value):
 
 def test_bad_environment_value_names_the_variable(tmp_path, monkeypatch):
     monkeypatch.setenv("CCT_WINOGRAD", "8")
-    with pytest.raises(ConfigError, match="CCT_WINOGRAD: environment variable must be 0, 2, 4 or auto"):
+    with pytest.raises(ConfigError, match="environment variable CCT_WINOGRAD: must be 0, 2, 4 or auto, got '8'"):
         _deploy(tmp_path, 0)
     monkeypatch.setenv("CCT_WINOGRAD", "0")
     monkeypatch.setattr(winograd, "AUTO_MIN_FLOPS", 1)

@@ -396,15 +396,15 @@ def test_concat_views_hold_through_forwards_on_a_device_and_back(steps, monkeypa
     from helpers.devices import opencl_or_skip
     device = opencl_or_skip()
     fused, unfused = pair(CONCAT, data=RNG.normal(size=(1, 3, 6, 5)))
-    monkeypatch.setattr(settings, "_device_id", device.index)
+    settings.set_device_id(device.index)
     runs_on = Concat.runs_on
     for mode, concat_on_device in steps:
         x = RNG.normal(size=(1, 3, 6, 5)).astype(np.float32)
-        monkeypatch.setattr(settings, "_device_mode", mode)
+        settings.set_mode(mode)
         monkeypatch.setattr(Concat, "runs_on", runs_on if concat_on_device else lambda *args: False)
         fused.blobs["data"].data[...] = x
         fused.forward()
-    monkeypatch.setattr(settings, "_device_mode", "cpu")
+    settings.set_mode("cpu")
     unfused.blobs["data"].data[...] = x
     unfused.forward()
     assert_agree(fused, unfused, concat_values(unfused, x))
@@ -643,14 +643,16 @@ def test_on_for_test_nets_off_by_switch_never_for_train_nets(tmp_path, monkeypat
     config.write_text('{"fusion": false}')
     settings.load(config)
     assert build(CHAIN, None).executor.fusion is None
-    monkeypatch.setenv(settings.FUSION_ENV, "1")            # the environment wins over the file
+    monkeypatch.setenv(settings.FUSION_ENV, "1")            # the file, named for this run, wins
+    assert build(CHAIN, None).executor.fusion is None
+    settings.load(None)
     assert build(CHAIN, None).executor.fusion is not None
     monkeypatch.setenv(settings.FUSION_ENV, "maybe")
-    with pytest.raises(ConfigError, match="CCT_FUSION: must be 1 or 0, got 'maybe'"):
+    with pytest.raises(ConfigError, match="environment variable CCT_FUSION: must be 1 or 0, got 'maybe'"):
         build(CHAIN, None)
     with pytest.raises(ConfigError, match=r"run.json: fusion: must be true or false, got \"no\""):
         settings.parse('{"fusion": "no"}', "run.json")
-    with pytest.raises(ConfigError, match="fusion: must be True, False or None"):
+    with pytest.raises(ConfigError, match="set_fusion: must be true or false, got 1"):
         settings.set_fusion(1)
 
 

@@ -19,8 +19,8 @@ from helpers.reference import (CASE_NAMES, CASES, assert_matches_caffe, assert_s
 @pytest.fixture(params=[OPENCL])
 def on_opencl(monkeypatch):
     device = opencl_or_skip()
-    monkeypatch.setattr(settings, "_device_mode", "gpu")
-    monkeypatch.setattr(settings, "_device_id", device.index)
+    settings.set_device_id(device.index)
+    settings.set_mode("gpu")
     return device
 
 
@@ -78,8 +78,8 @@ def test_some_cases_are_really_split():
 @pytest.mark.parametrize("case", ["lenet_sgd", "caffenet_mini_sgd"])
 def test_reference_solver_case_split(case, share, on_opencl, monkeypatch):
     monkeypatch.chdir(CASES / case)
-    monkeypatch.setattr(settings, "_hybrid", True)
-    monkeypatch.setattr(settings, "active", lambda: settings.parse(json.dumps({"hybrid": {"default": share}})))
+    settings.set_hybrid(True)
+    settings.load(settings.parse(json.dumps({"hybrid": {"default": share}})))
     monkeypatch.setattr(hybrid, "measure_shares", lambda *args: pytest.fail("configured shares measure nothing"))
     solver = run_solver_case(case)
     assert_solver_matches_caffe(solver)

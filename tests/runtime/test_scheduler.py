@@ -9,6 +9,7 @@ import pytest
 from google.protobuf import text_format
 
 import cct
+from cct.devices import blas as blas_module
 from cct.proto import caffe_pb2
 from cct.runtime import graph, scheduler
 from helpers.nets import FORK_RESIDUAL
@@ -135,7 +136,7 @@ def test_sub_tasks_at_once_never_hold_more_cores_than_the_budget(monkeypatch):
     to at most the budget, and those calling BLAS agree on its count."""
     from threadpoolctl import threadpool_limits
     from cct.runtime import threads
-    monkeypatch.setattr(threads, "_blas", None)
+    monkeypatch.setattr(blas_module, "_blas", None)
     with threadpool_limits(limits=2, user_api="blas"):
         net = make_net()
         schedule = scheduler.Schedule(net)

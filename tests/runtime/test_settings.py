@@ -108,10 +108,12 @@ def test_env_names_the_file_and_load_overrides_it(tmp_path, monkeypatch):
 
 
 # --- forcing lowering types in a built Net ------------------------------------------------------
-def test_layer_setting_beats_env_beats_default(tmp_path, monkeypatch):
+def test_layer_setting_beats_default_beats_env(tmp_path, monkeypatch):
     config.load(write(tmp_path, {"layers": {"conv1": {"lowering": 3}}, "default": {"lowering": 2}}))
     assert types_of(cct.Net(NET, cct.TRAIN)) == {"conv1": 3, "conv2": 2}
     monkeypatch.setenv("CCT_LOWERING", "1")
+    assert types_of(cct.Net(NET, cct.TRAIN)) == {"conv1": 3, "conv2": 2}
+    config.load(write(tmp_path, {"layers": {"conv1": {"lowering": 3}}}))
     assert types_of(cct.Net(NET, cct.TRAIN)) == {"conv1": 3, "conv2": 1}
 
 

@@ -7,6 +7,7 @@ import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
 import cct
+from cct.devices import blas as blas_module
 from cct.runtime import threads
 from cct.runtime.threads import BlasThreads
 
@@ -36,7 +37,7 @@ def test_nets_built_after_a_partitioned_step_get_every_blas_thread(partitions, t
         'net: "net.prototxt" base_lr: 0.01 lr_policy: "fixed" max_iter: 10 display: 0 '
         'test_iter: 1 test_interval: 100 test_initialization: false snapshot_after_train: false')
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(threads, "_blas", None)     # a controller made below, under 2 threads
+    monkeypatch.setattr(blas_module, "_blas", None)     # a controller made below, under 2 threads
     with threadpool_limits(limits=2, user_api="blas"):
         solver = cct.SGDSolver("solver.prototxt")
         train = solver.net
@@ -71,7 +72,7 @@ def test_a_streamed_backward_leaves_every_blas_thread(mode, monkeypatch):
     count the library reports, not only the one last asked, must be back at
     the executor's after each backward (it was left at 1 in 11 of 12 "auto"
     iterations of LeNet, and every forward after ran its GEMMs on one thread)."""
-    monkeypatch.setattr(threads, "_blas", None)
+    monkeypatch.setattr(blas_module, "_blas", None)
     with threadpool_limits(limits=2, user_api="blas"):
         monkeypatch.setenv("CCT_SCHEDULE", mode)
         net = cct.Net(NET.replace("dim: 8", "dim: 32"), cct.TRAIN)
