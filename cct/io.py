@@ -6,10 +6,13 @@ Transformer turns them into the K x H x W (BGR, mean-subtracted, scaled) arrays
 a net takes, in pycaffe's order: resize -> transpose -> channel swap ->
 raw_scale -> subtract mean -> input_scale.
 
-resize_image reproduces pycaffe's skimage-based resize (pixel centers aligned,
-pixels outside the image count as the image minimum) for interpolation orders
-0 and 1 with scipy.ndimage alone; higher orders use scipy's splines, which are
-close to but not bit-equal with skimage's.
+resize_image reproduces pycaffe's resize under a current scikit-image (>= 0.19:
+`skimage.transform.resize`, mode 'constant'): a Gaussian pre-filter when it
+shrinks (anti-aliasing, on by default since 0.15), then scipy.ndimage.zoom with
+pixel centers aligned and pixels outside the image counting as the image
+minimum, for every interpolation order. skimage's resize is those two scipy
+calls, so cct makes them itself: scikit-image is not a dependency (it would
+add 0.1 s to the first resize's import and five packages; tests compare with it).
 """
 import numpy as np
 
@@ -174,30 +177,45 @@ class Transformer:
         self.raw_scale[in_] = scale
 
     def set_mean(self, in_, mean):
-        """Mean to subtract: K values (one per channel) or a K x H x W (or H x W) array."""
+        """Mean to subtract: K values (one per channel), or a K x H' x W' (or, one
+        channel, H' x W') array. As pycaffe 1.0, an element-wise mean of another
+        height and width is resized to the input's (normalized to [0, 1],
+        resize_image, scaled back): the ImageNet mean (3 x 256 x 256) for a 227 input."""
         self._check_input(in_)
         mean = np.asarray(mean)
-        shape = mean.shape
+        channels, dims = self.inputs[in_][1], self.inputs[in_][2:]
         if mean.ndim == 1:
-            if shape[0] != self.inputs[in_][1]:
-                raise ValueError(f"set_mean({in_!r}): {shape[0]} mean channels, the input has "
-                                 f"{self.inputs[in_][1]}")
+            if mean.shape[0] != channels:
+                raise ValueError(f"set_mean({in_!r}): {mean.shape[0]} mean channels, the input has "
+                                 f"{channels}")
             mean = mean[:, np.newaxis, np.newaxis]
+        elif mean.ndim not in (2, 3):
+            raise ValueError(f"set_mean({in_!r}): mean shape {mean.shape} is invalid: give K "
+                             "values or a K x H x W array")
         else:
-            if len(shape) == 2:
-                shape = (1,) + shape
-            if len(shape) != 3:
-                raise ValueError(f"set_mean({in_!r}): mean shape {mean.shape} is invalid: give K "
-                                 "values or a K x H x W array")
-            if shape != self.inputs[in_][1:]:
-                raise ValueError(f"set_mean({in_!r}): mean shape {mean.shape} is incompatible with the "
-                                 f"input shape {self.inputs[in_][1:]}")
+            shape = mean.shape if mean.ndim == 3 else (1,) + mean.shape
+            if shape[0] != channels:
+                raise ValueError(f"set_mean({in_!r}): mean shape {mean.shape} has {shape[0]} mean "
+                                 f"channels, the input has {channels} (input shape {self.inputs[in_][1:]})")
+            if shape[1:] != dims:
+                mean = _resized_mean(mean.reshape(shape), dims)
         self.mean[in_] = mean
 
     def set_input_scale(self, in_, scale):
         """Scale applied last, after the mean subtraction."""
         self._check_input(in_)
         self.input_scale[in_] = scale
+
+
+def _resized_mean(mean, dims):
+    """pycaffe 1.0's set_mean resize: a K x H' x W' mean -> K x H x W (dims = (H, W)),
+    through resize_image on its values normalized to [0, 1] (float32 there, as pycaffe)."""
+    m_min, m_max = mean.min(), mean.max()
+    if m_max <= m_min:                          # constant: pycaffe would divide by 0 (NaN)
+        return np.full((mean.shape[0],) + tuple(dims), m_min, dtype=mean.dtype)
+    normal_mean = (mean - m_min) / (m_max - m_min)
+    resized = resize_image(normal_mean.transpose(1, 2, 0), dims).transpose(2, 0, 1)
+    return resized * (m_max - m_min) + m_min
 
 
 # --- image IO ------------------------------------------------------------------------
@@ -222,11 +240,14 @@ def input_transformer(net, mean=None, input_scale=None, raw_scale=None, channel_
 
 def load_image(filename, color=True):
     """An image file as float32 in [0, 1]: H x W x 3 RGB, or H x W x 1 gray when
-    color=False. Alpha is dropped; gray images are tiled to 3 channels for color."""
+    color=False. Alpha is dropped; gray images are tiled to 3 channels for color.
+    A JPEG is turned upright as its EXIF orientation says (H and W swap for
+    orientations 5 to 8)."""
     from PIL import Image
     try:
         image = Image.open(filename)
         image.load()
+        image = _upright(image)
     except FileNotFoundError:
         raise DataError(f"{filename}: image file not found") from None
     except Exception as error:
@@ -241,6 +262,21 @@ def load_image(filename, color=True):
     elif img.shape[2] == 4:
         img = img[:, :, :3]
     return img.astype(np.float32)
+
+
+_EXIF_ORIENTATION = 0x0112          # the EXIF tag: how to turn the stored pixels to view them
+
+
+def _upright(image):
+    """A Pillow image turned as its EXIF orientation says, for JPEGs only, as
+    pycaffe's skimage.io.imread did through imageio's JPEG reader (exifrotate,
+    on by default; its other readers ignore the tag). imageio >= 2.16's reader
+    turns only when asked (rotate=True), which skimage 0.26 does not: issue 39
+    keeps the upright picture. Pillow names a camera's multi-picture JPEG MPO."""
+    if image.format not in ("JPEG", "MPO") or image.getexif().get(_EXIF_ORIENTATION, 1) == 1:
+        return image
+    from PIL import ImageOps
+    return ImageOps.exif_transpose(image)
 
 
 def _image_as_float(image):
@@ -259,29 +295,44 @@ def _image_as_float(image):
 def resize_image(im, new_dims, interp_order=1):
     """Resize an H x W x K image to new_dims = (height, width), as pycaffe does.
 
-    1 or 3 channels: values rescaled to [0, 1], resized with pixel centers aligned
-    (outside pixels count as 0 there, i.e. the image minimum), scaled back.
-    Other channel counts: scipy.ndimage.zoom with corners aligned. Returns float32.
+    1 or 3 channels: values rescaled to [0, 1], resized as skimage.transform.resize
+    (see _skimage_resize: anti-aliased when it shrinks), scaled back; the
+    arithmetic in the image's own dtype, as pycaffe's. Other channel counts:
+    scipy.ndimage.zoom with corners aligned, no anti-aliasing. Returns float32.
     """
     from scipy.ndimage import zoom             # here: importing it costs `import cct` 0.2 s
     im = np.asarray(im)
     new_dims = tuple(int(d) for d in new_dims)
     if im.shape[-1] in (1, 3):
-        im_min, im_max = float(im.min()), float(im.max())
+        im_min, im_max = im.min(), im.max()
         if im_max <= im_min:                      # constant image: avoid dividing by 0
             return np.full((new_dims[0], new_dims[1], im.shape[-1]), im_min, dtype=np.float32)
-        im_std = (im.astype(np.float64) - im_min) / (im_max - im_min)
-        factors = (new_dims[0] / im.shape[0], new_dims[1] / im.shape[1], 1.0)
-        resized_std = zoom(im_std, factors, order=interp_order, mode="grid-constant", cval=0.0,
-                           grid_mode=True, prefilter=interp_order > 1)
-        resized_std = np.clip(resized_std, 0.0, 1.0)       # skimage clips to the input range
-        resized_im = resized_std * (im_max - im_min) + im_min
+        im_std = (im - im_min) / (im_max - im_min)
+        resized_im = _skimage_resize(im_std, new_dims, interp_order) * (im_max - im_min) + im_min
     else:
         factors = tuple(np.array(new_dims, dtype=float) / np.array(im.shape[:2])) + (1.0,)
         resized_im = zoom(im, factors, order=interp_order)
     if resized_im.shape[:2] != new_dims:
         raise ShapeError(f"resize_image: got {resized_im.shape[:2]} instead of {new_dims}")
     return resized_im.astype(np.float32)
+
+
+def _skimage_resize(image, new_dims, order):
+    """skimage.transform.resize(image, new_dims, order, mode='constant') of an
+    H x W x K float image in [0, 1] -> new_dims[0] x new_dims[1] x K, same dtype
+    (float16 as float32). When any axis shrinks by s = old / new > 1, a Gaussian
+    of sigma max(0, (s - 1) / 2) per axis blurs first (zeros outside, truncated
+    at 4 sigma); then zoom with pixel centers aligned, clipped to [0, 1]."""
+    from scipy.ndimage import gaussian_filter, zoom
+    if image.dtype == np.float16:
+        image = image.astype(np.float32)        # skimage computes float16 in float32
+    old = np.array(image.shape, dtype=float)
+    new = np.array(new_dims + image.shape[2:], dtype=float)
+    scales = old / new                          # > 1 along an axis that shrinks
+    if np.any(scales > 1):
+        image = gaussian_filter(image, np.maximum(0, (scales - 1) / 2), mode="grid-constant", cval=0.0)
+    resized = zoom(image, 1 / scales, order=order, mode="grid-constant", cval=0.0, grid_mode=True)
+    return np.clip(resized, 0, 1, out=resized)  # skimage clips to the input's range
 
 
 def oversample(images, crop_dims):

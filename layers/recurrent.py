@@ -91,8 +91,10 @@ class _Recurrent(Layer):
     is 1; zero at first, and again after reset() or a change of N). As in Caffe:
     no gradient reaches cont (an error if asked for), nor the exposed initial
     states (their diffs are set to zero), nor comes from the exposed final
-    states' diffs; x and x_static get theirs. T may change between forwards
-    (Caffe fixes it at set-up because it unrolls).
+    states' diffs; x and x_static get theirs whatever propagate_down says, as
+    Caffe's unrolled net backprops to them unconditionally (recurrent_layer.cpp
+    Backward_cpu; its x_transform layers set propagate_down: true). T may
+    change between forwards (Caffe fixes it at set-up because it unrolls).
     """
     exact_tops = 1                  # set per layer from expose_hidden in __init__
     batch_independent = False       # axis 0 is time: step t needs step t-1, so it never splits
@@ -250,30 +252,31 @@ class _Recurrent(Layer):
         dtype = bottom[0].data.dtype
         cont = bottom[1].data.astype(dtype, copy=False)
         dpre = self.run_backward(top[0].diff, cont, dtype)
-        self._backward_inputs(dpre, propagate_down, bottom, dtype)
+        self._backward_inputs(dpre, bottom, dtype)
         for k in range(self.exposed):
             if propagate_down[self._first_state + k]:
                 bottom[self._first_state + k].diff[...] = 0     # Caffe shares only their data
 
-    def _backward_inputs(self, dpre, propagate_down, bottom, dtype):
+    def _backward_inputs(self, dpre, bottom, dtype):
         """From the gates' pre-activation gradients dpre (T, N, gates * H):
         the W_x, b, W_static and W_h gradients (one GEMM each over all steps)
-        and the x and x_static gradients."""
+        and the x (T, N, ...) and x_static (N, ...) gradients, always: Caffe's
+        Backward_cpu runs its unrolled net's whole backward "unconditionally"
+        (BVLC 1.0 src/caffe/layers/recurrent_layer.cpp:283-286), whose
+        x_transform layers propagate down to x and x_static (lstm_layer.cpp:116, 129)."""
         rows = self.gates * self.hidden
         flat = dpre.reshape(-1, rows)
         x = bottom[0].data.reshape(self._samples, self.input_size)
         self._accumulate("W_x", lambda: flat.T @ x)
         self._accumulate("b", lambda: flat.sum(axis=0))
         self._accumulate("W_h", lambda: flat.T @ self._conted_all.reshape(-1, self.hidden))
-        if propagate_down[0]:
-            np.matmul(flat, self._weight("W_x", dtype), out=bottom[0].diff.reshape(self._samples, self.input_size))
+        np.matmul(flat, self._weight("W_x", dtype), out=bottom[0].diff.reshape(self._samples, self.input_size))
         if self.static:
             per_stream = dpre.sum(axis=0)                                       # (N, rows)
             x_static = bottom[2].data.reshape(self.streams, self.static_size)
             self._accumulate("W_static", lambda: per_stream.T @ x_static)
-            if propagate_down[2]:
-                np.matmul(per_stream, self._weight("W_static", dtype),
-                          out=bottom[2].diff.reshape(self.streams, self.static_size))
+            np.matmul(per_stream, self._weight("W_static", dtype),
+                      out=bottom[2].diff.reshape(self.streams, self.static_size))
 
     def _accumulate(self, role, gradient):
         """blobs[role].diff += gradient(), unless that parameter learns nothing."""

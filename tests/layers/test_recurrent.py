@@ -333,6 +333,77 @@ def test_force_backward_skips_cont():
     assert net.bottom_need_backward[net.layer_names.index("a")] == [True, False]
 
 
+# --- Caffe's input diff: written whatever propagate_down says ------------------------------------
+UNFORCED_NET = '''name: "unforced"
+layer { name: "input" type: "Input" top: "x" top: "cont" top: "target" STATIC_TOP
+        input_param { shape { dim: 4 dim: 2 dim: 3 } shape { dim: 4 dim: 2 } shape { dim: 4 dim: 2 dim: 5 }
+                      STATIC_SHAPE } }
+layer { name: "rec" type: "TYPE" bottom: "x" bottom: "cont" STATIC_BOTTOM top: "h"
+        recurrent_param { num_output: 5 FILLERS } }
+layer { name: "loss" type: "EuclideanLoss" bottom: "h" bottom: "target" top: "loss" }
+'''.replace("FILLERS", FILLERS)
+
+
+def unforced_net(type_name, static, force=False):
+    """Input -> RNN/LSTM -> EuclideanLoss, no force_backward (unless `force`):
+    only the layer's parameters need backward, so propagate_down is False for
+    every bottom."""
+    text = ("force_backward: true\n" if force else "") + UNFORCED_NET.replace("TYPE", type_name)
+    text = text.replace("STATIC_TOP", 'top: "x_static"' if static else "")
+    text = text.replace("STATIC_SHAPE", "shape { dim: 2 dim: 4 }" if static else "")
+    text = text.replace("STATIC_BOTTOM", 'bottom: "x_static"' if static else "")
+    cct.set_random_seed(5)
+    net = cct.Net(text, cct.TRAIN)
+    rng = np.random.default_rng(6)
+    for name in ("x", "target") + (("x_static",) if static else ()):
+        net.blobs[name].data[...] = rng.standard_normal(net.blobs[name].shape)
+    net.blobs["cont"].data[...] = 1
+    net.blobs["cont"].data[0] = 0                   # every stream starts at step 0, stream 1 again at 2
+    net.blobs["cont"].data[2, 1] = 0
+    return net
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["plain", "static"])
+@pytest.mark.parametrize("type_name", ["LSTM", "RNN"])
+def test_input_diff_written_without_propagate_down_as_caffe(type_name, static):
+    """Caffe's RecurrentLayer::Backward_cpu runs its unrolled net's whole backward
+    "unconditionally" (BVLC 1.0 src/caffe/layers/recurrent_layer.cpp:283-286:
+    `unrolled_net_->BackwardFrom(last_layer_index_)`), and the unrolled net's
+    x_transform and W_xc_x_static layers set propagate_down: true
+    (lstm_layer.cpp:116, 129; rnn_layer.cpp:107, 120), sharing x's and
+    x_static's diffs with the bottoms (recurrent_layer.cpp ShareDiff). So an
+    LSTM after an Input blob in a net without force_backward leaves x's full
+    gradient in x.diff; cont's diff is never shared, so never written.
+    Reference: the plain unrolled computation (layers/recurrent_reference.py)
+    from h's diff, and the same net with force_backward."""
+    net = unforced_net(type_name, static)
+    index = net.layer_names.index("rec")
+    assert net.layer_need_backward[index] and not any(net.bottom_need_backward[index])
+    net.forward()
+    net.backward()
+    x, cont = net.blobs["x"].data, net.blobs["cont"].data
+    x_static = net.blobs["x_static"].data if static else None
+    weights = [blob.data.astype(np.float64) for blob in net.layers[index].blobs]
+    zeros = np.zeros((2, 5))
+    if type_name == "LSTM":
+        *_, cache = reference.lstm_forward(x.astype(np.float64), cont, weights, zeros, zeros, x_static=x_static)
+        dx, dx_static, _ = reference.lstm_backward(net.blobs["h"].diff.astype(np.float64), cache)
+    else:
+        *_, cache = reference.rnn_forward(x.astype(np.float64), cont, weights, zeros, x_static)
+        dx, dx_static, _ = reference.rnn_backward(net.blobs["h"].diff.astype(np.float64), cache)
+    assert np.abs(dx).max() > 1e-3
+    np.testing.assert_allclose(net.blobs["x"].diff, dx, rtol=1e-4, atol=1e-6)
+    if static:
+        np.testing.assert_allclose(net.blobs["x_static"].diff, dx_static, rtol=1e-4, atol=1e-6)
+    assert not net.blobs["cont"].diff.any()
+    forced = unforced_net(type_name, static, force=True)
+    assert forced.bottom_need_backward[index] == [True, False] + [True] * static
+    forced.forward()
+    forced.backward()
+    for name in ("x", "x_static", "cont") if static else ("x", "cont"):
+        np.testing.assert_array_equal(net.blobs[name].diff, forced.blobs[name].diff)
+
+
 @pytest.mark.parametrize("partitions", [2], indirect=True)
 def test_never_split_along_time(partitions):
     """Asked for 2 batch partitions everywhere, the runtime still runs the

@@ -1,5 +1,6 @@
 """cct.io: proto/datum round trips, the Transformer's order of operations,
-resize_image against a naive skimage-style bilinear resize, load_image and oversample."""
+resize_image against a naive skimage-style blur and bilinear resize, load_image and oversample
+(tests/pycaffe/test_io_skimage.py compares with scikit-image itself)."""
 import io as pyio
 
 import numpy as np
@@ -139,8 +140,10 @@ def test_elementwise_mean_and_mean_checks():
     gray.set_mean("data", np.ones((4, 4)))                   # H x W for one channel
     with pytest.raises(ValueError, match="mean channels"):
         t.set_mean("data", np.zeros(2))
-    with pytest.raises(ValueError, match="incompatible"):
-        t.set_mean("data", np.zeros((3, 5, 5)))
+    with pytest.raises(ValueError, match="1 mean channels, the input has 3"):
+        t.set_mean("data", np.zeros((1, 5, 5)))
+    t.set_mean("data", rng.uniform(0, 1, (3, 5, 5)))       # resized, as pycaffe 1.0 (test_io_skimage.py)
+    assert t.mean["data"].shape == (3, 4, 4)
     with pytest.raises(ValueError, match="invalid"):
         t.set_mean("data", np.zeros((1, 3, 4, 4)))
     with pytest.raises(ValueError, match="transpose"):
@@ -153,8 +156,30 @@ def test_elementwise_mean_and_mean_checks():
 
 # --- resize, load, oversample -------------------------------------------------------------
 
+def naive_blur(image, new_dims):
+    """skimage.transform.resize's anti-aliasing before a shrink: along each axis
+    that shrinks by s = old / new > 1, a Gaussian of sigma (s - 1) / 2, cut at
+    4 sigma, with 0 outside the image."""
+    out = image.astype(np.float64)
+    for axis, (old, new) in enumerate(zip(image.shape[:2], new_dims)):
+        sigma = (old / new - 1) / 2
+        if sigma <= 0:
+            continue
+        radius = int(4 * sigma + 0.5)
+        weights = np.exp(-0.5 * (np.arange(-radius, radius + 1) / sigma) ** 2)
+        weights /= weights.sum()
+        moved = np.moveaxis(out, axis, 0)
+        blurred = np.zeros_like(moved)
+        for i in range(old):
+            for k, weight in zip(range(i - radius, i + radius + 1), weights):
+                if 0 <= k < old:
+                    blurred[i] += weight * moved[k]
+        out = np.moveaxis(blurred, 0, axis)
+    return out
+
+
 def naive_resize(image, new_dims, order):
-    """skimage.transform.resize (pycaffe era): pixel centers aligned, outside pixels 0."""
+    """skimage.transform.resize without its blur: pixel centers aligned, outside pixels 0."""
     h, w, k = image.shape
     out = np.zeros((new_dims[0], new_dims[1], k))
 
@@ -177,11 +202,12 @@ def naive_resize(image, new_dims, order):
 
 
 @pytest.mark.parametrize("shape,new_dims,order", [((4, 5, 3), (7, 9), 1), ((8, 6, 1), (3, 4), 1),
-                                                  ((5, 5, 3), (10, 3), 0), ((6, 4, 3), (6, 4), 1)])
+                                                  ((5, 5, 3), (10, 3), 0), ((6, 4, 3), (6, 4), 1),
+                                                  ((20, 9, 3), (6, 9), 1)])
 def test_resize_image_matches_naive(shape, new_dims, order):
     image = rng.uniform(-2, 3, shape).astype(np.float32)
     lo, hi = image.min(), image.max()
-    expected = naive_resize((image - lo) / (hi - lo), new_dims, order) * (hi - lo) + lo
+    expected = naive_resize(naive_blur((image - lo) / (hi - lo), new_dims), new_dims, order) * (hi - lo) + lo
     got = cio.resize_image(image, new_dims, interp_order=order)
     assert got.shape == new_dims + (shape[2],) and got.dtype == np.float32
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
