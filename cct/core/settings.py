@@ -84,8 +84,8 @@ class Choice(Kind):
     def __init__(self, values: Tuple[Any, ...], expected: str, words: Optional[Mapping[str, Any]] = None):
         self.values, self.expected = values, expected
         self.words = dict(words or {str(v): v for v in values})
-        words = list(self.words)
-        self.spelled = f"{', '.join(words[:-1])} or {words[-1]}" if len(words) > 1 else words[0]
+        spellings = list(self.words)
+        self.spelled = f"{', '.join(spellings[:-1])} or {spellings[-1]}" if len(spellings) > 1 else spellings[0]
 
     def check(self, value: Any) -> Any:
         # True == 1 in Python: a bool is only ever the bool it is
@@ -247,7 +247,8 @@ class Knob:
 
 _LOWERING = Choice((1, 2, 3, "auto"), '1, 2, 3 or "auto"')
 _WINOGRAD = Choice(("auto", False, 2, 4), '"auto", false, 2 or 4', {"0": False, "2": 2, "4": 4, "auto": "auto"})
-_SCHEDULE = Choice(("sequential", "streams", "tuned", "auto"), "sequential, streams, tuned or auto")
+SCHEDULES = ("sequential", "streams", "tuned", "auto")
+_SCHEDULE = Choice(SCHEDULES, "sequential, streams, tuned or auto")
 
 KNOBS = (
     Knob("lowering", _LOWERING, "auto", "a convolution's lowering type; auto: the chooser's "

@@ -21,7 +21,7 @@ WINOGRAD_ENV, CACHE_ENV, SCHEDULE_ENV = "CCT_WINOGRAD", "CCT_CACHE_DIR", "CCT_SC
 FUSION_ENV, GPU_ENV, HYBRID_ENV, MPI_OVERLAP_ENV = "CCT_FUSION", "CCT_GPU", "CCT_HYBRID", "CCT_MPI_OVERLAP"
 # What MPI launchers (OpenMPI, MPICH) set to the number of ranks on this host.
 LOCAL_RANKS_ENVS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
-SCHEDULES = table.BY_NAME["schedule"].kind.values
+SCHEDULES = table.SCHEDULES
 EVERY_LAYER_KEYS = ("partitions", "threads")       # the keys every layer takes
 parse, read = table.parse_config, table.read_config
 
