@@ -20,6 +20,17 @@ from cct.training.updates import (SGDSolver, NesterovSolver, AdaGradSolver, RMSP
                                   AdamSolver)
 from cct import layers  # noqa: E402  (registers every layer type)
 
+# pycaffe's names, and cct's own beside them (`from cct import *` as from pycaffe's caffe).
+__all__ = [
+    "Blob", "Layer", "Net", "TEST", "TRAIN", "layer_type_list", "register", "set_random_seed",
+    "CctError", "ConfigError", "DataError", "MemoryLimitError", "ShapeError", "WeightsError",
+    "Timer", "NCCL", "has_nccl", "solver_count", "set_solver_count", "solver_rank", "set_solver_rank",
+    "set_multiprocess", "init_log", "log", "io", "Classifier", "Detector", "params", "NetSpec", "to_proto",
+    "layers", "get_solver", "SGDSolver", "NesterovSolver", "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver",
+    "AdamSolver", "set_mode_cpu", "set_mode_gpu", "set_device", "set_schedule", "set_fusion",
+    "set_memory_limit", "allocation", "__version__",
+    "pycaffe", "classifier", "detector", "net_spec", "proto",     # the submodules pycaffe's package binds
+]
 __version__ = "0.1.0"
 # Says "cct" where client code wrote `import caffe` (cct's alias, caffe.py): pycaffe has no such name.
 __cct_version__ = __version__

@@ -50,7 +50,6 @@ def test_time_prints_caffes_per_layer_lines(run_folder, capsys):
 
 @pytest.mark.opencl
 def test_time_on_an_opencl_device_says_where_each_layer_ran(tmp_path, capsys, monkeypatch):
-    from cct.runtime import settings
     from helpers.devices import opencl_or_skip
     device = opencl_or_skip()
     path = tmp_path / "tiny.prototxt"

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import cct
 from cct.data.db import open_db, record_key
 from cct.data.images import encode_image
-from cct.data.transformer import array_to_datum, save_mean_file
+from cct.data.transformer import array_to_datum
 from cct.proto import caffe_pb2
 from helpers.fuzz import attempt, byte_ops, fuzz_settings, hdf5_ops, message_ops, mutate_bytes, mutate_hdf5, \
     mutate_text, mutated_message_bytes, text_ops

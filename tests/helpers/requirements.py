@@ -66,6 +66,8 @@ CHECKS = {
     "plyvel": _module("plyvel", "leveldb"),
     "matplotlib": _module("matplotlib", "plot"),
     "grpc_tools": _module("grpc_tools", "test"),
+    "ruff": _module("ruff", "test"),
+    "mypy": _module("mypy", "test"),
 }
 _found = {}
 

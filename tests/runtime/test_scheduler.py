@@ -135,7 +135,6 @@ def test_sub_tasks_at_once_never_hold_more_cores_than_the_budget(monkeypatch):
     every sub-task's start, the widths of the sub-tasks running then add up
     to at most the budget, and those calling BLAS agree on its count."""
     from threadpoolctl import threadpool_limits
-    from cct.runtime import threads
     monkeypatch.setattr(blas_module, "_blas", None)
     with threadpool_limits(limits=2, user_api="blas"):
         net = make_net()

@@ -129,7 +129,6 @@ def test_run_all_waits_for_every_unit_and_raises_the_first_failure():
 
 def test_a_worker_whose_join_was_interrupted_finishes_its_call_before_the_next():
     import threading
-    import time
     worker, release, order = threads.Worker("test-worker"), threading.Event(), []
 
     def slow():

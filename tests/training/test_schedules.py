@@ -15,7 +15,7 @@ import cct
 from cct.devices import blas as blas_module
 from cct.core.errors import ConfigError
 from cct.proto import caffe_pb2
-from cct.runtime import settings, threads
+from cct.runtime import settings
 from helpers.nets import FORK_RESIDUAL, INCEPTION, resnet
 from helpers.paths import REPO
 from helpers.schedules import loose
