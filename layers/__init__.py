@@ -3,7 +3,8 @@ registers them all under their Caffe type names (see cct.core.layer.register).""
 import importlib
 
 _FAMILIES = ("data_input", "neuron", "conv", "pooling", "inner_product",
-             "normalization", "loss", "metrics", "shape", "elementwise", "recurrent", "data", "python_layer")
+             "normalization", "loss", "metrics", "shape", "elementwise", "recurrent", "data", "python_layer",
+             "ssd")
 
 for _family in _FAMILIES:
     importlib.import_module(f"{__name__}.{_family}")

@@ -146,6 +146,13 @@ TYPES = {
                        'root_folder: "{root}" batch_size: 2 }}', tops=((2, 3, 4, 4), (2,)), sources=window_source),
     # python_layer.py: a class from an importable module
     "Python": Case('python_param { module: "helpers.layers" layer: "Echo" }', ((2, 3),)),
+    # ssd.py (SSD's fork): 2 priors on a 1 x 1 map of an 8 x 8 image; DetectionOutput's 2 priors of 2
+    # classes, every score below its threshold: one row of -1 for the image
+    "Normalize": Case(bottoms=((1, 3, 2, 2),), tops=((1, 3, 2, 2),)),
+    "Permute": Case("permute_param { order: 0 order: 2 order: 3 order: 1 }", ((1, 3, 2, 2),), ((1, 2, 2, 3),)),
+    "PriorBox": Case("prior_box_param { min_size: 4 max_size: 6 }", ((1, 1, 1, 1), (1, 3, 8, 8)), ((1, 2, 8),)),
+    "DetectionOutput": Case("detection_output_param { num_classes: 2 confidence_threshold: 0.95 "
+                            "nms_param { nms_threshold: 0.45 } }", ((1, 8), (1, 4), (1, 2, 8)), ((1, 1, 1, 7),)),
 }
 
 
@@ -163,10 +170,15 @@ CAFFE_LAYER_TYPES = [
 ]
 
 
+# The forks' types cct registers beside BVLC's (layers/ssd.py: weiliu89/caffe, branch ssd).
+FORK_LAYER_TYPES = ["DetectionOutput", "Normalize", "Permute", "PriorBox"]
+
+
 def test_the_types_are_caffes():
-    """cct.layer_type_list() is BVLC Caffe's, all 61 (test-only types aside)."""
+    """cct.layer_type_list() is BVLC Caffe's, all 61, and the forks' (test-only types aside)."""
     assert len(CAFFE_LAYER_TYPES) == 61
-    assert [name for name in layer_type_list() if name not in TEST_ONLY_TYPES] == sorted(CAFFE_LAYER_TYPES)
+    assert [name for name in layer_type_list() if name not in TEST_ONLY_TYPES] == sorted(
+        CAFFE_LAYER_TYPES + FORK_LAYER_TYPES)
 
 
 def test_every_registered_type_has_an_entry():

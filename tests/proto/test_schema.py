@@ -163,10 +163,14 @@ LAYER_PARAMS = {
 }
 
 
+# The forks' parameters cct reads, at their forks' numbers (SSD's: weiliu89/caffe, branch ssd).
+FORK_PARAMS = {"permute_param": 202, "prior_box_param": 203, "detection_output_param": 204, "norm_param": 206}
+
+
 def test_layer_parameter_fields_are_upstreams():
     fields = caffe_pb2.LayerParameter.DESCRIPTOR.fields_by_name
     params = {n: f.number for n, f in fields.items() if n.endswith("_param")}
-    assert params == LAYER_PARAMS
+    assert params == {**LAYER_PARAMS, **FORK_PARAMS}
     common = {n: f.number for n, f in fields.items() if not n.endswith("_param")}
     assert common == {
         "name": 1, "type": 2, "bottom": 3, "top": 4, "phase": 10,
