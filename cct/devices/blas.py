@@ -27,8 +27,10 @@ class BlasThreads:
         # sets went nowhere: a lone GEMM on a stream ran on the one thread the
         # main thread had left. cct serializes every set under its own lock,
         # so it calls OpenBLAS's own setter (`_setters`) from any thread. A set
-        # compares with the count the library reports, not only the one last
-        # asked: a count changed behind cct's back is set again.
+        # compares with the count cct last set, under the lock; sync() compares
+        # with the count the library reports (each forward's start and each
+        # restore), so a count changed behind cct's back is set again there,
+        # without a query of every library at every layer (2 us a layer).
         self._lock = threading.Lock()
         self._libraries = ThreadpoolController().select(user_api="blas").lib_controllers
         self._setters = [_setter(lib) for lib in self._libraries]
@@ -40,14 +42,22 @@ class BlasThreads:
     def set(self, count):
         count = max(1, int(count))
         with self._lock:
-            for lib, setter in zip(self._libraries, self._setters):
-                if count != self.current or lib.get_num_threads() != count:
+            if count != self.current:
+                for setter in self._setters:
                     setter(count)
-            self.current = count
+                self.current = count
+
+    def sync(self):
+        """Set the count again in every library that reports another."""
+        with self._lock:
+            for lib, setter in zip(self._libraries, self._setters):
+                if lib.get_num_threads() != self.current:
+                    setter(self.current)
 
     def restore(self):
-        """Back to the process's default count."""
+        """Back to the process's default count, in every library."""
         self.set(self.default)
+        self.sync()
 
 
 @contextmanager

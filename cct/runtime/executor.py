@@ -292,6 +292,7 @@ class Executor:
         layers."""
         self.forward_end = end
         self._forward_device = self.device()
+        self.blas.sync()
 
     def end_forward(self):
         self.forward_end = None
