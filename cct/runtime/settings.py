@@ -14,11 +14,12 @@ from cct.core.errors import ConfigError
 from cct.core.layer import TEST
 from cct.core.settings import RunConfig, override  # noqa: F401  (the runtime's names for them)
 
-# The variables, by knob (tests and messages name them).
-CONFIG_ENV, SHARE_DIFFS_ENV, THREADS_ENV = "CCT_CONFIG", "CCT_SHARE_DIFFS", "CCT_THREADS"
-PARTITIONS_ENV, LOWERING_ENV, BUDGET_ENV = "CCT_PARTITIONS", "CCT_LOWERING", "CCT_LOWERING_BUDGET_MB"
-WINOGRAD_ENV, CACHE_ENV, SCHEDULE_ENV = "CCT_WINOGRAD", "CCT_CACHE_DIR", "CCT_SCHEDULE"
-FUSION_ENV, GPU_ENV, HYBRID_ENV, MPI_OVERLAP_ENV = "CCT_FUSION", "CCT_GPU", "CCT_HYBRID", "CCT_MPI_OVERLAP"
+# The variables, by knob (tests and messages name them), as the table declares them.
+_ENV = {knob.name: knob.env for knob in table.KNOBS}
+CONFIG_ENV, SHARE_DIFFS_ENV, THREADS_ENV = _ENV["config"], _ENV["share_diffs"], _ENV["workers"]
+PARTITIONS_ENV, LOWERING_ENV, BUDGET_ENV = _ENV["partitions"], _ENV["lowering"], _ENV["lowering_budget_mb"]
+WINOGRAD_ENV, CACHE_ENV, SCHEDULE_ENV = _ENV["winograd"], _ENV["cache_dir"], _ENV["schedule"]
+FUSION_ENV, GPU_ENV, HYBRID_ENV, MPI_OVERLAP_ENV = _ENV["fusion"], _ENV["gpu"], _ENV["hybrid"], _ENV["mpi_overlap"]
 # What MPI launchers (OpenMPI, MPICH) set to the number of ranks on this host.
 LOCAL_RANKS_ENVS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 SCHEDULES = table.SCHEDULES
