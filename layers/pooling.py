@@ -1,45 +1,16 @@
 """Pooling family: Pooling (MAX, AVE, STOCHASTIC) and SPP.
 
 MAX and AVE run as compiled kernels (cct.devices.jit), one call per layer
-pass: MAX's forward finds a block of planes' window maxima and their argmax
-in one sweep, AVE's forward sums and divides by Caffe's divisor in one sweep,
-AVE's backward spreads in one. Where the net never runs a MAX layer's
-backward and it has no mask top, the forward finds the maxima alone, and 3 x
-3 windows at stride 1 with padding 1 (the inception units') or at stride 2
-without (between stages: GoogLeNet, CaffeNet, ResNet-50) run kernels of their
-own (_max_3x3_same, _max_3x3_stride2): GoogLeNet's 13 max poolings then take
-0.67-0.72x the time with winners, CaffeNet's 3 0.87x. MAX's backward is a scatter, one add per
-output at its winner: the sweep of KH*KW runs described below, a compare and
-an add per window cell, measured 6x slower there. The numpy passes the
-kernels replaced, KH*KW strided slices of a padded copy of the input, stay
-as the reference the tests check them against (COMPILED = False runs them;
-bench/bench_pooling.py times one against the other).
-
-How the kernels stay vectorised: a block of planes is laid out flat and, for
-stride s > 1, split into s column phases (phase b holds columns b, b+s, ...),
-so that a window cell (i, j) of every output of the block is one contiguous,
-unit-stride run; a sweep is KH*KW such runs (MAX from 3 x 3 up: KW runs
-find each row's first maximum, then KH runs the first row whose maximum is
-strictly greater, which is the first maximum in scan order). Output rows lie at a pitch of
-stride_h phase rows, which makes the runs affine at the price of computing
-cells nobody reads (between output rows); the block's outputs are copied out
-of that layout at the end. Per-row loops over 7- to 24-wide planes would run
-in the vector loops' scalar tails: 3-7x slower, measured.
-
-Threads: a kernel call runs on the calling thread. The executor runs large
-layers as batch partitions, one per thread, and then the partitions'
-kernels run at once. A layer run whole may split its planes over the
-executor's worker threads through set_parallel_runner, from
-PARALLEL_ELEMENTS up; nothing sets a runner by default, because on the
-2-core development host, shared with other jobs, it did not pay: at batch 1
-every GoogLeNet pooling layer is a 0.1-0.5 ms call that a hand-off (tens of
-microseconds) and the two cores' shared memory bandwidth made slower (the
-14 layers: 4.5 against 3.4 ms, 5.9 against 4.9 ms split in two; 5.0
-against 4.6 ms when only those of 256K elements and more split), and the
-big calls of batch 16 gained 1.5-1.8x in one run and lost 5-15% in the
-next. (Not OpenBLAS's spinning thread: a kernel on the worker right after a
-2-thread GEMM ran at its quiet speed.) numba's own threads (prange) would
-compete with OpenBLAS's busy-waiting ones and with the partitions.
+pass; the numpy passes they replaced stay as the reference the tests check
+them against (COMPILED = False runs them). Where the net never runs a MAX
+layer's backward and it has no mask top, the forward finds the maxima alone,
+and 3 x 3 windows at stride 1 pad 1 or at stride 2 run kernels of their own
+(_max_3x3_same, _max_3x3_stride2). The kernels' layout, a block of planes in
+column phases so that each window cell is one unit-stride run, is described
+above _block_geometry. A kernel call runs on the calling thread: the
+executor's batch partitions run them at once, and nothing splits a whole
+layer's planes by default (set_parallel_runner). The measurements behind
+each choice: BENCHMARKS.md, "Pooling kernels (issue 20)".
 """
 import numpy as np
 

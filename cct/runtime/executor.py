@@ -39,18 +39,10 @@ from cct.runtime import threads as threads_module
 from cct.runtime.partition import PartitionedLayer
 
 # Without a plan entry, a layer whose output has at least this many elements
-# is split into one partition per thread (when each gets 2 images or more):
-# what the tuner picks for CaffeNet's convolution, pooling, LRN and ReLU
-# layers. Smaller layers and InnerProduct (one GEMM splits as well across
-# BLAS threads, and its clones would copy the weights' diffs) run whole.
-# A layer its net never runs backward (a deploy net) splits at any size: a
-# whole layer's GEMMs run on OpenBLAS's threads, and after them its pool
-# thread spins on a core for up to 0.1 s, which the next layer's partitions
-# then share. Split throughout, the BLAS runs on one thread per partition
-# and nothing spins (2 cores, batch 16: GoogLeNet 702 -> 555 ms, ResNet-50
-# 1235 -> 1051, CaffeNet 234 -> 217; batch 4 0.88-1.04x). Training nets keep
-# the threshold: their backward's partitions cost more (LeNet at batch 64
-# 14.5 -> 19.5 ms an iteration split throughout).
+# splits into one partition per thread (each with 2 images or more); smaller
+# layers and InnerProduct run whole; a layer its net never runs backward
+# splits at any size, so no OpenBLAS pool thread spins between layers.
+# Measured: BENCHMARKS.md, "Batch partitions (Fig. 3)".
 DEFAULT_SPLIT_ELEMENTS = 1 << 20
 
 # The tuner skips partition counts whose clones' private parameter diffs
