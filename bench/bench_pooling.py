@@ -1,7 +1,11 @@
-"""Pooling forward and backward: the compiled kernels (layers/pooling.py,
-COMPILED = True) against the numpy passes they replaced (COMPILED = False),
-alternating in one process, medians of the rounds, at GoogLeNet's and
-LeNet's pooling shapes; then every pooling layer of GoogLeNet's deploy net.
+"""Pooling forward and backward: the layer on its compiled kernels
+(layers/pooling_kernels.py) against the numpy passes they replaced
+(layers/pooling_reference.py, "old"), alternating in one process, medians of
+the rounds, at GoogLeNet's and LeNet's pooling shapes; then every pooling
+layer of GoogLeNet's deploy net, its kernels whole and split. The reference
+runs each pass over the whole batch, where the layer's numpy passes ran in
+cache-sized chunks before the kernels replaced them: "old" here is slower
+than the old layer was (BENCHMARKS.md, "Pooling kernels", has those figures).
 
     python bench/bench_pooling.py [--rounds 15] [--batches 1,16] [--threads 2] [--split-from N] [--no-net]
 
@@ -27,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import cct  # noqa: E402
+import cct.layers.pooling_reference as reference  # noqa: E402
 from cct.layers import pooling  # noqa: E402
 from cct.runtime import threads  # noqa: E402
 from cct.testing.gradient_check import make_layer, setup_layer  # noqa: E402
@@ -68,16 +73,25 @@ def run_parts(function, parts):
 
 
 def modes(parts):
-    """{mode: function that sets it}: old (numpy), new (compiled), new split in `parts`."""
-    def setter(compiled, split):
-        def apply():
-            pooling.COMPILED = compiled
-            pooling.set_parallel_runner(run_parts if split > 1 else None, split)
-        return apply
-    found = {"old": setter(False, 1), "new": setter(True, 1)}
+    """{mode: function that sets it}: the kernels whole (new), split in `parts`."""
+    def setter(split):
+        return lambda: pooling.set_parallel_runner(run_parts if split > 1 else None, split)
+    found = {"new": setter(1)}
     if parts > 1:
-        found[f"new x{parts}"] = setter(True, parts)
+        found[f"new x{parts}"] = setter(parts)
     return found
+
+
+def numpy_passes(layer, x, dy):
+    """(forward, backward) calls of the numpy passes on the layer's geometry, each
+    returning its array (MAX routes by the passes' own mask)."""
+    geometry = (layer.kernel, layer.stride, layer.pad)
+    if layer.pool == pooling.MAX:
+        mask = reference.max_pool(x, *geometry, layer.out_hw)[2]
+        return (lambda: reference.max_pool(x, *geometry, layer.out_hw)[0],
+                lambda: reference.max_backward(dy, mask, x.shape))
+    return (lambda: reference.ave_pool(x, *geometry, layer.out_hw),
+            lambda: reference.ave_backward(dy, x.shape, *geometry))
 
 
 def bench_case(fields, shape, rounds, mode_setters):
@@ -86,13 +100,16 @@ def bench_case(fields, shape, rounds, mode_setters):
     x = rng.standard_normal(shape).astype(np.float32)
     bottoms, tops = setup_layer(layer, [x], dtype=np.float32)
     tops[0].diff[...] = rng.standard_normal(tops[0].shape).astype(np.float32)
-    results = {}
+    old_forward, old_backward = numpy_passes(layer, x, tops[0].diff.copy())
+    results = {"old": (old_forward(), old_backward(), [], [])}
     for name, apply in mode_setters.items():     # warm: compiled, work arrays made
         apply()
         layer.forward(bottoms, tops)
         layer.backward(tops, [True], bottoms)
         results[name] = (tops[0].data.copy(), bottoms[0].diff.copy(), [], [])
     for _ in range(rounds):
+        results["old"][2].append(sample(old_forward))
+        results["old"][3].append(sample(old_backward))
         for name, apply in mode_setters.items():
             apply()
             results[name][2].append(sample(lambda: layer.forward(bottoms, tops)))
@@ -129,8 +146,8 @@ def bench_googlenet(rounds, mode_setters):
                 total += sample(lambda: executor.forward(index), least=0.005)
             executor.finish()
             totals[name].append(total)
-    scale = np.abs(outputs["old"]).max()
-    differs = max(float(np.abs(outputs[name] - outputs["old"]).max()) / scale for name in outputs)
+    scale = np.abs(outputs["new"]).max()
+    differs = max(float(np.abs(outputs[name] - outputs["new"]).max()) / scale for name in outputs)
     return len(indices), {name: statistics.median(t) for name, t in totals.items()}, differs
 
 
@@ -147,7 +164,7 @@ def main():
     pooling.PARALLEL_ELEMENTS = args.split_from
     print(common.machine_line())
     setters = modes(args.threads)
-    names = list(setters)
+    names = ["old", *setters]
     header = "  ".join(f"{name + ' fwd':>11}" for name in names) + "  " + "  ".join(
         f"{name + ' bwd':>11}" for name in names)
     print(f"{'layer':22} {'batch':>5}  {header}  (ms; ratios old / new)")
@@ -163,9 +180,8 @@ def main():
         count, totals, differs = bench_googlenet(args.rounds, setters)
         print(f"GoogLeNet deploy, batch 1, its {count} pooling layers' forward: " +
               ", ".join(f"{name} {ms * 1e3:.2f} ms" for name, ms in totals.items()) +
-              f"; old / new {totals['old'] / totals['new']:.2f}" +
-              (f", old / new x{args.threads} {totals['old'] / totals[names[2]]:.2f}" if len(names) > 2 else "") +
-              f"; probabilities: largest difference from old's {differs:.1e} of the largest")
+              (f"; new / new x{args.threads} {totals['new'] / totals[names[2]]:.2f}" if len(names) > 2 else "") +
+              f"; probabilities: largest difference from new's {differs:.1e} of the largest")
     print(f"load after: {common.load_average():.2f}")
 
 

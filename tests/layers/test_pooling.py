@@ -8,6 +8,8 @@ import pytest
 
 import cct
 from cct.core.errors import ConfigError, ShapeError
+import cct.layers.pooling_kernels as pooling_kernels
+import cct.layers.pooling_reference as pooling_reference
 from cct.layers import pooling as pooling_module
 from cct.testing.gradient_check import check_layer_gradient, make_layer, setup_layer
 from helpers.layers import run_layer
@@ -303,25 +305,6 @@ def test_float32_forward_and_backward_equal_caffe_loops(method, fields, kernel, 
         np.testing.assert_allclose(ours_dx, dx, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("text", [
-    "pool: MAX kernel_size: 3 stride: 2",                  # overlapping windows
-    "pool: MAX kernel_size: 2 stride: 2",                  # non-overlapping: backward writes, no sum
-    "pool: MAX kernel_size: 3 stride: 2 pad: 1",           # padded work arrays
-    "pool: AVE kernel_size: 3 stride: 2 pad: 1",
-    "pool: AVE kernel_size: 2 stride: 1",
-])
-def test_batch_chunks_give_the_unchunked_numbers(monkeypatch, text):
-    """CHUNK_ELEMENTS below one image's output: every image is its own chunk."""
-    x = distinct((5, 3, 9, 9))
-    prototxt = f'type: "Pooling" pooling_param {{ {text} }}'
-    dy = RNG.standard_normal(run_layer(prototxt, [x])[2][0].shape)
-    whole = forward_backward(prototxt, x, dy)
-    monkeypatch.setattr("cct.layers.pooling.CHUNK_ELEMENTS", 7)
-    chunked = forward_backward(prototxt, x, dy)
-    for ours, theirs in zip(chunked, whole):
-        np.testing.assert_array_equal(ours, theirs)
-
-
 def test_max_winner_offsets_fit_the_kernel():
     """The kept winner offsets are bytes for small kernels, wider for big ones."""
     small = run_layer('type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 2 }',
@@ -362,7 +345,7 @@ def test_max_backward_after_a_reshape_without_forward_is_an_error():
         layer.backward(tops, [True], bottoms)
 
 
-# --- the compiled kernels against the numpy passes (COMPILED = False) ---------------------
+# --- the compiled kernels against the numpy passes (layers/pooling_reference.py) -----------
 KERNEL_CASES = [   # prototxt fields, input shape: every geometry the kernels special-case
     ("kernel_size: 3 stride: 2", (2, 3, 13, 13)),                    # GoogLeNet's pool1-4: ceil overhang
     ("kernel_size: 3 stride: 1 pad: 1", (1, 5, 7, 7)),               # the inception pools
@@ -386,19 +369,28 @@ def forward_in(x, prototxt, num_tops=1):
     return tops
 
 
-def forward_backward_both(prototxt, x, dy, monkeypatch, num_tops=1):
-    """(compiled, numpy) results of forward_backward, tops and bottom diff,
-    and the layer (its kernel, stride and pad)."""
-    results = []
-    for compiled in (True, False):
-        monkeypatch.setattr("cct.layers.pooling.COMPILED", compiled)
+def forward_backward_both(prototxt, x, dy, num_tops=1):
+    """(the layer's, the numpy passes') tops and bottom diff, and the layer
+    (its kernel, stride and pad). The layer's gradient is a one-top layer's,
+    routed by its kept winners output after output, in Caffe's order (with a
+    mask top the layer routes by the mask with np.bincount, whose float64
+    sums round once); the MAX passes route by their own mask in that order."""
+    compiled = []
+    for tops_now in sorted({num_tops, 1}, reverse=True):
         layer = make_layer(prototxt, cct.TRAIN)
-        bottoms, tops = setup_layer(layer, [x], dtype=x.dtype, num_tops=num_tops)
+        bottoms, tops = setup_layer(layer, [x], dtype=x.dtype, num_tops=tops_now)
         layer.forward(bottoms, tops)
         tops[0].diff[...] = dy
         layer.backward(tops, [True], bottoms)
-        results.append([top.data.copy() for top in tops] + [bottoms[0].diff.copy()])
-    return results, layer
+        compiled = compiled or [top.data.copy() for top in tops]
+    compiled.append(bottoms[0].diff.copy())
+    geometry = (layer.kernel, layer.stride, layer.pad)
+    if layer.pool == pooling_module.MAX:
+        value, _, mask = pooling_reference.max_pool(x, *geometry, layer.out_hw)
+        passes = [value, mask.astype(x.dtype)][:num_tops] + [pooling_reference.max_backward(dy, mask, x.shape)]
+    else:
+        passes = [pooling_reference.ave_pool(x, *geometry, layer.out_hw), pooling_reference.ave_backward(dy, x.shape, *geometry)]
+    return (compiled, passes), layer
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -416,8 +408,7 @@ def test_kernels_equal_numpy_passes(monkeypatch, fields, shape, method, dtype):
     prototxt = f'type: "Pooling" pooling_param {{ pool: {method} {fields} }}'
     top_shape = run_layer(prototxt, [x])[2][0].shape
     dy = RNG.standard_normal(top_shape).astype(dtype)
-    (compiled, numpy_passes), layer = forward_backward_both(prototxt, x, dy, monkeypatch,
-                                                            num_tops=2 if method == "MAX" else 1)
+    (compiled, numpy_passes), layer = forward_backward_both(prototxt, x, dy, num_tops=2 if method == "MAX" else 1)
     whole_image_ave = method == "AVE" and layer.whole_image
     tolerance = dict(rtol=1e-6 if dtype == np.float32 else 1e-14, atol=1e-7 if dtype == np.float32 else 1e-15)
     for ours, theirs in zip(compiled[:-1], numpy_passes[:-1]):
@@ -457,11 +448,11 @@ def test_a_forward_no_backward_follows_gives_the_same_maxima(fields, shape, dtyp
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("shape", [(2, 3, 7, 7), (1, 4, 28, 28), (2, 3, 1, 5), (1, 2, 4, 1), (1, 1, 1, 1),
                                    (1, 2, 2, 2), (1, 3, 2, 9), (2, 2, 9, 2), (1, 3, 13, 13), (1, 2, 12, 11)])
-@pytest.mark.parametrize("fields, kernel_name", [("stride: 1 pad: 1", "_max_3x3_same"),
-                                                 ("stride: 2", "_max_3x3_stride2")])
+@pytest.mark.parametrize("fields, kernel_name", [("stride: 1 pad: 1", "max_3x3_same"),
+                                                 ("stride: 2", "max_3x3_stride2")])
 def test_the_3x3_pooling_kernels_give_the_general_maxima(shape, dtype, fields, kernel_name, monkeypatch):
-    """3 x 3 at stride 1 with padding 1 (_max_3x3_same) and at stride 2 with
-    ceil-mode overhang (_max_3x3_stride2), no backward to follow: bit for bit
+    """3 x 3 at stride 1 with padding 1 (max_3x3_same) and at stride 2 with
+    ceil-mode overhang (max_3x3_stride2), no backward to follow: bit for bit
     the general kernel's values (winners found) on planes down to one row or
     column, with ties of 0.0 and -0.0 (the first in scan order wins), NaN and
     infinities."""
@@ -474,14 +465,14 @@ def test_the_3x3_pooling_kernels_give_the_general_maxima(shape, dtype, fields, k
     prototxt = f'type: "Pooling" pooling_param {{ pool: MAX kernel_size: 3 {fields} }}'
     general = forward_in(x, prototxt)[0].data
     calls = []
-    real = getattr(pooling_module, kernel_name)
-    monkeypatch.setattr(pooling_module, kernel_name, lambda *a: calls.append(1) or real(*a))
+    real = getattr(pooling_kernels, kernel_name)
+    monkeypatch.setattr(pooling_kernels, kernel_name, lambda *a: calls.append(1) or real(*a))
     layer = make_layer(prototxt, cct.TEST)
     layer.runs_backward = False
     bottoms, tops = setup_layer(layer, [x], dtype=dtype)
     layer.forward(bottoms, tops)
     # the stride-2 kernel takes planes whose windows all start inside (not whole-image ones)
-    applies = layer._same_3x3(x) if kernel_name == "_max_3x3_same" else layer._stride2_3x3(x) and not layer.whole_image
+    applies = layer._same_3x3(x) if kernel_name == "max_3x3_same" else layer._stride2_3x3(x) and not layer.whole_image
     assert bool(calls) == applies and (applies or min(shape[2:]) < 3)
     np.testing.assert_array_equal(tops[0].data, general)
     assert (np.signbit(tops[0].data) == np.signbit(general)).all()
@@ -507,7 +498,7 @@ def test_kernel_blocks_give_the_one_block_numbers(monkeypatch, fields, shape, me
     prototxt = f'type: "Pooling" pooling_param {{ pool: {method} {fields} }}'
     dy = RNG.standard_normal(run_layer(prototxt, [x])[2][0].shape).astype(np.float32)
     whole = forward_backward(prototxt, x, dy)
-    monkeypatch.setattr("cct.layers.pooling.BLOCK_CELLS", block_cells)
+    monkeypatch.setattr("cct.layers.pooling_kernels.BLOCK_CELLS", block_cells)
     blocked = forward_backward(prototxt, x, dy)
     for ours, theirs in zip(blocked, whole):
         np.testing.assert_array_equal(ours, theirs)
@@ -516,8 +507,8 @@ def test_kernel_blocks_give_the_one_block_numbers(monkeypatch, fields, shape, me
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("shape", [(3, 4, 8, 8), (1, 2, 2, 6)])
 def test_2x2_kernels_equal_the_general_kernels_and_the_numpy_passes(monkeypatch, shape, dtype):
-    """2 x 2 windows at stride 2 tiling the planes run _max_forward_2x2 and
-    _max_backward_2x2: bit for bit the general kernels and the numpy passes,
+    """2 x 2 windows at stride 2 tiling the planes run max_forward_2x2 and
+    max_backward_2x2: bit for bit the general kernels and the numpy passes,
     values, winners and the gradient routed by those winners (no mask top),
     with ties, NaN, infinities and gradients of -0.0."""
     x = RNG.standard_normal(shape).astype(dtype)
@@ -529,13 +520,13 @@ def test_2x2_kernels_equal_the_general_kernels_and_the_numpy_passes(monkeypatch,
     dy = RNG.standard_normal(run_layer(prototxt, [x])[2][0].shape).astype(dtype)
     dy[0, 0, 0, 0] = -0.0
     calls = []
-    for name in ("_max_forward_2x2", "_max_backward_2x2"):
-        real = getattr(pooling_module, name)
-        monkeypatch.setattr(pooling_module, name, lambda *a, name=name, real=real: calls.append(name) or real(*a))
-    (compiled, numpy_passes), layer = forward_backward_both(prototxt, x, dy, monkeypatch)
-    assert calls == ["_max_forward_2x2", "_max_backward_2x2", "_max_backward_2x2"]   # the numpy passes route too
+    for name in ("max_forward_2x2", "max_backward_2x2"):
+        real = getattr(pooling_kernels, name)
+        monkeypatch.setattr(pooling_kernels, name, lambda *a, name=name, real=real: calls.append(name) or real(*a))
+    (compiled, numpy_passes), layer = forward_backward_both(prototxt, x, dy)
+    assert calls == ["max_forward_2x2", "max_backward_2x2"]
     monkeypatch.setattr(pooling_module.Pooling, "_tiles_2x2", lambda self, x: False)
-    (general, _), _ = forward_backward_both(prototxt, x, dy, monkeypatch)
+    (general, _), _ = forward_backward_both(prototxt, x, dy)
     for ours, theirs, other in zip(compiled, numpy_passes, general):
         assert np.array_equal(ours, theirs, equal_nan=True) and np.array_equal(ours, other, equal_nan=True)
         assert np.array_equal(np.signbit(ours), np.signbit(theirs)) and np.array_equal(np.signbit(ours),
