@@ -435,6 +435,7 @@ class Convolution(_ConvolutionBase):
     channels takes a bilinear weight_filler (Caffe's other fillers refuse the
     empty weights); its top is then the bias.
     """
+    output_relu = True              # inference fusion folds the in-place ReLU after it into its store
 
     def _geometry(self, shape):
         return self._geometry_for(self.channels, self.num_output, shape[2], shape[3])

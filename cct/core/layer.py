@@ -135,6 +135,19 @@ class Layer:
     # its last reshape left them (reshape_if_changed)
     reshape_reads_layout = False
     _reshaped_layout = None           # (the blobs' layout key, their data views, which keep its ids unique)
+    # What inference fusion (cct.runtime.fusion) reads, each None or False where
+    # the layer has none: `epilogue(bottom, top)`, a method giving the pass the
+    # layer is in a fused run; `output_relu`, True where forward can end with a
+    # ReLU in its output store (fuse_output_relu); `aliases` and `views`, the
+    # switch of a Split whose tops alias its bottom and of a Concat whose bottoms
+    # live in its top (False until fusion turns them on).
+    epilogue = None
+    output_relu = False
+    aliases = None
+    views = None
+    # True: a training forward keeps its lowering for the backward, which the
+    # memory plan counts and gives up where the run would not fit (Convolution)
+    keep_lowering = False
 
     def __init__(self, layer_param, phase=TRAIN, source=None):
         self.layer_param = layer_param

@@ -588,10 +588,9 @@ def _op(net, index, forward_only=False):
     weight, and a backward the net runs reads no input the pass drops
     (unless the net never runs backward)."""
     layer = net.layers[index]
-    epilogue = getattr(layer, "epilogue", None)
-    if epilogue is None or any(layer.loss_weights):
+    if layer.epilogue is None or any(layer.loss_weights):
         return None
-    op = epilogue(net.bottom_vecs[index], net.top_vecs[index])
+    op = layer.epilogue(net.bottom_vecs[index], net.top_vecs[index])
     if op is None or (op[2] and net.layer_need_backward[index] and not forward_only):
         return None
     return op
@@ -621,7 +620,7 @@ def _plan_output_relus(net, run_of, forward_only):
     relus = {}
     for index in range(len(net.layers) - 1):
         layer, after = net.layers[index], index + 1
-        if layer.type != "Convolution" or len(net.top_vecs[index]) != 1 or after in run_of:
+        if not layer.output_relu or len(net.top_vecs[index]) != 1 or after in run_of:
             continue
         op = _op(net, after, forward_only)
         bottom, top = net.bottom_vecs[after], net.top_vecs[after]
@@ -636,7 +635,7 @@ def _plan_aliases(net):
     writes the bottom or a top of."""
     chosen = []
     for index, layer in enumerate(net.layers):
-        if not hasattr(layer, "aliases"):
+        if layer.aliases is None:
             continue
         shared = [net.bottom_vecs[index][0]] + [top for top in net.top_vecs[index]]
         written_later = any(top is blob for later in net.top_vecs[index + 1:] for top in later for blob in shared)
@@ -651,7 +650,7 @@ def _plan_concat_views(net):
     chosen = []
     blobs = list(net.blobs.values())
     for index, layer in enumerate(net.layers):
-        if not hasattr(layer, "views"):
+        if layer.views is None:
             continue
         bottom, top = net.bottom_vecs[index], net.top_vecs[index][0]
         if all(_may_view(net, index, blob, blobs) for blob in bottom) and not _written_after(net, index, top):

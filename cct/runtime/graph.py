@@ -126,7 +126,7 @@ def accesses(net, task, clip=False, sums=()):
     i = task.layer
     layer, bottoms, tops = net.layers[i], net.bottom_vecs[i], net.top_vecs[i]
     state = ("state", i)
-    random = {("random",)} if getattr(layer, "draws_random", False) else set()
+    random = {("random",)} if layer.draws_random else set()
     params = {_data(blob) for blob in layer.blobs}
     if task.kind == FORWARD:
         loss_tops = {_diff(top) for top, weight in zip(tops, layer.loss_weights) if weight}

@@ -217,7 +217,7 @@ def _fitted(make, nets):
     if plan.bytes["kept lowerings"] and not plan.fits():
         for net in nets:
             for layer in net.layers:
-                if getattr(layer, "keep_lowering", False):
+                if layer.keep_lowering:
                     layer.keep_lowering = False
         plan = make()
     return plan

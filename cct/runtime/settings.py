@@ -216,7 +216,7 @@ def layer_settings(layer, config="active"):
     the lowering budget, which always has one."""
     config = table.run_config() if config == "active" else config
     found = {}
-    for key in getattr(layer, "run_settings", ()):
+    for key in layer.run_settings:
         source, setting = table.source_value(key, layer.name, config=config)
         if source != "built-in" or key == "lowering_budget_mb":
             found[key] = setting
@@ -233,7 +233,7 @@ def apply(executor, config="active"):
     net = executor.net
     applied = {}
     for index, layer in enumerate(net.layers):
-        declared = tuple(getattr(layer, "run_settings", ()))
+        declared = tuple(layer.run_settings)
         if config is not None:
             _check_layer_keys(config, layer, declared)
             if _apply_partitions(config, executor, index):
