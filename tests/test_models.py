@@ -253,6 +253,7 @@ def alexnet_shapes(batch, lrn_first=False):
             "prob": (batch, 1000)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["bvlc_reference_caffenet/deploy.prototxt", "bvlc_alexnet/deploy.prototxt"])
 def test_caffenet_and_alexnet_shapes(path):
     net = build(with_batch(path, 1))
@@ -313,6 +314,7 @@ GOOGLENET_SHAPES = {
 }
 
 
+@pytest.mark.slow
 def test_googlenet_deploy_shapes():
     net = build(with_batch("bvlc_googlenet/deploy.prototxt", 1))
     assert_shapes(net, {name: (1,) + shape for name, shape in dict(GOOGLENET_SHAPES, prob=(1000,)).items()})

@@ -41,6 +41,7 @@ layer { name: "only_test" type: "TestLinReg" bottom: "x" bottom: "t" top: "loss2
     assert tested[0] == "data" and tested[-2:] == ["fc", "only_test"]
 
 
+@pytest.mark.slow
 def test_time_prints_caffes_per_layer_lines(run_folder, capsys):
     code, _, err = run_cct(capsys, "time", "--model=net.prototxt", "--iterations=1")
     assert code == 0

@@ -149,6 +149,7 @@ def test_clip_gradients_makes_the_rate_a_barrier(source):
     assert all(rate in clipped.edges[t] for t in clipped.tasks if t.kind == graph.UPDATE)
 
 
+@pytest.mark.slow
 def test_without_one_derived_edge_some_order_differs(source, sequential):
     """Negative control: the data layer's next forward may then overwrite the
     batch before conv1's weight gradient of the iteration before has read it."""

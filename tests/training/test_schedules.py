@@ -270,6 +270,7 @@ def two_threads(monkeypatch, tmp_path):
         yield tmp_path / "cache"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["lenet", "inception", "resnet"])
 def test_tuned_training_keeps_the_sequential_weights_to_rounding(name, two_threads):
     """A GEMM's thread count may differ from the sequential schedule's (OpenBLAS
