@@ -2,9 +2,10 @@
 and the BlobProto <-> numpy conversions they rest on.
 
 Large models (VGG-16 is ~550 MB) load without per-element Python work: the
-file is mapped, cct.formats.wire cuts each blob's packed values out of the
-message as views of its bytes, protobuf parses the rest, and each value is
-copied once, into the net's array; writing builds the packed field bytes
+file is mapped, cct.formats.wire cuts each blob's packed values (or NVIDIA
+Caffe's FLOAT16/FLOAT/DOUBLE raw_data) out of the message as views of its
+bytes, protobuf parses the rest, and each value is copied once, into the net's
+array (float16 to float32: exact); writing builds the packed field bytes
 directly from the array's buffer.
 """
 import mmap
@@ -15,7 +16,7 @@ import numpy as np
 from cct.core.errors import ShapeError, WeightsError
 from cct.formats import hdf5
 from cct.formats.prototxt import atomic_path, atomic_write, parse_binary, read_bytes
-from cct.formats.wire import Unexpected, field_pieces, split_blobs, varint
+from cct.formats.wire import RAW_TYPES, Unexpected, field_pieces, split_blobs, varint
 from cct.proto import caffe_pb2
 
 _PACKED_DATA_TAG = (5 << 3) | 2          # BlobProto.data = 5, length-delimited (packed)
@@ -32,27 +33,77 @@ def blob_proto_shape(blob_proto, count=None):
         return (blob_proto.num, blob_proto.channels, blob_proto.height, blob_proto.width)
     if blob_proto.HasField("shape"):
         return tuple(blob_proto.shape.dim)
-    return (len(blob_proto.double_data) or len(blob_proto.data),) if count is None else (count,)
+    return (_stored_count(blob_proto),) if count is None else (count,)
+
+
+def _stored_count(blob_proto):
+    """How many values the BlobProto holds (raw_data's of a type cct reads)."""
+    count = len(blob_proto.double_data) or len(blob_proto.data)
+    if count or not blob_proto.HasField("raw_data_type") or blob_proto.raw_data_type not in RAW_TYPES:
+        return count
+    return len(blob_proto.raw_data) // RAW_TYPES[blob_proto.raw_data_type].itemsize
 
 
 def _has_legacy_shape(blob_proto):
     return any(blob_proto.HasField(f) for f in ("num", "channels", "height", "width"))
 
 
-def blob_proto_to_array(blob_proto, diff=False):
+# A BlobProto's value fields in the order NVIDIA Caffe's Blob::FromProto reads
+# them (BVLC's reads the first two): doubles, floats, raw bytes, raw bytes' type.
+_VALUE_FIELDS = {False: ("double_data", "data", "raw_data", "raw_data_type"),
+                 True: ("double_diff", "diff", "raw_diff", "raw_diff_type")}
+
+
+def blob_proto_to_array(blob_proto, diff=False, where=""):
     """A float32 array of the BlobProto's data (or diff), shaped as it says;
-    `double_data` (`double_diff`) is read in preference to `data`, as Caffe does."""
-    values = (blob_proto.double_diff or blob_proto.diff) if diff else (blob_proto.double_data or blob_proto.data)
-    return _shaped(np.array(values, dtype=np.float32), blob_proto)
+    `double_data` (`double_diff`) is read in preference to `data`, then NVIDIA
+    Caffe's `raw_data` (`raw_diff`), as NVIDIA's Blob::FromProto reads them."""
+    array = _shaped(_stored_values(blob_proto, diff, where), blob_proto, where, diff)
+    return np.require(array, np.float32, ["W"])          # raw_data's values are views of the message
 
 
-def _shaped(array, blob_proto, where=""):
+def _stored_values(blob_proto, diff=False, where=""):
+    """The BlobProto's data (or diff) as stored: float32 from data/double_data,
+    raw_data's values in their own type (converted when copied into a blob)."""
+    doubles, floats, raw, _ = (getattr(blob_proto, name) for name in _VALUE_FIELDS[diff])
+    if doubles or floats or not raw:
+        return np.array(doubles or floats, dtype=np.float32)
+    return _raw_values(blob_proto, diff, where)
+
+
+def _raw_values(blob_proto, diff, where):
+    """NVIDIA Caffe's raw_data (raw_diff) as its raw_data_type says: FLOAT16,
+    FLOAT or DOUBLE; anything else is refused, as NVIDIA Caffe refuses it."""
+    *_, field, type_field = _VALUE_FIELDS[diff]
+    if not blob_proto.HasField(type_field):          # unset, or a number NVIDIA Caffe's Type lacks
+        raise WeightsError(f"{where}BlobProto.{field} has no {type_field} cct knows: "
+                           f"it reads FLOAT16, FLOAT and DOUBLE raw values")
+    kind, raw = getattr(blob_proto, type_field), getattr(blob_proto, field)
+    if kind not in RAW_TYPES:
+        raise WeightsError(f"{where}BlobProto.{type_field} is {caffe_pb2.Type.Name(kind)}: "
+                           f"cct reads FLOAT16, FLOAT and DOUBLE raw values")
+    if len(raw) % RAW_TYPES[kind].itemsize:
+        raise WeightsError(f"{where}BlobProto.{field} holds {len(raw)} bytes, not a whole number of "
+                           f"{caffe_pb2.Type.Name(kind)} values ({RAW_TYPES[kind].itemsize} bytes each)")
+    return np.frombuffer(raw, RAW_TYPES[kind])
+
+
+def _shaped(array, blob_proto, where="", diff=False):
     """`array`, the values of `blob_proto`, in the shape it describes."""
     shape = blob_proto_shape(blob_proto, array.size)
     if array.size != int(np.prod(shape)):
-        raise WeightsError(f"{where}BlobProto holds {array.size} values but its shape {shape} "
-                           f"needs {int(np.prod(shape))}")
+        raise WeightsError(f"{where}BlobProto{_raw_field_named(blob_proto, diff)} holds {array.size} "
+                           f"values but its shape {shape} needs {int(np.prod(shape))}")
     return array.reshape(shape)
+
+
+def _raw_field_named(blob_proto, diff):
+    """".raw_data (FLOAT16)" where the values are raw_data, for errors, else "":
+    cct.formats.wire keeps raw_data_type in the message only where they are."""
+    doubles, floats, raw, raw_type = _VALUE_FIELDS[diff]
+    if not blob_proto.HasField(raw_type) or getattr(blob_proto, doubles) or getattr(blob_proto, floats):
+        return ""
+    return f".{raw} ({caffe_pb2.Type.Name(getattr(blob_proto, raw_type))})"
 
 
 def array_to_blob_proto(array, diff=None):
@@ -160,8 +211,8 @@ def _copy_layer(layer, source_layer, values, where):
                 f"{where}: blobs[{index}]: shape mismatch, the file has {blob_proto_shape(proto, count)}, "
                 f"the net wants {blob.shape}; to learn this layer from scratch, rename it")
         if array is None:
-            array = np.array(proto.double_data or proto.data, dtype=np.float32)
-        # the one copy: the file's float32 (or float64) values into the blob
+            array = _stored_values(proto, where=f"{where}: blobs[{index}]: ")
+        # the one copy: the file's float32 (or float64, or float16: exact) values into the blob
         blob.data[...] = _shaped(array, proto, f"{where}: blobs[{index}]: ").reshape(blob.shape)
 
 

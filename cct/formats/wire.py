@@ -2,14 +2,16 @@
 
 The protobuf wire format is walked down to each BlobProto (NetParameter.layer
 -> LayerParameter.blobs, NetParameter.layers -> V1LayerParameter.blobs); the
-packed `data` and `double_data` of each blob become numpy views of the file's
+packed `data` and `double_data` of each blob, or NVIDIA Caffe's `raw_data` of
+`raw_data_type` (FLOAT16, FLOAT or DOUBLE), become numpy views of the file's
 bytes, and the blobs' values (diffs included: loading reads none, as Caffe's
 CopyTrainedLayersFrom) are cut out of the message. Protobuf then parses the
 rest, a few kilobytes, and each value is copied once, into the net's array.
 
 Whatever the walk does not expect (a V0 layer, values not packed, a length past
-the end) raises Unexpected: the caller parses the whole file with protobuf,
-which accepts or refuses it as it always did.
+the end; raw_data beside data, of a type cct does not read, or ending inside a
+value) raises Unexpected: the caller parses the whole file with protobuf, which
+accepts or refuses it as it always did (refusals of raw_data: weights.py).
 """
 import numpy as np
 
@@ -21,7 +23,11 @@ _FIELDS = {
     "V1LayerParameter": {6: "BlobProto", 1: "V0LayerParameter"},
 }
 _VALUES = {5: np.dtype("<f4"), 8: np.dtype("<f8")}       # BlobProto.data, double_data
-_DIFFS = {6: 4, 9: 8}                                      # diff, double_diff: bytes per value
+_DIFFS = {6: 4, 9: 8, 13: 1}                               # diff, double_diff, raw_diff: bytes per value
+_RAW_TYPE, _RAW_DATA = 10, 12                              # BlobProto.raw_data_type, raw_data (NVIDIA Caffe)
+# NVIDIA Caffe's Type (DOUBLE, FLOAT, FLOAT16) -> its raw_data's values: its
+# Blob::ToProto writes the blob's memory, little-endian on its machines.
+RAW_TYPES = {0: np.dtype("<f8"), 1: np.dtype("<f4"), 2: np.dtype("<f2")}
 
 
 class Unexpected(Exception):
@@ -32,7 +38,9 @@ def split_blobs(data):
     """(skeleton, values) of `data`, a serialized NetParameter: the same message
     without its blobs' values, and each blob's values in file order (float32
     views of `data`, or float64 where the blob has double_data, which Caffe
-    reads in preference to data)."""
+    reads in preference to data; where it has neither, its raw_data as
+    raw_data_type says: float16, float32 or float64). A blob's raw_data_type
+    stays in the skeleton only where the values are its raw_data."""
     values = []
     skeleton = b"".join(_message(data, 0, len(data), "NetParameter", values))
     return skeleton, values
@@ -56,8 +64,13 @@ def _message(data, start, end, name, values):
 
 def _blob(data, start, end, values):
     """A BlobProto's pieces without its values; its values appended to `values`."""
-    pieces, chunks = [], {number: [] for number in _VALUES}
+    pieces, chunks, raw = [], {number: [] for number in _VALUES}, {}
     for number, wire, field_start, value_start, value_end in _fields(data, start, end):
+        if number == _RAW_DATA or number == _RAW_TYPE:
+            raw[number] = _raw_field(data, number, wire, value_start, value_end)
+            if number == _RAW_TYPE:
+                pieces.append(data[field_start:value_end])
+            continue
         if number not in _VALUES and number not in _DIFFS:
             pieces.append(data[field_start:value_end])
             continue
@@ -67,10 +80,34 @@ def _blob(data, start, end, values):
         if number in _VALUES and value_end > value_start:
             chunks[number].append(np.frombuffer(data, _VALUES[number], (value_end - value_start) // size,
                                                 value_start))
-    chosen = chunks[8] or chunks[5]
+    chosen = _raw_values(data, raw, chunks) or chunks[8] or chunks[5]
     values.append(chosen[0] if len(chosen) == 1 else    # a field given twice is concatenated, as protobuf does
                   np.concatenate(chosen) if chosen else np.zeros(0, np.float32))
     return pieces
+
+
+def _raw_field(data, number, wire, start, end):
+    """raw_data's (start, end) in `data`, or raw_data_type's value; the last
+    one given counts, as protobuf keeps the last of an optional field."""
+    if number == _RAW_DATA and wire == _LENGTH:
+        return start, end
+    if number == _RAW_TYPE and wire == _VARINT:
+        return _read_varint(data, start, end)[0]
+    raise Unexpected(f"BlobProto field {number}: wire type {wire}")
+
+
+def _raw_values(data, raw, chunks):
+    """[raw_data as its type's view] where the blob holds raw_data alone;
+    anything else with a raw field (data beside it, a type cct does not read,
+    values in part) is left to protobuf, whose message names the field."""
+    if not raw:
+        return []
+    if chunks[5] or chunks[8] or _RAW_DATA not in raw or raw.get(_RAW_TYPE) not in RAW_TYPES:
+        raise Unexpected("BlobProto raw_data beside data, or without a type cct reads")
+    (start, end), dtype = raw[_RAW_DATA], RAW_TYPES[raw[_RAW_TYPE]]
+    if (end - start) % dtype.itemsize:
+        raise Unexpected("BlobProto raw_data: not a whole number of values")
+    return [np.frombuffer(data, dtype, (end - start) // dtype.itemsize, start)] if end > start else []
 
 
 def _fields(data, start, end):
