@@ -19,6 +19,7 @@ import numpy as np
 from cct.core.errors import DataError, ShapeError
 from cct.data import transformer
 from cct.formats.weights import array_to_blob_proto, blob_proto_shape
+from cct.formats.wire import RAW_TYPES
 from cct.proto import caffe_pb2
 
 # --- proto / datum / ndarray conversion --------------------------------------------
@@ -34,9 +35,16 @@ def blobproto_to_array(blob, return_diff=False):
     neither is a scalar, so one value gives a 0-d array and more raise a
     ValueError (ShapeError), as pycaffe. As pycaffe, from the float fields
     `data`/`diff`; a blob holding only `double_data` (`double_diff`) gives those
-    doubles, unrounded (pycaffe would fail)."""
+    doubles, unrounded (pycaffe would fail), and one holding only NVIDIA
+    Caffe's `raw_data` (`raw_diff`) its FLOAT16, FLOAT or DOUBLE values."""
     floats, doubles = (blob.diff, blob.double_diff) if return_diff else (blob.data, blob.double_data)
     values = np.array(floats if len(floats) or not len(doubles) else doubles, dtype=np.float64)
+    raw, kind = (blob.raw_diff, blob.raw_diff_type) if return_diff else (blob.raw_data, blob.raw_data_type)
+    if not values.size and raw:
+        if kind not in RAW_TYPES or len(raw) % RAW_TYPES[kind].itemsize:
+            raise ShapeError(f"BlobProto's raw {'diff' if return_diff else 'data'} ({len(raw)} bytes) is not "
+                             f"of a type cct reads (FLOAT16, FLOAT, DOUBLE), got type {kind}")
+        values = np.frombuffer(raw, RAW_TYPES[kind]).astype(np.float64)
     shape = blob_proto_shape(blob) if _has_shape(blob) else ()
     if values.size != int(np.prod(shape)):              # pycaffe's reshape raises a ValueError
         described = shape if _has_shape(blob) else "() (none given: a scalar)"

@@ -266,3 +266,15 @@ def test_blobproto_to_array_reads_the_float_data_in_float64_as_pycaffe():
     tiny = caffe_pb2.BlobProto(double_data=[1e-300, 7.0])
     tiny.shape.dim.extend([2])
     assert cio.blobproto_to_array(tiny).tolist() == [1e-300, 7.0]
+
+
+def test_blobproto_to_array_reads_nvidia_raw_data():
+    """A BlobProto holding only NVIDIA Caffe's raw_data (FLOAT16 here) gives
+    its values; a raw type cct does not read is an error naming it."""
+    values = np.array([[0.5, -2.0, 3.25]], np.float16)
+    blob = caffe_pb2.BlobProto(raw_data=values.tobytes(), raw_data_type=caffe_pb2.FLOAT16)
+    blob.shape.dim.extend([1, 3])
+    np.testing.assert_array_equal(cio.blobproto_to_array(blob), values.astype(np.float64))
+    blob.raw_data_type = caffe_pb2.INT
+    with pytest.raises(ShapeError, match="not of a type cct reads"):
+        cio.blobproto_to_array(blob)
