@@ -8,12 +8,15 @@ itself and `caffe.io`, `caffe.proto.caffe_pb2`, `caffe.net_spec`, ... are
 cct's own module objects (`caffe.Net is cct.Net`), never second copies.
 `caffe.__cct_version__` says cct answered.
 
-A real pycaffe wins: it is a `caffe/` package, which Python prefers over this
-module wherever both sit in one folder and which it finds first when it is
-earlier on sys.path (PYTHONPATH); when it is later on sys.path, this module
-loads it instead of aliasing (cct.core.caffe_name.real_pycaffe).
+A built pycaffe (a `caffe/` package holding its `_caffe` extension) anywhere
+on sys.path wins: cct_caffe_finder, first on sys.meta_path from start-up, gives
+it without running this module; without that finder (python -S, an install made
+before it) this module loads it (cct.core.caffe_name.real_pycaffe). Otherwise
+`caffe` is cct, standing in for a `caffe/` package without `_caffe` (BVLC's
+source tree, never built: one line on stderr says so) and passing over a
+`caffe/` folder without __init__.py (data files only).
 Turn the alias off with CCT_CAFFE_ALIAS=0: `import caffe` then fails as if
-cct had not installed it.
+cct had not installed it (an unbuilt tree on the path fails on its `_caffe`).
 """
 import importlib
 import importlib.abc
@@ -71,11 +74,26 @@ def _load_real(spec):
     return module
 
 
+def _turned_off():
+    unbuilt = caffe_name.unbuilt_pycaffe()
+    if unbuilt is not None:
+        return _load_real(unbuilt)       # fails on its _caffe, as it would without cct
+    raise ModuleNotFoundError(f"No module named 'caffe' (cct's alias is turned off by "
+                              f"{caffe_name.ALIAS_ENV}=0)", name="caffe")
+
+
+def _stand_in():
+    unbuilt = caffe_name.unbuilt_pycaffe()
+    module = _alias_cct()
+    if unbuilt is not None:
+        print(caffe_name.stand_in_line(unbuilt), file=sys.stderr)
+    return module
+
+
 _real = caffe_name.real_pycaffe()
 if _real is not None:
     _load_real(_real)
 elif not caffe_name.alias_enabled():
-    raise ModuleNotFoundError(f"No module named 'caffe' (cct's alias is turned off by "
-                              f"{caffe_name.ALIAS_ENV}=0)", name="caffe")
+    _turned_off()
 else:
-    sys.modules[__name__] = _alias_cct()
+    sys.modules[__name__] = _stand_in()

@@ -2,14 +2,14 @@
 
 cct installs a one-file module `caffe` beside itself (caffe.py at the top of the
 repository) so that pycaffe client code (Python layers, Caffe's detect.py,
-notebooks) runs unchanged. A real pycaffe is always a package (a `caffe/` folder),
-so it is told apart from that alias without importing it; the alias asks
-`real_pycaffe()` first and steps aside for one anywhere on sys.path: earlier on
-the path it wins anyway, later on the path (cct in a virtualenv, Caffe from
-the system's packages) the alias loads it. `CCT_CAFFE_ALIAS=0` turns the alias
-off. `caffe_import()` is the line `cct device_query` and `cct train` print.
-Standard library only: the alias imports this before it decides."""
-import importlib.machinery
+notebooks) runs unchanged, and a finder (cct_caffe_finder.py, put first on
+sys.meta_path at start-up by the .pth both install kinds write) that decides
+which `caffe` an import gives before Python's own path search. A built pycaffe
+(a `caffe` package holding its `_caffe` extension) anywhere on sys.path wins;
+otherwise cct answers, standing in for an unbuilt one (BVLC's source tree) and
+passing over a `caffe` folder without __init__.py. `CCT_CAFFE_ALIAS=0` turns
+the alias off. `caffe_import()` is the line `cct device_query` and `cct train`
+print. Standard library only: the alias imports this before it decides."""
 import importlib.util
 import os
 import sys
@@ -30,15 +30,35 @@ def _alias_source():
     return f"{ALIAS_ENV}=0" if source == "environment" else "by a call"
 
 
+def finder():
+    """The module cct_caffe_finder (beside cct): by name, or by its path where an
+    editable install made before that module existed maps no such name."""
+    try:
+        import cct_caffe_finder
+    except ModuleNotFoundError:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "cct_caffe_finder.py")
+        spec = importlib.util.spec_from_file_location("cct_caffe_finder", os.path.normpath(path))
+        cct_caffe_finder = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(cct_caffe_finder)
+        sys.modules["cct_caffe_finder"] = cct_caffe_finder
+    return cct_caffe_finder
+
+
 def real_pycaffe():
-    """The spec of the first `caffe` package (a folder with __init__.py) on
-    sys.path, or None. One entry at a time: the alias module may sit in an
-    earlier entry, and a whole-path search would stop at it."""
-    for entry in list(sys.path):
-        spec = importlib.machinery.PathFinder.find_spec("caffe", [entry])
-        if spec is not None and spec.origin and spec.submodule_search_locations is not None:
-            return spec
-    return None
+    """The spec of the first built pycaffe (a `caffe` package holding `_caffe`) on sys.path, or None."""
+    return finder().resolve()[0]
+
+
+def unbuilt_pycaffe():
+    """The spec of the first `caffe` package without `_caffe` on sys.path (BVLC's
+    source tree, never built), where no built one is on it; else None."""
+    return finder().resolve()[1]
+
+
+def stand_in_line(unbuilt):
+    """The one stderr line cct's alias writes when it answers in place of an unbuilt tree."""
+    return (f"import caffe: cct stands in for Caffe's {os.path.dirname(unbuilt.origin)}, "
+            f"which has no built {finder().BUILT_MODULE} extension (`make pycaffe` builds it)")
 
 
 def caffe_import():
@@ -55,7 +75,9 @@ def caffe_import():
     if spec is None:
         return "no module named 'caffe' (cct's alias is not installed: pip install cct)"
     if _is_alias_file(spec.origin):
-        return f"cct, through its alias {spec.origin}"
+        unbuilt = unbuilt_pycaffe()
+        standing_in = f" (standing in for {os.path.dirname(unbuilt.origin)}: not built)" if unbuilt else ""
+        return f"cct, through its alias {spec.origin}{standing_in}"
     return f"a module that is neither pycaffe nor cct's alias: {spec.origin}"
 
 
