@@ -101,22 +101,23 @@ def _device_list():
 
 
 def parse_device_ids(text, source):
-    """"0", "0,1" or "all" (every OpenCL device) as a list of ids; a bad
-    value is an error naming `source` (the flag or variable)."""
-    from cct.devices import opencl
-    text = str(text).strip()
-    if text == "all":
-        count = len(opencl.platform_devices())
-        if not count:
-            raise ConfigError(f"{source}: all: {opencl.why_unavailable()}")
-        return list(range(count))
+    """"0", "0,1" or "all" (every OpenCL device) as a list of ids, read as the
+    gpu knob reads its variable ("cpu", the host, is no id here); a bad value
+    is an error naming `source` (the flag or variable)."""
+    kind, text = table.BY_NAME["gpu"].kind, str(text).strip()
     try:
-        ids = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise ConfigError(f"{source}: must be a device id (0), ids (0,1), all or cpu, got {text!r}") from None
-    if any(i < 0 for i in ids):
-        raise ConfigError(f"{source}: device ids must be >= 0, got {text!r}")
-    return ids
+        ids = kind.text(text)
+        if not ids:
+            raise kind.bad(text, text=True)
+    except ValueError as error:
+        raise ConfigError(f"{source}: {error}") from None
+    if ids != "all":
+        return ids
+    from cct.devices import opencl
+    count = len(opencl.platform_devices())
+    if not count:
+        raise ConfigError(f"{source}: all: {opencl.why_unavailable()}")
+    return list(range(count))
 
 
 def device():
