@@ -15,7 +15,10 @@ plus ResNet-50 and GoogLeNet at batch 1 on 32 x 32 images (their global
 pooling made global), where the per-layer costs are a large part of a
 forward: ms per forward.
 
-    python bench/bench_overhead.py [--kinds relu,conv,pool,block,residual] [--layers 50] [--repeats 300] [--nets resnet50,googlenet]
+    python bench/bench_overhead.py [--kinds relu,conv,pool,block,residual] [--layers 50] [--repeats 300] [--nets resnet50,googlenet] [--backward]
+
+--backward times forward + backward of the same nets built for TRAIN with
+force_backward (every layer's backward runs, the input's gradient too).
 
 Run one revision against another by putting an install of the other first on
 PYTHONPATH (pip install --no-deps --target DIR REV's checkout), in turns.
@@ -58,10 +61,11 @@ def unit(kind, i):
     raise SystemExit(f"unknown kind {kind!r}: relu, conv, pool, block, residual")
 
 
-def tiny_net(kind, units):
+def tiny_net(kind, units, backward=False):
     import cct
     import numpy as np
-    net = cct.Net('name: "overhead"\n' + INPUT + "".join(unit(kind, i)[0] for i in range(units)), cct.TEST)
+    head = 'name: "overhead"\n' + ("force_backward: true\n" if backward else "")
+    net = cct.Net(head + INPUT + "".join(unit(kind, i)[0] for i in range(units)), cct.TRAIN if backward else cct.TEST)
     for layer in net.layers:
         if layer.type == "BatchNorm":
             layer.blobs[1].data[...] = 1.0             # variance
@@ -70,13 +74,14 @@ def tiny_net(kind, units):
     return net
 
 
-def per_forward(net, repeats):
+def per_forward(net, repeats, backward=False):
+    run = net.forward_backward if backward else net.forward
     for _ in range(20):
-        net.forward()
+        run()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        net.forward()
+        run()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -109,6 +114,7 @@ def main():
     parser.add_argument("--layers", type=int, default=50, help="units of each kind")
     parser.add_argument("--repeats", type=int, default=300)
     parser.add_argument("--nets", default="resnet50,googlenet", help="'' for none")
+    parser.add_argument("--backward", action="store_true", help="forward + backward of TRAIN nets")
     args = parser.parse_args()
     import cct
     p = common.print_flush
@@ -117,11 +123,12 @@ def main():
     for kind in args.kinds.split(","):
         if not kind:
             continue
-        net = tiny_net(kind, args.layers)
-        seconds = per_forward(net, args.repeats)
+        net = tiny_net(kind, args.layers, args.backward)
+        seconds = per_forward(net, args.repeats, args.backward)
         size = unit(kind, 0)[1]
         what = "layer" if size == 1 else f"block of {size} layers"
-        p(f"{kind}: {seconds / args.layers * 1e6:.1f} us per {what} (forward, {len(net.layers)} layers)")
+        passes = "forward + backward" if args.backward else "forward"
+        p(f"{kind}: {seconds / args.layers * 1e6:.1f} us per {what} ({passes}, {len(net.layers)} layers)")
     for name in filter(None, args.nets.split(",")):
         net = small_image_net(name)
         p(f"{name} at batch 1, 32 x 32: {per_forward(net, max(30, args.repeats // 5)) * 1e3:.2f} ms per forward "

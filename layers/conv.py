@@ -29,8 +29,9 @@ again whenever the weights change, bit for bit.
 """
 import numpy as np
 
+from cct.core.blob import Layout
 from cct.core.layer import TRAIN, Layer, register
-from cct.lowering import (ConvGeometry, chooser, conv_backward, conv_backward_data, conv_backward_weights,
+from cct.lowering import (ConvGeometry, bind_pointwise, chooser, conv_backward, conv_backward_data, conv_backward_weights,
                           conv_forward, lowering, pointwise, type1, winograd)
 from cct.lowering import device as device_lowering
 from cct.core.workspace import thread_arena
@@ -129,6 +130,7 @@ class _ConvolutionBase(Layer):
         self._forced_type, self.measure_lowering = None, False
         self._lowering_budget = DEFAULT_BUDGET_MB * 2 ** 20
         self._auto_type = None
+        self._bound_choice = None     # (lowering type, Winograd tile) the last choice gave
         self._choice_key = None       # the (geometry, batch, dtype, partitions, backward) the chooser picked _auto_type for
         self._partitions = 1          # the runtime's batch partitions (run_partitions)
         self._partition_threads = None    # ... and the BLAS threads each one's call runs at
@@ -214,6 +216,9 @@ class _ConvolutionBase(Layer):
                 self._choice_key = key
             kind = self._auto_type
         self._choose_winograd(key + (self._partition_threads,), kind)
+        if (kind, self._winograd_m) != self._bound_choice:
+            self._bound_choice = (kind, self._winograd_m)
+            Layout.changed()          # a plan's bound forward holds the old choice
         return kind
 
     def _choose_winograd(self, key, kind):
@@ -283,6 +288,7 @@ class _ConvolutionBase(Layer):
     @lowering_budget.setter
     def lowering_budget(self, value):
         self._owner._lowering_budget = int(value)
+        Layout.changed()              # a plan's bound chunk is the old budget's
 
     @property
     def lowering_type(self):
@@ -292,6 +298,7 @@ class _ConvolutionBase(Layer):
     @lowering_type.setter
     def lowering_type(self, value):
         self._owner._forced_type = value
+        Layout.changed()
 
     def _geometry_for(self, channels, num_output, in_h, in_w):
         try:
@@ -459,6 +466,25 @@ class Convolution(_ConvolutionBase):
             conv_forward(x, weight, self.geom, kind, out=t.data, ws=arena, chunk=self._chunk(kind, x), bias=bias,
                          keep=self._kept(index, kind, x), relu=self._owner._output_relu)
 
+    def bind_forward(self, bottom, top):
+        """The forward of one bottom by lowering with the lowering type, chunk
+        and kept matrix chosen now (Layer.bind_forward); Winograd, several
+        bottoms and partition twins keep the per-call path."""
+        kind = self._lowering()
+        if len(bottom) != 1 or self._owner is not self or self._winograd_m:
+            return super().bind_forward(bottom, top)
+        b, t, blobs, geom, bias_term = bottom[0], top[0], self.blobs, self.geom, self.bias_term
+        chunk, keep = self._chunk(kind, b.data), self._kept(0, kind, b.data)
+        if keep is None and b.shape[0] and not geom.empty and pointwise(geom, b.shape[0]):
+            product = bind_pointwise(b.data, blobs[0].data, t.data, geom)
+            if product is not None:
+                return lambda: product(blobs[1].data if bias_term else None, self._output_relu)
+
+        def forward():
+            conv_forward(b.data, blobs[0].data, geom, kind, out=t.data, ws=thread_arena(), chunk=chunk,
+                         bias=blobs[1].data if bias_term else None, keep=keep, relu=self._output_relu)
+        return forward
+
     def fuse_output_relu(self, slope):
         """The next forwards end with a ReLU of negative slope `slope` in their
         output store (None: none again): inference fusion (cct.runtime.fusion)
@@ -471,20 +497,36 @@ class Convolution(_ConvolutionBase):
         lowering call per bottom for both gradients: lowering types 2 and 3 then
         lift the top's gradient once for the two."""
         kind = self._lowering()
-        arena = thread_arena()
-        need_weights = self.param_propagate_down[0]
         if self.bias_term and self.param_propagate_down[1]:
             self._bias_gradient(top)
         for index, (t, down, b) in enumerate(zip(top, propagate_down, bottom)):
-            if not (down or need_weights):
-                continue
-            x = b.data
-            lowered, space = self._spent_kept(index, kind, x, arena) if need_weights else (None, arena)
-            _, dw = conv_backward(x, t.diff, self.blobs[0].data, self.geom, kind, data=down,
-                                  weights=need_weights, ws=space, chunk=self._chunk(kind, x),
-                                  dx_out=b.diff if down else None, lowered=lowered)
-            if need_weights:
-                self.blobs[0].diff[...] += dw
+            self._backward_bottom(index, t, down, b, kind, self._chunk(kind, b.data))
+
+    def _backward_bottom(self, index, t, down, b, kind, chunk):
+        """Bottom `index`'s share of backward: its diff where `down`, and its
+        part of the weight gradient where the weights learn."""
+        need_weights = self.param_propagate_down[0]
+        if not (down or need_weights):
+            return
+        x, arena = b.data, thread_arena()
+        lowered, space = self._spent_kept(index, kind, x, arena) if need_weights else (None, arena)
+        _, dw = conv_backward(x, t.diff, self.blobs[0].data, self.geom, kind, data=down, weights=need_weights,
+                              ws=space, chunk=chunk, dx_out=b.diff if down else None, lowered=lowered)
+        if need_weights:
+            self.blobs[0].diff[...] += dw
+
+    def bind_backward(self, top, propagate_down, bottom):
+        """backward with the lowering type and chunk chosen now (bind_forward's terms)."""
+        kind = self._lowering()
+        if len(bottom) != 1 or self._owner is not self:
+            return super().bind_backward(top, propagate_down, bottom)
+        t, down, b, chunk = top[0], propagate_down[0], bottom[0], self._chunk(kind, bottom[0].data)
+
+        def backward():
+            if self.bias_term and self.param_propagate_down[1]:
+                self._bias_gradient(top)
+            self._backward_bottom(0, t, down, b, kind, chunk)
+        return backward
 
     def _weight_gradient(self, top, bottom, kind, arena):
         for index, (t, b) in enumerate(zip(top, bottom)):

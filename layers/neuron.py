@@ -27,6 +27,7 @@ class Neuron(Layer):
     batch_independent = True      # element-wise (Dropout, which draws random numbers, says otherwise)
     # True where backward reads the input x (not only y = f(x)).
     needs_input = False
+    reshape_reads_layout = True   # a top shaped as its bottom, nothing else
 
     def reshape(self, bottom, top):
         if top[0] is not bottom[0] and top[0].shape != bottom[0].shape:
@@ -64,6 +65,13 @@ class ReLU(Neuron):
             np.maximum(x, 0, out=top[0].data)
         else:
             top[0].data[...] = np.where(x > 0, x, x * x.dtype.type(self.slope))
+
+    def bind_forward(self, bottom, top):
+        """max(x, 0) on the arrays the plan's layout holds (Layer.bind_forward)."""
+        if self.slope != 0:
+            return super().bind_forward(bottom, top)
+        x, y = bottom[0].data, top[0].data
+        return lambda: np.maximum(x, 0, out=y)
 
     def runs_on(self, device, bottom, top):
         return self.all_float32(bottom, top)

@@ -256,6 +256,24 @@ class Pooling(Layer):
         else:
             top[0].data[...] = self._stochastic_weighted(x)
 
+    def bind_forward(self, bottom, top):
+        """A MAX or AVE forward into one top as one kernel call on the arrays
+        the plan's layout holds, its kernel chosen now (Layer.bind_forward)."""
+        x, value = bottom[0].data, top[0].data
+        if (self.pool == STOCHASTIC or len(top) > 1 or not value.size or not x.flags.c_contiguous
+                or (_parallel is not None and not self.shares_threads
+                    and max(x.size, value.size) >= PARALLEL_ELEMENTS)):
+            return super().bind_forward(bottom, top)
+        if self.pool == AVE:
+            return lambda: self._average(x, value)
+        function, planes, settings, outputs, winner = self._max_call(x, value, self.runs_backward)
+        arguments = [*planes, *settings, *outputs]
+
+        def forward():
+            function(*arguments)
+            self.winner = winner
+        return forward
+
     def _max(self, x, value, track=True):
         """Fill `value` (N, C, PH, PW) with the window maxima; return where each
         is, as the kernel offset i*KW + j of the first maximum in scan order (for
@@ -266,27 +284,28 @@ class Pooling(Layer):
         backward and no mask top to come) the general kernel and the 3 x 3
         kernels find the maxima alone and return None; the whole-image and
         2 x 2 kernels find both, at little cost."""
-        n, c, h, w = x.shape
+        function, planes, settings, outputs, winner = self._max_call(x, value, track)
+        self._run(function, planes, settings, outputs)
+        return winner
+
+    def _max_call(self, x, value, track):
+        """_max's kernel for these arrays: (function, planes, settings,
+        outputs, the winners or None), as _run takes them."""
+        n, c = x.shape[:2]
         area = self.kernel[0] * self.kernel[1]
         offset_type = np.int8 if area <= 127 else np.int16 if area <= 32767 else np.int32
         winner = self.scratch("winner", value.shape, offset_type)
         if self.whole_image:
-            self._run(kernels.max_whole, [_planes(x)], [],
-                      [_planes(value, True).reshape(n * c), _planes(winner, True).reshape(n * c)])
-        elif self._tiles_2x2(x):
-            self._run(kernels.max_forward_2x2, [_planes(x)], [], [_planes(value, True), _planes(winner, True)])
-        elif not track and self._same_3x3(x):
-            self._run(kernels.max_3x3_same, [_planes(x)], [], [_planes(value, True)])
-            return None
-        elif not track and self._stride2_3x3(x):
-            self._run(kernels.max_3x3_stride2, [_planes(x)], [], [_planes(value, True)])
-            return None
-        else:
-            self._run(kernels.max_forward, [_planes(x)], [*self.kernel, *self.stride, *self.pad,
-                                                          kernels.BLOCK_CELLS, track],
-                      [_planes(value, True), _planes(winner, True)])
-            return winner if track else None
-        return winner
+            return (kernels.max_whole, [_planes(x)], [],
+                    [_planes(value, True).reshape(n * c), _planes(winner, True).reshape(n * c)], winner)
+        if self._tiles_2x2(x):
+            return kernels.max_forward_2x2, [_planes(x)], [], [_planes(value, True), _planes(winner, True)], winner
+        if not track and self._same_3x3(x):
+            return kernels.max_3x3_same, [_planes(x)], [], [_planes(value, True)], None
+        if not track and self._stride2_3x3(x):
+            return kernels.max_3x3_stride2, [_planes(x)], [], [_planes(value, True)], None
+        return (kernels.max_forward, [_planes(x)], [*self.kernel, *self.stride, *self.pad, kernels.BLOCK_CELLS, track],
+                [_planes(value, True), _planes(winner, True)], winner if track else None)
 
     def _same_3x3(self, x):
         """Whether the windows are 3 x 3 at stride 1 with padding 1, each output

@@ -84,6 +84,23 @@ def _pointwise_forward(x, w, geom, out, bias, relu):
     return target
 
 
+def bind_pointwise(x, w, out, geom):
+    """The pointwise forward of these arrays (_pointwise_forward's numbers)
+    as one call of (bias, relu), its views made now; None where the arrays
+    need the per-call path's copies (weights of another dtype, a strided
+    array). For an execution plan, whose arrays stay while its layout does."""
+    if w.dtype != x.dtype or not (x.flags.c_contiguous and out.flags.c_contiguous and w.flags.c_contiguous):
+        return None
+    n, pixels = x.shape[0], geom.in_h * geom.in_w
+    weights = w.reshape(geom.num_output, geom.channels)
+    inputs, product = x.reshape(n, geom.channels, pixels), out.reshape(n, geom.num_output, pixels)
+
+    def forward(bias, relu):
+        np.matmul(weights, inputs, out=product)
+        finish(product, bias, relu)
+    return forward
+
+
 def _zeros(shape, dtype, out):
     if out is None:
         return np.zeros(shape, dtype)
@@ -173,5 +190,5 @@ def conv_backward_weights(x, dy, geom, lowering_type=1, out=None, ws=FRESH, chun
     return out
 
 
-__all__ = ["ConvGeometry", "LOWERINGS", "lowering", "conv_forward", "conv_backward_data",
+__all__ = ["ConvGeometry", "LOWERINGS", "lowering", "conv_forward", "bind_pointwise", "conv_backward_data",
            "conv_backward_weights", "conv_backward"]

@@ -35,6 +35,19 @@ _ALLOCATION_LOCK = threading.Lock()
 HOST, DEVICE, SYNCED, SPLIT = "host", "device", "synced", "split"
 
 
+class Layout:
+    """What an execution plan (cct.runtime.plan) was bound to: `epoch` grows
+    whenever any blob gets new views (a reshape to another shape, storage
+    shared or replaced) or a layer changes a choice its bound steps hold
+    (changed()). A plan built at one epoch runs while the epoch is the same;
+    reading it is one attribute lookup per step."""
+    epoch = 0
+
+    @classmethod
+    def changed(cls):
+        cls.epoch += 1
+
+
 class Mirror:
     """A host store's copy on one device (Caffe's SyncedMemory): `head` says
     which side is current; the buffer is made on the first device use. A
@@ -167,6 +180,7 @@ class Blob:
         self.reshape(other.shape)
 
     def _make_views(self):
+        Layout.epoch += 1
         count = self.count
         self._data = self._data_store[:count].reshape(self._shape)
         self._diff = None if self._diff_store is None else self._diff_store[:count].reshape(self._shape)

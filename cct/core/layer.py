@@ -61,7 +61,7 @@ import copy
 import numpy as np
 
 from cct.core import fillers
-from cct.core.blob import Blob
+from cct.core.blob import Blob, Layout
 from cct.core.allocation import check_allocation
 from cct.core.errors import ConfigError, MemoryLimitError, ShapeError, layer_where
 from cct.core.workspace import thread_arena
@@ -200,8 +200,20 @@ class Layer:
 
     def reshape_again(self):
         """The next reshape_if_changed reshapes: something its reshape reads
-        besides the blobs' layout has changed."""
+        besides the blobs' layout has changed (and plans bound to it are stale)."""
         self._reshaped_layout = None
+        Layout.changed()
+
+    # --- bound for an execution plan (cct.runtime.plan) ---------------------------------
+    def bind_forward(self, bottom, top):
+        """Forward on these blobs as one call, with whatever the layer decides
+        per shape decided now; valid while Layout.epoch stays (a layer that
+        binds a choice it may change calls Layout.changed() when it does)."""
+        return lambda: self.forward(bottom, top)      # looked up at each call, as the executor does
+
+    def bind_backward(self, top, propagate_down, bottom):
+        """Backward on these blobs as one call (bind_forward's terms)."""
+        return lambda: self.backward(top, propagate_down, bottom)
 
     def reshape(self, bottom, top):
         raise NotImplementedError(f"{self.where()}: reshape not implemented")
@@ -343,6 +355,10 @@ class Layer:
         backward in it): `layer 'ip1' (InnerProduct): top 'ip1' of shape ...`."""
         return _NamingAllocations(self, top)
 
+    def named_allocation_error(self, error, top):
+        """A MemoryLimitError raised in this layer's call, under its name and the top's."""
+        return error.renamed(f"{self.where()}: {self._array_name(error, top)}")
+
     def _array_name(self, error, top):
         for index, blob in enumerate(top):
             if blob is error.blob:
@@ -422,5 +438,4 @@ class _NamingAllocations:
     def __exit__(self, kind, error, traceback):
         if kind is None or not issubclass(kind, MemoryLimitError) or error.named:
             return False                            # named already: by filled_blob, or an inner layer
-        layer = self.layer
-        raise error.renamed(f"{layer.where()}: {layer._array_name(error, self.top)}") from None
+        raise self.layer.named_allocation_error(error, self.top) from None

@@ -292,15 +292,7 @@ class Net:
     def _forward(self, start=0, end=None):
         """Run layers start..end inclusive (by index); return the summed loss."""
         end = len(self.layers) - 1 if end is None else end
-        executor = self.executor
-        loss = 0.0
-        try:
-            executor.begin_forward(end)             # inside: a bad CCT_GPU still ends the forward
-            for i in range(start, end + 1):
-                loss += executor.forward(i)
-        finally:
-            executor.end_forward()                  # a failing layer leaves no lowered BLAS count
-        return loss
+        return self.executor.forward_range(start, end)
 
     @property
     def executor(self):
@@ -325,15 +317,7 @@ class Net:
 
     def _backward(self, start=None, end=0):
         start = len(self.layers) - 1 if start is None else start
-        executor = self.executor
-        try:
-            if start == len(self.layers) - 1 and end == 0:
-                executor.backward_all()             # the whole net: the executor's schedule decides
-                return
-            for i in range(start, end - 1, -1):
-                executor.backward(i)
-        finally:
-            executor.finish()
+        self.executor.backward_range(start, end)
 
     def forward(self, blobs=None, start=None, end=None, **kwargs):
         """Forward from layer `start` to `end` (layer names, inclusive). Keyword

@@ -33,6 +33,7 @@ from cct.core.progress import Progress
 from cct.runtime import fusion as fusion_module
 from cct.runtime import hybrid as hybrid_module
 from cct.runtime import memory_plan, scheduler
+from cct.runtime.plan import Plan
 from cct.runtime import settings
 from cct.runtime.choice import FasterOf
 from cct.runtime import threads as threads_module
@@ -101,6 +102,7 @@ class Executor:
         self._hybrid_runners = {}
         self._hybrid_key = None       # (shape key, device) the hybrid plan was made for
         self._forwarded = None        # the shape key of the last whole forward on a device
+        self._plan = None             # the host's execution plan (cct.runtime.plan), made after a whole forward
         # CCT_PARTITIONS=p partitions every layer that allows it (the conformance
         # suite runs with it to check partitioned results equal unpartitioned
         # ones); CCT_PARTITIONS=1 runs every layer whole.
@@ -139,6 +141,7 @@ class Executor:
         if not callable(callback):
             raise TypeError(f"{kind}(): the callback must be callable (fn(layer_index)), got {callback!r}")
         self._listeners.setdefault(kind, []).append(callback)
+        self._plan = None
 
     def _emit(self, kind, index):
         for callback in self._listeners.get(kind, ()):
@@ -180,6 +183,7 @@ class Executor:
             raise ValueError(f"{self.net.layers[index].where()}: cannot be batch-partitioned")
         self.plan[index] = partitions
         self._partitioned.pop(index, None)
+        self._plan = None
 
     def partitions(self, index):
         """The batch partitions layer `index` runs at its current shapes: its
@@ -277,6 +281,55 @@ class Executor:
         if self._listeners:
             self._emit("after_forward", index)
         return loss
+
+    # --- whole passes: the plan's steps where one holds ---------------------------------
+    def _current_plan(self):
+        """The execution plan, where the host runs every layer in turn with
+        nobody listening and a plan for this layout and these settings exists."""
+        plan = self._plan
+        if plan is None or self._listeners or self._forward_device is not None:
+            return None
+        return plan if plan.current(self) else None
+
+    def forward_range(self, start, end):
+        """Layers start..end forward (Net.forward); their summed loss."""
+        loss = 0.0
+        try:
+            self.begin_forward(end)             # inside: a bad CCT_GPU still ends the forward
+            plan = self._current_plan()
+            if plan is not None:
+                return plan.forward(self, start, end)
+            for index in range(start, end + 1):
+                loss += self.forward(index)
+            if (start == 0 and end == len(self.net.layers) - 1 and not self._listeners
+                    and self._forward_device is None):
+                self._plan = Plan(self)         # every layer reshaped and chose for these shapes
+        finally:
+            self.end_forward()                  # a failing layer leaves no lowered BLAS count
+        return loss
+
+    def backward_range(self, start, end):
+        """Layers start..end backward (Net.backward; start >= end)."""
+        try:
+            if start == len(self.net.layers) - 1 and end == 0:
+                self.backward_all()             # the whole net: the schedule decides
+                return
+            plan = self._backward_plan()
+            if plan is not None:
+                plan.backward(self, start, end)
+                return
+            for index in range(start, end - 1, -1):
+                self.backward(index)
+        finally:
+            self.finish()
+
+    def _backward_plan(self):
+        """The plan for a backward on the host, layer after layer."""
+        if self._plan is None or self._listeners or not self._plan.current(self) or self.device() is not None:
+            return None
+        if self.fusion is not None:
+            self.fusion.before_backward(self)
+        return self._plan
 
     def begin_forward(self, end):
         """A Net.forward through layer `end` starts: a ReLU is fused only into a
@@ -482,7 +535,12 @@ class Executor:
         if mode in ("streams", "tuned"):       # a backward alone is not tuned: streams
             scheduler.run_on_streams(self.net, self.stream_schedule())
             return
-        for index in reversed(range(len(self.net.layers))):
+        last = len(self.net.layers) - 1
+        plan = self._backward_plan()
+        if plan is not None:
+            plan.backward(self, last, 0)
+            return
+        for index in range(last, -1, -1):
             self.backward(index)
 
     def shape_key(self):

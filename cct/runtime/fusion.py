@@ -89,6 +89,7 @@ copy or sum alone rounds the same. Reference cases stay within their 1e-4.
 """
 import numpy as np
 
+from cct.core.blob import Layout
 from cct.core.errors import ConfigError
 from cct.core.layer import TEST
 from cct.devices.jit import kernel
@@ -493,6 +494,7 @@ class Fusion:
         """(Re)plan the runs and output ReLUs: at construction, and when
         forward_only() says so."""
         self.runs = _plan_runs(net, self.forward_only)
+        Layout.changed()              # plans bound to the old runs are stale
         self._replays = {}
         self.run_of = {index: number for number, run in enumerate(self.runs) for index in run}
         self.output_relus = _plan_output_relus(net, self.run_of, self.forward_only)

@@ -1,0 +1,149 @@
+"""The execution plan: what a net runs on the host, decided once per net
+shape and settings, then walked step after step by Net.forward and
+Net.backward (issue 35).
+
+A step is one layer's forward (or backward) with everything the runtime
+used to ask again at every call already answered: its batch partitions and
+their runner, its BLAS thread count, whether its reshape may be skipped,
+whether it has a loss to read, and the layer's own per-shape choices (a
+convolution's lowering, chunk and kept matrix: Layer.bind_forward). A step
+costs a call.
+
+A plan is made after a whole forward that ran layer by layer, so every
+reshape has run and every choice is made for the shapes the plan binds; it
+is used while Layout.epoch (cct.core.blob) is the one it was made at, the
+net's settings are those it read, and nothing was subscribed since. A
+reshape in the middle of a forward (a Python layer's, a data layer's new
+batch) changes the epoch: the rest of that forward then runs layer by
+layer, as Caffe's does, and the next one makes a new plan.
+
+Layers of a fused run (cct.runtime.fusion), a convolution that absorbs the
+ReLU after it, and layers whose reshape reads more than their blobs' layout
+(reshape_reads_layout False: Python and data layers) stay on the executor's
+per-layer path inside the plan; everything else is a bound step.
+"""
+from cct.core.blob import Layout
+from cct.core.errors import MemoryLimitError
+
+
+class Plan:
+    """The steps of one executor's net at one layout and settings version.
+
+    forward_steps[i]: a callable running layer i's forward (its reshape where
+    it must), None where the executor's per-layer path runs it; losses: the indices whose forward leaves a loss to read;
+    backward_steps[i]: a callable running layer i's backward, None where the
+    net skips it; blas[i]: the BLAS threads step i runs with.
+    """
+
+    def __init__(self, executor):
+        net = executor.net
+        self.epoch = Layout.epoch
+        self.settings_version = executor.settings.version
+        self.threads = executor.threads
+        fused = _fused_layers(executor)
+        self.forward_steps, self.backward_steps, self.blas = [], [], []
+        for index, layer in enumerate(net.layers):
+            bottoms, tops = net.bottom_vecs[index], net.top_vecs[index]
+            partitions = executor.partitions(index)
+            self.blas.append(executor.blas_count(partitions))
+            self.forward_steps.append(_forward_step(executor, index, partitions, index in fused))
+            self.backward_steps.append(_backward_step(executor, index, partitions, layer, bottoms, tops)
+                                       if net.layer_need_backward[index] else None)
+        self.losses = frozenset(index for index, layer in enumerate(net.layers) if any(layer.loss_weights))
+        self.layers = net.layers
+        self.tops = net.top_vecs
+
+    def current(self, executor):
+        """Whether this plan still describes the executor's net."""
+        return Layout.epoch == self.epoch and executor.settings.version == self.settings_version
+
+    def forward(self, executor, start, end):
+        """Layers start..end forward; their summed loss. Where a reshape
+        changes the layout on the way, the rest runs layer by layer."""
+        steps, blas, epoch, losses = self.forward_steps, self.blas, self.epoch, self.losses
+        layer_loss, per_layer, set_blas = executor.net.layer_loss, executor.forward, executor.blas.set
+        count = None
+        loss = 0.0
+        index = start
+        try:
+            while index <= end:
+                if Layout.epoch != epoch:
+                    for rest in range(index, end + 1):
+                        loss += per_layer(rest)
+                    return loss
+                step = steps[index]
+                if step is None:              # the executor's path: it sets the BLAS count and reads the loss
+                    loss += per_layer(index)
+                    count = None
+                else:
+                    if blas[index] != count:
+                        count = blas[index]
+                        set_blas(count)
+                    step()
+                    if index in losses:
+                        loss += layer_loss(index)
+                index += 1
+        except MemoryLimitError as error:
+            raise self._named(error, index) from None
+        return loss
+
+    def backward(self, executor, start, end):
+        """Layers start..end backward (start > end), those the net runs."""
+        steps, blas = self.backward_steps, self.blas
+        set_blas = executor.blas.set
+        count = None
+        index = start
+        try:
+            while index >= end:
+                step = steps[index]
+                if step is not None:
+                    if blas[index] != count:
+                        count = blas[index]
+                        set_blas(count)
+                    step()
+                index -= 1
+        except MemoryLimitError as error:
+            raise self._named(error, index) from None
+
+    def _named(self, error, index):
+        """The error under the layer's name (Layer.naming_allocations's, for a whole pass)."""
+        return error if error.named else self.layers[index].named_allocation_error(error, self.tops[index])
+
+
+def _fused_layers(executor):
+    """The layers that stay on the executor's per-layer path because fusion
+    handles them: members of a run, convolutions with an output ReLU, and
+    those ReLUs."""
+    fusion = executor.fusion
+    if fusion is None:
+        return frozenset()
+    fused = set(fusion.run_of)
+    for index, (relu_index, _) in fusion.output_relus.items():
+        fused.update(range(index, relu_index + 1))
+    return frozenset(fused)
+
+
+def _forward_step(executor, index, partitions, fused):
+    """Layer `index`'s forward as one call, or None for the executor's path."""
+    net = executor.net
+    layer, bottoms, tops = net.layers[index], net.bottom_vecs[index], net.top_vecs[index]
+    if fused or partitions > 1 and not layer.reshape_reads_layout:
+        return None                   # the executor's per-layer path (Executor.forward)
+    if partitions > 1:
+        runner, workers = executor._runner(index, partitions), executor.workers(partitions)
+        return lambda: runner.forward(workers, bottoms, tops)
+    if layer.reshape_reads_layout:
+        return layer.bind_forward(bottoms, tops)
+
+    def reshaped():
+        layer.reshape(bottoms, tops)
+        layer.forward(bottoms, tops)
+    return reshaped
+
+
+def _backward_step(executor, index, partitions, layer, bottoms, tops):
+    propagate_down = executor.net.bottom_need_backward[index]
+    if partitions > 1:
+        runner, workers = executor._runner(index, partitions), executor.workers(partitions)
+        return lambda: runner.backward(workers, tops, propagate_down, bottoms)
+    return layer.bind_backward(tops, propagate_down, bottoms)
