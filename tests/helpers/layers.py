@@ -1,15 +1,18 @@
 """One layer run on arrays, as the layer tests do it, and a Python layer class
 for tests that need one from an importable module."""
+import numpy as np
+
 import cct
 from cct.testing.gradient_check import make_layer, setup_layer
 
 
-def run_layer(prototxt, arrays, num_tops=1, phase=cct.TRAIN, layer=None):
-    """A layer from LayerParameter text (or `layer`), set up on float64 bottoms
-    holding `arrays` with `num_tops` tops, then reshaped and run forward once
-    (the contract: reshape before every forward). Returns (layer, bottoms, tops)."""
+def run_layer(prototxt, arrays, num_tops=1, phase=cct.TRAIN, layer=None, dtype=np.float64):
+    """A layer from LayerParameter text (or `layer`), set up on bottoms of
+    `dtype` (float64) holding `arrays` with `num_tops` tops, then reshaped and
+    run forward once (the contract: reshape before every forward). Returns
+    (layer, bottoms, tops)."""
     layer = layer or make_layer(prototxt, phase)
-    bottoms, tops = setup_layer(layer, arrays, num_tops)
+    bottoms, tops = setup_layer(layer, arrays, num_tops, dtype=dtype)
     layer.reshape(bottoms, tops)
     layer.forward(bottoms, tops)
     return layer, bottoms, tops

@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import cct
+
 OPENCV4_PATH = os.environ.get("CCT_OPENCV4_PATH", "/tmp/cv4")
 INSTALL = f'pip install --target {OPENCV4_PATH} "opencv-python-headless>=4.10,<5"'
 
@@ -77,3 +79,38 @@ def opencv4_forward(prototxt, caffemodel, runs, outputs):
             raise AssertionError(f"OpenCV 4 failed on {prototxt}:\n{result.stderr[-3000:]}")
         with np.load(taken) as found:
             return [{name: found[f"{k}/{name}"] for name in outputs} for k in range(len(runs))]
+
+
+def input_lines(shapes):
+    return "".join(f'input: "{name}" input_shape {{ {" ".join(f"dim: {d}" for d in shape)} }}\n'
+                   for name, shape in shapes.items())
+
+
+def compare_with_opencv(tmp_path, layers_text, inputs, outputs, set_params=None):
+    """Run the net (inputs as `input:` fields) through cct and OpenCV 4, the
+    weights cct's (saved as a .caffemodel when the net has any)."""
+    require_opencv4()
+    prototxt = tmp_path / "net.prototxt"
+    prototxt.write_text(input_lines({k: v.shape for k, v in inputs.items()}) + layers_text)
+    net = cct.Net(str(prototxt), cct.TEST)
+    if set_params:
+        set_params(net)
+    model = None
+    if any(net.params.values()):
+        model = tmp_path / "net.caffemodel"
+        net.save(str(model))
+    for name, value in inputs.items():
+        net.blobs[name].data[...] = value
+    net.forward()
+    ours = {name: net.blobs[name].data.copy() for name in outputs}
+    theirs = opencv4_forward(prototxt, model, [inputs], outputs)[0]
+    return ours, theirs
+
+
+def assert_close(ours, theirs, rtol=1e-5):
+    """Within rtol of the blob's largest value (at least 1); returns the
+    largest difference relative to that."""
+    assert ours.shape == theirs.shape
+    scale = max(1.0, float(np.abs(theirs).max()))
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=rtol * scale)
+    return float(np.abs(ours - theirs).max(initial=0)) / scale

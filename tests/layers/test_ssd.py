@@ -13,7 +13,7 @@ import cct
 from cct.core.errors import ConfigError, ShapeError
 from cct.testing.gradient_check import check_layer_gradient, make_layer
 from helpers.layers import run_layer
-from helpers.opencv4 import opencv4_forward, require_opencv4
+from helpers.opencv4 import assert_close, compare_with_opencv, opencv4_forward, require_opencv4
 from helpers.res10 import face_blob, res10_files, shared_images
 
 RNG = np.random.default_rng(38)
@@ -339,39 +339,6 @@ def test_detection_output_errors():
 
 
 # --- against OpenCV 4 ---------------------------------------------------------------
-def input_lines(shapes):
-    return "".join(f'input: "{name}" input_shape {{ {" ".join(f"dim: {d}" for d in shape)} }}\n'
-                   for name, shape in shapes.items())
-
-
-def compare_with_opencv(tmp_path, layers_text, inputs, outputs, set_params=None):
-    """Run the net (inputs as `input:` fields) through cct and OpenCV 4, the
-    weights cct's (saved as a .caffemodel when the net has any)."""
-    require_opencv4()
-    prototxt = tmp_path / "net.prototxt"
-    prototxt.write_text(input_lines({k: v.shape for k, v in inputs.items()}) + layers_text)
-    net = cct.Net(str(prototxt), cct.TEST)
-    if set_params:
-        set_params(net)
-    model = None
-    if any(net.params.values()):
-        model = tmp_path / "net.caffemodel"
-        net.save(str(model))
-    for name, value in inputs.items():
-        net.blobs[name].data[...] = value
-    net.forward()
-    ours = {name: net.blobs[name].data.copy() for name in outputs}
-    theirs = opencv4_forward(prototxt, model, [inputs], outputs)[0]
-    return ours, theirs
-
-
-def assert_close(ours, theirs, rtol=1e-5):
-    """Within rtol of the blob's largest value."""
-    assert ours.shape == theirs.shape
-    scale = max(1.0, float(np.abs(theirs).max()))
-    np.testing.assert_allclose(ours, theirs, rtol=0, atol=rtol * scale)
-
-
 # (OpenCV 4 refuses per-channel scales across space: its scale must then be one value)
 @pytest.mark.parametrize("across, shared", [(True, True), (False, True), (False, False)])
 def test_normalize_against_opencv(tmp_path, across, shared):
