@@ -153,6 +153,10 @@ TYPES = {
     "PriorBox": Case("prior_box_param { min_size: 4 max_size: 6 }", ((1, 1, 1, 1), (1, 3, 8, 8)), ((1, 2, 8),)),
     "DetectionOutput": Case("detection_output_param { num_classes: 2 confidence_threshold: 0.95 "
                             "nms_param { nms_threshold: 0.45 } }", ((1, 8), (1, 4), (1, 2, 8)), ((1, 1, 1, 7),)),
+    # segmentation.py (DeepLab v2, PSPNet, SegNet, the YOLOv3 ports); Upsample's nearest-neighbour flavour
+    "Interp": Case("interp_param { zoom_factor: 2 }", ((1, 2, 3, 4),), ((1, 2, 5, 7),)),
+    "BN": Case("bn_param { frozen: true }", ((2, 3, 2, 2),), ((2, 3, 2, 2),)),
+    "Upsample": Case("upsample_param { scale: 2 }", ((1, 2, 3, 4),), ((1, 2, 6, 8),)),
 }
 
 
@@ -170,8 +174,9 @@ CAFFE_LAYER_TYPES = [
 ]
 
 
-# The forks' types cct registers beside BVLC's (layers/ssd.py: weiliu89/caffe, branch ssd).
-FORK_LAYER_TYPES = ["DetectionOutput", "Normalize", "Permute", "PriorBox"]
+# The forks' types cct registers beside BVLC's (layers/ssd.py: weiliu89/caffe, branch ssd;
+# layers/segmentation.py).
+FORK_LAYER_TYPES = ["BN", "DetectionOutput", "Interp", "Normalize", "Permute", "PriorBox", "Upsample"]
 
 
 def test_the_types_are_caffes():
