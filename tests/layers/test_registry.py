@@ -157,6 +157,11 @@ TYPES = {
     "Interp": Case("interp_param { zoom_factor: 2 }", ((1, 2, 3, 4),), ((1, 2, 5, 7),)),
     "BN": Case("bn_param { frozen: true }", ((2, 3, 2, 2),), ((2, 3, 2, 2),)),
     "Upsample": Case("upsample_param { scale: 2 }", ((1, 2, 3, 4),), ((1, 2, 6, 8),)),
+    # roi.py (Fast/Faster R-CNN, R-FCN): one ROI [image 0, 0, 0, 0.5, 0.5] of a 2 x 2 map
+    "ROIPooling": Case("roi_pooling_param { pooled_h: 2 pooled_w: 2 }", ((1, 3, 2, 2), np.array([[0, 0, 0, .5, .5]])),
+                       ((1, 3, 2, 2),)),
+    "PSROIPooling": Case("psroi_pooling_param { spatial_scale: 1 output_dim: 1 group_size: 2 }",
+                         ((1, 4, 2, 2), np.array([[0, 0, 0, .5, .5]])), ((1, 1, 2, 2),)),
 }
 
 
@@ -175,8 +180,9 @@ CAFFE_LAYER_TYPES = [
 
 
 # The forks' types cct registers beside BVLC's (layers/ssd.py: weiliu89/caffe, branch ssd;
-# layers/segmentation.py).
-FORK_LAYER_TYPES = ["BN", "DetectionOutput", "Interp", "Normalize", "Permute", "PriorBox", "Upsample"]
+# layers/segmentation.py; layers/roi.py).
+FORK_LAYER_TYPES = ["BN", "DetectionOutput", "Interp", "Normalize", "PSROIPooling", "Permute", "PriorBox",
+                    "ROIPooling", "Upsample"]
 
 
 def test_the_types_are_caffes():
