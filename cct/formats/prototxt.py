@@ -16,6 +16,7 @@ from google.protobuf import text_format
 from google.protobuf.message import DecodeError
 
 from cct.core.errors import ConfigError
+from cct.formats.forks import resolve_fork_fields
 from cct.formats.text import decode_utf8
 from cct.proto import caffe_pb2
 
@@ -56,11 +57,14 @@ def read_binary(path, message):
 
 
 def parse_binary(data, message, path):
-    """Parse `data`, the bytes of the file at `path`, into `message`."""
+    """Parse `data`, the bytes of the file at `path`, into `message`; a
+    NetParameter's fork-numbered layer fields moved to cct's (cct.formats.forks)."""
     try:
         message.ParseFromString(data)
     except DecodeError as error:
         raise ConfigError(f"{path}: not a valid binary {message.DESCRIPTOR.name}: {error}") from None
+    if isinstance(message, caffe_pb2.NetParameter):
+        resolve_fork_fields(message, data)
     return message
 
 

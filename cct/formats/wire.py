@@ -49,7 +49,7 @@ def split_blobs(data):
 def _message(data, start, end, name, values):
     """The pieces of the message in data[start:end], blobs' values cut out."""
     pieces = []
-    for number, wire, field_start, value_start, value_end in _fields(data, start, end):
+    for number, wire, field_start, value_start, value_end in fields(data, start, end):
         inner = _FIELDS[name].get(number) if wire == _LENGTH else None
         if inner is None:
             pieces.append(data[field_start:value_end])
@@ -65,7 +65,7 @@ def _message(data, start, end, name, values):
 def _blob(data, start, end, values):
     """A BlobProto's pieces without its values; its values appended to `values`."""
     pieces, chunks, raw = [], {number: [] for number in _VALUES}, {}
-    for number, wire, field_start, value_start, value_end in _fields(data, start, end):
+    for number, wire, field_start, value_start, value_end in fields(data, start, end):
         if number == _RAW_DATA or number == _RAW_TYPE:
             raw[number] = _raw_field(data, number, wire, value_start, value_end)
             if number == _RAW_TYPE:
@@ -110,7 +110,7 @@ def _raw_values(data, raw, chunks):
     return [np.frombuffer(data, dtype, (end - start) // dtype.itemsize, start)] if end > start else []
 
 
-def _fields(data, start, end):
+def fields(data, start, end):
     """(number, wire type, field start, value start, value end) of each field
     of the message in data[start:end]."""
     position = start

@@ -1,0 +1,118 @@
+"""Binary nets and .caffemodels written with the forks' field numbers
+(cct.formats.forks): DeepLab's interp_param at 143 (BVLC's input_param),
+SegNet's upsample_param at 137 (embed_param, whose bool bias_term would
+swallow scale_w) and its BN at 45, built here byte by byte as the forks
+write them, load with their parameters in cct's fields and their weights
+by layer name, through the wire's fast path and protobuf's full parse; and
+the same nets as text prototxts."""
+import numpy as np
+import pytest
+
+import cct
+from cct.formats import forks, prototxt, wire
+from cct.proto import caffe_pb2
+
+RNG = np.random.default_rng(38)
+SCALE, SHIFT = RNG.standard_normal(2), RNG.standard_normal(2)
+
+# The net: a SegNet-style pool and unpool, SegNet's BN, DeepLab's Interp.
+TEXT = """
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 2 dim: 6 dim: 6 } } }
+layer { name: "pool" type: "Pooling" bottom: "data" top: "pool" top: "mask" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "bn" type: "BN" bottom: "pool" top: "bn" bn_param { bn_mode: INFERENCE } }
+layer { name: "up" type: "Upsample" bottom: "bn" bottom: "mask" top: "up" upsample_param { scale_h: 2 scale_w: 3 upsample_h: 6 upsample_w: 6 } }
+layer { name: "interp" type: "Interp" bottom: "up" top: "interp" interp_param { height: 9 width: 4 pad_beg: -1 } }
+"""
+
+
+def fork_layer(name, kind, bottoms, tops, number=None, param=b"", blobs=()):
+    """A LayerParameter's bytes with `param` (a fork-numbered message's bytes) at field `number`."""
+    layer = caffe_pb2.LayerParameter(name=name, type=kind, bottom=bottoms, top=tops)
+    layer.blobs.extend(caffe_pb2.BlobProto(shape=caffe_pb2.BlobShape(dim=np.shape(b)), data=np.ravel(b))
+                       for b in blobs)
+    data = layer.SerializeToString()
+    return data + b"".join(wire.field_pieces(number, [param])) if number else data
+
+
+def fork_net():
+    """The net as SegNet's and DeepLab's Caffe write it (their field numbers), with BN's 2 blobs."""
+    segnet_bn = caffe_pb2.SegNetBNParameter(bn_mode=caffe_pb2.BNParameter.INFERENCE).SerializeToString()
+    upsample = caffe_pb2.UpsampleParameter(scale_h=2, scale_w=3, upsample_h=6, upsample_w=6).SerializeToString()
+    interp = caffe_pb2.InterpParameter(height=9, width=4, pad_beg=-1).SerializeToString()
+    data_layer = caffe_pb2.LayerParameter(name="data", type="Input", top=["data"])
+    data_layer.input_param.shape.add(dim=[1, 2, 6, 6])
+    pool = caffe_pb2.LayerParameter(name="pool", type="Pooling", bottom=["data"], top=["pool", "mask"])
+    pool.pooling_param.kernel_size = 2
+    pool.pooling_param.stride = 2
+    layers = [data_layer.SerializeToString(), pool.SerializeToString(),
+              fork_layer("bn", "BN", ["pool"], ["bn"], 45, segnet_bn,
+                         [SCALE.reshape(1, 2, 1, 1), SHIFT.reshape(1, 2, 1, 1)]),
+              fork_layer("up", "Upsample", ["bn", "mask"], ["up"], 137, upsample),
+              fork_layer("interp", "Interp", ["up"], ["interp"], 143, interp)]
+    return b"".join(piece for layer in layers for piece in wire.field_pieces(100, [layer]))
+
+
+def check_params(net_param):
+    layers = {layer.name: layer for layer in net_param.layer}
+    assert layers["interp"].interp_param == caffe_pb2.InterpParameter(height=9, width=4, pad_beg=-1)
+    assert not layers["interp"].HasField("input_param")
+    assert layers["up"].upsample_param == caffe_pb2.UpsampleParameter(scale_h=2, scale_w=3, upsample_h=6, upsample_w=6)
+    assert not layers["up"].HasField("embed_param")
+    assert layers["bn"].bn_param.bn_mode == caffe_pb2.BNParameter.INFERENCE
+    assert not layers["bn"].HasField("segnet_bn_param")
+
+
+def test_protobuf_alone_reads_the_forks_fields_into_bvlcs():
+    net = caffe_pb2.NetParameter.FromString(fork_net())
+    assert net.layer[3].embed_param.bias_term                   # SegNet's scale_w 3, read as a bool
+    assert net.layer[4].HasField("input_param") and not net.layer[4].HasField("interp_param")
+
+
+def test_a_binary_net_reads_into_ccts_fields(tmp_path):
+    path = tmp_path / "net.binaryproto"
+    path.write_bytes(fork_net())
+    check_params(prototxt.read_net(str(path)))
+
+
+def expected_forward(x):
+    text_net = cct.Net(TEXT, cct.TEST)
+    text_net.params["bn"][0].data[...] = SCALE.reshape(1, 2, 1, 1)
+    text_net.params["bn"][1].data[...] = SHIFT.reshape(1, 2, 1, 1)
+    text_net.blobs["data"].data[...] = x
+    return text_net.forward()["interp"].copy()
+
+
+@pytest.mark.parametrize("path_kind", ["fast", "protobuf"])
+def test_a_fork_caffemodel_loads_params_and_weights(tmp_path, monkeypatch, path_kind):
+    model = tmp_path / "segnet.caffemodel"
+    model.write_bytes(fork_net())
+    if path_kind == "protobuf":
+        def refuse(data):
+            raise wire.Unexpected("forced")
+        monkeypatch.setattr("cct.formats.weights.split_blobs", refuse)
+    net = cct.Net(TEXT, cct.TEST, weights=str(model))
+    np.testing.assert_array_equal(net.params["bn"][0].data.ravel(), SCALE.astype(np.float32))
+    np.testing.assert_array_equal(net.params["bn"][1].data.ravel(), SHIFT.astype(np.float32))
+    # the binary itself as the net: its fields and its weights
+    own = cct.Net(str(model), cct.TEST, weights=str(model))
+    x = RNG.standard_normal((1, 2, 6, 6))
+    own.blobs["data"].data[...] = x
+    np.testing.assert_allclose(own.forward()["interp"], expected_forward(x), rtol=1e-6)
+    assert own.blobs["up"].shape == (1, 2, 6, 6) and own.blobs["interp"].shape == (1, 2, 9, 4)
+
+
+def test_the_table_names_each_clash():
+    assert forks.FORK_FIELDS["Interp"] == (143, "input_param", "interp_param")
+    for number, landed, ours in forks.FORK_FIELDS.values():
+        field = caffe_pb2.LayerParameter.DESCRIPTOR.fields_by_name[landed]
+        assert field.number == number and ours in caffe_pb2.LayerParameter.DESCRIPTOR.fields_by_name
+
+
+def test_text_prototxts_match_by_name():
+    net = cct.Net(TEXT, cct.TEST)
+    assert net.layer_dict["bn"].segnet and net.layer_dict["bn"].mode == caffe_pb2.BNParameter.INFERENCE
+    assert net.blobs["interp"].shape == (1, 2, 9, 4)
+    psp = cct.Net('input: "x" input_shape { dim: 1 dim: 2 dim: 3 dim: 3 } '
+                  'layer { name: "bn" type: "BN" bottom: "x" top: "x" bn_param { frozen: true momentum: 0.95 } }'
+                  'layer { name: "z" type: "Interp" bottom: "x" top: "z" interp_param { zoom_factor: 2 } }', cct.TEST)
+    assert not psp.layer_dict["bn"].segnet and psp.blobs["z"].shape == (1, 2, 5, 5)
