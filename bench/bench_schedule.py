@@ -92,8 +92,9 @@ def graph_on_this_thread(solver, count):
     sub-task after another in the graph's order at the widths the streams
     give them: the sub-tasks' own cost, without any dispatching."""
     from cct.runtime import graph
+    from cct.training.windows import SolverUpdates
     schedule = solver._stream_schedule(count)
-    runner = graph.Runner(solver.net, solver)
+    runner = graph.Runner(solver.net, SolverUpdates(solver))
     first = solver.iter
     for task in graph.topological_order(graph.Graph(schedule.tasks, schedule.edges), lambda ready: ready[0]):
         runner.alone(task, schedule.widths[task])

@@ -41,6 +41,7 @@ below overwrites (a write-after-read edge), and the next forward of a layer
 reads parameters the update writes.
 """
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -211,19 +212,41 @@ def build(net, iterations=1, update=True, drop=(), splits=None, clip=False, pass
     return Graph(tasks, edges)
 
 
-class Runner:
-    """Runs sub-tasks on a net (and its solver, for clear, rate and update) on
-    the calling thread: what a scheduler's streams call. A layer's forward,
-    whole backward and split sub-tasks run in its batch partitions (each
-    partition's twin on a worker thread); the BLAS thread count is left to
-    the caller. Iteration k's rate sets the solver's iteration count
-    to the first one plus k; `finish()` moves it past the last. `losses`:
-    each forward's weighted loss, by (iteration, pass, layer)."""
+class Updates(Protocol):
+    """What whole-iteration sub-tasks ask of a training loop: the one way the
+    runtime reaches it (cct.training.windows.SolverUpdates gives a solver's).
+    `clips`: the rate clips the gradients, so its task reads every diff;
+    `passes`: forward and backward passes an iteration (iter_size); `sums`:
+    per unit of the MPI gradient sums, its parameters."""
+    clips: bool
+    passes: int
+    sums: tuple
 
-    def __init__(self, net, solver=None):
+    def start(self) -> None: ...                             # a window of iterations starts
+
+    def sum_gradients(self, unit: int) -> None: ...
+
+    def begin(self, iteration: int) -> None: ...             # iteration k of the window: its rate
+
+    def update(self, param: int, stripes: int) -> None: ...
+
+    def finish(self, iterations: int) -> None: ...           # the window ran this many
+
+
+class Runner:
+    """Runs sub-tasks on a net (and, through `updates`, a training loop's
+    sums, rates and updates) on the calling thread: what a scheduler's
+    streams call. A layer's forward, whole backward and split sub-tasks run
+    in its batch partitions (each partition's twin on a worker thread); the
+    BLAS thread count is left to the caller. `finish()` tells the loop how
+    many iterations ran. `losses`: each forward's weighted loss, by
+    (iteration, pass, layer)."""
+
+    def __init__(self, net, updates=None):
         self.net = net
-        self.solver = solver
-        self.first_iteration = solver.iter if solver is not None else 0
+        self.updates = updates
+        if updates is not None:
+            updates.start()
         self.last_iteration = -1
         self.losses = {}
 
@@ -236,13 +259,12 @@ class Runner:
         elif task.kind == FORWARD:
             self.losses[task.iteration, task.pass_, task.layer] = net.executor.forward(task.layer, set_blas=False)
         elif task.kind == SUM:
-            self.solver.gradient_sum.sum_unit(task.param)
+            self.updates.sum_gradients(task.param)
         elif task.kind == RATE:
-            self.solver.iter = self.first_iteration + task.iteration
             self.last_iteration = max(self.last_iteration, task.iteration)
-            self.solver.begin_update(log_rate=False)
+            self.updates.begin(task.iteration)
         elif task.kind == UPDATE:
-            self.solver.update_param(task.param, stripes=threads)
+            self.updates.update(task.param, threads)
         else:
             if task.kind == BACKWARD_PARAM:
                 net.executor.layer_backward_param(task.layer, task.param)
@@ -262,9 +284,9 @@ class Runner:
         self(task, cores if task.layer < 0 else 1)
 
     def finish(self):
-        """After the last task: the solver counts the iterations run."""
-        if self.solver is not None and self.last_iteration >= 0:
-            self.solver.iter = self.first_iteration + self.last_iteration + 1
+        """After the last task: the loop counts the iterations run."""
+        if self.updates is not None and self.last_iteration >= 0:
+            self.updates.finish(self.last_iteration + 1)
 
     def loss(self, iteration):
         """The iteration's loss, as the solver's loop sums it: each pass's

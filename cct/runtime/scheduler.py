@@ -13,7 +13,7 @@ by as many threads as streams:
     stream 3  over MPI, the gradient sums (cct.training.distributed)
 
 A solver in the streams schedule runs whole iterations this way (a Schedule
-with a solver): each layer's forward on stream 0, each parameter's update
+with a solver's updates, cct.runtime.graph.Updates): each layer's forward on stream 0, each parameter's update
 (and the clearing of its diff) on its gradient's stream, the iteration's
 learning rate on stream 2. A weight gradient is then deferred past the
 iteration's end: the next forward of a layer waits only for the update of its
@@ -92,7 +92,7 @@ BETA = 0.5
 
 
 def stream_of(task, weights=frozenset()):
-    """The stream a sub-task runs on. Whole iterations (Schedule with a solver):
+    """The stream a sub-task runs on. Whole iterations (Schedule with updates):
     forward on the data stream, a parameter's clear and update on its
     gradient's stream (`weights`: the learnable parameters that are some
     layer's parameter 0), the learning rate on the third, the gradient sums
@@ -150,26 +150,25 @@ def cpu_streams(count):
 
 
 class Schedule:
-    """Sub-tasks of one net, their streams and priorities. Without a solver:
-    the backward sub-tasks, and run() runs one backward. With a solver:
+    """Sub-tasks of one net, their streams and priorities. Without `updates`:
+    the backward sub-tasks, and run() runs one backward. With a training
+    loop's updates (graph.Updates):
     `iterations` whole training iterations (forward, backward, the solver's
     rate and per-parameter updates), and run() runs them with the weight
     gradients of one iteration deferred past the next one's forward as far as
     the derived edges allow. Built for the net's current shapes and needs."""
 
-    def __init__(self, net, alpha=ALPHA, beta=BETA, times=None, solver=None, iterations=1):
-        self.net, self.solver = net, solver
+    def __init__(self, net, alpha=ALPHA, beta=BETA, times=None, updates=None, iterations=1):
+        self.net, self.updates = net, updates
         self.sums = ()              # per unit of the MPI gradient sums, its parameters
         self.alpha, self.beta = alpha, beta
-        if solver is None:
+        if updates is None:
             built = graph_module.build(net, iterations=1, update=False)
             # edges from forward sub-tasks are met before backward starts
             tasks = [task for task in built.tasks if task.kind not in (graph_module.FORWARD, graph_module.CLEAR)]
         else:
-            gradient_sum = getattr(solver, "gradient_sum", None)
-            self.sums = gradient_sum.unit_params() if gradient_sum is not None else ()
-            built = graph_module.build(net, iterations, clip=solver.param.clip_gradients >= 0,
-                                       passes=solver.param.iter_size, sums=self.sums)
+            self.sums = updates.sums
+            built = graph_module.build(net, iterations, clip=updates.clips, passes=updates.passes, sums=self.sums)
             tasks = built.tasks
         members = set(tasks)
         self.tasks = tasks
@@ -181,7 +180,7 @@ class Schedule:
         self.stream_count = CPU_STREAMS + bool(self.sums)
         self.times = dict(times) if times else self._estimated_times()
         self.priority = self._priorities()
-        self.widths = self._widths(clip=solver is not None and solver.param.clip_gradients >= 0)
+        self.widths = self._widths(clip=updates is not None and updates.clips)
         # the budget the widths share: the executor's threads, or more where
         # a layer was asked for more batch partitions than that
         self.cores = max([net.executor.threads] + [cores for cores, _ in self.widths.values()])
@@ -317,7 +316,7 @@ class _RunState:
 
     def __init__(self, schedule, stream_count, delay):
         self.schedule, self.delay = schedule, delay
-        self.runner = graph_module.Runner(schedule.net, schedule.solver)
+        self.runner = graph_module.Runner(schedule.net, schedule.updates)
         self.waiting = {task: len(schedule.edges[task]) for task in schedule.tasks}
         self.order = {task: index for index, task in enumerate(schedule.tasks)}
         self.ready = [[] for _ in range(stream_count)]    # per stream: heap of (iteration, pass, -priority, order, task)

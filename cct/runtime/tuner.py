@@ -104,7 +104,7 @@ class Tuner:
         timed at its count; returns the graph.Runner that ran it."""
         schedule, net = self.schedule, self.schedule.net
         began = time.perf_counter()
-        runner = graph_module.Runner(net, schedule.solver)
+        runner = graph_module.Runner(net, schedule.updates)
         for task in schedule.tasks:
             key = key_of(task)
             if key in self.tried:

@@ -28,6 +28,7 @@ from cct.core import settings as table
 from cct.core.errors import ConfigError
 from cct.core.rng import get_rng
 from cct.runtime import settings as run_config
+from cct.training import nets
 
 log = logging.getLogger("cct.training.solver")
 
@@ -466,7 +467,7 @@ def join(solver, world):
     solver.gradient_sum = GradientSum(world, solver.net, solver.param.iter_size, overlap, world.threads_allowed)
     solver.callbacks.insert(0, (solver.gradient_sum.on_start, solver.gradient_sum.on_gradients_ready))
     log.info("MPI: %d ranks, each of batch %d x iter_size %d; gradients summed %s", world.size,
-             solver._batch_size(solver.net), solver.param.iter_size,
+             nets.batch_size(solver.net), solver.param.iter_size,
              "during backward" if solver.gradient_sum.overlap else "after backward")
 
 
@@ -475,7 +476,7 @@ def _check_alike(solver, world):
     pair up parameters of other shapes, or weigh batches unequally): each
     rank compares every rank's with rank 0's, so all raise the same error."""
     net = solver.net
-    mine = {"batch size": solver._batch_size(net), "iter_size": solver.param.iter_size,
+    mine = {"batch size": nets.batch_size(net), "iter_size": solver.param.iter_size,
             "parameters": [f"{name}[{i}] {tuple(blob.shape)}" for name, blobs in net.params.items()
                            for i, blob in enumerate(blobs)]}
     every = world.comm.allgather(mine)

@@ -34,17 +34,15 @@ import numpy as np
 
 from cct.core.allocation import charging
 from cct.core.errors import ConfigError
-from cct.core.layer import TEST, TRAIN
-from cct.core.net import Net
 from cct.core.rng import set_random_seed
-from cct.formats.prototxt import read_net, read_solver
+from cct.formats.prototxt import read_solver
 from cct.formats.upgrade import upgrade_solver
 from cct.proto import caffe_pb2
-from cct.runtime import memory, memory_plan, scheduler, tuner as tuner_module
-from cct.runtime.choice import FasterOf
+from cct.runtime import memory, memory_plan
 from cct.runtime import settings as run_config
 from cct.runtime.threads import run_all
-from cct.training import distributed, snapshot
+from cct.training import distributed, nets, snapshot
+from cct.training.windows import ScheduleWindows
 from cct.training.lr_policy import check_policy, learning_rate
 
 log = logging.getLogger("cct.training.solver")
@@ -57,9 +55,6 @@ UPDATE_PIECE = 1 << 16       # elements per piece of the update's element-wise p
 # threads against 0.65 ms on one; CaffeNet's 61M take 37 against 48 ms.
 STRIPED_UPDATE_ELEMENTS = 1 << 21
 ACTIONS = ("none", "stop", "snapshot")
-# Iterations the streams schedule runs as one graph at most: the window ends
-# in a barrier; a stop request waits for the window's end.
-STREAM_WINDOW = 8
 
 
 def register_solver(type_name):
@@ -108,7 +103,7 @@ def _fmt(value):
     return f"{value:.6g}"
 
 
-class Solver:
+class Solver(ScheduleWindows):
     """Base solver: the training loop, testing, snapshots. `Solver(path or
     SolverParameter)`; pycaffe's caffe.SGDSolver(path) etc. are the subclasses."""
 
@@ -135,18 +130,19 @@ class Solver:
         if param.random_seed >= 0:
             set_random_seed(param.random_seed + self.rank)     # per rank, as Caffe's Solver::Init
         with charging(f"solver {source}") as charge:       # the nets together against the limit
-            self.net = self._init_train_net()
+            self.net = nets.train_net(param, source)
             if run_config.share_diffs_enabled(default=share_diffs):
                 # activation diffs then hold no meaning after backward: pycaffe opts in
                 log.info("Sharing the train net's diffs: %s", memory.share_diffs(self.net))
             # as Caffe's: only the root solver tests (and so reads the test sources)
-            self.test_nets = self._init_test_nets() if self.is_root else []
+            self.test_nets = nets.test_nets(param, source) if self.is_root else []
+            self.mean_scores = [[] for _ in self.test_nets]
         for net in [self.net] + self.test_nets:
             if self.is_root:           # the other ranks get rank 0's weights (distributed.join)
-                self._load_weights(net)
+                nets.load_weights(param, net)
         for net in self.test_nets:       # as every test does: their own parameter stores are freed now
             self.share_weights(net)
-        self._images_per_iter = self._batch_size(self.net) * param.iter_size * self.size
+        self._images_per_iter = nets.batch_size(self.net) * param.iter_size * self.size
         self.history = [np.zeros(p.shape, p.dtype) for p in self.net.learnable_params]
         self._stream_schedules = {}  # (iterations, tuned, shapes, partitions) -> scheduler.Schedule
         self._tuners = {}            # (shapes, partitions) -> tuner.Tuner, the "tuned" schedule's profile
@@ -191,105 +187,6 @@ class Solver:
             raise ConfigError(f"{self.source}: snapshot_prefix: cannot write to "
                               f"'{self.param.snapshot_prefix}' ({error.strerror}); make sure the "
                               "folder exists and is writable") from None
-
-    def _read_net_file(self, field, path):
-        """Caffe reads net files relative to the working folder, not the solver's."""
-        if not os.path.isfile(path):
-            hint = ""
-            beside = os.path.join(os.path.dirname(os.path.abspath(self.source)), path)
-            if not os.path.isabs(path) and os.path.isfile(beside):
-                hint = (f"; it exists beside the solver file ({beside}): run from that folder, "
-                        "as Caffe resolves it against the working folder")
-            raise ConfigError(f"{self.source}: {field}: net file '{path}' not found "
-                              f"(working folder {os.getcwd()}){hint}")
-        return read_net(path)
-
-    def _init_train_net(self):
-        param, source = self.param, self.source
-        fields = [f for f in ("net", "net_param", "train_net", "train_net_param") if param.HasField(f)]
-        if len(fields) != 1:
-            problem = "none" if not fields else ", ".join(fields)
-            raise ConfigError(f"{source}: give the train net in exactly one of net, net_param, "
-                              f"train_net, train_net_param; got {problem}")
-        field = fields[0]
-        if field in ("net", "train_net"):
-            network = getattr(param, field)                 # a path: the net's errors name the file
-            net_param = self._read_net_file(field, network)
-            log.info("Creating training net from %s file: %s", field, network)
-        else:
-            network = net_param = getattr(param, field)
-            log.info("Creating training net specified in %s", field)
-        state = caffe_pb2.NetState(phase=TRAIN)
-        state.MergeFrom(net_param.state)
-        state.MergeFrom(param.train_state)
-        return self._make_net(network, state)
-
-    def _init_test_nets(self):
-        param, source = self.param, self.source
-        generic = [f for f in ("net", "net_param") if param.HasField(f)]
-        if len(generic) > 1:
-            raise ConfigError(f"{source}: give net or net_param, not both")
-        num_given = len(param.test_net_param) + len(param.test_net)
-        if generic and len(param.test_iter) < num_given:
-            raise ConfigError(f"{source}: test_iter: give one per test net ({num_given}), "
-                              f"got {len(param.test_iter)}")
-        if not generic and len(param.test_iter) != num_given:
-            raise ConfigError(f"{source}: test_iter: give one per test net ({num_given}), "
-                              f"got {len(param.test_iter)}")
-        num_instances = len(param.test_iter)
-        if len(param.test_state) and len(param.test_state) != num_instances:
-            raise ConfigError(f"{source}: test_state: give none or one per test net "
-                              f"({num_instances}), got {len(param.test_state)}")
-        if num_instances and param.test_interval <= 0:
-            raise ConfigError(f"{source}: test_interval: must be > 0 when test nets are given "
-                              f"(test_iter), got {param.test_interval}")
-        for index, count in enumerate(param.test_iter):
-            if count < 0:
-                raise ConfigError(f"{source}: test_iter[{index}]: must be >= 0, got {count}")
-        sources = []                                   # (description, network, NetParameter)
-        for net_param in param.test_net_param:
-            sources.append(("test_net_param", net_param, net_param))
-        for path in param.test_net:
-            sources.append((f"test_net file: {path}", path, self._read_net_file("test_net", path)))
-        remaining = num_instances - len(sources)
-        if param.HasField("net_param"):
-            sources += [("net_param", param.net_param, param.net_param)] * remaining
-        elif param.HasField("net") and remaining:
-            net_param = self._read_net_file("net", param.net)
-            sources += [(f"net file: {param.net}", param.net, net_param)] * remaining
-        nets = []
-        for index, (description, network, net_param) in enumerate(sources):
-            state = caffe_pb2.NetState(phase=TEST)
-            state.MergeFrom(net_param.state)
-            if len(param.test_state):
-                state.MergeFrom(param.test_state[index])
-            log.info("Creating test net (#%d) specified by %s", index, description)
-            nets.append(self._make_net(network, state))
-        self.mean_scores = [[] for _ in nets]
-        return nets
-
-    @staticmethod
-    def _make_net(network, state):
-        if isinstance(network, caffe_pb2.NetParameter):
-            net_param = caffe_pb2.NetParameter()
-            net_param.CopyFrom(network)
-            net_param.state.CopyFrom(state)
-            network = net_param
-        return Net(network, state.phase, level=state.level, stages=tuple(state.stage))
-
-    def _load_weights(self, net):
-        for entry in self.param.weights:
-            for path in filter(None, (p.strip() for p in entry.split(","))):
-                log.info("Loading weights from %s", path)
-                net.copy_from(path)
-
-    @staticmethod
-    def _batch_size(net):
-        """Images per forward: the first axis of the first layer's first top."""
-        for tops in net.top_vecs:
-            if tops and tops[0].shape:
-                return tops[0].shape[0]
-        return 0
 
     def pre_solve(self):
         """Subclass hook: check the solver's own fields, add history entries."""
@@ -447,136 +344,6 @@ class Solver:
         if self.param.debug_info:
             self._log_debug_info()
         return True
-
-    def _window_mode(self):
-        """How the next iterations run: None, one iteration in the executor's
-        own schedule; "streams", a window of iterations as one graph on the
-        streams (each of iter_size passes in it); with the "auto" schedule,
-        "sequential" or "streams" as measured on this net and shape
-        (cct.runtime.choice). Only where nothing must see one iteration at a
-        time (pycaffe callbacks, per-layer subscribers, debug_info), and not on
-        an OpenCL device, whose one in-order queue runs the layers in turn.
-        Over MPI (where MPI allows calls from every thread) every rank runs
-        the window alike (its gradient sums are sub-tasks there, the overlap
-        thread's collectives here): the auto choice is made from every
-        rank's slowest times (_window_in)."""
-        executor, param = self.net.executor, self.param
-        if (executor.schedule == "sequential" or self._watched() or param.debug_info
-                or run_config.device() is not None or (self.world is not None and not self.world.threads_allowed)):
-            return None
-        if executor.schedule in ("streams", "tuned"):
-            return executor.schedule
-        key = self.net.executor.shape_key()
-        if key not in self._auto:
-            self._auto[key] = FasterOf(("sequential", "streams", "tuned"), "schedule auto (time per iteration)")
-        return self._auto[key].next()
-
-    def _watched(self):
-        """Whether something must see one iteration, or one layer, at a time: a
-        pycaffe callback or a per-layer subscriber other than the MPI
-        gradient sums' own (which are sub-tasks on the streams)."""
-        ours = self.gradient_sum
-        callbacks = [pair for pair in self.callbacks if ours is None or pair[0] != ours.on_start]
-        listeners = [callback for callback in self.net.executor.listeners()
-                     if ours is None or callback != ours.after_backward]
-        return bool(callbacks or listeners)
-
-    def _window_in(self, mode, count):
-        """`count` iterations in `mode`; under "auto", timed for its choice."""
-        executor = self.net.executor
-        chosen_by = executor.schedule
-        start = time.perf_counter()
-        if mode == "streams":
-            self._iterations_on_streams(count)
-        elif mode == "tuned":
-            self._iterations_tuned(count)
-        else:
-            executor.schedule = "sequential"
-            try:
-                for _ in range(count):
-                    self._iteration()
-            finally:
-                executor.schedule = chosen_by
-        if chosen_by == "auto":
-            seconds = (time.perf_counter() - start) / count
-            if self.world is not None:        # the same choice on every rank
-                seconds = self.world.slowest(seconds)
-            self._auto[self.net.executor.shape_key()].record(mode, seconds)
-
-    def _window(self, stop_iter):
-        """How many iterations from self.iter run as one graph: up to the next
-        display iteration (included), snapshot, test or the end."""
-        param, start = self.param, self.iter
-        end = min(stop_iter, start + STREAM_WINDOW)
-        if param.display:
-            end = min(end, start + (-start) % param.display + 1)
-        for every in (param.snapshot, param.test_interval):
-            if every:
-                end = min(end, (start // every + 1) * every)
-        return end - start
-
-    def _iterations_on_streams(self, count):
-        """`count` iterations as one graph on the streams: the weight gradients
-        of one iteration overlap the next one's forward where the edges allow
-        (the same numbers as _iteration's, bitwise)."""
-        first = self.iter
-        if self.gradient_sum is not None:
-            self.gradient_sum.on_window()
-        runner = scheduler.run_on_streams(self.net, self._stream_schedule(count))
-        self._count_iterations([runner.loss(k) for k in range(count)], first)
-
-    def _count_iterations(self, losses, first):
-        """The solver's books after graph.Runners ran a window of iterations
-        from iteration `first`, of these losses (the runners have moved
-        self.iter past them); over MPI, the losses are the ranks' means and a
-        request reaches every rank at the window's end (once a window on
-        every rank, however each ran it)."""
-        count = len(losses)
-        if self.world is not None:
-            losses, self._agreed = self.world.agree(losses, self._take_request())
-        for k in range(count):
-            self.iter = first + k
-            self._update_smoothed_loss(losses[k], self._start_iter)
-        if self._display():                 # the window's last iteration
-            self._log_rate()
-        self.iter = first + count
-
-    def _iterations_tuned(self, count):
-        """The "tuned" schedule (cct.runtime.tuner): the net's first
-        iterations profile each sub-task's thread counts, one iteration at a
-        time; then windows on the streams with those counts and co-running."""
-        tuner = self._tuner()
-        if self.gradient_sum is not None:
-            self.gradient_sum.on_window()
-        first, losses = self.iter, []
-        while count and not tuner.done:
-            losses.append(tuner.profile_step().loss(0))
-            count -= 1
-        if count:
-            schedule = self._stream_schedule(count, tuned=True)
-            if schedule.tuner is not tuner:
-                schedule.tune(tuner)
-            runner = scheduler.run_on_streams(self.net, schedule)
-            losses += [runner.loss(k) for k in range(count)]
-        self._count_iterations(losses, first)
-
-    def _tuner(self):
-        """The profile of the net's current shapes and partitions."""
-        key = self.net.executor.shape_key()
-        if key not in self._tuners:
-            self._tuners[key] = tuner_module.Tuner(self._stream_schedule(1),
-                                                   cache=tuner_module.cache_path(self.net))
-        return self._tuners[key]
-
-    def _stream_schedule(self, count, tuned=False):
-        """The Schedule of `count` iterations for the net's current shapes and
-        partitions (built once for each, and once more for the tuned schedule)."""
-        net = self.net
-        key = (count, tuned) + self.net.executor.shape_key()
-        if key not in self._stream_schedules:
-            self._stream_schedules[key] = scheduler.Schedule(
-                net, solver=self, iterations=count, **run_config.priorities())
-        return self._stream_schedules[key]
 
     def _update_smoothed_loss(self, loss, start_iter):
         average = self.param.average_loss

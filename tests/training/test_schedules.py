@@ -16,6 +16,7 @@ from cct.devices import blas as blas_module
 from cct.core.errors import ConfigError
 from cct.proto import caffe_pb2
 from cct.runtime import settings
+from cct.training.windows import SolverUpdates
 from helpers.nets import FORK_RESIDUAL, INCEPTION, resnet
 from helpers.paths import REPO
 from helpers.schedules import loose
@@ -248,7 +249,7 @@ def test_the_next_iterations_forward_does_not_wait_for_the_whole_update():
     conv1 = net.layers[net.layer_names.index("conv1")]
     bias = next(p for p, blob in enumerate(net.learnable_params) if blob is conv1.blobs[1])
     late = graph.Task(graph.UPDATE, param=bias, iteration=0)
-    schedule = loose(scheduler.Schedule(net, solver=solver, iterations=3))
+    schedule = loose(scheduler.Schedule(net, updates=SolverUpdates(solver), iterations=3))
     schedule.run(delay=lambda task: 0.05 if task == late else 0.0)
     spans = {span.task: span for span in schedule.trace}
     assert spans[graph.Task(graph.FORWARD, net.layer_names.index("data"), iteration=1)].start < spans[late].end
