@@ -204,6 +204,16 @@ class Layer:
         self._reshaped_layout = None
         Layout.changed()
 
+    def weighted_loss(self, top):
+        """After forward: set the loss tops' diffs to their loss weights (what
+        backward starts from) and return the weighted loss (Caffe's Layer::Forward)."""
+        loss = 0.0
+        for blob, weight in zip(top, self.loss_weights):
+            if weight:
+                blob.diff[...] = weight
+                loss += weight * float(blob.data.sum(dtype=np.float64))
+        return loss
+
     # --- bound for an execution plan (cct.runtime.plan) ---------------------------------
     def bind_forward(self, bottom, top):
         """Forward on these blobs as one call, with whatever the layer decides

@@ -305,16 +305,6 @@ class Net:
             self._executor = Executor(self)
         return self._executor
 
-    def layer_loss(self, i):
-        """After layer i's forward: set its loss tops' diffs to their loss
-        weights (what backward starts from) and return its weighted loss."""
-        loss = 0.0
-        for top, weight in zip(self.top_vecs[i], self.layers[i].loss_weights):
-            if weight:
-                top.diff[...] = weight
-                loss += weight * float(top.data.sum(dtype=np.float64))
-        return loss
-
     def _backward(self, start=None, end=0):
         start = len(self.layers) - 1 if start is None else start
         self.executor.backward_range(start, end)

@@ -261,7 +261,7 @@ class Executor:
             self.run_on(device, index)
             if index == len(self.net.layers) - 1:
                 self._forwarded = self.shape_key()
-            loss = self.net.layer_loss(index)
+            loss = self._loss(index)
             if self._listeners:
                 self._emit("after_forward", index)
             return loss
@@ -270,14 +270,14 @@ class Executor:
             if self._listeners or not set_blas:
                 fusion.flush(self)
             elif fusion.forward(self, index):
-                return self.net.layer_loss(index)
+                return self._loss(index)
             else:
                 relu = fusion.output_relu(index, self.forward_end)
         if relu is None:
             self.run_layer(index, set_blas)
         else:
             self._run_with_relu(index, relu)
-        loss = self.net.layer_loss(index)
+        loss = self._loss(index)
         if self._listeners:
             self._emit("after_forward", index)
         return loss
@@ -330,6 +330,10 @@ class Executor:
         if self.fusion is not None:
             self.fusion.before_backward(self)
         return self._plan
+
+    def _loss(self, index):
+        net = self.net
+        return net.layers[index].weighted_loss(net.top_vecs[index])
 
     def begin_forward(self, end):
         """A Net.forward through layer `end` starts: a ReLU is fused only into a

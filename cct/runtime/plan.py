@@ -61,7 +61,8 @@ class Plan:
         """Layers start..end forward; their summed loss. Where a reshape
         changes the layout on the way, the rest runs layer by layer."""
         steps, blas, epoch, losses = self.forward_steps, self.blas, self.epoch, self.losses
-        layer_loss, per_layer, set_blas = executor.net.layer_loss, executor.forward, executor.blas.set
+        layers, tops = self.layers, self.tops
+        per_layer, set_blas = executor.forward, executor.blas.set
         count = None
         loss = 0.0
         index = start
@@ -81,7 +82,7 @@ class Plan:
                         set_blas(count)
                     step()
                     if index in losses:
-                        loss += layer_loss(index)
+                        loss += layers[index].weighted_loss(tops[index])
                 index += 1
         except MemoryLimitError as error:
             raise self._named(error, index) from None
