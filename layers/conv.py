@@ -466,23 +466,25 @@ class Convolution(_ConvolutionBase):
             conv_forward(x, weight, self.geom, kind, out=t.data, ws=arena, chunk=self._chunk(kind, x), bias=bias,
                          keep=self._kept(index, kind, x), relu=self._owner._output_relu)
 
-    def bind_forward(self, bottom, top):
+    def bind_forward(self, bottom, top, output_relu=None):
         """The forward of one bottom by lowering with the lowering type, chunk
-        and kept matrix chosen now (Layer.bind_forward); Winograd, several
-        bottoms and partition twins keep the per-call path."""
+        and kept matrix chosen now (Layer.bind_forward), ending with a ReLU of
+        negative slope `output_relu` where given (fusion's output ReLU);
+        Winograd, several bottoms and partition twins keep the per-call path,
+        and with `output_relu` give None."""
         kind = self._lowering()
         if len(bottom) != 1 or self._owner is not self or self._winograd_m:
-            return super().bind_forward(bottom, top)
+            return None if output_relu is not None else super().bind_forward(bottom, top)
         b, t, blobs, geom, bias_term = bottom[0], top[0], self.blobs, self.geom, self.bias_term
         chunk, keep = self._chunk(kind, b.data), self._kept(0, kind, b.data)
         if keep is None and b.shape[0] and not geom.empty and pointwise(geom, b.shape[0]):
             product = bind_pointwise(b.data, blobs[0].data, t.data, geom)
             if product is not None:
-                return lambda: product(blobs[1].data if bias_term else None, self._output_relu)
+                return lambda: product(blobs[1].data if bias_term else None, output_relu)
 
         def forward():
             conv_forward(b.data, blobs[0].data, geom, kind, out=t.data, ws=thread_arena(), chunk=chunk,
-                         bias=blobs[1].data if bias_term else None, keep=keep, relu=self._output_relu)
+                         bias=blobs[1].data if bias_term else None, keep=keep, relu=output_relu)
         return forward
 
     def fuse_output_relu(self, slope):

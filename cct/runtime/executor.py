@@ -297,7 +297,7 @@ class Executor:
         try:
             self.begin_forward(end)             # inside: a bad CCT_GPU still ends the forward
             plan = self._current_plan()
-            if plan is not None:
+            if plan is not None and plan.covers(start, end):
                 return plan.forward(self, start, end)
             for index in range(start, end + 1):
                 loss += self.forward(index)

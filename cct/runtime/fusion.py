@@ -549,6 +549,15 @@ class Fusion:
             self.flush(executor)
         return True
 
+    def replay(self, number, threads):
+        """Run `number`'s kept pass where nothing it read has changed (an
+        execution plan's step for the whole run); whether it ran."""
+        replay = self._replays.get(number)
+        if replay is None or not replay.still_valid():
+            return False
+        replay.run(threads)
+        return True
+
     def _replay_start(self, executor, number, index):
         """At the first layer of run `number`: replay its kept pass when the
         forward goes through the whole run and nothing it read has changed

@@ -9,58 +9,75 @@ whether it has a loss to read, and the layer's own per-shape choices (a
 convolution's lowering, chunk and kept matrix: Layer.bind_forward). A step
 costs a call.
 
+Inference fusion (cct.runtime.fusion) becomes steps too: a fused run is
+one step at its first layer, replaying the run's kept pass (its other
+layers' steps do nothing), and a convolution that absorbs the ReLU after it
+is bound with that ReLU in its output store (the ReLU's step does nothing).
+A forward that starts or stops inside such a group runs layer by layer.
+
 A plan is made after a whole forward that ran layer by layer, so every
 reshape has run and every choice is made for the shapes the plan binds; it
 is used while Layout.epoch (cct.core.blob) is the one it was made at, the
 net's settings are those it read, and nothing was subscribed since. A
 reshape in the middle of a forward (a Python layer's, a data layer's new
 batch) changes the epoch: the rest of that forward then runs layer by
-layer, as Caffe's does, and the next one makes a new plan.
-
-Layers of a fused run (cct.runtime.fusion), a convolution that absorbs the
-ReLU after it, and layers whose reshape reads more than their blobs' layout
-(reshape_reads_layout False: Python and data layers) stay on the executor's
-per-layer path inside the plan; everything else is a bound step.
+layer, as Caffe's does, and the next one makes a new plan. Layers whose
+reshape reads more than their blobs' layout (reshape_reads_layout False:
+Python and data layers) reshape in their step, as Caffe's do at every
+forward.
 """
 from cct.core.blob import Layout
 from cct.core.errors import MemoryLimitError
+
+
+def _nothing():
+    """The step of a layer its group's first step runs (a fused run, an output ReLU)."""
 
 
 class Plan:
     """The steps of one executor's net at one layout and settings version.
 
     forward_steps[i]: a callable running layer i's forward (its reshape where
-    it must), None where the executor's per-layer path runs it; losses: the indices whose forward leaves a loss to read;
+    it must), None where the executor's per-layer path runs it;
     backward_steps[i]: a callable running layer i's backward, None where the
-    net skips it; blas[i]: the BLAS threads step i runs with.
+    net skips it; blas[i]: the BLAS threads step i runs with; losses: the
+    layers whose forward leaves a loss to read; inside: the layers a forward
+    may not start at (the second and later of a group) and may not end at
+    (all but the last), with the range they belong to.
     """
 
     def __init__(self, executor):
         net = executor.net
         self.epoch = Layout.epoch
         self.settings_version = executor.settings.version
-        self.threads = executor.threads
-        fused = _fused_layers(executor)
+        self.layers, self.tops = net.layers, net.top_vecs
         self.forward_steps, self.backward_steps, self.blas = [], [], []
         for index, layer in enumerate(net.layers):
             bottoms, tops = net.bottom_vecs[index], net.top_vecs[index]
             partitions = executor.partitions(index)
             self.blas.append(executor.blas_count(partitions))
-            self.forward_steps.append(_forward_step(executor, index, partitions, index in fused))
+            self.forward_steps.append(_forward_step(executor, index, partitions))
             self.backward_steps.append(_backward_step(executor, index, partitions, layer, bottoms, tops)
                                        if net.layer_need_backward[index] else None)
         self.losses = frozenset(index for index, layer in enumerate(net.layers) if any(layer.loss_weights))
-        self.layers = net.layers
-        self.tops = net.top_vecs
+        self.groups = _fuse(executor, self.forward_steps, self.blas)
+        self.starts_inside = frozenset(i for first, last in self.groups for i in range(first + 1, last + 1))
+        self.ends_inside = frozenset(i for first, last in self.groups for i in range(first, last))
+        # after these steps the BLAS count is set again: a loss was read, or a group may have run layer by layer
+        self.resets = self.losses | {first for first, _ in self.groups}
 
     def current(self, executor):
         """Whether this plan still describes the executor's net."""
         return Layout.epoch == self.epoch and executor.settings.version == self.settings_version
 
+    def covers(self, start, end):
+        """Whether a forward of layers start..end may run the steps (it cuts no group)."""
+        return start not in self.starts_inside and end not in self.ends_inside
+
     def forward(self, executor, start, end):
         """Layers start..end forward; their summed loss. Where a reshape
         changes the layout on the way, the rest runs layer by layer."""
-        steps, blas, epoch, losses = self.forward_steps, self.blas, self.epoch, self.losses
+        steps, blas, epoch, losses, resets = self.forward_steps, self.blas, self.epoch, self.losses, self.resets
         layers, tops = self.layers, self.tops
         per_layer, set_blas = executor.forward, executor.blas.set
         count = None
@@ -81,8 +98,10 @@ class Plan:
                         count = blas[index]
                         set_blas(count)
                     step()
-                    if index in losses:
-                        loss += layers[index].weighted_loss(tops[index])
+                    if index in resets:
+                        if index in losses:
+                            loss += layers[index].weighted_loss(tops[index])
+                        count = None
                 index += 1
         except MemoryLimitError as error:
             raise self._named(error, index) from None
@@ -111,24 +130,11 @@ class Plan:
         return error if error.named else self.layers[index].named_allocation_error(error, self.tops[index])
 
 
-def _fused_layers(executor):
-    """The layers that stay on the executor's per-layer path because fusion
-    handles them: members of a run, convolutions with an output ReLU, and
-    those ReLUs."""
-    fusion = executor.fusion
-    if fusion is None:
-        return frozenset()
-    fused = set(fusion.run_of)
-    for index, (relu_index, _) in fusion.output_relus.items():
-        fused.update(range(index, relu_index + 1))
-    return frozenset(fused)
-
-
-def _forward_step(executor, index, partitions, fused):
+def _forward_step(executor, index, partitions):
     """Layer `index`'s forward as one call, or None for the executor's path."""
     net = executor.net
     layer, bottoms, tops = net.layers[index], net.bottom_vecs[index], net.top_vecs[index]
-    if fused or partitions > 1 and not layer.reshape_reads_layout:
+    if partitions > 1 and not layer.reshape_reads_layout:
         return None                   # the executor's per-layer path (Executor.forward)
     if partitions > 1:
         runner, workers = executor._runner(index, partitions), executor.workers(partitions)
@@ -148,3 +154,39 @@ def _backward_step(executor, index, partitions, layer, bottoms, tops):
         runner, workers = executor._runner(index, partitions), executor.workers(partitions)
         return lambda: runner.backward(workers, tops, propagate_down, bottoms)
     return layer.bind_backward(tops, propagate_down, bottoms)
+
+
+def _fuse(executor, steps, blas):
+    """Rewrite the forward steps for inference fusion; returns the groups,
+    (first, last) layer of each fused run and convolution + output ReLU."""
+    fusion = executor.fusion
+    if fusion is None:
+        return []
+    net, groups = executor.net, []
+    for number, run in enumerate(fusion.runs):
+        steps[run[0]] = _fused_run(executor, fusion, number, run)
+        for index in run[1:]:
+            steps[index] = _nothing
+        groups.append((run[0], run[-1]))
+    for index, (relu_index, slope) in fusion.output_relus.items():
+        bound = None
+        if steps[index] is not None and blas[index] == executor.threads:
+            bound = net.layers[index].bind_forward(net.bottom_vecs[index], net.top_vecs[index], output_relu=slope)
+        if bound is None:             # both on the executor's path, which folds the ReLU as it does
+            steps[index] = steps[relu_index] = None
+        else:
+            steps[index], steps[relu_index] = bound, _nothing
+        groups.append((index, relu_index))
+    return groups
+
+
+def _fused_run(executor, fusion, number, run):
+    """Run `number`'s step: its kept pass (Fusion.replay), else its layers on
+    the executor's path, which compose the pass and keep it."""
+    forward, threads = executor.forward, executor.threads
+
+    def step():
+        if not fusion.replay(number, threads):
+            for index in run:
+                forward(index)
+    return step

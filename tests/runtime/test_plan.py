@@ -175,3 +175,55 @@ def test_a_forward_between_layers_runs_the_plans_steps():
     net.blobs["ip"].data[...] = 0
     net.forward(start="pool2", end="ip")
     np.testing.assert_array_equal(net.blobs["ip"].data, whole)
+
+
+FUSED = """
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 3 dim: 6 dim: 6 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "conv2" type: "Convolution" bottom: "conv1" top: "conv2"
+        convolution_param { num_output: 4 kernel_size: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "bn2" type: "BatchNorm" bottom: "conv2" top: "conv2" batch_norm_param { use_global_stats: true } }
+layer { name: "sc2" type: "Scale" bottom: "conv2" top: "conv2" scale_param { bias_term: true } }
+layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }
+layer { name: "pool" type: "Pooling" bottom: "conv2" top: "pool" pooling_param { pool: AVE global_pooling: true } }
+"""
+
+
+def fused_net():
+    net = cct.Net(FUSED, cct.TEST)
+    rng = np.random.default_rng(7)
+    for layer in net.layers:
+        for blob in layer.blobs:
+            blob.data[...] = rng.uniform(0.5, 1.5, blob.shape)
+    return net
+
+
+def per_layer_fused(net, **ends):
+    """A forward of a fused net on the executor's per-layer path (a layout
+    change leaves its plan stale; a subscriber would turn fusion off)."""
+    Layout.changed()
+    return net.forward(**ends)
+
+
+def test_fused_runs_and_output_relus_are_steps_with_the_per_layer_numbers():
+    net, reference = fused_net(), fused_net()
+    groups = None
+    for _ in range(4):
+        x = np.random.default_rng(len(str(groups))).normal(size=(1, 3, 6, 6)).astype(np.float32)
+        net.blobs["data"].data[...] = reference.blobs["data"].data[...] = x
+        got, expected = net.forward()["pool"].copy(), per_layer_fused(reference)["pool"]
+        np.testing.assert_array_equal(got, expected)
+        groups = net.executor._plan.groups
+    names = [net.layers[i].name for first, last in groups for i in (first, last)]
+    assert {"conv1", "relu1", "bn2", "relu2"} <= set(names)
+    # a forward that ends inside a group runs layer by layer and leaves Caffe's blobs
+    net.forward(end="sc2")
+    per_layer_fused(reference, end="sc2")
+    np.testing.assert_array_equal(net.blobs["conv2"].data, reference.blobs["conv2"].data)
+    net.forward()
+    # a parameter written through net.params is read by the next forward's step
+    net.params["sc2"][0].data[...] *= 2
+    reference.params["sc2"][0].data[...] *= 2
+    np.testing.assert_array_equal(net.forward()["pool"], per_layer_fused(reference)["pool"])
