@@ -19,16 +19,18 @@ import math
 import os
 import resource
 import threading
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
+import numpy.typing as npt
 
 from cct.core.errors import MemoryLimitError
 
-_limit = None                  # bytes the process may take; None: the machine's memory
+_limit: Optional[int] = None   # bytes the process may take; None: the machine's memory
 _building = threading.local()  # .charge: the _Charge of the net this thread builds (charging), or None
 
 
-def set_memory_limit(nbytes):
+def set_memory_limit(nbytes: Optional[int]) -> Optional[int]:
     """Refuse any one blob or work array larger than `nbytes`, and a net whose
     memory plan (cct.runtime.memory_plan) exceeds it (None: the machine's
     memory, the default). Returns the previous setting."""
@@ -37,13 +39,13 @@ def set_memory_limit(nbytes):
     return previous
 
 
-def memory_limit():
+def memory_limit() -> Optional[int]:
     """The limit set_memory_limit set, or None."""
     return _limit
 
 
 @functools.lru_cache(maxsize=None)
-def machine_memory():
+def machine_memory() -> Tuple[int, str]:
     """(bytes, what they are): the physical memory, or a smaller cgroup limit
     (a container's memory.max)."""
     physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -58,7 +60,7 @@ def machine_memory():
     return physical, f"the {format_bytes(physical)} of memory this machine has"
 
 
-def available():
+def available() -> Tuple[int, str]:
     """(bytes, what they are): the user's limit, else the machine's memory; or
     less, where a resource limit of the process (process_limits) leaves less."""
     if _limit is not None:
@@ -75,7 +77,7 @@ _RLIMITS = (("RLIMIT_AS", "VmSize", "address space", "ulimit -v"),
             ("RLIMIT_DATA", "VmData", "data segment", "ulimit -d"))
 
 
-def process_limits():
+def process_limits() -> List[Tuple[int, str]]:
     """[(bytes, what they are)] for each of RLIMIT_AS and RLIMIT_DATA that is
     set, in the terms the plan counts: the plan adds what will be allocated
     to the resident memory, and these limits count mappings, so what the
@@ -95,7 +97,7 @@ def process_limits():
     return found
 
 
-def _status_bytes(field):
+def _status_bytes(field: str) -> Optional[int]:
     """A /proc/self/status field in bytes (VmSize, VmData), or None off Linux."""
     try:
         with open("/proc/self/status") as status:
@@ -107,7 +109,7 @@ def _status_bytes(field):
     return None
 
 
-def resident_bytes():
+def resident_bytes() -> int:
     """This process's resident memory now (Linux: /proc/self/statm; elsewhere its peak so far)."""
     try:
         with open("/proc/self/statm") as statm:
@@ -116,7 +118,7 @@ def resident_bytes():
         return peak_resident_bytes()
 
 
-def peak_resident_bytes():
+def peak_resident_bytes() -> int:
     """This process's peak resident memory so far: Linux's VmHWM, which starts
     afresh at exec (ru_maxrss, the fallback, keeps the parent's peak across a
     fork and exec, so a run started from a big process would report that)."""
@@ -127,7 +129,7 @@ def peak_resident_bytes():
     return peak if os.uname().sysname == "Darwin" else peak * 1024      # KiB on Linux
 
 
-def reset_peak_resident():
+def reset_peak_resident() -> bool:
     """Start the peak (VmHWM) afresh from the current resident memory, where
     Linux allows it (/proc/self/clear_refs); returns whether it did."""
     try:
@@ -138,7 +140,7 @@ def reset_peak_resident():
         return False
 
 
-def check_allocation(shape, dtype, what="blob", blob=None):
+def check_allocation(shape: Sequence[int], dtype: npt.DTypeLike, what: str = "blob", blob: object = None) -> None:
     """Raise MemoryLimitError, before numpy tries, when an array of `shape` and
     `dtype` could not fit in the limit, or numpy could not make it at all."""
     shape, itemsize = tuple(int(d) for d in shape), np.dtype(dtype).itemsize
@@ -153,12 +155,12 @@ def check_allocation(shape, dtype, what="blob", blob=None):
 
 
 class _Charge:
-    def __init__(self, in_use, budget, what):
+    def __init__(self, in_use: int, budget: int, what: str):
         self.in_use, self.budget, self.what, self.taken = in_use, budget, what, 0
 
 
 @contextlib.contextmanager
-def charging(source):
+def charging(source: str) -> Iterator[_Charge]:
     """Inside the block (a net being built from `source`), add up the bytes of
     every blob store made or grown, and refuse the one that would take the sum
     past what the limit leaves after the process's own memory, before numpy
@@ -179,7 +181,7 @@ def charging(source):
         _building.charge = None
 
 
-def charge_store(nbytes, shape, blob):
+def charge_store(nbytes: int, shape: Sequence[int], blob: object) -> None:
     """Count a blob store of `nbytes` (of a blob of `shape`) made inside `charging`
     on this thread (a prefetch thread's batches are the plan's, not the build's)."""
     charge = getattr(_building, "charge", None)
@@ -191,7 +193,7 @@ def charge_store(nbytes, shape, blob):
     charge.taken += nbytes
 
 
-def format_bytes(nbytes):
+def format_bytes(nbytes: float) -> str:
     """238 GiB, 12.5 MiB, 512 bytes."""
     for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= size:

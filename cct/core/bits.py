@@ -17,11 +17,14 @@ them in a compiled loop, 0.3 us a call against 3 us through this function
 import ctypes
 import ctypes.util
 import sys
+from typing import Any, Optional
 
 import numpy as np
 
+from cct.core.arrays import Array
 
-def _libc_memcmp():
+
+def _libc_memcmp() -> Optional[Any]:
     name = "msvcrt" if sys.platform == "win32" else ctypes.util.find_library("c")
     try:
         memcmp = ctypes.CDLL(name).memcmp
@@ -35,7 +38,7 @@ def _libc_memcmp():
 _memcmp = _libc_memcmp()
 
 
-def same_bits(a, b):
+def same_bits(a: Array, b: Array) -> bool:
     """Whether `a` and `b` have the same shape and dtype and hold the same
     bytes in C order: -0.0 is not 0.0, and a NaN equals the same NaN."""
     if a.shape != b.shape or a.dtype != b.dtype:

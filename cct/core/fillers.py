@@ -3,13 +3,18 @@
 Fan sizes follow Caffe: fan_in = count / shape[0], fan_out = count / shape[1]
 (for a conv weight o x c x k x k: c*k*k and o*k*k).
 """
+from typing import Callable, Dict, Sequence
+
 import numpy as np
 
+from cct.core.arrays import Array, Float32Array
+from cct.core.blob import Blob
 from cct.core.errors import ConfigError
 from cct.core.rng import get_rng
+from cct.proto import caffe_pb2
 
 
-def fill(blob, filler_param, where="filler"):
+def fill(blob: Blob, filler_param: caffe_pb2.FillerParameter, where: str = "filler") -> Blob:
     """Fill blob.data according to `filler_param` (a caffe_pb2.FillerParameter)."""
     kind = filler_param.type
     filler = FILLERS.get(kind)
@@ -25,7 +30,7 @@ def fill(blob, filler_param, where="filler"):
 # Random values are drawn in float32, and straight into a float32 blob: a
 # float64 temporary for CaffeNet's fc6 alone would be 300 MB, and a DummyData
 # refill of CaffeNet's images at batch 256 would add 151 MiB to the peak.
-def _drawn_into(out, draw):
+def _drawn_into(out: Array, draw: Callable[[Float32Array], None]) -> Array:
     """out = draw(array) in float32: into `out` itself when it is a C-contiguous
     float32 array, else into a float32 array then copied (the same numbers)."""
     direct = out.dtype == np.float32 and out.flags.c_contiguous
@@ -36,31 +41,31 @@ def _drawn_into(out, draw):
     return out
 
 
-def _uniform_values(low, high, out):
-    def draw(values):
+def _uniform_values(low: float, high: float, out: Array) -> Array:
+    def draw(values: Float32Array) -> None:
         get_rng().random(dtype=np.float32, out=values)
         values *= np.float32(high - low)
         values += np.float32(low)
     return _drawn_into(out, draw)
 
 
-def _normal_values(mean, std, out):
-    def draw(values):
+def _normal_values(mean: float, std: float, out: Array) -> Array:
+    def draw(values: Float32Array) -> None:
         get_rng().standard_normal(dtype=np.float32, out=values)
         values *= np.float32(std)
         values += np.float32(mean)
     return _drawn_into(out, draw)
 
 
-def _constant(out, p, where):
+def _constant(out: Array, p: caffe_pb2.FillerParameter, where: str) -> None:
     out[...] = np.float32(p.value)
 
 
-def _uniform(out, p, where):
+def _uniform(out: Array, p: caffe_pb2.FillerParameter, where: str) -> None:
     _uniform_values(p.min, p.max, out)
 
 
-def _gaussian(out, p, where):
+def _gaussian(out: Array, p: caffe_pb2.FillerParameter, where: str) -> None:
     if p.sparse < -1:
         raise ConfigError(f"{where}: sparse: must be >= -1, got {p.sparse}")
     _normal_values(p.mean, p.std, out)
@@ -69,15 +74,15 @@ def _gaussian(out, p, where):
         out *= get_rng().random(out.shape, dtype=np.float32) < p.sparse / out.shape[0]
 
 
-def _positive_unitball(out, p, where):
-    def draw(values):
+def _positive_unitball(out: Array, p: caffe_pb2.FillerParameter, where: str) -> None:
+    def draw(values: Float32Array) -> None:
         get_rng().random(dtype=np.float32, out=values)
         rows = values.reshape(values.shape[0] if values.shape else 1, -1)
         rows /= rows.sum(axis=1, keepdims=True)
     _drawn_into(out, draw)
 
 
-def _fan(shape, p, where):
+def _fan(shape: Sequence[int], p: caffe_pb2.FillerParameter, where: str) -> float:
     count = int(np.prod(shape))
     fan_in = count / shape[0]
     fan_out = count / shape[1] if len(shape) > 1 else count
@@ -85,17 +90,17 @@ def _fan(shape, p, where):
     return norms[p.variance_norm]
 
 
-def _xavier(out, p, where):
+def _xavier(out: Array, p: caffe_pb2.FillerParameter, where: str) -> None:
     scale = np.sqrt(3.0 / _fan(out.shape, p, where))
     _uniform_values(-scale, scale, out)
 
 
-def _msra(out, p, where):
+def _msra(out: Array, p: caffe_pb2.FillerParameter, where: str) -> None:
     std = np.sqrt(2.0 / _fan(out.shape, p, where))
     _normal_values(0.0, std, out)
 
 
-def _bilinear(out, p, where):
+def _bilinear(out: Array, p: caffe_pb2.FillerParameter, where: str) -> None:
     """Weights that make a Deconvolution upsample bilinearly (FCN's trick)."""
     shape = out.shape
     if len(shape) != 4 or shape[2] != shape[3]:
@@ -107,7 +112,7 @@ def _bilinear(out, p, where):
     out[...] = np.outer(ramp, ramp)
 
 
-FILLERS = {
+FILLERS: Dict[str, Callable[[Array, caffe_pb2.FillerParameter, str], None]] = {
     "constant": _constant, "uniform": _uniform, "gaussian": _gaussian,
     "positive_unitball": _positive_unitball, "xavier": _xavier, "msra": _msra,
     "bilinear": _bilinear,

@@ -2,12 +2,15 @@
 filter_net keeps the layers whose include/exclude rules match the NetState,
 insert_splits gives every blob read by several layers a Split layer."""
 from collections import defaultdict
+from typing import DefaultDict, Dict, Tuple
 
 from cct.core.errors import ConfigError
 from cct.proto import caffe_pb2
 
+Place = Tuple[int, int]                # (layer index, top or bottom index)
 
-def state_meets_rule(state, rule):
+
+def state_meets_rule(state: caffe_pb2.NetState, rule: caffe_pb2.NetStateRule) -> bool:
     """Caffe's Net::StateMeetsRule: phase, level range, required and forbidden stages."""
     if rule.HasField("phase") and rule.phase != state.phase:
         return False
@@ -21,7 +24,8 @@ def state_meets_rule(state, rule):
     return not any(stage in stages for stage in rule.not_stage)
 
 
-def filter_net(net, state, source="<net>"):
+def filter_net(net: caffe_pb2.NetParameter, state: caffe_pb2.NetState,
+               source: str = "<net>") -> caffe_pb2.NetParameter:
     """Keep the layers that the NetState admits (Caffe's Net::FilterNet)."""
     filtered = caffe_pb2.NetParameter()
     filtered.CopyFrom(net)
@@ -40,24 +44,24 @@ def filter_net(net, state, source="<net>"):
     return filtered
 
 
-def split_layer_name(layer_name, blob_name, top_index):
+def split_layer_name(layer_name: str, blob_name: str, top_index: int) -> str:
     return f"{blob_name}_{layer_name}_{top_index}_split"
 
 
-def split_blob_name(layer_name, blob_name, top_index, split_index):
+def split_blob_name(layer_name: str, blob_name: str, top_index: int, split_index: int) -> str:
     return f"{split_layer_name(layer_name, blob_name, top_index)}_{split_index}"
 
 
-def insert_splits(net, source="<net>"):
+def insert_splits(net: caffe_pb2.NetParameter, source: str = "<net>") -> caffe_pb2.NetParameter:
     """Give each top read more than once a Split layer (Caffe's InsertSplits).
 
     A top with a non-zero explicit loss_weight counts as one more reader, so its
     loss and its other readers each get their own copy of the gradient.
     """
-    producer_of = {}                       # blob name -> (layer index, top index) last written
-    source_of_bottom = {}                  # (layer, bottom index) -> producing (layer, top)
-    readers = defaultdict(int)             # (layer, top) -> number of readers
-    loss_weight_of = {}                    # (layer, top) -> explicit loss weight
+    producer_of: Dict[str, Place] = {}                   # blob name -> (layer index, top index) last written
+    source_of_bottom: Dict[Place, Place] = {}            # (layer, bottom index) -> producing (layer, top)
+    readers: DefaultDict[Place, int] = defaultdict(int)  # (layer, top) -> number of readers
+    loss_weight_of: Dict[Place, float] = {}              # (layer, top) -> explicit loss weight
     for i, layer in enumerate(net.layer):
         for j, blob in enumerate(layer.bottom):
             if blob not in producer_of:
@@ -76,7 +80,7 @@ def insert_splits(net, source="<net>"):
     split = caffe_pb2.NetParameter()
     split.CopyFrom(net)
     split.ClearField("layer")
-    next_split_index = defaultdict(int)
+    next_split_index: DefaultDict[Place, int] = defaultdict(int)
     for i, original in enumerate(net.layer):
         layer = split.layer.add()
         layer.CopyFrom(original)
@@ -99,7 +103,8 @@ def insert_splits(net, source="<net>"):
     return split
 
 
-def _split_layer(layer_name, blob_name, top_index, count, loss_weight):
+def _split_layer(layer_name: str, blob_name: str, top_index: int, count: int,
+                 loss_weight: float) -> caffe_pb2.LayerParameter:
     layer = caffe_pb2.LayerParameter(name=split_layer_name(layer_name, blob_name, top_index),
                                      type="Split", bottom=[blob_name])
     for k in range(count):

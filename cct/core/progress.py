@@ -18,8 +18,11 @@ import logging
 import sys
 import time
 from contextlib import ExitStack
+from types import TracebackType
+from typing import Any, Iterable, Iterator, List, Literal, Optional, TextIO, Type, TypeVar
 
 log = logging.getLogger("cct.progress")
+Item = TypeVar("Item")
 
 STEPS = 10                 # log lines per loop of known length: one every tenth of the way
 UNSIZED_EVERY = 1000       # items between log lines when the length is unknown
@@ -33,7 +36,8 @@ class Progress:
     "cct.progress" logger each `every` items (default: a tenth of `total`, or
     UNSIZED_EVERY when it is unknown) and one when the loop ends."""
 
-    def __init__(self, what, total=None, unit="items", every=None, stream=None):
+    def __init__(self, what: str, total: Optional[int] = None, unit: str = "items", every: Optional[int] = None,
+                 stream: Optional[TextIO] = None):
         self.what, self.total, self.unit = what, total, unit
         self.done = 0
         self._stream = sys.stderr if stream is None else stream
@@ -43,7 +47,7 @@ class Progress:
         self._bar = None
         self._cleanup = ExitStack()
 
-    def __enter__(self):
+    def __enter__(self) -> "Progress":
         if is_terminal(self._stream):
             from tqdm import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
@@ -53,13 +57,13 @@ class Progress:
                 tqdm(total=self.total, desc=self.what, unit=self.unit, file=self._stream, dynamic_ncols=True))
         return self
 
-    def track(self, items):
+    def track(self, items: Iterable[Item]) -> Iterator[Item]:
         """Yield the items of `items`, counting each one done when the next is asked for."""
         for item in items:
             yield item
             self.update()
 
-    def update(self, count=1):
+    def update(self, count: int = 1) -> None:
         self.done += count
         if self._bar is not None:
             self._bar.update(count)
@@ -68,32 +72,33 @@ class Progress:
             if self.done != self.total:          # the end has its own line
                 log.info("%s: %s, %.1f s", self.what, self._count(), self._seconds())
 
-    def __exit__(self, error_type, error, trace):
+    def __exit__(self, error_type: Optional[Type[BaseException]], error: Optional[BaseException],
+                 trace: Optional[TracebackType]) -> Literal[False]:
         self._cleanup.close()
         if self._bar is None and error_type is None:
             log.info("%s: %s done in %.1f s", self.what, self._count(), self._seconds())
         return False
 
-    def _count(self):
+    def _count(self) -> str:
         """'300/1000 images (30%)', or '300 images' when the total is unknown."""
         if self.total:
             return f"{self.done}/{self.total} {self.unit} ({100 * self.done // self.total}%)"
         return f"{self.done} {self.unit}"
 
-    def _seconds(self):
+    def _seconds(self) -> float:
         return time.monotonic() - self._start
 
 
-def _console_loggers():
+def _console_loggers() -> List[logging.Logger]:
     """The root and "cct" loggers where they print to the console: tqdm's redirection
     adds its own handler to every logger it is given, which would print twice."""
-    def prints_to_console(handler):
+    def prints_to_console(handler: logging.Handler) -> bool:
         return isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.stderr)
     loggers = (logging.getLogger(), logging.getLogger("cct"))
     return [logger for logger in loggers if any(prints_to_console(h) for h in logger.handlers)]
 
 
-def is_terminal(stream):
+def is_terminal(stream: Any) -> bool:
     try:
         return stream.isatty()
     except (AttributeError, ValueError):       # no isatty, or a closed stream

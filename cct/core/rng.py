@@ -6,10 +6,10 @@ import numpy as np
 _rng = np.random.default_rng()
 
 
-def set_random_seed(seed):
+def set_random_seed(seed: int) -> None:
     global _rng
     _rng = np.random.default_rng(int(seed))
 
 
-def get_rng():
+def get_rng() -> np.random.Generator:
     return _rng

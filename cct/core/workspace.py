@@ -24,27 +24,40 @@ never share a buffer.
 import contextlib
 import math
 import threading
+from typing import Dict, Iterator, Mapping, Protocol, Sequence, Tuple
 
 import numpy as np
+import numpy.typing as npt
 
 from cct.core.allocation import check_allocation
+from cct.core.arrays import Array
+
+
+class Workspace(Protocol):
+    """What a function asks its `ws` for (FRESH, an Arena, cct.lowering.kept's)."""
+
+    def empty(self, slot: str, shape: Sequence[int], dtype: npt.DTypeLike) -> Array: ...
+
+    def zeros(self, slot: str, shape: Sequence[int], dtype: npt.DTypeLike) -> Array: ...
+
+    def plan(self, sizes: Mapping[str, int]) -> None: ...
 
 
 class Fresh:
     """Allocates a new array on every request."""
 
     @staticmethod
-    def empty(slot, shape, dtype):
+    def empty(slot: str, shape: Sequence[int], dtype: npt.DTypeLike) -> Array:
         check_allocation(shape, dtype, f"work array '{slot}'")
         return np.empty(shape, dtype)
 
     @staticmethod
-    def zeros(slot, shape, dtype):
+    def zeros(slot: str, shape: Sequence[int], dtype: npt.DTypeLike) -> Array:
         check_allocation(shape, dtype, f"work array '{slot}'")
         return np.zeros(shape, dtype)
 
     @staticmethod
-    def plan(sizes):
+    def plan(sizes: Mapping[str, int]) -> None:
         pass
 
 
@@ -60,12 +73,12 @@ class Arena:
     A request for a slot the plan does not cover (or bigger than planned) gets
     a store of its own, kept and reused in the same way."""
 
-    def __init__(self):
-        self.store = np.empty(0, np.uint8)
-        self.layout = {}            # slot -> (offset, nbytes) in self.store
-        self.stores = {}            # slot -> own store, for unplanned requests
+    def __init__(self) -> None:
+        self.store: Array = np.empty(0, np.uint8)
+        self.layout: Dict[str, Tuple[int, int]] = {}     # slot -> (offset, nbytes) in self.store
+        self.stores: Dict[str, Array] = {}               # slot -> own store, for unplanned requests
 
-    def plan(self, sizes):
+    def plan(self, sizes: Mapping[str, int]) -> None:
         layout, offset = {}, 0
         for slot, nbytes in sizes.items():
             layout[slot] = (offset, int(nbytes))
@@ -76,7 +89,7 @@ class Arena:
             self.store = np.empty(offset, np.uint8)
         self.layout = layout
 
-    def empty(self, slot, shape, dtype):
+    def empty(self, slot: str, shape: Sequence[int], dtype: npt.DTypeLike) -> Array:
         dtype = np.dtype(dtype)
         shape = tuple(int(d) for d in shape)
         nbytes = math.prod(shape) * dtype.itemsize
@@ -91,16 +104,16 @@ class Arena:
             store = self.stores[slot] = np.empty(max(nbytes, 1), np.uint8)
         return store[:nbytes].view(dtype).reshape(shape)
 
-    def zeros(self, slot, shape, dtype):
+    def zeros(self, slot: str, shape: Sequence[int], dtype: npt.DTypeLike) -> Array:
         array = self.empty(slot, shape, dtype)
         array.fill(0)
         return array
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         return self.store.size + sum(store.size for store in self.stores.values())
 
-    def clear(self):
+    def clear(self) -> None:
         self.store = np.empty(0, np.uint8)
         self.layout = {}
         self.stores.clear()
@@ -109,7 +122,7 @@ class Arena:
 _local = threading.local()
 
 
-def thread_arena():
+def thread_arena() -> Arena:
     """The calling thread's arena (created on first use), or the one lent to
     it for the while (`lent`)."""
     arena = getattr(_local, "lent", None)
@@ -122,7 +135,7 @@ def thread_arena():
 
 
 @contextlib.contextmanager
-def lent(arena):
+def lent(arena: Arena) -> Iterator[None]:
     """thread_arena() on this thread is `arena` inside the block: a stream
     thread runs each sub-task on an arena of a pool shared by the streams
     (cct.runtime.scheduler), so the streams hold one arena per sub-task that
