@@ -24,6 +24,52 @@ The primitives, by kind:
                  products, Scale/Bias's broadcast, strided block copies
                  (Concat, Slice)
 """
+from typing import Any, Optional, Protocol, Sequence
+
+from cct.core.arrays import Array
+
+# A device's flat float32 buffer: a numpy array on the CPU, a pyopencl array on
+# OpenCL (an optional dependency, so no name of it here).
+Buffer = Any
+
+
+class ConvShape(Protocol):
+    """What a device reads of a convolution's shape: the fields of a
+    cct.lowering.ConvGeometry (which devices, below lowering, do not import)."""
+    @property
+    def channels(self) -> int: ...
+    @property
+    def num_output(self) -> int: ...
+    @property
+    def in_h(self) -> int: ...
+    @property
+    def in_w(self) -> int: ...
+    @property
+    def kernel_h(self) -> int: ...
+    @property
+    def kernel_w(self) -> int: ...
+    @property
+    def stride_h(self) -> int: ...
+    @property
+    def stride_w(self) -> int: ...
+    @property
+    def pad_h(self) -> int: ...
+    @property
+    def pad_w(self) -> int: ...
+    @property
+    def dilation_h(self) -> int: ...
+    @property
+    def dilation_w(self) -> int: ...
+    @property
+    def group(self) -> int: ...
+    @property
+    def extent_h(self) -> int: ...
+    @property
+    def extent_w(self) -> int: ...
+    @property
+    def out_h(self) -> int: ...
+    @property
+    def out_w(self) -> int: ...
 
 
 class DeviceError(RuntimeError):
@@ -32,31 +78,31 @@ class DeviceError(RuntimeError):
 
 
 class Device:
-    kind = None               # "cpu", "opencl"
-    name = None               # what device_query and cct time print
+    kind: Optional[str] = None    # "cpu", "opencl"
+    name: Optional[str] = None    # what device_query and cct time print
     # True: the device's buffers are host memory (a blob needs no copy)
-    shares_host = False
+    shares_host: bool = False
 
     # --- memory ------------------------------------------------------------------
-    def empty(self, count):
+    def empty(self, count: int) -> Buffer:
         """A flat buffer of `count` float32 elements (contents undefined)."""
         raise NotImplementedError
 
-    def upload(self, buffer, host, offset=0):
+    def upload(self, buffer: Buffer, host: Array, offset: int = 0) -> None:
         """buffer[offset:offset + host.size] = host (a contiguous numpy array)."""
         raise NotImplementedError
 
-    def download(self, buffer, host, offset=0):
+    def download(self, buffer: Buffer, host: Array, offset: int = 0) -> None:
         """host[...] = buffer[offset:offset + host.size]; waits for it."""
         raise NotImplementedError
 
-    def copy(self, dst, src, count, dst_offset=0, src_offset=0):
+    def copy(self, dst: Buffer, src: Buffer, count: int, dst_offset: int = 0, src_offset: int = 0) -> None:
         raise NotImplementedError
 
-    def fill(self, buffer, value, count, offset=0):
+    def fill(self, buffer: Buffer, value: float, count: int, offset: int = 0) -> None:
         raise NotImplementedError
 
-    def scratch(self, slot, count):
+    def scratch(self, slot: str, count: int) -> Buffer:
         """A work buffer of at least `count` elements kept per slot name and
         reused by every call (grown when too small): a layer's temporaries
         live only inside one op sequence on the device's one queue."""
@@ -66,7 +112,7 @@ class Device:
             buffer = buffers[slot] = self.empty(max(int(count), 1))
         return buffer
 
-    def ones(self, count):
+    def ones(self, count: int) -> Buffer:
         """A buffer of at least `count` ones (a GEMM with it sums or broadcasts,
         as Caffe's bias_multiplier); kept, never to be written."""
         kept = self.__dict__.get("_ones")
@@ -76,52 +122,55 @@ class Device:
             self._ones = kept
         return kept
 
-    def finish(self):
+    def finish(self) -> None:
         """Wait for every queued op."""
 
     # --- math ----------------------------------------------------------------------
-    def gemm(self, trans_a, trans_b, m, n, k, alpha, a, b, beta, c, a_offset=0, b_offset=0, c_offset=0):
+    def gemm(self, trans_a: bool, trans_b: bool, m: int, n: int, k: int, alpha: float, a: Buffer, b: Buffer,
+             beta: float, c: Buffer, a_offset: int = 0, b_offset: int = 0, c_offset: int = 0) -> None:
         """C (m, n) = alpha * op(A) @ op(B) + beta * C, row-major, op(A) (m, k),
         op(B) (k, n); A is stored (m, k) or, transposed, (k, m); B alike."""
         raise NotImplementedError
 
-    def axpby(self, count, alpha, x, beta, y, x_offset=0, y_offset=0):
+    def axpby(self, count: int, alpha: float, x: Buffer, beta: float, y: Buffer, x_offset: int = 0,
+              y_offset: int = 0) -> None:
         """y = alpha * x + beta * y over `count` elements."""
         raise NotImplementedError
 
-    def sum_axis(self, x, outer, axis, inner, out, beta=0.0):
+    def sum_axis(self, x: Buffer, outer: int, axis: int, inner: int, out: Buffer, beta: float = 0.0) -> None:
         """out (outer, inner) = sum of x (outer, axis, inner) over its middle
         axis, plus beta * out (beta 1 accumulates a gradient)."""
         raise NotImplementedError
 
-    def relu_forward(self, x, y, count, slope=0.0):
+    def relu_forward(self, x: Buffer, y: Buffer, count: int, slope: float = 0.0) -> None:
         """y = x > 0 ? x : slope * x (y may be x: in place)."""
         raise NotImplementedError
 
-    def relu_backward(self, x, dy, dx, count, slope=0.0):
+    def relu_backward(self, x: Buffer, dy: Buffer, dx: Buffer, count: int, slope: float = 0.0) -> None:
         """dx = dy * (x > 0 ? 1 : slope), x the forward's input (or output:
         the same sign, as Caffe's in-place ReLU relies on)."""
         raise NotImplementedError
 
     # --- lowering type 1 ---------------------------------------------------------
-    def im2col(self, x, geom, batch, cols, group=0, first=0):
+    def im2col(self, x: Buffer, geom: ConvShape, batch: int, cols: Buffer, group: int = 0, first: int = 0) -> None:
         """Group `group` of images first, ..., first + N - 1 of x (., C, H, W)
         lowered to cols (C/g*KH*KW, N*OH*OW):
         cols[(c, i, j), (n, oh, ow)] = x padded at (n, c, oh*sh + i*dh - ph,
         ow*sw + j*dw - pw), 0 outside the image."""
         raise NotImplementedError
 
-    def col2im(self, cols, geom, batch, x, group=0, first=0):
+    def col2im(self, cols: Buffer, geom: ConvShape, batch: int, x: Buffer, group: int = 0, first: int = 0) -> None:
         """The adjoint of im2col: group `group` of images first, ... of x set
         to the sum, for each pixel, of the cols entries that read it."""
         raise NotImplementedError
 
-    def to_channels_first(self, y, batch, channels, pixels, out, first=0):
+    def to_channels_first(self, y: Buffer, batch: int, channels: int, pixels: int, out: Buffer, first: int = 0) -> None:
         """out (C, N*P) = images first, ..., first + N - 1 of y (., C, P)
         transposed: a gradient lowered for GEMM."""
         raise NotImplementedError
 
-    def from_channels_first(self, product, batch, channels, pixels, y, bias=None, first=0):
+    def from_channels_first(self, product: Buffer, batch: int, channels: int, pixels: int, y: Buffer,
+                            bias: Optional[Buffer] = None, first: int = 0) -> None:
         """Images first, ..., first + N - 1 of y (., C, P) = product (C, N*P)
         transposed, plus bias (C,) when given: a GEMM's product lifted."""
         raise NotImplementedError
@@ -133,7 +182,8 @@ class Device:
     # kernel (KH, KW), stride (SH, SW), pad (pad_h, pad_w). Output (ph, pw) reads the
     # window of rows ph*SH - pad_h, ..., ph*SH - pad_h + KH - 1 (columns alike)
     # clipped to the image.
-    def max_pool_forward(self, x, y, mask, shape, pooled, kernel, stride, pad):
+    def max_pool_forward(self, x: Buffer, y: Buffer, mask: Buffer, shape: Sequence[int], pooled: Sequence[int],
+                         kernel: Sequence[int], stride: Sequence[int], pad: Sequence[int]) -> None:
         """y (N, C, PH, PW) = each window's maximum of x (N, C, H, W), mask
         (N, C, PH, PW) = its flat index h*W + w in its plane, as a float (exact
         below 2^24 pixels). Caffe's scan: start at -FLT_MAX, rows then columns,
@@ -141,21 +191,24 @@ class Device:
         never do); a window with no such cell keeps -FLT_MAX and mask -1."""
         raise NotImplementedError
 
-    def max_pool_backward(self, dy, mask, dx, shape, pooled, kernel, stride, pad):
+    def max_pool_backward(self, dy: Buffer, mask: Buffer, dx: Buffer, shape: Sequence[int], pooled: Sequence[int],
+                          kernel: Sequence[int], stride: Sequence[int], pad: Sequence[int]) -> None:
         """dx (N, C, H, W) = the sum of the dy (N, C, PH, PW) of the windows
         whose mask names the pixel (0 where none does), each pixel's terms
         added in output order. mask as max_pool_forward writes it (or a mask
         top: -1 routes nowhere)."""
         raise NotImplementedError
 
-    def ave_pool_forward(self, x, y, shape, pooled, kernel, stride, pad):
+    def ave_pool_forward(self, x: Buffer, y: Buffer, shape: Sequence[int], pooled: Sequence[int], kernel: Sequence[int],
+                         stride: Sequence[int], pad: Sequence[int]) -> None:
         """y (N, C, PH, PW) = each window's sum of x (N, C, H, W), from 0 in
         scan order, / Caffe's divisor: the window clipped to the padded image
         (rows ph*SH - pad_h to min(ph*SH - pad_h + KH, H + pad_h)), padding
         counted; columns alike."""
         raise NotImplementedError
 
-    def ave_pool_backward(self, dy, dx, shape, pooled, kernel, stride, pad):
+    def ave_pool_backward(self, dy: Buffer, dx: Buffer, shape: Sequence[int], pooled: Sequence[int],
+                          kernel: Sequence[int], stride: Sequence[int], pad: Sequence[int]) -> None:
         """dx (N, C, H, W) = for each pixel, the sum over the windows holding
         it of dy (N, C, PH, PW) / that window's divisor, in output order."""
         raise NotImplementedError
@@ -163,20 +216,22 @@ class Device:
     # LRN: shape (N, C, H, W); the window of an element is `size` (odd)
     # channels centred on its channel (across) or the size x size box centred
     # on its pixel (within), zero beyond the edges.
-    def lrn_scale(self, x, scale, shape, size, alpha_over_size, k, across=True):
+    def lrn_scale(self, x: Buffer, scale: Buffer, shape: Sequence[int], size: int, alpha_over_size: float, k: float,
+                  across: bool = True) -> None:
         """scale (N, C, H, W) = k + alpha_over_size * (window sum of x^2):
         Caffe's LRNFillScale (across: alpha/size, k; Caffe's WITHIN_CHANNEL
         is alpha/size^2 and k = 1). The terms of the sum are added centre
         first, then the nearer neighbours before the farther."""
         raise NotImplementedError
 
-    def lrn_forward(self, x, scale, y, count, beta):
+    def lrn_forward(self, x: Buffer, scale: Buffer, y: Buffer, count: int, beta: float) -> None:
         """y = x * scale^-beta over `count` elements (Caffe's
         LRNComputeOutput; y may be x). Beta 0.75 is taken as 1 / sqrt(s *
         sqrt(s)), as the host layer does (pow is most of the time otherwise)."""
         raise NotImplementedError
 
-    def lrn_backward(self, x, y, scale, dy, dx, shape, size, beta, factor, across=True):
+    def lrn_backward(self, x: Buffer, y: Buffer, scale: Buffer, dy: Buffer, dx: Buffer, shape: Sequence[int], size: int,
+                     beta: float, factor: float, across: bool = True) -> None:
         """dx (N, C, H, W) = dy * scale^-beta - factor * x * (window sum of
         dy * y / scale), Caffe's LRNComputeDiff: factor = 2*alpha*beta/size
         (across), 2*alpha*beta/size^2 (within). x the forward's input, y its
@@ -184,25 +239,29 @@ class Device:
         raise NotImplementedError
 
     # BatchNorm: x (N, C, S) viewed as batch, channels, spatial.
-    def channel_sum(self, x, batch, channels, spatial, out, alpha=1.0, times=None):
+    def channel_sum(self, x: Buffer, batch: int, channels: int, spatial: int, out: Buffer, alpha: float = 1.0,
+                    times: Optional[Buffer] = None) -> None:
         """out (C,) = alpha * the sum over n and s of x (N, C, S), of
         x * times (N, C, S) when given: a per-channel mean (alpha 1/(N*S)),
         or a mean of products or squares."""
         raise NotImplementedError
 
-    def channel_normalize(self, x, y, batch, channels, spatial, mean=None, std=None):
+    def channel_normalize(self, x: Buffer, y: Buffer, batch: int, channels: int, spatial: int,
+                          mean: Optional[Buffer] = None, std: Optional[Buffer] = None) -> None:
         """y (N, C, S) = (x - mean[c]) / std[c], mean and std (C,); either may
         be None (nothing subtracted, nothing divided). y may be x."""
         raise NotImplementedError
 
-    def batch_norm_stats(self, mean, variance, std, channels, eps, factor=None):
+    def batch_norm_stats(self, mean: Buffer, variance: Buffer, std: Buffer, channels: int, eps: float,
+                         factor: Optional[Buffer] = None) -> None:
         """std (C,) = sqrt(variance + eps). With factor (BatchNorm's third
         blob, (1,)), mean and variance hold its running sums and are first
         scaled in place by 1 / factor[0], or 0 when factor[0] is 0 (Caffe's
         global statistics)."""
         raise NotImplementedError
 
-    def batch_norm_backward(self, dy, y, std, mean_dy, mean_dy_y, dx, batch, channels, spatial):
+    def batch_norm_backward(self, dy: Buffer, y: Buffer, std: Buffer, mean_dy: Buffer, mean_dy_y: Buffer, dx: Buffer,
+                            batch: int, channels: int, spatial: int) -> None:
         """dx (N, C, S) = (dy - mean_dy[c] - y * mean_dy_y[c]) / std[c], y the
         normalized forward output, mean_dy and mean_dy_y (C,) the channel
         means of dy and dy * y (BatchNorm's batch-statistics gradient). dx
@@ -211,28 +270,30 @@ class Device:
 
     # --- softmax, losses, Eltwise, Concat, Scale, Dropout (layers/loss.py, elementwise.py, shape.py) ---
     # (OpenCL kernels in kernels/layers.cl)
-    def copy_blocks(self, src, dst, blocks, size, src_stride, dst_stride, src_offset=0, dst_offset=0):
+    def copy_blocks(self, src: Buffer, dst: Buffer, blocks: int, size: int, src_stride: int, dst_stride: int,
+                    src_offset: int = 0, dst_offset: int = 0) -> None:
         """Copy `blocks` blocks of `size` elements: for b < blocks, e < size,
         dst[dst_offset + b * dst_stride + e] = src[src_offset + b * src_stride + e]
         (Concat and Slice move one bottom's (outer, width * inner) block of the
         top this way). src and dst must not overlap."""
         raise NotImplementedError
 
-    def multiply(self, a, b, out, count):
+    def multiply(self, a: Buffer, b: Buffer, out: Buffer, count: int) -> None:
         """out = a * b over `count` elements (out may be a or b)."""
         raise NotImplementedError
 
-    def divide(self, a, b, out, count):
+    def divide(self, a: Buffer, b: Buffer, out: Buffer, count: int) -> None:
         """out = a / b over `count` elements (out may be a or b)."""
         raise NotImplementedError
 
-    def broadcast_affine(self, x, outer, dim, inner, y, scale=None, bias=None):
+    def broadcast_affine(self, x: Buffer, outer: int, dim: int, inner: int, y: Buffer, scale: Optional[Buffer] = None,
+                         bias: Optional[Buffer] = None) -> None:
         """y (outer, dim, inner) = x * scale[d] + bias[d], scale and bias (dim,)
         broadcast along the middle axis; either may be None (then 1 or 0). The
         product is rounded before the sum (no fused multiply-add). y may be x."""
         raise NotImplementedError
 
-    def eltwise_max(self, a, b, out, argmax, count, index):
+    def eltwise_max(self, a: Buffer, b: Buffer, out: Buffer, argmax: Buffer, count: int, index: int) -> None:
         """One step of Eltwise MAX over bottoms 0, ..., index: out = max(a, b)
         where a is the running max (bottom 0 when index is 1) and b bottom
         `index`; argmax (float) = index where b wins: b >= a when index is 1
@@ -240,22 +301,23 @@ class Device:
         after (argmax kept elsewhere). out may be a."""
         raise NotImplementedError
 
-    def keep_where_index(self, dy, argmax, index, dx, count):
+    def keep_where_index(self, dy: Buffer, argmax: Buffer, index: int, dx: Buffer, count: int) -> None:
         """dx = dy * (argmax == index ? 1 : 0) over `count` elements: Eltwise
         MAX's gradient to bottom `index`. dx may be dy."""
         raise NotImplementedError
 
-    def softmax_forward(self, x, y, outer, channels, inner):
+    def softmax_forward(self, x: Buffer, y: Buffer, outer: int, channels: int, inner: int) -> None:
         """y (outer, channels, inner) = softmax of x over its middle axis:
         exp(x - max) / sum of exp(x - max). y may be x."""
         raise NotImplementedError
 
-    def softmax_backward(self, y, dy, dx, outer, channels, inner):
+    def softmax_backward(self, y: Buffer, dy: Buffer, dx: Buffer, outer: int, channels: int, inner: int) -> None:
         """dx (outer, channels, inner) = (dy - sum over the middle axis of
         dy * y) * y, y the softmax's output. dx may be dy."""
         raise NotImplementedError
 
-    def softmax_loss_forward(self, prob, labels, out, outer, channels, inner, ignore_label=None):
+    def softmax_loss_forward(self, prob: Buffer, labels: Buffer, out: Buffer, outer: int, channels: int, inner: int,
+                             ignore_label: Optional[int] = None) -> None:
         """Per position of SoftmaxWithLoss: prob (outer, channels, inner), labels
         (outer * inner) integer-valued floats (truncated as Caffe's int cast);
         out holds 2 * outer * inner: out[k] = log(max(prob[o, label, s], FLT_MIN))
@@ -264,10 +326,11 @@ class Device:
         [0, channels) out[k] = the truncated label and out[P + k] = -1."""
         raise NotImplementedError
 
-    def softmax_loss_backward(self, prob, labels, dx, outer, channels, inner, scale, ignore_label=None):
+    def softmax_loss_backward(self, prob: Buffer, labels: Buffer, dx: Buffer, outer: int, channels: int, inner: int,
+                              scale: float, ignore_label: Optional[int] = None) -> None:
         """dx (outer, channels, inner) = (prob - [c == label]) * scale, 0 where
         the label is ignore_label; labels as in softmax_loss_forward, all valid."""
         raise NotImplementedError
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
