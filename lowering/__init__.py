@@ -23,31 +23,39 @@ A forward that never runs backward (a deploy net's) may instead run a 3 x 3 or
 (cct.lowering.winograd), where timing it on the shape says it is faster
 (chooser.choose_forward).
 """
+from types import ModuleType
+from typing import Callable, Dict, Optional, Tuple, Union, cast
+
 import numpy as np
+import numpy.typing as npt
 
 from . import type1, type2, type3
-from .geometry import ConvGeometry, finish, weights_as
-from cct.core.workspace import FRESH
+from .geometry import ConvGeometry, Shape4, finish, weights_as
+from .kept import KeptLowering
+from cct.core.arrays import FloatArray
+from cct.core.workspace import FRESH, Workspace
 
 from .chunking import band_slot_bytes, chunks, slot_bytes
 
-LOWERINGS = {1: type1, 2: type2, 3: type3}
+LOWERINGS: Dict[int, ModuleType] = {1: type1, 2: type2, 3: type3}
 
 
-def lowering(lowering_type):
+def lowering(lowering_type: Union[int, str]) -> ModuleType:
     try:
         return LOWERINGS[int(lowering_type)]
     except (KeyError, ValueError, TypeError):
         raise ValueError(f"lowering type must be one of {sorted(LOWERINGS)}, got {lowering_type!r}") from None
 
 
-def _whole(batch, chunk):
+def _whole(batch: int, chunk: Optional[int]) -> bool:
     return chunk is None or chunk >= batch
 
 
-def _plan(ws, geom, lowering_type, batch, chunk, dtype):
+def _plan(ws: Workspace, geom: ConvGeometry, lowering_type: int, batch: int, chunk: Optional[int],
+          dtype: npt.DTypeLike) -> None:
     """Lay the call's workspace out in one store (see cct.core.workspace.Arena.plan)."""
-    ws.plan(slot_bytes(geom, int(lowering_type), batch if _whole(batch, chunk) else chunk, np.dtype(dtype).itemsize))
+    images = batch if _whole(batch, chunk) else cast(int, chunk)
+    ws.plan(slot_bytes(geom, int(lowering_type), images, np.dtype(dtype).itemsize))
 
 
 # Output planes from which a pointwise convolution multiplies image by image
@@ -59,7 +67,7 @@ def _plan(ws, geom, lowering_type, batch, chunk, dtype):
 POINTWISE_PIXELS = 196
 
 
-def pointwise(geom, batch):
+def pointwise(geom: ConvGeometry, batch: int) -> bool:
     """Whether a forward multiplies image by image without lowering: a 1x1
     kernel at stride 1 without padding in one group makes every lowered
     matrix the input itself, so y[n] (O, H*W) = w (O, C) @ x[n] (C, H*W)
@@ -70,7 +78,8 @@ def pointwise(geom, batch):
             and (batch == 1 or geom.in_h * geom.in_w >= POINTWISE_PIXELS))
 
 
-def _pointwise_forward(x, w, geom, out, bias, relu):
+def _pointwise_forward(x: FloatArray, w: FloatArray, geom: ConvGeometry, out: Optional[FloatArray],
+                       bias: Optional[FloatArray], relu: Optional[float]) -> FloatArray:
     n, pixels = x.shape[0], geom.in_h * geom.in_w
     shape = geom.output_shape(n)
     target = out if out is not None and out.flags.c_contiguous else np.empty(shape, x.dtype)
@@ -84,7 +93,8 @@ def _pointwise_forward(x, w, geom, out, bias, relu):
     return target
 
 
-def bind_pointwise(x, w, out, geom):
+def bind_pointwise(x: FloatArray, w: FloatArray, out: FloatArray,
+                   geom: ConvGeometry) -> Optional[Callable[[Optional[FloatArray], Optional[float]], None]]:
     """The pointwise forward of these arrays (_pointwise_forward's numbers)
     as one call of (bias, relu), its views made now; None where the arrays
     need the per-call path's copies (weights of another dtype, a strided
@@ -95,20 +105,21 @@ def bind_pointwise(x, w, out, geom):
     weights = w.reshape(geom.num_output, geom.channels)
     inputs, product = x.reshape(n, geom.channels, pixels), out.reshape(n, geom.num_output, pixels)
 
-    def forward(bias, relu):
+    def forward(bias: Optional[FloatArray], relu: Optional[float]) -> None:
         np.matmul(weights, inputs, out=product)
         finish(product, bias, relu)
     return forward
 
 
-def _zeros(shape, dtype, out):
+def _zeros(shape: Shape4, dtype: npt.DTypeLike, out: Optional[FloatArray]) -> FloatArray:
     if out is None:
         return np.zeros(shape, dtype)
     out[...] = 0
     return out
 
 
-def _bias_only(geom, n, dtype, out, bias, relu):
+def _bias_only(geom: ConvGeometry, n: int, dtype: npt.DTypeLike, out: Optional[FloatArray], bias: Optional[FloatArray],
+               relu: Optional[float]) -> FloatArray:
     """The output of a convolution that multiplies nothing (geom.empty or no
     images): each window reads only zeros (padding), so the bias alone, or 0."""
     out = _zeros(geom.output_shape(n), dtype, out)
@@ -117,7 +128,10 @@ def _bias_only(geom, n, dtype, out, bias, relu):
     return out
 
 
-def conv_forward(x, w, geom, lowering_type=1, out=None, ws=FRESH, chunk=None, bias=None, keep=None, relu=None):
+def conv_forward(x: FloatArray, w: FloatArray, geom: ConvGeometry, lowering_type: int = 1,
+                 out: Optional[FloatArray] = None, ws: Workspace = FRESH, chunk: Optional[int] = None,
+                 bias: Optional[FloatArray] = None, keep: Optional[KeptLowering] = None,
+                 relu: Optional[float] = None) -> FloatArray:
     """y (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/group, KH, KW)), plus
     bias (O,) when given (added while the result is stored, no extra pass),
     then a ReLU of negative slope `relu` when given (the same numbers as
@@ -144,13 +158,15 @@ def conv_forward(x, w, geom, lowering_type=1, out=None, ws=FRESH, chunk=None, bi
             keep.record(x, lowering_type, geom)
         return y
     out = np.empty(geom.output_shape(n), x.dtype) if out is None else out
-    for start, stop in chunks(n, chunk):
+    for start, stop in chunks(n, cast(int, chunk)):          # (not whole: a chunk is given)
         impl.forward(x[start:stop], w, geom, out=out[start:stop], ws=ws, bias=bias, relu=relu)
     return out
 
 
-def conv_backward(x, dy, w, geom, lowering_type=1, data=True, weights=True, ws=FRESH, chunk=None, dx_out=None,
-                  lowered=None):
+def conv_backward(x: Optional[FloatArray], dy: FloatArray, w: Optional[FloatArray], geom: ConvGeometry,
+                  lowering_type: int = 1, data: bool = True, weights: bool = True, ws: Workspace = FRESH,
+                  chunk: Optional[int] = None, dx_out: Optional[FloatArray] = None,
+                  lowered: Optional[FloatArray] = None) -> Tuple[Optional[FloatArray], Optional[FloatArray]]:
     """(dx or None, dw or None); types 2 and 3 share their unlifted dy between the
     two. dx goes into `dx_out` when given; dw is summed over the chunks.
     `lowered`: x's lowered matrix the forward kept (KeptLowering.matrix_for),
@@ -166,9 +182,9 @@ def conv_backward(x, dy, w, geom, lowering_type=1, data=True, weights=True, ws=F
     if data and dx_out is None:
         dx_out = np.empty(geom.input_shape(n), dy.dtype)
     dw = None
-    for start, stop in chunks(n, chunk):
+    for start, stop in chunks(n, cast(int, chunk)):          # (not whole: a chunk is given)
         _, part = impl.backward(None if x is None else x[start:stop], dy[start:stop], w, geom, data=data,
-                                weights=weights, ws=ws, dx_out=dx_out[start:stop] if data else None)
+                                weights=weights, ws=ws, dx_out=cast(FloatArray, dx_out)[start:stop] if data else None)
         if weights and dw is None:
             dw = part
         elif weights:
@@ -176,12 +192,16 @@ def conv_backward(x, dy, w, geom, lowering_type=1, data=True, weights=True, ws=F
     return (dx_out if data else None), dw
 
 
-def conv_backward_data(dy, w, geom, lowering_type=1, out=None, ws=FRESH, chunk=None):
+def conv_backward_data(dy: FloatArray, w: FloatArray, geom: ConvGeometry, lowering_type: int = 1,
+                       out: Optional[FloatArray] = None, ws: Workspace = FRESH,
+                       chunk: Optional[int] = None) -> Optional[FloatArray]:
     """dx (N, C, H, W) from dy (N, O, OH, OW)."""
     return conv_backward(None, dy, w, geom, lowering_type, weights=False, ws=ws, chunk=chunk, dx_out=out)[0]
 
 
-def conv_backward_weights(x, dy, geom, lowering_type=1, out=None, ws=FRESH, chunk=None):
+def conv_backward_weights(x: FloatArray, dy: FloatArray, geom: ConvGeometry, lowering_type: int = 1,
+                          out: Optional[FloatArray] = None, ws: Workspace = FRESH,
+                          chunk: Optional[int] = None) -> Optional[FloatArray]:
     """dw (O, C/group, KH, KW) from x and dy (set, not accumulated)."""
     dw = conv_backward(x, dy, None, geom, lowering_type, data=False, ws=ws, chunk=chunk)[1]
     if out is None:

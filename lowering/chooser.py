@@ -39,14 +39,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from cct.core import settings
 from cct.core.workspace import Arena
 from cct.devices.blas import blas_limited
 from cct.formats.prototxt import atomic_write
 
+from .geometry import ConvGeometry
 from .type1 import batch_inner
 from .chunking import DEFAULT_BUDGET_MB, cache_chunk, chunk_size, chunks, image_bytes
 
@@ -56,8 +59,8 @@ TYPES = (1, 2, 3)
 MEASURE_BYTES = 32 * 2 ** 20          # largest workspace matrix when timing a shape
 
 _lock = threading.RLock()
-_cache = {}                            # cache path -> parsed file contents
-_machines = {}                         # (cache path, machine key) -> Machine
+_cache: Dict[Path, Dict[str, Any]] = {}      # cache path -> parsed file contents
+_machines: Dict[Tuple[Path, str], "Machine"] = {}   # (cache path, machine key) -> Machine
 
 
 # --- machine constants -------------------------------------------------------------------
@@ -88,42 +91,44 @@ class Machine:
     gemm_flops: float
     gemm_out_bandwidth: float
     gemm_in_bandwidth: float
-    probes: list = field(default_factory=list)
-    copies: dict = field(default_factory=dict)
+    probes: List[List[float]] = field(default_factory=list)
+    copies: Dict[str, List[float]] = field(default_factory=dict)
 
     FIELDS = ("bandwidth", "gather_row", "scatter_row", "add_row", "gemm_flops", "gemm_out_bandwidth",
               "gemm_in_bandwidth")
 
-    def gemm_seconds(self, m, n, k, itemsize=4, count=1):
+    def gemm_seconds(self, m: int, n: int, k: int, itemsize: int = 4, count: int = 1) -> float:
         """An (m x k) by (k x n) GEMM: compute plus the memory traffic that makes
         small and skinny GEMMs run far below the peak rate."""
         return count * (2.0 * m * n * k * (itemsize / 4) / self.gemm_flops
                         + m * n * itemsize / self.gemm_out_bandwidth
                         + (m * k + k * n) * itemsize / self.gemm_in_bandwidth)
 
-    def gather(self, elements, row, itemsize):
+    def gather(self, elements: float, row: float, itemsize: int) -> float:
         return 2 * elements * itemsize / self.bandwidth + elements / max(row, 1) * self.gather_row
 
-    def scatter(self, elements, row, itemsize):
+    def scatter(self, elements: float, row: float, itemsize: int) -> float:
         return 2 * elements * itemsize / self.bandwidth + elements / max(row, 1) * self.scatter_row
 
-    def add(self, elements, row, itemsize):
+    def add(self, elements: float, row: float, itemsize: int) -> float:
         return 3 * elements * itemsize / self.bandwidth + elements / max(row, 1) * self.add_row
 
-    def fill(self, elements, itemsize):
+    def fill(self, elements: float, itemsize: int) -> float:
         return elements * itemsize / self.bandwidth
 
-    def to_dict(self):
+    def to_dict(self) -> Dict[str, Any]:
         return {name: float(getattr(self, name)) for name in self.FIELDS} | {"probes": self.probes,
                                                                           "copies": self.copies}
 
     @classmethod
-    def from_dict(cls, values):
-        return cls(*(float(values[name]) for name in cls.FIELDS), [list(p) for p in values.get("probes", [])],
+    def from_dict(cls, values: Dict[str, Any]) -> "Machine":
+        # (mypy cannot count the arguments a starred generator gives)
+        return cls(*(float(values[name]) for name in cls.FIELDS),  # type: ignore[call-arg, arg-type]
+                   [list(p) for p in values.get("probes", [])],
                    {name: list(timing) for name, timing in values.get("copies", {}).items()})
 
 
-def _best_time(function, repeats):
+def _best_time(function: Callable[[], object], repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -132,7 +137,7 @@ def _best_time(function, repeats):
     return best
 
 
-def fit_gemm(probes):
+def fit_gemm(probes: Sequence[Sequence[float]]) -> Tuple[float, float, float]:
     """(flops, out_bandwidth, in_bandwidth) from [m, n, k, seconds] rows: solve
     Machine.gemm_seconds in relative error; a coefficient that comes out
     negative (noise) is dropped, its term then costs nothing."""
@@ -145,7 +150,7 @@ def fit_gemm(probes):
         if (inverse >= 0).all() or keep.sum() == 1:
             break
         keep &= inverse > 0
-    return tuple(float(1.0 / c) if c > 0 else 1e18 for c in inverse)
+    return cast(Tuple[float, float, float], tuple(float(1.0 / c) if c > 0 else 1e18 for c in inverse))   # 3 terms
 
 
 # The timed copies, Machine.copies: a contiguous one (the bandwidth), and the
@@ -154,7 +159,7 @@ def fit_gemm(probes):
 COPY_PROBES = ("copy", "gather", "scatter", "add")
 
 
-def copy_constants(copies):
+def copy_constants(copies: Dict[str, List[float]]) -> Tuple[float, float, float, float]:
     """(bandwidth, gather_row, scatter_row, add_row) from Machine.copies."""
     elements, _, streams, seconds = copies["copy"]
     bandwidth = streams * elements * 4 / seconds
@@ -165,7 +170,7 @@ def copy_constants(copies):
     return bandwidth, rows["gather"], rows["scatter"], rows["add"]
 
 
-def measure_machine():
+def measure_machine() -> Machine:
     """Measure a Machine (about 0.2 s)."""
     big = np.ones(8 * 2 ** 20, np.float32)                          # 32 MB: beyond most caches
     dst = np.empty_like(big)
@@ -189,7 +194,7 @@ def measure_machine():
     return Machine(*copy_constants(copies), *fit_gemm(probes), probes, copies)
 
 
-def _blas_threads():
+def _blas_threads() -> int:
     try:
         from threadpoolctl import threadpool_info
         return max([lib.get("num_threads", 1) for lib in threadpool_info() if lib.get("user_api") == "blas"] or [1])
@@ -197,16 +202,16 @@ def _blas_threads():
         return 0
 
 
-def machine_key():
+def machine_key() -> str:
     return f"{platform.node()}|{platform.machine()}|blas_threads={_blas_threads()}"
 
 
 # --- the cache file --------------------------------------------------------------------------
-def cache_path():
+def cache_path() -> Path:
     return Path(settings.value("cache_dir")) / CACHE_FILE
 
 
-def _load_cache(path):
+def _load_cache(path: Path) -> Dict[str, Any]:
     contents = _cache.get(path)
     if contents is None:
         try:
@@ -220,7 +225,7 @@ def _load_cache(path):
     return contents
 
 
-def _save_cache(path, contents):
+def _save_cache(path: Path, contents: Dict[str, Any]) -> None:
     """Write atomically; a read-only cache directory only loses the caching."""
     try:
         atomic_write(path, json.dumps(contents, indent=1, sort_keys=True).encode())
@@ -228,7 +233,7 @@ def _save_cache(path, contents):
         pass
 
 
-def load_machine(refresh=False):
+def load_machine(refresh: bool = False) -> Machine:
     """This host's Machine, measured once per process and merged with the
     cache file's (best_of): a calibration taken while other jobs held the
     cores reads slow, and one quiet run later corrects it for good.
@@ -252,7 +257,7 @@ def load_machine(refresh=False):
         return machine
 
 
-def best_of(first, second):
+def best_of(first: Machine, second: Machine) -> Machine:
     """The faster of two calibrations of one host: load only ever slows a
     measurement down, so each timed GEMM and copy keeps its best time, and
     the constants are derived again from those (fit_gemm, copy_constants).
@@ -260,10 +265,10 @@ def best_of(first, second):
     calibration with the smallest row cost of another paired numbers that no
     run measured, and a row cost that came out 0 in one noisy run (its
     contiguous copy timed slow) stayed 0 for good."""
-    probes = {}
+    fastest: Dict[Tuple[float, float, float], float] = {}
     for m, n, k, seconds in list(first.probes) + list(second.probes):
-        probes[m, n, k] = min(seconds, probes.get((m, n, k), seconds))
-    probes = [[m, n, k, seconds] for (m, n, k), seconds in sorted(probes.items())]
+        fastest[m, n, k] = min(seconds, fastest.get((m, n, k), seconds))
+    probes = [[m, n, k, seconds] for (m, n, k), seconds in sorted(fastest.items())]
     if len(probes) >= 3:
         gemm = fit_gemm(probes)
     else:                              # a calibration without its probes: the measured one's
@@ -280,7 +285,7 @@ def best_of(first, second):
     return Machine(*constants, *gemm, probes, copies)
 
 
-def clear_memory_cache():
+def clear_memory_cache() -> None:
     """Forget what was read from cache files (tests switch CCT_CACHE_DIR)."""
     with _lock:
         _cache.clear()
@@ -288,7 +293,7 @@ def clear_memory_cache():
 
 
 # --- the cost model ----------------------------------------------------------------------------
-def _cost_parts(geom, b, lowering_type, mc, s):
+def _cost_parts(geom: ConvGeometry, b: int, lowering_type: int, mc: Machine, s: int) -> Dict[Tuple[str, str], float]:
     """{(pass, part): seconds} for one chunk of b images of itemsize s, step by
     step as cct.lowering.type1/2/3 run them."""
     g = geom
@@ -359,18 +364,20 @@ def _cost_parts(geom, b, lowering_type, mc, s):
     return parts
 
 
-def estimate_parts(geom, batch, lowering_type, machine, itemsize=4, budget=None):
+def estimate_parts(geom: ConvGeometry, batch: int, lowering_type: int, machine: Machine, itemsize: int = 4,
+                   budget: Optional[int] = None) -> Dict[Tuple[str, str], float]:
     """The model's seconds per (pass, part) for the whole batch, processed in
     chunks when `budget` (bytes) is given, as the layers run it."""
     chunk = batch if budget is None else chunk_size(geom, lowering_type, batch, itemsize, budget)
-    total = {}
+    total: Dict[Tuple[str, str], float] = {}
     for start, stop in chunks(batch, chunk):
         for key, seconds in _cost_parts(geom, stop - start, lowering_type, machine, itemsize).items():
             total[key] = total.get(key, 0.0) + seconds
     return total
 
 
-def estimate(geom, batch, lowering_type, machine, itemsize=4, budget=None, forward_only=False):
+def estimate(geom: ConvGeometry, batch: int, lowering_type: int, machine: Machine, itemsize: int = 4,
+             budget: Optional[int] = None, forward_only: bool = False) -> float:
     """Modelled seconds of forward + backward (data and weight gradients), or
     of the forward alone."""
     parts = estimate_parts(geom, batch, lowering_type, machine, itemsize, budget)
@@ -378,19 +385,21 @@ def estimate(geom, batch, lowering_type, machine, itemsize=4, budget=None, forwa
 
 
 # --- choosing ------------------------------------------------------------------------------------
-def choose_by_model(geom, batch, machine, itemsize=4, budget=None, forward_only=False):
+def choose_by_model(geom: ConvGeometry, batch: int, machine: Machine, itemsize: int = 4, budget: Optional[int] = None,
+                    forward_only: bool = False) -> int:
     costs = {t: estimate(geom, batch, t, machine, itemsize, budget, forward_only) for t in TYPES}
     return min(TYPES, key=lambda t: (costs[t], t))
 
 
-def shape_key(geom, batch, itemsize=4, forward_only=False):
+def shape_key(geom: ConvGeometry, batch: int, itemsize: int = 4, forward_only: bool = False) -> str:
     g = geom
     return (f"{machine_key()}|c{g.channels}o{g.num_output}|{g.in_h}x{g.in_w}|k{g.kernel_h}x{g.kernel_w}"
             f"|s{g.stride_h}x{g.stride_w}|p{g.pad_h}x{g.pad_w}|d{g.dilation_h}x{g.dilation_w}|g{g.group}"
             f"|b{batch}|f{8 * itemsize}" + ("|forward" if forward_only else ""))
 
 
-def measure_types(geom, batch, dtype=np.float32, repeats=3, forward_only=False):
+def measure_types(geom: ConvGeometry, batch: int, dtype: npt.DTypeLike = np.float32, repeats: int = 3,
+                  forward_only: bool = False) -> Dict[int, float]:
     """{type: seconds} of forward + backward (or the forward alone) on random
     data, the best of `repeats` runs, the types interleaved (a shared machine
     drifts)."""
@@ -403,7 +412,7 @@ def measure_types(geom, batch, dtype=np.float32, repeats=3, forward_only=False):
     y, dx = np.empty(geom.output_shape(batch), dtype), np.empty_like(x)
     arena = Arena()
 
-    def run(kind):
+    def run(kind: int) -> None:
         conv_forward(x, w, geom, kind, out=y, ws=arena)
         if not forward_only:
             conv_backward(x, dy, w, geom, kind, ws=arena, dx_out=dx)
@@ -411,13 +420,17 @@ def measure_types(geom, batch, dtype=np.float32, repeats=3, forward_only=False):
     return _interleaved_best(TYPES, run, repeats)
 
 
-def _interleaved_best(candidates, run, repeats):
+Candidate = TypeVar("Candidate")
+
+
+def _interleaved_best(candidates: Iterable[Candidate], run: Callable[[Candidate], object],
+                      repeats: int) -> Dict[Candidate, float]:
     """{candidate: seconds}: run(candidate) once each to warm (the arena
     grows to each one's buffers, kernels compile), then the best of `repeats`
     rounds, the candidates interleaved (a shared machine drifts)."""
     for candidate in candidates:
         run(candidate)
-    seconds = {candidate: [] for candidate in candidates}
+    seconds: Dict[Candidate, List[float]] = {candidate: [] for candidate in candidates}
     for _ in range(repeats):
         for candidate in candidates:
             start = time.perf_counter()
@@ -426,14 +439,15 @@ def _interleaved_best(candidates, run, repeats):
     return {candidate: min(times) for candidate, times in seconds.items()}
 
 
-def measured_batch(geom, batch, itemsize):
+def measured_batch(geom: ConvGeometry, batch: int, itemsize: int) -> int:
     """The batch used when timing a shape: whole, or as many images as keep
     every type's largest matrix within MEASURE_BYTES."""
     largest = max(image_bytes(geom, t, itemsize) for t in TYPES)
     return int(max(1, min(batch, MEASURE_BYTES // largest)))
 
 
-def choose_by_measurement(geom, batch, dtype=np.float32, forward_only=False):
+def choose_by_measurement(geom: ConvGeometry, batch: int, dtype: npt.DTypeLike = np.float32,
+                          forward_only: bool = False) -> int:
     dtype = np.dtype(dtype)
     key = shape_key(geom, batch, dtype.itemsize, forward_only)
     with _lock:
@@ -450,7 +464,8 @@ def choose_by_measurement(geom, batch, dtype=np.float32, forward_only=False):
     return choice
 
 
-def choose(geom, batch, machine=None, measure=False, dtype=np.float32, budget=None, forward_only=False):
+def choose(geom: ConvGeometry, batch: int, machine: Optional[Machine] = None, measure: bool = False,
+           dtype: npt.DTypeLike = np.float32, budget: Optional[int] = None, forward_only: bool = False) -> int:
     """The lowering type for `geom` at `batch`: by the cost model, or with
     measure=True by timing every type once on this shape (cached per shape),
     for forward + backward or, forward_only, the forward alone.
@@ -478,7 +493,7 @@ CLEARLY_FASTER = 0.95
 FORWARD_MEASURE_BYTES = 128 * 2 ** 20
 
 
-def forward_measured_batch(geom, batch, itemsize=4):
+def forward_measured_batch(geom: ConvGeometry, batch: int, itemsize: int = 4) -> int:
     """The batch Winograd and the lowering are timed on: whole, or as many
     images as keep input and output within FORWARD_MEASURE_BYTES."""
     per_image = (geom.channels * geom.in_h * geom.in_w + geom.num_output * geom.out_h * geom.out_w) * itemsize
@@ -494,7 +509,8 @@ FORWARD_TIMING_SECONDS = 0.02
 FORWARD_REPEATS = (3, 9)
 
 
-def measure_forward(geom, batch, lowering_type, dtype=np.float32, repeats=None, threads=None):
+def measure_forward(geom: ConvGeometry, batch: int, lowering_type: int, dtype: npt.DTypeLike = np.float32,
+                    repeats: Optional[int] = None, threads: Optional[int] = None) -> Dict[int, float]:
     """{0: the lowering's forward, m: Winograd F(m x m, r x r)'s for the tile
     sizes winograd.timing_tiles takes} in seconds on random data, the best of
     `repeats` interleaved runs (None: as many as
@@ -515,7 +531,7 @@ def measure_forward(geom, batch, lowering_type, dtype=np.float32, repeats=None, 
     chunk = min(chunk_size(geom, lowering_type, batch, itemsize, DEFAULT_BUDGET_MB * 2 ** 20),
                 cache_chunk(geom, lowering_type, batch, itemsize))
 
-    def run(m):
+    def run(m: int) -> None:
         if m:
             winograd.forward(x, cached[m].get(w, geom, m), geom, m, out=y, ws=arena, bias=bias)
         else:
@@ -532,7 +548,8 @@ def measure_forward(geom, batch, lowering_type, dtype=np.float32, repeats=None, 
         return _interleaved_best((0,) + tiles, run, repeats)
 
 
-def choose_forward(geom, batch, lowering_type, dtype=np.float32, threads=None):
+def choose_forward(geom: ConvGeometry, batch: int, lowering_type: int, dtype: npt.DTypeLike = np.float32,
+                   threads: Optional[int] = None) -> int:
     """0 (the lowering) or the Winograd tile size m whose forward alone is the
     fastest on this shape at `threads` BLAS threads (those of the batch
     partition that runs it; None: the count in force), timed once
@@ -564,7 +581,7 @@ def choose_forward(geom, batch, lowering_type, dtype=np.float32, threads=None):
     return choice
 
 
-def _winograd_pick(seconds):
+def _winograd_pick(seconds: Dict[int, float]) -> int:
     """The fastest tile size if clearly faster than the lowering (key 0), else 0."""
     tiles = [m for m in seconds if m]
     if not tiles:

@@ -11,6 +11,9 @@ lowering_budget_mb) is processed in chunks of whole images, one after
 another (`chunk_size`), so the arena never holds more than the budget: CaffeNet
 conv1 at batch 256 under type 1 would need 1.1 GB for its lowered matrix alone.
 """
+from typing import Dict, List, Tuple
+
+from .geometry import ConvGeometry
 from .type1 import batch_inner, image_major
 
 # 64 MB: CaffeNet training at batch 256 then peaks at 2.48 GiB, within Caffe's
@@ -18,7 +21,7 @@ from .type1 import batch_inner, image_major
 DEFAULT_BUDGET_MB = 64
 
 
-def slot_bytes(geom, lowering_type, batch, itemsize):
+def slot_bytes(geom: ConvGeometry, lowering_type: int, batch: int, itemsize: int) -> Dict[str, int]:
     """{slot: bytes} that one call of a lowering type on `batch` images asks its
     workspace for, forward and backward (see the slots in each type's docstring)."""
     c, o = geom.channels, geom.num_output
@@ -36,7 +39,7 @@ def slot_bytes(geom, lowering_type, batch, itemsize):
     return {slot: count * itemsize for slot, count in sizes.items()}
 
 
-def band_slot_bytes(geom, rows, itemsize):
+def band_slot_bytes(geom: ConvGeometry, rows: int, itemsize: int) -> Dict[str, int]:
     """{slot: bytes} of a one-image type-1 forward in bands of `rows` output
     rows (cct.lowering.type1.forward_in_bands): the padded frame and one
     band's lowered matrix; the bands' GEMMs write the output itself."""
@@ -44,12 +47,12 @@ def band_slot_bytes(geom, rows, itemsize):
     return {"lowered": lowered * itemsize, "padded": geom.channels * geom.padded_h * geom.padded_w * itemsize}
 
 
-def image_bytes(geom, lowering_type, itemsize):
+def image_bytes(geom: ConvGeometry, lowering_type: int, itemsize: int) -> int:
     """Workspace bytes per image of a lowering type."""
     return sum(slot_bytes(geom, lowering_type, 1, itemsize).values())
 
 
-def chunk_size(geom, lowering_type, batch, itemsize, budget):
+def chunk_size(geom: ConvGeometry, lowering_type: int, batch: int, itemsize: int, budget: int) -> int:
     """Images per chunk so that the chunk's whole workspace fits `budget` bytes
     (at least one image, at most the batch)."""
     per_image = image_bytes(geom, lowering_type, itemsize)
@@ -62,7 +65,7 @@ CACHE_BYTES = 8 * 2 ** 20          # a lowered chunk this small is still in cach
 MIN_GEMM_COLUMNS = 4096            # ... but keep the GEMM wide enough to run at its full rate
 
 
-def cache_chunk(geom, lowering_type, batch, itemsize):
+def cache_chunk(geom: ConvGeometry, lowering_type: int, batch: int, itemsize: int) -> int:
     """Images per chunk for speed: type 1 on large images (CaffeNet conv1: 4.4 MB
     lowered per image) runs ~15% faster forward when its lowered matrix is
     consumed by the GEMM while still in cache, rather than written to memory for
@@ -80,6 +83,6 @@ def cache_chunk(geom, lowering_type, batch, itemsize):
     return int(min(batch, images))
 
 
-def chunks(batch, size):
+def chunks(batch: int, size: int) -> List[Tuple[int, int]]:
     """[(start, stop)] covering range(batch) in steps of `size`."""
     return [(start, min(start + size, batch)) for start in range(0, batch, size)]

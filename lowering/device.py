@@ -15,10 +15,16 @@ The lowered matrix of a chunk stays within `budget` elements (64 MB of
 float32 by default), as the host's lowering budget bounds its workspace.
 """
 
+from typing import List, Optional, Tuple
+
+from cct.devices.base import Buffer, Device
+
+from .geometry import ConvGeometry
+
 DEFAULT_BUDGET = 16 << 20         # float32 elements of one chunk's lowered matrix (64 MB)
 
 
-def chunks(geom, batch, budget=DEFAULT_BUDGET):
+def chunks(geom: ConvGeometry, batch: int, budget: int = DEFAULT_BUDGET) -> List[Tuple[int, int]]:
     """(first image, image count) pairs covering the batch, each chunk's
     lowered matrix within `budget` elements (at least one image a chunk)."""
     per_image = geom.channels // geom.group * geom.kernel_h * geom.kernel_w * geom.out_h * geom.out_w
@@ -26,13 +32,14 @@ def chunks(geom, batch, budget=DEFAULT_BUDGET):
     return [(first, min(step, batch - first)) for first in range(0, batch, step)]
 
 
-def _sizes(geom):
+def _sizes(geom: ConvGeometry) -> Tuple[int, int, int]:
     """(Cg*KH*KW, Og, OH*OW): a group's lowered rows, outputs, and the output pixels."""
     rows = geom.channels // geom.group * geom.kernel_h * geom.kernel_w
     return rows, geom.num_output // geom.group, geom.out_h * geom.out_w
 
 
-def forward(device, x, w, geom, batch, y, bias=None, budget=DEFAULT_BUDGET):
+def forward(device: Device, x: Buffer, w: Buffer, geom: ConvGeometry, batch: int, y: Buffer,
+            bias: Optional[Buffer] = None, budget: int = DEFAULT_BUDGET) -> None:
     """y (N, O, OH, OW) = conv(x (N, C, H, W), w), plus bias (O,) when given."""
     rows, outputs, pixels = _sizes(geom)
     if not (batch and pixels):
@@ -47,7 +54,8 @@ def forward(device, x, w, geom, batch, y, bias=None, budget=DEFAULT_BUDGET):
         device.from_channels_first(product, count, geom.num_output, pixels, y, bias, first)
 
 
-def backward(device, x, dy, w, geom, batch, dx=None, dw=None, budget=DEFAULT_BUDGET):
+def backward(device: Device, x: Buffer, dy: Buffer, w: Buffer, geom: ConvGeometry, batch: int,
+             dx: Optional[Buffer] = None, dw: Optional[Buffer] = None, budget: int = DEFAULT_BUDGET) -> None:
     """dx (N, C, H, W) = the data gradient (SET) when dx is given; dw (O, C/g,
     KH, KW) += the weight gradient when dw is given; both from dy (N, O, OH, OW)."""
     rows, outputs, pixels = _sizes(geom)
@@ -71,7 +79,7 @@ def backward(device, x, dy, w, geom, batch, dx=None, dw=None, budget=DEFAULT_BUD
                 device.col2im(lowered, geom, count, dx, g, first)
 
 
-def bias_gradient(device, dy, batch, channels, pixels, db):
+def bias_gradient(device: Device, dy: Buffer, batch: int, channels: int, pixels: int, db: Buffer) -> None:
     """db (C,) += dy (N, C, P) summed over the images and pixels."""
     if not batch:
         return
@@ -80,7 +88,7 @@ def bias_gradient(device, dy, batch, channels, pixels, db):
     device.sum_axis(per_pixel, channels, pixels, 1, db, beta=1.0)        # (C,) over the pixels
 
 
-def add_bias(device, y, batch, channels, pixels, bias):
+def add_bias(device: Device, y: Buffer, batch: int, channels: int, pixels: int, bias: Buffer) -> None:
     """y (N, C, P) += bias (C,) broadcast: two GEMMs with a vector of ones, one
     spreading the bias over the pixels (C, P), one over the images."""
     plane = device.scratch("bias_plane", channels * pixels)

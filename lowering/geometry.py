@@ -18,13 +18,19 @@ negative (Caffe's Blob::Reshape refuses it, and so does ConvGeometry).
 """
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Optional, Tuple, cast
 
 import numpy as np
+import numpy.typing as npt
 
+from cct.core.arrays import FloatArray
+from cct.core.workspace import Workspace
 from cct.devices.jit import kernel
 
+Shape4 = Tuple[int, int, int, int]
 
-def _truncating_div(a, b):
+
+def _truncating_div(a: int, b: int) -> int:
     """a / b rounded toward zero, as C++ integer division (b > 0)."""
     return a // b if a >= 0 else -(-a // b)
 
@@ -47,7 +53,7 @@ class ConvGeometry:
     dilation_w: int = 1
     group: int = 1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.channels % self.group or self.num_output % self.group:
             raise ValueError(f"channels {self.channels} and num_output {self.num_output} "
                              f"must both be multiples of group {self.group}")
@@ -61,89 +67,89 @@ class ConvGeometry:
 
     # Extent of one dilated kernel window.
     @cached_property
-    def extent_h(self):
+    def extent_h(self) -> int:
         return self.dilation_h * (self.kernel_h - 1) + 1
 
     @cached_property
-    def extent_w(self):
+    def extent_w(self) -> int:
         return self.dilation_w * (self.kernel_w - 1) + 1
 
     @cached_property
-    def out_h(self):
+    def out_h(self) -> int:
         return _truncating_div(self.in_h + 2 * self.pad_h - self.extent_h, self.stride_h) + 1
 
     @cached_property
-    def out_w(self):
+    def out_w(self) -> int:
         return _truncating_div(self.in_w + 2 * self.pad_w - self.extent_w, self.stride_w) + 1
 
     # Rows (columns) the last window reads past the padded input: nonzero only when
     # the kernel extent exceeds the padded input (by less than the stride); none
     # when there is no window (an empty output).
     @cached_property
-    def overrun_h(self):
+    def overrun_h(self) -> int:
         if not self.out_h:
             return 0
         return max(0, self.stride_h * (self.out_h - 1) + self.extent_h - self.in_h - 2 * self.pad_h)
 
     @cached_property
-    def overrun_w(self):
+    def overrun_w(self) -> int:
         if not self.out_w:
             return 0
         return max(0, self.stride_w * (self.out_w - 1) + self.extent_w - self.in_w - 2 * self.pad_w)
 
     # The zero-bordered frame the lowerings read: pad on both sides, plus the overrun.
     @cached_property
-    def padded_h(self):
+    def padded_h(self) -> int:
         return self.in_h + 2 * self.pad_h + self.overrun_h
 
     @cached_property
-    def padded_w(self):
+    def padded_w(self) -> int:
         return self.in_w + 2 * self.pad_w + self.overrun_w
 
     @cached_property
-    def empty(self):
+    def empty(self) -> bool:
         """Nothing to lower: no input channels or pixels, or an empty output. A
         forward then gives the bias alone (every window reads only padding), a
         backward zero gradients (cct.lowering skips these, as an empty batch)."""
         return not (self.channels and self.num_output and self.in_h and self.in_w and self.out_h and self.out_w)
 
     @cached_property
-    def has_border(self):
+    def has_border(self) -> bool:
         """Whether the frame the windows read is larger than the input."""
         return self.padded_h != self.in_h or self.padded_w != self.in_w
 
     @cached_property
-    def channels_per_group(self):
+    def channels_per_group(self) -> int:
         return self.channels // self.group
 
     @cached_property
-    def outputs_per_group(self):
+    def outputs_per_group(self) -> int:
         return self.num_output // self.group
 
     @cached_property
-    def weight_shape(self):
+    def weight_shape(self) -> Shape4:
         return (self.num_output, self.channels_per_group, self.kernel_h, self.kernel_w)
 
-    def input_shape(self, batch):
+    def input_shape(self, batch: int) -> Shape4:
         return (batch, self.channels, self.in_h, self.in_w)
 
-    def output_shape(self, batch):
+    def output_shape(self, batch: int) -> Shape4:
         return (batch, self.num_output, self.out_h, self.out_w)
 
-    def rows(self, i):
+    def rows(self, i: int) -> slice:
         """Slice of padded rows read by kernel row i for every output row (none
         for an empty output: its stop would be before its start, which a slice
         would read from the end)."""
         start = i * self.dilation_h
         return slice(start, start + self.stride_h * (self.out_h - 1) + 1 if self.out_h else start, self.stride_h)
 
-    def cols(self, j):
+    def cols(self, j: int) -> slice:
         """Slice of padded columns read by kernel column j for every output column."""
         start = j * self.dilation_w
         return slice(start, start + self.stride_w * (self.out_w - 1) + 1 if self.out_w else start, self.stride_w)
 
 
-def pad_channels_first(x, geom, out=None):
+def pad_channels_first(x: FloatArray, geom: ConvGeometry, out: Optional[FloatArray] = None) -> FloatArray:
     """x (N, C, H, W) -> padded, channels-first (C, N, Hp, Wp), Hp = geom.padded_h
     (H + 2*pad_h + overrun_h; Wp alike).
 
@@ -163,7 +169,7 @@ def pad_channels_first(x, geom, out=None):
     return out
 
 
-def unpad_channels_first(xp, geom, out=None):
+def unpad_channels_first(xp: FloatArray, geom: ConvGeometry, out: Optional[FloatArray] = None) -> FloatArray:
     """Inverse of pad_channels_first: (C, N, Hp, Wp) -> (N, C, H, W), crops the padding."""
     inner = xp[:, :, geom.pad_h:geom.pad_h + geom.in_h, geom.pad_w:geom.pad_w + geom.in_w]
     if out is None:
@@ -172,12 +178,12 @@ def unpad_channels_first(xp, geom, out=None):
     return out
 
 
-def output_channels_first(dy):
+def output_channels_first(dy: FloatArray) -> FloatArray:
     """dy (N, O, OH, OW) -> contiguous (O, N, OH, OW): the GEMM-side layout of outputs."""
     return np.ascontiguousarray(dy.transpose(1, 0, 2, 3))
 
 
-def channels_first_output(dy, ws):
+def channels_first_output(dy: FloatArray, ws: Workspace) -> FloatArray:
     """output_channels_first into the workspace slot "output"."""
     n, o, oh, ow = dy.shape
     out = ws.empty("output", (o, n, oh, ow), dy.dtype)
@@ -185,7 +191,7 @@ def channels_first_output(dy, ws):
     return out
 
 
-def store(y, out, bias=None):
+def store(y: FloatArray, out: Optional[FloatArray], bias: Optional[FloatArray] = None) -> FloatArray:
     """Copy y, any (N, O, OH, OW) view, into `out` (new when None), adding
     bias (O,) on the way: the add costs no extra pass over the output."""
     if out is None:
@@ -222,7 +228,7 @@ def _bias_relu(out, bias, slope):
                 out[n, c, s] = relu_value(v, slope)
 
 
-def finish(out, bias=None, relu=None):
+def finish(out: FloatArray, bias: Optional[FloatArray] = None, relu: Optional[float] = None) -> FloatArray:
     """The output (N, O, ...) in place: bias (O,) added, then a ReLU of negative
     slope `relu` (None: no ReLU; cct.runtime.fusion hands a convolution the
     in-place ReLU after it), in one pass over it (through a contiguous copy
@@ -234,20 +240,20 @@ def finish(out, bias=None, relu=None):
         return out
     flat = out.reshape(out.shape[0], out.shape[1], -1)       # a view: contiguous
     if relu is None:
-        flat += weights_as(bias, out.dtype).reshape(-1, 1)
+        flat += weights_as(cast(FloatArray, bias), out.dtype).reshape(-1, 1)    # (given: both None returned above)
         return out
     bias = np.empty(0, out.dtype) if bias is None else np.ascontiguousarray(weights_as(bias, out.dtype))
     _bias_relu(flat, bias, out.dtype.type(relu))
     return out
 
 
-def relu_after(out, relu):
+def relu_after(out: FloatArray, relu: Optional[float]) -> FloatArray:
     """A ReLU of negative slope `relu` (None: none) on a stored output, in place
     (a pass of its own)."""
     return finish(out, None, relu)
 
 
-def store_relu(y, out, relu):
+def store_relu(y: FloatArray, out: Optional[FloatArray], relu: Optional[float]) -> FloatArray:
     """store(y, out) with a ReLU of negative slope `relu` on the way (None: none)."""
     if relu == 0:
         if out is None:
@@ -256,22 +262,24 @@ def store_relu(y, out, relu):
     return finish(store(y, out), None, relu)
 
 
-def store_output(y_cf, out, bias=None):
+def store_output(y_cf: FloatArray, out: Optional[FloatArray], bias: Optional[FloatArray] = None) -> FloatArray:
     """(O, N, OH, OW) channels-first result -> (N, O, OH, OW) (+ bias), into `out` if given."""
     return store(y_cf.transpose(1, 0, 2, 3), out, bias)
 
 
-def lowered_shape(geom, batch):
+def lowered_shape(geom: ConvGeometry, batch: int) -> Tuple[int, int, int, int, int, int]:
     """The channels-first lowered tensor's shape (C, KH, KW, N, OH, OW): the
     window view's, im2col's and col2im's."""
     return (geom.channels, geom.kernel_h, geom.kernel_w, batch, geom.out_h, geom.out_w)
 
 
-def window_view(xp, geom, lower_h=True, lower_w=True):
+def window_view(xp: FloatArray, geom: ConvGeometry, lower_h: bool = True, lower_w: bool = True) -> FloatArray:
     """Read-only strided view of padded channels-first xp (C, N, Hp, Wp) as the
     lowered tensor, no copy: (C, KH, KW, N, OH, OW) when lowering both axes,
     (C, KW, N, Hp, OW) when lowering the width only."""
     sc, sn, sh, sw = xp.strides
+    shape: Tuple[int, ...]
+    strides: Tuple[int, ...]
     if lower_h and lower_w:
         shape = lowered_shape(geom, xp.shape[1])
         strides = (sc, sh * geom.dilation_h, sw * geom.dilation_w, sn, sh * geom.stride_h, sw * geom.stride_w)
@@ -281,7 +289,7 @@ def window_view(xp, geom, lower_h=True, lower_w=True):
     return np.lib.stride_tricks.as_strided(xp, shape, strides, writeable=False)
 
 
-def matmul_nt(a, b):
+def matmul_nt(a: FloatArray, b: FloatArray) -> FloatArray:
     """a @ b^T for stacks (g, m, K) and (g, n, K) with a long K. OpenBLAS is
     several times faster with the taller operand on the left, so when b is
     taller, compute (b @ a^T)^T instead."""
@@ -290,5 +298,5 @@ def matmul_nt(a, b):
     return np.matmul(b, a.swapaxes(-1, -2)).swapaxes(-1, -2)
 
 
-def weights_as(w, dtype):
+def weights_as(w: FloatArray, dtype: npt.DTypeLike) -> FloatArray:
     return w if w.dtype == dtype else w.astype(dtype)

@@ -37,16 +37,20 @@ Workspace slots (see cct.lowering.chunking): "padded" (C, N, Hp, Wp),
 (C, Hp, Wp, N) or (N, C, Hp, Wp), "lowered" D1, "product" Y (image-major:
 the per-image weight gradients, Kg <= OH*OW), "output" dY channels first.
 """
-import numpy as np
+from typing import Optional, Tuple, cast
 
-from cct.core.workspace import FRESH
+import numpy as np
+import numpy.typing as npt
+
+from cct.core.arrays import FloatArray
+from cct.core.workspace import FRESH, Workspace
 from cct.devices.jit import kernel
 
-from .geometry import (channels_first_output, finish, lowered_shape, matmul_nt, pad_channels_first, relu_value,
-                       store_relu, unpad_channels_first, weights_as, window_view)
+from .geometry import (ConvGeometry, channels_first_output, finish, lowered_shape, matmul_nt, pad_channels_first,
+                       relu_value, store_relu, unpad_channels_first, weights_as, window_view)
 
 
-def _channels_first(x, geom, ws):
+def _channels_first(x: FloatArray, geom: ConvGeometry, ws: Workspace) -> FloatArray:
     """x as (C, N, Hp, Wp): padded in the workspace where it has a border,
     else a view of the input as is."""
     if geom.has_border:
@@ -55,13 +59,13 @@ def _channels_first(x, geom, ws):
     return x.transpose(1, 0, 2, 3)
 
 
-def _windows(x, geom, ws):
+def _windows(x: FloatArray, geom: ConvGeometry, ws: Workspace) -> FloatArray:
     """The read-only window view (C, KH, KW, N, OH, OW) of x, padded in the
     workspace where it has a border."""
     return window_view(_channels_first(x, geom, ws), geom)
 
 
-def lower(x, geom, out=None, ws=FRESH):
+def lower(x: FloatArray, geom: ConvGeometry, out: Optional[FloatArray] = None, ws: Workspace = FRESH) -> FloatArray:
     """im2col of a whole batch: x (N, C, H, W) -> (C*KH*KW, N*OH*OW)."""
     n = x.shape[0]
     xp = _channels_first(x, geom, ws)
@@ -99,7 +103,8 @@ def _lower_one_image(xp, kernel_h, kernel_w, stride_h, out_h, out_w, cols):
                 r += 1
 
 
-def col2im(cols, geom, batch, out=None, ws=FRESH):
+def col2im(cols: FloatArray, geom: ConvGeometry, batch: int, out: Optional[FloatArray] = None,
+           ws: Workspace = FRESH) -> FloatArray:
     """Adjoint of `lower`: (C*KH*KW, N*OH*OW) -> (N, C, H, W), summing overlaps."""
     cols = cols.reshape(lowered_shape(geom, batch))
     dxp = ws.zeros("padded", (geom.channels, batch, geom.padded_h, geom.padded_w), cols.dtype)
@@ -112,7 +117,7 @@ def col2im(cols, geom, batch, out=None, ws=FRESH):
 BATCH_INNER_WIDTH = 32      # outputs narrower than this use the batch-inner column order
 
 
-def batch_inner(geom, batch):
+def batch_inner(geom: ConvGeometry, batch: int) -> bool:
     """Whether type 1 orders its columns (oh, ow, n) for this geometry and batch:
     for narrow outputs whose lowered matrix is much larger than the output
     (C*KH*KW >= 4*O: the strided output transpose would cost more than the
@@ -150,7 +155,8 @@ def _to_batch_first(source, row0, col0, bias, relu, slope, out):
                             out[n, c, h, w] = relu_value(v, slope) if relu else v
 
 
-def _batch_first(source, row0, col0, shape, out, bias=None, relu=None):
+def _batch_first(source: FloatArray, row0: int, col0: int, shape: Tuple[int, ...], out: Optional[FloatArray],
+                 bias: Optional[FloatArray] = None, relu: Optional[float] = None) -> FloatArray:
     """(N, C, H, W) `shape` from the batch-inner `source`, into `out` (new when
     None; a non-contiguous one is filled through a copy), + bias, then a ReLU
     of negative slope `relu` (None: none)."""
@@ -163,7 +169,7 @@ def _batch_first(source, row0, col0, shape, out, bias=None, relu=None):
     return target
 
 
-def pad_batch_inner(x, geom, out):
+def pad_batch_inner(x: FloatArray, geom: ConvGeometry, out: FloatArray) -> FloatArray:
     """x (N, C, H, W) -> padded, batch innermost (C, Hp, Wp, N); `out` may hold
     garbage: only its border is zeroed."""
     ph, pw, h, w = geom.pad_h, geom.pad_w, geom.in_h, geom.in_w
@@ -175,7 +181,7 @@ def pad_batch_inner(x, geom, out):
     return out
 
 
-def _window_batch_inner(xp, geom):
+def _window_batch_inner(xp: FloatArray, geom: ConvGeometry) -> FloatArray:
     """Read-only view of xp (C, Hp, Wp, N) as the lowered (C, KH, KW, OH, OW, N)."""
     sc, sh, sw, sn = xp.strides
     shape = (geom.channels, geom.kernel_h, geom.kernel_w, geom.out_h, geom.out_w, xp.shape[3])
@@ -183,7 +189,7 @@ def _window_batch_inner(xp, geom):
     return np.lib.stride_tricks.as_strided(xp, shape, strides, writeable=False)
 
 
-def _lower_batch_inner(x, geom, ws):
+def _lower_batch_inner(x: FloatArray, geom: ConvGeometry, ws: Workspace) -> FloatArray:
     """x (N, C, H, W) -> (C*KH*KW, OH*OW*N)."""
     n = x.shape[0]
     xp = pad_batch_inner(x, geom, ws.empty("padded", (geom.channels, geom.padded_h, geom.padded_w, n), x.dtype))
@@ -239,7 +245,8 @@ def _add_window_rows_batch_inner(cols, stride_h, dilation_h, column_step, dxp):
                         target[offset + t] += source[t]
 
 
-def _col2im_batch_inner(cols, geom, batch, out, ws):
+def _col2im_batch_inner(cols: FloatArray, geom: ConvGeometry, batch: int, out: Optional[FloatArray],
+                        ws: Workspace) -> FloatArray:
     """Adjoint of _lower_batch_inner: (C*KH*KW, OH*OW*N) -> (N, C, H, W)."""
     cols = cols.reshape(geom.channels, geom.kernel_h, geom.kernel_w, geom.out_h, geom.out_w, batch)
     dxp = ws.zeros("padded", (geom.channels, geom.padded_h, geom.padded_w, batch), cols.dtype)
@@ -256,7 +263,7 @@ IMAGE_MAJOR_ROWS = 64      # lowered rows per group up to which a GEMM per image
 IMAGE_MAJOR_PIXELS = 256   # ... on output planes of at least this many pixels
 
 
-def image_major(geom, batch):
+def image_major(geom: ConvGeometry, batch: int) -> bool:
     """Whether type 1 lowers image by image, (N, C*KH*KW, OH*OW): few lowered
     rows per group (the one batch-wide GEMM is then bound by memory, not by
     arithmetic) on an output plane wide enough for a GEMM per image (and at
@@ -267,7 +274,7 @@ def image_major(geom, batch):
     return rows <= IMAGE_MAJOR_ROWS and pixels >= max(IMAGE_MAJOR_PIXELS, rows) and not batch_inner(geom, batch)
 
 
-def _image_major_windows(x, geom, ws):
+def _image_major_windows(x: FloatArray, geom: ConvGeometry, ws: Workspace) -> Tuple[FloatArray, FloatArray]:
     """(the read-only window view (N, C, KH, KW, OH, OW) of x, the workspace's
     lowered store of that shape)."""
     n = x.shape[0]
@@ -279,14 +286,15 @@ def _image_major_windows(x, geom, ws):
     return view, ws.empty("lowered", view.shape, x.dtype)
 
 
-def _lower_image_major(x, geom, ws):
+def _lower_image_major(x: FloatArray, geom: ConvGeometry, ws: Workspace) -> FloatArray:
     """x (N, C, H, W) -> (N, C*KH*KW, OH*OW)."""
     view, cols = _image_major_windows(x, geom, ws)
     np.copyto(cols, view)
     return cols.reshape(x.shape[0], -1, geom.out_h * geom.out_w)
 
 
-def _col2im_image_major(cols, geom, batch, out, ws):
+def _col2im_image_major(cols: FloatArray, geom: ConvGeometry, batch: int, out: Optional[FloatArray],
+                        ws: Workspace) -> FloatArray:
     """Adjoint of _lower_image_major: (N, C*KH*KW, OH*OW) -> (N, C, H, W)."""
     cols = cols.reshape(batch, geom.channels, geom.kernel_h, geom.kernel_w, geom.out_h, geom.out_w)
     dxp = ws.zeros("padded", (batch, geom.channels, geom.padded_h, geom.padded_w), cols.dtype)
@@ -307,7 +315,8 @@ def _col2im_image_major(cols, geom, batch, out, ws):
 IMAGE_MAJOR_STEP_BYTES = 3 << 19
 
 
-def _forward_image_major(x, w, geom, out, ws, bias, relu):
+def _forward_image_major(x: FloatArray, w: FloatArray, geom: ConvGeometry, out: Optional[FloatArray], ws: Workspace,
+                         bias: Optional[FloatArray], relu: Optional[float]) -> FloatArray:
     """y (N, O, OH, OW), one GEMM per image and group written in place (+ bias),
     in steps of a few images (IMAGE_MAJOR_STEP_BYTES): each image's numbers
     are those of one whole-batch pass. The lowering is kept whole for the
@@ -332,19 +341,21 @@ def _forward_image_major(x, w, geom, out, ws, bias, relu):
     return out
 
 
-def _backward_image_major(x, dy, w, geom, data, weights, ws, dx_out, lowered):
+def _backward_image_major(x: Optional[FloatArray], dy: FloatArray, w: Optional[FloatArray], geom: ConvGeometry,
+                          data: bool, weights: bool, ws: Workspace, dx_out: Optional[FloatArray],
+                          lowered: Optional[FloatArray]) -> Tuple[Optional[FloatArray], Optional[FloatArray]]:
     """(dx or None, dw or None) from dy (N, O, OH, OW) as it is: no transpose."""
     n, pixels = dy.shape[0], geom.out_h * geom.out_w
     dy_images = np.ascontiguousarray(dy).reshape(n, geom.group, geom.outputs_per_group, pixels)
     dw = dx = None
     if weights:
-        lowered = (_lower_image_major(x, geom, ws) if lowered is None else lowered).reshape(
+        lowered = (_lower_image_major(cast(FloatArray, x), geom, ws) if lowered is None else lowered).reshape(
             n, geom.group, -1, pixels)
         per_image = np.matmul(dy_images, lowered.swapaxes(-1, -2),
                               out=ws.empty("product", dy_images.shape[:3] + lowered.shape[2:3], dy.dtype))
         dw = per_image.sum(axis=0).reshape(geom.weight_shape)     # image after image, as Caffe sums them
     if data:
-        kernel = _kernel_matrix(w, geom, dy.dtype)
+        kernel = _kernel_matrix(cast(FloatArray, w), geom, dy.dtype)
         dcols = np.matmul(kernel.transpose(0, 2, 1), dy_images,
                           out=ws.empty("lowered", (n, geom.group, kernel.shape[2], pixels), dy.dtype))
         dx = _col2im_image_major(dcols, geom, n, dx_out, ws)
@@ -362,7 +373,7 @@ BAND_BYTES = 1 << 20
 BAND_MIN_COLUMNS = 512
 
 
-def band_rows(geom, batch, itemsize):
+def band_rows(geom: ConvGeometry, batch: int, itemsize: int) -> int:
     """Output rows per band of a forward of one image in the columns order
     (n, oh, ow) (forward_in_bands), or 0: the forward lowers the image whole,
     where its lowered matrix fits one band or a band would be narrower than
@@ -374,7 +385,9 @@ def band_rows(geom, batch, itemsize):
     return rows if rows < geom.out_h and rows * geom.out_w >= BAND_MIN_COLUMNS else 0
 
 
-def forward_in_bands(x, w, geom, rows, out, ws=FRESH, bias=None, relu=None):
+def forward_in_bands(x: FloatArray, w: FloatArray, geom: ConvGeometry, rows: int, out: FloatArray,
+                     ws: Workspace = FRESH, bias: Optional[FloatArray] = None,
+                     relu: Optional[float] = None) -> FloatArray:
     """One image's y (1, O, OH, OW) into `out` (C-contiguous), its lowered
     matrix made `rows` output rows at a time, each band multiplied into its
     columns of the output while it is in the L2 cache. The whole matrix was
@@ -396,11 +409,11 @@ def forward_in_bands(x, w, geom, rows, out, ws=FRESH, bias=None, relu=None):
     return finish(out, bias, relu)
 
 
-def _lowered(x, geom, ws, inner):
+def _lowered(x: FloatArray, geom: ConvGeometry, ws: Workspace, inner: bool) -> FloatArray:
     return _lower_batch_inner(x, geom, ws) if inner else lower(x, geom, ws=ws)
 
 
-def _output_matrix(dy, geom, ws, inner):
+def _output_matrix(dy: FloatArray, geom: ConvGeometry, ws: Workspace, inner: bool) -> FloatArray:
     """dy (N, O, OH, OW) -> (g, Og, M) in the column order in use."""
     if inner:
         dy_cols = ws.empty("output", (geom.num_output, geom.out_h, geom.out_w, dy.shape[0]), dy.dtype)
@@ -410,11 +423,12 @@ def _output_matrix(dy, geom, ws, inner):
     return dy_cols.reshape(geom.group, geom.outputs_per_group, -1)
 
 
-def _kernel_matrix(w, geom, dtype):
+def _kernel_matrix(w: FloatArray, geom: ConvGeometry, dtype: npt.DTypeLike) -> FloatArray:
     return weights_as(w, dtype).reshape(geom.group, geom.outputs_per_group, -1)   # (g, Og, Cg*KH*KW)
 
 
-def forward(x, w, geom, out=None, ws=FRESH, bias=None, relu=None):
+def forward(x: FloatArray, w: FloatArray, geom: ConvGeometry, out: Optional[FloatArray] = None, ws: Workspace = FRESH,
+            bias: Optional[FloatArray] = None, relu: Optional[float] = None) -> FloatArray:
     """y (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/g, KH, KW)) (+ bias (O,)),
     then a ReLU of negative slope `relu` when given."""
     n = x.shape[0]
@@ -441,10 +455,13 @@ def forward(x, w, geom, out=None, ws=FRESH, bias=None, relu=None):
     return store_relu(y, out, relu)
 
 
-def backward(x, dy, w, geom, data=True, weights=True, ws=FRESH, dx_out=None, lowered=None):
+def backward(x: Optional[FloatArray], dy: FloatArray, w: Optional[FloatArray], geom: ConvGeometry, data: bool = True,
+             weights: bool = True, ws: Workspace = FRESH, dx_out: Optional[FloatArray] = None,
+             lowered: Optional[FloatArray] = None) -> Tuple[Optional[FloatArray], Optional[FloatArray]]:
     """(dx or None, dw or None), sharing the dy matrix. dx goes into `dx_out`
     when given; dw is a new array (set, not accumulated). `lowered`: x's
-    lowering as the forward left it (cct.lowering.kept), not lowered again."""
+    lowering as the forward left it (cct.lowering.kept), not lowered again.
+    x is given where `weights` is, w where `data` is."""
     n = dy.shape[0]
     if image_major(geom, n):
         return _backward_image_major(x, dy, w, geom, data, weights, ws, dx_out, lowered)
@@ -452,11 +469,11 @@ def backward(x, dy, w, geom, data=True, weights=True, ws=FRESH, dx_out=None, low
     dy_mat = _output_matrix(dy, geom, ws, inner)                  # (g, Og, M)
     dw = dx = None
     if weights:                   # first: the data gradient then reuses the lowered buffer
-        lowered = (_lowered(x, geom, ws, inner) if lowered is None else lowered).reshape(
+        lowered = (_lowered(cast(FloatArray, x), geom, ws, inner) if lowered is None else lowered).reshape(
             geom.group, -1, dy_mat.shape[-1])
         dw = np.ascontiguousarray(matmul_nt(dy_mat, lowered)).reshape(geom.weight_shape)   # (g, Og, Cg*KH*KW)
     if data:
-        kernel = _kernel_matrix(w, geom, dy.dtype)
+        kernel = _kernel_matrix(cast(FloatArray, w), geom, dy.dtype)
         dcols = np.matmul(kernel.transpose(0, 2, 1), dy_mat,
                           out=ws.empty("lowered", (geom.group, kernel.shape[2], dy_mat.shape[-1]), dy.dtype))
         dx = (_col2im_batch_inner(dcols, geom, n, dx_out, ws) if inner

@@ -15,28 +15,32 @@ dD3 = K3^T @ dZ (into D3's buffer, then crop the padding).
 Workspace slots (see cct.lowering.chunking): "padded" D3, "product" Z,
 "output" y or dy channels first.
 """
+from typing import Optional, Tuple, cast
+
 import numpy as np
+import numpy.typing as npt
 
-from cct.core.workspace import FRESH
+from cct.core.arrays import FloatArray
+from cct.core.workspace import FRESH, Workspace
 
-from .geometry import (channels_first_output, matmul_nt, pad_channels_first, relu_after, store_output,
+from .geometry import (ConvGeometry, channels_first_output, matmul_nt, pad_channels_first, relu_after, store_output,
                        unpad_channels_first, weights_as)
 
 
-def lower(x, geom, ws=FRESH):
+def lower(x: FloatArray, geom: ConvGeometry, ws: Workspace = FRESH) -> FloatArray:
     """x (N, C, H, W) -> D3 (C, N*Hp*Wp)."""
     shape = (geom.channels, x.shape[0], geom.padded_h, geom.padded_w)
     return pad_channels_first(x, geom, out=ws.empty("padded", shape, x.dtype)).reshape(geom.channels, -1)
 
 
-def _kernel_matrix(w, geom, dtype):
+def _kernel_matrix(w: FloatArray, geom: ConvGeometry, dtype: npt.DTypeLike) -> FloatArray:
     """w (O, Cg, KH, KW) -> K3 (g, Og*KH*KW, Cg)."""
     g, og, cg = geom.group, geom.outputs_per_group, geom.channels_per_group
     k = weights_as(w, dtype).reshape(g, og, cg, geom.kernel_h * geom.kernel_w).transpose(0, 1, 3, 2)
     return k.reshape(g, og * geom.kernel_h * geom.kernel_w, cg)
 
 
-def lift(z, geom, batch, ws=FRESH):
+def lift(z: FloatArray, geom: ConvGeometry, batch: int, ws: Workspace = FRESH) -> FloatArray:
     """Z (O*KH*KW, N*Hp*Wp) -> y channels-first (O, N, OH, OW)."""
     z = z.reshape(geom.num_output, geom.kernel_h, geom.kernel_w, batch, geom.padded_h, geom.padded_w)
     y = ws.empty("output", (geom.num_output, batch, geom.out_h, geom.out_w), z.dtype)
@@ -48,7 +52,7 @@ def lift(z, geom, batch, ws=FRESH):
     return y
 
 
-def unlift(dy, geom, ws=FRESH):
+def unlift(dy: FloatArray, geom: ConvGeometry, ws: Workspace = FRESH) -> FloatArray:
     """Adjoint of `lift`: dy (N, O, OH, OW) -> dZ (g, Og*KH*KW, N*Hp*Wp)."""
     n = dy.shape[0]
     dy_cf = channels_first_output(dy, ws)                              # (O, N, OH, OW)
@@ -60,7 +64,8 @@ def unlift(dy, geom, ws=FRESH):
     return dz.reshape(geom.group, geom.outputs_per_group * geom.kernel_h * geom.kernel_w, -1)
 
 
-def forward(x, w, geom, out=None, ws=FRESH, bias=None, relu=None):
+def forward(x: FloatArray, w: FloatArray, geom: ConvGeometry, out: Optional[FloatArray] = None, ws: Workspace = FRESH,
+            bias: Optional[FloatArray] = None, relu: Optional[float] = None) -> FloatArray:
     """y (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/g, KH, KW)) (+ bias (O,)),
     then a ReLU of negative slope `relu` when given (a pass of its own)."""
     n = x.shape[0]
@@ -71,21 +76,24 @@ def forward(x, w, geom, out=None, ws=FRESH, bias=None, relu=None):
     return relu_after(store_output(lift(z, geom, n, ws), out, bias), relu)
 
 
-def backward(x, dy, w, geom, data=True, weights=True, ws=FRESH, dx_out=None, lowered=None):
+def backward(x: Optional[FloatArray], dy: FloatArray, w: Optional[FloatArray], geom: ConvGeometry, data: bool = True,
+             weights: bool = True, ws: Workspace = FRESH, dx_out: Optional[FloatArray] = None,
+             lowered: Optional[FloatArray] = None) -> Tuple[Optional[FloatArray], Optional[FloatArray]]:
     """(dx or None, dw or None), sharing the unlifted dZ between the two. dx goes
     into `dx_out` when given; dw is a new array (set, not accumulated).
+    x is given where `weights` is, w where `data` is.
     `lowered`: x's padded input as the forward left it (cct.lowering.kept)."""
     n = dy.shape[0]
     dz = unlift(dy, geom, ws)
     dx = dw = None
     if weights:                   # first: the data gradient then reuses the padded buffer
-        lowered = (lower(x, geom, ws) if lowered is None else lowered).reshape(
+        lowered = (lower(cast(FloatArray, x), geom, ws) if lowered is None else lowered).reshape(
             geom.group, geom.channels_per_group, -1)
         dk = matmul_nt(dz, lowered)                                  # (g, Og*KH*KW, Cg)
         dk = dk.reshape(geom.num_output, geom.kernel_h, geom.kernel_w, geom.channels_per_group)
         dw = np.ascontiguousarray(dk.transpose(0, 3, 1, 2))
     if data:
-        kernel = _kernel_matrix(w, geom, dy.dtype)
+        kernel = _kernel_matrix(cast(FloatArray, w), geom, dy.dtype)
         dxp = np.matmul(kernel.transpose(0, 2, 1), dz,
                         out=ws.empty("padded", (geom.group, geom.channels_per_group, dz.shape[2]), dy.dtype))
         dx = unpad_channels_first(dxp.reshape(geom.channels, n, geom.padded_h, geom.padded_w), geom, dx_out)

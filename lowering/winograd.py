@@ -56,14 +56,17 @@ orders a GEMM's sums otherwise (48 of 54 cases, 9 shapes with and without
 bias and ReLU, bit for bit; 3.7e-6 of the largest value at worst).
 """
 import threading
+from typing import Dict, Optional, Tuple, Union, cast
 
 import numpy as np
+import numpy.typing as npt
 
+from cct.core.arrays import Array, Float32Array, FloatArray
 from cct.core.bits import same_bits
-from cct.core.workspace import FRESH
+from cct.core.workspace import FRESH, Workspace
 from cct.devices.jit import kernel
 
-from .geometry import relu_value, weights_as
+from .geometry import ConvGeometry, relu_value, weights_as
 
 # Transform matrices (B^T, G, A^T) per (output tile m, kernel r), points 0,
 # +-1, +-2, as in Lavin and Gray and wincnn. F(2x2, 5x5)'s G and A^T follow
@@ -110,7 +113,7 @@ VARIANTS = tuple(sorted(_TRANSFORMS))
 TILE_SIZES = tuple(sorted({m for m, _ in VARIANTS}))      # the run settings' tile sizes
 
 
-def tile_sizes(kernel):
+def tile_sizes(kernel: int) -> Tuple[int, ...]:
     """The output tile sizes m with an F(m x m, kernel x kernel)."""
     return tuple(m for m, r in VARIANTS if r == kernel)
 
@@ -134,7 +137,7 @@ BLOCK_COLUMNS = 256            # tiles per block of images, at least (whole imag
 BLOCK_BYTES = 4 * 2 ** 20      # ... while V and M of the block stay within this
 
 
-def transforms(m, r=3, dtype=np.float64):
+def transforms(m: int, r: int = 3, dtype: npt.DTypeLike = np.float64) -> Tuple[Array, ...]:
     """(B^T, G, A^T) of F(m x m, r x r)."""
     try:
         return tuple(np.array(matrix, dtype) for matrix in _TRANSFORMS[(m, r)])
@@ -142,7 +145,7 @@ def transforms(m, r=3, dtype=np.float64):
         raise ValueError(f"Winograd F(m x m, r x r) is one of {VARIANTS} as (m, r), got {(m, r)!r}") from None
 
 
-def applicable(geom, dtype=np.float32):
+def applicable(geom: ConvGeometry, dtype: npt.DTypeLike = np.float32) -> bool:
     """Whether a forward of this geometry can run as some F(m x m, r x r): a
     square kernel with a variant (3 x 3, 5 x 5) at stride 1 without dilation,
     padding below the kernel, float32, something to compute."""
@@ -152,7 +155,7 @@ def applicable(geom, dtype=np.float32):
             and max(geom.pad_h, geom.pad_w) < geom.kernel_h)
 
 
-def worth_timing(geom, batch):
+def worth_timing(geom: ConvGeometry, batch: int) -> bool:
     """Whether "auto" times Winograd on this shape at all: AUTO_MIN_FLOPS, and
     some tile size with AUTO_MIN_COLUMNS (timing_tiles)."""
     flops = (2 * batch * geom.out_h * geom.out_w * geom.num_output * geom.channels_per_group
@@ -160,13 +163,13 @@ def worth_timing(geom, batch):
     return flops >= AUTO_MIN_FLOPS and bool(timing_tiles(geom, batch))
 
 
-def timing_tiles(geom, batch):
+def timing_tiles(geom: ConvGeometry, batch: int) -> Tuple[int, ...]:
     """The tile sizes "auto" times on this shape: those whose GEMMs get at
     least AUTO_MIN_COLUMNS columns (tiles) from the batch."""
     return tuple(m for m in tile_sizes(geom.kernel_h) if batch * np.prod(tile_counts(geom, m)) >= AUTO_MIN_COLUMNS)
 
 
-def channels_inner(geom, m):
+def channels_inner(geom: ConvGeometry, m: int) -> Union[bool, np.bool_]:
     """Whether F(m x m) runs this shape channels innermost: vectors of C
     values, against tiles innermost, vectors of one image's tiles. The
     longer vectors win: channels innermost took 0.20-0.83x the time with 64
@@ -176,7 +179,7 @@ def channels_inner(geom, m):
     return geom.channels >= CHANNELS_INNER_MIN or geom.channels >= np.prod(tile_counts(geom, m))
 
 
-def transform_weights(w, m, inner=False):
+def transform_weights(w: FloatArray, m: int, inner: Union[bool, np.bool_] = False) -> Float32Array:
     """U float32 from w (O, C/group, r, r), in the layout forward() takes:
     (alpha^2, O, C/group) tiles innermost, (alpha^2, C/group, O) channels
     innermost (`inner`)."""
@@ -189,12 +192,12 @@ def transform_weights(w, m, inner=False):
     return np.ascontiguousarray(u.transpose((2, 1, 0) if inner else (2, 0, 1)), dtype=np.float32)
 
 
-def weights_for(w, geom, m):
+def weights_for(w: FloatArray, geom: ConvGeometry, m: int) -> Float32Array:
     """transform_weights in the layout forward() takes for this shape."""
     return transform_weights(w, m, channels_inner(geom, m))
 
 
-def held_bytes(w, m):
+def held_bytes(w: FloatArray, m: int) -> int:
     """Bytes a layer holds for Winograd F(m x m, r x r): U and the weights' copy."""
     r = w.shape[-1]
     return ((m + r - 1) ** 2 * w.size // (r * r) + w.size) * 4
@@ -205,12 +208,12 @@ class TransformedWeights:
     for bit: pycaffe writes them through numpy views, which nothing sees).
     Shared by a layer's batch partitions, which may ask at once."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._source = None            # a copy of the weights U was made from
-        self._made = {}                # (m, channels innermost) -> U
+        self._source: Optional[Array] = None     # a copy of the weights U was made from
+        self._made: Dict[Tuple[int, Union[bool, np.bool_]], Float32Array] = {}   # (m, channels innermost) -> U
 
-    def get(self, w, geom, m):
+    def get(self, w: FloatArray, geom: ConvGeometry, m: int) -> Float32Array:
         """U of w for F(m x m) on this shape (its layout: channels_inner)."""
         key = (m, channels_inner(geom, m))
         with self._lock:
@@ -222,11 +225,11 @@ class TransformedWeights:
                 u = self._made[key] = transform_weights(w, m, key[1])
             return u
 
-    def _same(self, w):
+    def _same(self, w: FloatArray) -> bool:
         return self._source is not None and same_bits(w, self._source)   # NaN payloads and -0.0 too
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         held = sum(u.nbytes for u in self._made.values())
         return held + (0 if self._source is None else self._source.nbytes)
 
@@ -553,15 +556,15 @@ _OUTPUT = {(2, 3): 0, (4, 3): 1, (2, 5): 2}
 
 
 # --- a forward --------------------------------------------------------------------------------------
-def tile_counts(geom, m):
+def tile_counts(geom: ConvGeometry, m: int) -> Tuple[int, int]:
     return -(-geom.out_h // m), -(-geom.out_w // m)
 
 
-def _alpha(geom, m):
+def _alpha(geom: ConvGeometry, m: int) -> int:
     return m + geom.kernel_h - 1
 
 
-def block_images(geom, m, batch):
+def block_images(geom: ConvGeometry, m: int, batch: int) -> int:
     """Images transformed together: enough for BLOCK_COLUMNS tiles, as few as
     keep V and M of the block within BLOCK_BYTES (at least one)."""
     tiles_h, tiles_w = tile_counts(geom, m)
@@ -573,7 +576,7 @@ def block_images(geom, m, batch):
     return int(max(1, min(batch, wanted, fits)))
 
 
-def slot_bytes(geom, m, batch):
+def slot_bytes(geom: ConvGeometry, m: int, batch: int) -> Dict[str, int]:
     """{slot: bytes} one forward asks its workspace for."""
     tiles_h, tiles_w = tile_counts(geom, m)
     columns = block_images(geom, m, batch) * tiles_h * tiles_w
@@ -585,7 +588,8 @@ def slot_bytes(geom, m, batch):
     return slots
 
 
-def forward(x, u, geom, m, out=None, ws=FRESH, bias=None, relu=None):
+def forward(x: Float32Array, u: Float32Array, geom: ConvGeometry, m: int, out: Optional[FloatArray] = None,
+            ws: Workspace = FRESH, bias: Optional[FloatArray] = None, relu: Optional[float] = None) -> FloatArray:
     """y (N, O, OH, OW) = conv(x, w) + bias, then a ReLU of negative slope
     `relu` when given, by F(m x m, r x r) (r the kernel's size) from U in
     this shape's layout (weights_for(w, geom, m), TransformedWeights.get)."""
@@ -593,7 +597,8 @@ def forward(x, u, geom, m, out=None, ws=FRESH, bias=None, relu=None):
     y = np.empty(geom.output_shape(n), x.dtype) if out is None else out
     x = np.ascontiguousarray(x)
     has_bias = bias is not None
-    bias_values = np.ascontiguousarray(weights_as(bias, np.float32)) if has_bias else np.zeros(0, np.float32)
+    bias_values = (np.ascontiguousarray(weights_as(cast(FloatArray, bias), np.float32)) if has_bias
+                   else np.zeros(0, np.float32))
     slope = np.float32(relu or 0)
     step = block_images(geom, m, n)
     ws.plan(slot_bytes(geom, m, step))
@@ -602,7 +607,8 @@ def forward(x, u, geom, m, out=None, ws=FRESH, bias=None, relu=None):
     return y
 
 
-def _forward_tiles(x, u, geom, m, y, ws, step, bias, has_bias, slope, has_relu):
+def _forward_tiles(x: Float32Array, u: Float32Array, geom: ConvGeometry, m: int, y: FloatArray, ws: Workspace,
+                   step: int, bias: Float32Array, has_bias: bool, slope: np.float32, has_relu: bool) -> None:
     """forward() tiles innermost: V (alpha^2, C, tiles), M (alpha^2, O,
     tiles) = U @ V per group, U (alpha^2, O, C/group)."""
     n, alpha2 = x.shape[0], _alpha(geom, m) ** 2
@@ -625,7 +631,8 @@ def _forward_tiles(x, u, geom, m, y, ws, step, bias, has_bias, slope, has_relu):
                           y[start + k])
 
 
-def _forward_channels(x, u, geom, m, y, ws, step, bias, has_bias, slope, has_relu):
+def _forward_channels(x: Float32Array, u: Float32Array, geom: ConvGeometry, m: int, y: FloatArray, ws: Workspace,
+                      step: int, bias: Float32Array, has_bias: bool, slope: np.float32, has_relu: bool) -> None:
     """forward() channels innermost: each image copied to (H, W, C), V
     (alpha^2, tiles, C), M (alpha^2, tiles, O) = V @ U per group, U
     (alpha^2, C/group, O)."""
