@@ -1,5 +1,7 @@
 """Elementwise arithmetic between blobs, and along axes: Eltwise, Reduction,
-Scale, Bias, Embed."""
+Scale, Bias, Embed, and SENet's Axpy."""
+import math
+
 import numpy as np
 
 from cct.core.layer import Layer, register
@@ -530,3 +532,83 @@ class Embed(Layer):
         if propagate_down[0]:
             raise self.config_error("bottom[0]", "Embed cannot backpropagate to its index input; "
                                     "set propagate_down: false for it")
+
+
+@register("Axpy")
+class Axpy(Layer):
+    """SENet's scale-and-add (hujie-frank/SENet's axpy_layer.cpp): top = a * x + y,
+    a one value per image and channel.
+
+    No parameters. Bottoms: a (N, C) or (N, C, 1, 1), x (N, C, ...), y the
+    shape of x. Top: the shape of x. May run in place on y (bottom[2]), not on
+    a or x. Backward: da = sum over the pixels of dy * x, dx = a * dy, dy
+    passes to y.
+    """
+    exact_bottoms = 3
+    exact_tops = 1
+    batch_independent = True
+
+    def setup(self, bottom, top):
+        for index in (0, 1):
+            if top[0] is bottom[index]:
+                raise self.config_error("top", f"Axpy runs in place only on y (bottom[2]), not on bottom[{index}]")
+
+    def reshape(self, bottom, top):
+        a, x, y = (blob.shape for blob in bottom)
+        if len(x) < 2 or a[:2] != x[:2] or math.prod(a) != x[0] * x[1]:
+            raise self.shape_error(f"a (bottom[0]) {a} must be (N, C) or (N, C, 1, 1) for x (bottom[1]) {x}")
+        if y != x:
+            raise self.shape_error(f"y (bottom[2]) {y} must have the shape of x (bottom[1]) {x}")
+        if top[0] is not bottom[2]:
+            top[0].reshape(x)
+        self._blocks = (x[0] * x[1], math.prod(x[2:]))       # (N*C, pixels)
+
+    def _scale(self, bottom):
+        return bottom[0].data.reshape(self._blocks[0], 1)
+
+    def forward(self, bottom, top):
+        x = bottom[1].data.reshape(self._blocks)
+        out = top[0].data.reshape(self._blocks)
+        if top[0] is bottom[2]:
+            out += x * self._scale(bottom)
+        else:
+            np.multiply(x, self._scale(bottom), out=out)
+            out += bottom[2].data.reshape(self._blocks)
+
+    def backward(self, top, propagate_down, bottom):
+        dy = top[0].diff.reshape(self._blocks)
+        if propagate_down[0]:
+            bottom[0].diff.reshape(-1)[...] = np.einsum("cp,cp->c", dy, bottom[1].data.reshape(self._blocks))
+        if propagate_down[1]:
+            np.multiply(dy, self._scale(bottom), out=bottom[1].diff.reshape(self._blocks))
+        if propagate_down[2] and top[0] is not bottom[2]:
+            bottom[2].diff[...] = top[0].diff
+
+    # --- on a device: a * x as Scale's broadcast over (1, N*C, pixels), y added by axpby
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top)
+
+    def forward_on(self, device, bottom, top):
+        channels, pixels = self._blocks
+        count = channels * pixels
+        out = top[0].mutable_device_data(device)
+        in_place = top[0] is bottom[2]
+        # in place, y is the output: a * x goes to a scratch buffer, then y is added to it
+        product = device.scratch("axpy_product", count) if in_place else out
+        device.broadcast_affine(bottom[1].device_data(device), 1, channels, pixels, product,
+                                bottom[0].device_data(device))
+        device.axpby(count, 1.0, product if in_place else bottom[2].device_data(device), 1.0, out)
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        channels, pixels = self._blocks
+        count = channels * pixels
+        dy = top[0].device_diff(device)
+        if propagate_down[0]:
+            product = device.scratch("axpy_product", count)
+            device.multiply(dy, bottom[1].device_data(device), product, count)
+            device.sum_axis(product, channels, pixels, 1, bottom[0].mutable_device_diff(device))
+        if propagate_down[1]:
+            device.broadcast_affine(dy, 1, channels, pixels, bottom[1].mutable_device_diff(device),
+                                    bottom[0].device_data(device))
+        if propagate_down[2] and top[0] is not bottom[2]:
+            device.copy(bottom[2].mutable_device_diff(device), dy, count)

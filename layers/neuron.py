@@ -122,6 +122,43 @@ class ReLU(Neuron):
             np.multiply(top[0].diff, np.where(positive, dtype(1), dtype(self.slope)), out=bottom[0].diff)
 
 
+@register("ReLU6")
+class ReLU6(Neuron):
+    """MobileNet-YOLO's ReLU6 (eric612/Caffe-YOLOv3-Windows's relu6_layer.cpp):
+    y = min(max(x, 0), 6). No parameters (the fork's relu6_param, a
+    ReLUParameter at field 211 whose negative_slope the class reads, is not
+    in cct's schema; the fork's layer factory builds its plain ReLU under this
+    type name, while its ReLU6 class, OpenCV and ncnn clip at 6, as cct does).
+    Shapes: top = bottom. Backward: dy where 0 < x < 6, else 0. In place, y
+    stands in for x: it is strictly between 0 and 6 exactly where x is.
+    """
+    LOW, HIGH = 0.0, 6.0
+
+    def forward(self, bottom, top):
+        x = bottom[0].data
+        dtype = x.dtype.type
+        np.minimum(np.maximum(x, dtype(self.LOW), out=top[0].data), dtype(self.HIGH), out=top[0].data)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            x = bottom[0].data
+            dtype = x.dtype.type
+            inside = (x > dtype(self.LOW)) & (x < dtype(self.HIGH))
+            np.multiply(top[0].diff, inside, out=bottom[0].diff)
+
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top)
+
+    def forward_on(self, device, bottom, top):
+        device.clip_forward(bottom[0].device_data(device), top[0].mutable_device_data(device), bottom[0].count,
+                            self.LOW, self.HIGH)
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        if propagate_down[0]:
+            device.clip_backward(bottom[0].device_data(device), top[0].device_diff(device),
+                                 bottom[0].mutable_device_diff(device), bottom[0].count, self.LOW, self.HIGH)
+
+
 @register("PReLU")
 class PReLU(Neuron):
     """y = max(x, 0) + a_c * min(x, 0) with a learned slope a_c per channel (axis 1).
@@ -454,7 +491,9 @@ class Swish(Neuron):
 @register("Dropout")
 class Dropout(Neuron):
     """TRAIN: y = x * m / (1 - ratio), m ~ Bernoulli(1 - ratio) drawn per element
-    from cct.core.rng; TEST: y = x. Fields: dropout_param.dropout_ratio (0.5, in [0, 1))."""
+    from cct.core.rng; TEST: y = x. Fields: dropout_param.dropout_ratio (0.5, in [0, 1)),
+    scale_train (true; false, the Fast R-CNN fork's: TRAIN y = x * m unscaled,
+    TEST y = x * (1 - ratio), as its dropout_layer.cpp; backward alike)."""
     batch_independent = False     # one random stream, drawn in batch order
     draws_random = True
 
@@ -464,22 +503,34 @@ class Dropout(Neuron):
             raise self.config_error("dropout_param.dropout_ratio", f"must be in [0, 1), got {ratio}")
         self.ratio = ratio
         self.scale = 1.0 / (1.0 - ratio)
+        # the factor each phase multiplies by: the fork's scale_ is a float and
+        # its TEST factor 1 / scale_ rounds to one again
+        scale_train = self.layer_param.dropout_param.scale_train
+        self.train_factor = self.scale if scale_train else 1.0
+        self.test_factor = 1.0 if scale_train else float(np.float32(1.0 / np.float32(self.scale)))
 
     def planned_bytes(self, bottom, top, partitions):
         return {"work.dropout_uniform": bottom[0].count * 4} if self.phase == TRAIN else {}
 
     def epilogue(self, bottom, top):
         """TEST: the identity, for inference fusion (cct.runtime.fusion):
-        ("copy", None, False); TRAIN draws a mask: None."""
-        return None if self.phase == TRAIN else ("copy", None, False)
+        ("copy", None, False); TRAIN draws a mask, and scale_train false
+        scales at TEST: None."""
+        return None if self.phase == TRAIN or self.test_factor != 1 else ("copy", None, False)
 
     def forward(self, bottom, top):
         x = bottom[0].data
         if self.phase != TRAIN:
-            if top[0] is not bottom[0]:
-                top[0].data[...] = x
+            self._pass(x, top[0].data, top[0] is bottom[0])
             return
         np.multiply(x, self._draw_mask(x.shape, x.dtype), out=top[0].data)
+
+    def _pass(self, source, target, in_place):
+        """TEST's forward or backward: target = source * test_factor."""
+        if self.test_factor != 1:
+            np.multiply(source, source.dtype.type(self.test_factor), out=target)
+        elif not in_place:
+            target[...] = source
 
     def _draw_mask(self, shape, dtype):
         """The TRAIN mask, kept in self._mask: Bernoulli(1 - ratio) from the
@@ -489,15 +540,14 @@ class Dropout(Neuron):
         # The mask carries the scale, so forward and backward are one multiply each.
         self._mask = self.scratch("mask", shape, dtype)
         np.less(uniform, np.float32(1.0 - self.ratio), out=self._mask)
-        self._mask *= dtype.type(self.scale)
+        self._mask *= dtype.type(self.train_factor)
         return self._mask
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
         if self.phase != TRAIN:
-            if top[0] is not bottom[0]:
-                bottom[0].diff[...] = top[0].diff
+            self._pass(top[0].diff, bottom[0].diff, top[0] is bottom[0])
             return
         np.multiply(top[0].diff, self._mask, out=bottom[0].diff)
 
@@ -510,8 +560,7 @@ class Dropout(Neuron):
         count = bottom[0].count
         x = bottom[0].device_data(device)
         if self.phase != TRAIN:
-            if top[0] is not bottom[0]:
-                device.copy(top[0].mutable_device_data(device), x, count)
+            self._pass_on(device, x, top[0].mutable_device_data(device), count, top[0] is bottom[0])
             return
         mask = self.device_scratch(device, "dropout_mask", count)
         device.upload(mask, self._draw_mask(bottom[0].shape, np.dtype(np.float32)).reshape(-1))
@@ -523,8 +572,13 @@ class Dropout(Neuron):
         count = bottom[0].count
         dy = top[0].device_diff(device)
         if self.phase != TRAIN:
-            if top[0] is not bottom[0]:
-                device.copy(bottom[0].mutable_device_diff(device), dy, count)
+            self._pass_on(device, dy, bottom[0].mutable_device_diff(device), count, top[0] is bottom[0])
             return
         device.multiply(dy, self.device_scratch(device, "dropout_mask", count),
                         bottom[0].mutable_device_diff(device), count)
+
+    def _pass_on(self, device, source, target, count, in_place):
+        if self.test_factor != 1:
+            device.axpby(count, self.test_factor, source, 0.0, target)
+        elif not in_place:
+            device.copy(target, source, count)

@@ -56,7 +56,8 @@ class PythonLayer(Layer):
     Imports module `m` (from the Python path) and makes an instance of its class
     `C`, which must subclass cct.Layer and override setup/reshape/forward/backward
     (with pycaffe's signatures). Constructing a PythonLayer returns that instance,
-    built like pycaffe builds it (`C(layer_param)`), with `param_str` (a str),
+    built like pycaffe builds it (`C(layer_param)`), with `param_str` (a str;
+    also as `param_str_`, older pycaffe's name, which py-faster-rcnn reads),
     `phase` (cct.TRAIN/TEST), `type` "Python" and `blobs` a BlobVec set. Bottom
     and top counts are the user class's own (its exact_bottoms... attributes).
     share_in_parallel is accepted and has no effect (cct trains in one process).
@@ -86,6 +87,7 @@ class PythonLayer(Layer):
         layer.source = source
         layer.type = "Python"
         layer.param_str = python_param.param_str
+        layer.param_str_ = python_param.param_str          # older pycaffe's name, which py-faster-rcnn reads
         if not isinstance(layer.blobs, BlobVec):
             layer.blobs = BlobVec(layer.blobs)
         return layer

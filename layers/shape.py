@@ -1,5 +1,8 @@
 """Layers that route or reshape blobs without arithmetic on values beyond sums:
-Split, Concat, Slice, Flatten, Reshape, Crop, Tile, Silence, BatchReindex, Filter."""
+Split, Concat, Slice, Flatten, Reshape, Crop, Tile, Silence, BatchReindex, Filter;
+the forks' ShuffleChannel (ShuffleNet) and Reorg (the YOLOv2 port)."""
+import math
+
 import numpy as np
 
 from cct.core.errors import ShapeError
@@ -595,3 +598,158 @@ class Filter(Layer):
             if wanted:
                 source.diff[...] = 0
                 source.diff[self._keep] = blob.diff
+
+
+def _refuse_in_place(layer, bottom, top):
+    if top[0] is bottom[0]:
+        raise layer.config_error("top", f"{layer.type} cannot run in place; give the top its own name")
+
+
+def _channels_and_pixels(layer, blob):
+    """(N, C, pixels) of a bottom of at least 2 axes."""
+    if len(blob.shape) < 2:
+        raise layer.shape_error(f"bottom must have at least 2 axes (num, channels, ...), got {blob.shape}")
+    return blob.shape[0], blob.shape[1], math.prod(blob.shape[2:])
+
+
+def _transpose_blocks_on(device, src, dst, num, rows, cols, size):
+    """dst (num, cols, rows, size) = src (num, rows, cols, size) swapped in
+    its middle axes (the fork's Resize_cpu), as strided block copies: one per
+    source channel, or one per image and row where that is fewer."""
+    channels = rows * cols
+    if channels <= num * rows:
+        for i in range(rows):
+            for j in range(cols):
+                device.copy_blocks(src, dst, num, size, channels * size, channels * size,
+                                   (i * cols + j) * size, (j * rows + i) * size)
+        return
+    for n in range(num):
+        for i in range(rows):
+            device.copy_blocks(src, dst, cols, size, size, rows * size, (n * channels + i * cols) * size,
+                               (n * channels + i) * size)
+
+
+@register("ShuffleChannel")
+class ShuffleChannel(Layer):
+    """ShuffleNet's channel shuffle (farmingyard/ShuffleNet's
+    shuffle_channel_layer.cpp): the channels seen as (group, C / group) are
+    transposed to (C / group, group), so channel i * (C / group) + j moves to
+    j * group + i.
+
+    Fields: shuffle_channel_param.group (1, > 0, must divide the channels).
+    Bottom: (N, C, ...). Top: the same shape. Backward moves the diff back.
+    Not in place.
+    """
+    exact_bottoms = 1
+    exact_tops = 1
+    batch_independent = True
+
+    def setup(self, bottom, top):
+        _refuse_in_place(self, bottom, top)
+        self.group = int(self.layer_param.shuffle_channel_param.group)
+        if self.group <= 0:
+            raise self.config_error("shuffle_channel_param.group", f"must be > 0, got {self.group}")
+
+    def reshape(self, bottom, top):
+        self._dims = _channels_and_pixels(self, bottom[0])
+        if self._dims[1] % self.group:
+            raise self.config_error("shuffle_channel_param.group", f"must divide the bottom's {self._dims[1]} "
+                                    f"channels, got {self.group}")
+        top[0].reshape(bottom[0].shape)
+
+    def _shuffled(self, source, rows):
+        """source (N, rows, C / rows, pixels) with its middle axes swapped."""
+        num, channels, pixels = self._dims
+        return source.reshape(num, rows, channels // rows, pixels).transpose(0, 2, 1, 3)
+
+    def forward(self, bottom, top):
+        top[0].data.reshape(self._dims[0], -1, self.group, self._dims[2])[...] = \
+            self._shuffled(bottom[0].data, self.group)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            rows = self._dims[1] // self.group
+            bottom[0].diff.reshape(self._dims[0], -1, rows, self._dims[2])[...] = self._shuffled(top[0].diff, rows)
+
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top)
+
+    def forward_on(self, device, bottom, top):
+        num, channels, pixels = self._dims
+        _transpose_blocks_on(device, bottom[0].device_data(device), top[0].mutable_device_data(device), num,
+                             self.group, channels // self.group, pixels)
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        if propagate_down[0]:
+            num, channels, pixels = self._dims
+            _transpose_blocks_on(device, top[0].device_diff(device), bottom[0].mutable_device_diff(device), num,
+                                 channels // self.group, self.group, pixels)
+
+
+def darknet_reorg(x, channels, height, width, stride, forward):
+    """darknet's reorg_cpu (which the YOLOv2 port copies) on x, a batch of
+    (channels, height, width) images in any shape of that count; returns a
+    view to be copied in the order it iterates. With T = channels / stride^2,
+    input channel c = (dy * stride + dx) * T + t at (h, w) pairs with element
+    (t, h * stride + dy, w * stride + dx) of the batch seen as (T, height *
+    stride, width * stride); forward writes the former to the latter, else
+    the latter to the former."""
+    num, s, t = x.shape[0], stride, channels // (stride * stride)
+    if forward:
+        return x.reshape(num, s, s, t, height, width).transpose(0, 3, 4, 1, 5, 2)    # (N, T, H, s, W, s)
+    return x.reshape(num, t, height, s, width, s).transpose(0, 3, 5, 1, 2, 4)        # (N, s, s, T, H, W)
+
+
+@register("Reorg")
+class Reorg(Layer):
+    """The YOLOv2 port's space-to-depth (gklz1982/caffe-yolov2's reorg_layer.cpp,
+    darknet's reorg): darknet's channel order, which is darknet's reorg_cpu
+    run backwards (forward = reverse) on the bottom's own sizes.
+
+    Fields: reorg_param.stride (required, > 0), reverse (false).
+    Bottom: (N, C, H, W); stride^2 must divide C, and (not reverse) stride H and W.
+    Top: (N, C * stride^2, H / stride, W / stride); reverse: (N, C / stride^2,
+    H * stride, W * stride). The values are darknet_reorg's (forward =
+    reverse) in the top's memory order. Not in place.
+    Backward moves the diff back (darknet_reorg with forward = not reverse).
+    The fork's backward reorganises a member blob it never writes instead of
+    the top's diff, so its bottom gradient is zero; cct gives the gradient.
+    """
+    exact_bottoms = 1
+    exact_tops = 1
+    batch_independent = True
+
+    def setup(self, bottom, top):
+        _refuse_in_place(self, bottom, top)
+        p = self.layer_param.reorg_param
+        if not p.HasField("stride"):
+            raise self.config_error("reorg_param.stride", "must be given")
+        if p.stride <= 0:
+            raise self.config_error("reorg_param.stride", f"must be > 0, got {p.stride}")
+        self.stride, self.reverse = int(p.stride), bool(p.reverse)
+
+    def reshape(self, bottom, top):
+        shape, s = bottom[0].shape, self.stride
+        if len(shape) != 4:
+            raise self.shape_error(f"bottom must be 4-d (N, C, H, W), got {shape}")
+        num, channels, height, width = shape
+        if channels % (s * s):
+            raise self.config_error("reorg_param.stride", f"{s}: its square must divide the channels of the "
+                                    f"bottom {shape}")
+        if not self.reverse and (height % s or width % s):
+            raise self.config_error("reorg_param.stride", f"{s}: must divide the height and width of the "
+                                    f"bottom {shape}")
+        self._dims = (channels, height, width)
+        if self.reverse:
+            top[0].reshape((num, channels // (s * s), height * s, width * s))
+        else:
+            top[0].reshape((num, channels * s * s, height // s, width // s))
+
+    def forward(self, bottom, top):
+        moved = darknet_reorg(bottom[0].data, *self._dims, self.stride, self.reverse)
+        top[0].data.reshape(moved.shape)[...] = moved
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            moved = darknet_reorg(top[0].diff, *self._dims, self.stride, not self.reverse)
+            bottom[0].diff.reshape(moved.shape)[...] = moved

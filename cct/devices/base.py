@@ -13,7 +13,7 @@ with a queue; download() and finish() wait.
 The primitives, by kind:
     memory       empty, upload, download, copy, fill, scratch, finish
     GEMM         gemm (row-major, as numpy's matmul on the flat buffers)
-    elementwise  axpby, relu_forward, relu_backward
+    elementwise  axpby, relu_forward, relu_backward, clip_forward, clip_backward
     reductions   sum_axis (over the middle axis of an (outer, axis, inner) view)
     lowering     im2col, col2im (lowering type 1 over the whole batch) and the
                  transposes between (N, C, P) and channels-first (C, N*P)
@@ -149,6 +149,15 @@ class Device:
     def relu_backward(self, x: Buffer, dy: Buffer, dx: Buffer, count: int, slope: float = 0.0) -> None:
         """dx = dy * (x > 0 ? 1 : slope), x the forward's input (or output:
         the same sign, as Caffe's in-place ReLU relies on)."""
+        raise NotImplementedError
+
+    def clip_forward(self, x, y, count, low, high):
+        """y = min(max(x, low), high) (y may be x: in place)."""
+        raise NotImplementedError
+
+    def clip_backward(self, x, dy, dx, count, low, high):
+        """dx = dy where low < x < high, else 0: x the forward's input, or its
+        output (strictly inside the bounds exactly where the input is)."""
         raise NotImplementedError
 
     # --- lowering type 1 ---------------------------------------------------------

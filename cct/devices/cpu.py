@@ -58,6 +58,13 @@ class CPUDevice(Device):
     def relu_backward(self, x, dy, dx, count, slope=0.0):
         dx[:count] = dy[:count] * np.where(x[:count] > 0, 1.0, slope).astype(np.float32)
 
+    def clip_forward(self, x, y, count, low, high):
+        y[:count] = np.minimum(np.maximum(x[:count], np.float32(low)), np.float32(high))
+
+    def clip_backward(self, x, dy, dx, count, low, high):
+        inside = (x[:count] > np.float32(low)) & (x[:count] < np.float32(high))
+        dx[:count] = np.where(inside, dy[:count], np.float32(0))
+
     # --- lowering type 1 ---------------------------------------------------------
     def _group_view(self, x, geom, batch, group, first):
         cg = geom.channels // geom.group

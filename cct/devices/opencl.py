@@ -183,6 +183,12 @@ class OpenCLDevice(Device):
     def relu_backward(self, x, dy, dx, count, slope=0.0):
         self.launch("core.cl", "relu_backward", count, count, x, dy, dx, float(slope))
 
+    def clip_forward(self, x, y, count, low, high):
+        self.launch("core.cl", "clip_forward", count, count, x, y, float(low), float(high))
+
+    def clip_backward(self, x, dy, dx, count, low, high):
+        self.launch("core.cl", "clip_backward", count, count, x, dy, dx, float(low), float(high))
+
     # --- lowering type 1 ---------------------------------------------------------
     def _geometry_args(self, geom, batch, group):
         return (batch, geom.channels, geom.in_h, geom.in_w, geom.channels // geom.group, group,

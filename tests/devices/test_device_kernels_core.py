@@ -88,6 +88,13 @@ def test_relu_kernels(opencl, slope):
     assert_same(same_op(opencl, lambda d, x, dy, dx: d.relu_backward(x, dy, dx, 50, slope), [x, dy, dx], [2]))
 
 
+def test_clip_kernels(opencl):
+    x, y, dy, dx = random(50) * 8, random(50), random(50), random(50)
+    x[:4] = [0.0, 6.0, -0.0, 6.5]                       # the bounds pass no gradient
+    assert_same(same_op(opencl, lambda d, x, y: d.clip_forward(x, y, 50, 0.0, 6.0), [x, y], [1]))
+    assert_same(same_op(opencl, lambda d, x, dy, dx: d.clip_backward(x, dy, dx, 50, 0.0, 6.0), [x, dy, dx], [2]))
+
+
 GEOMETRIES = [
     ConvGeometry(3, 4, 7, 6, 3, 3, 2, 1, 1, 0),
     ConvGeometry(4, 6, 5, 5, 3, 2, 1, 2, 0, 1, 2, 1, 2),       # groups, dilation

@@ -107,10 +107,16 @@ def compare_with_opencv(tmp_path, layers_text, inputs, outputs, set_params=None)
     return ours, theirs
 
 
+def relative_difference(ours, theirs):
+    """The largest difference relative to the blob's largest value (at least 1)."""
+    assert ours.shape == theirs.shape
+    return float(np.abs(ours - theirs).max(initial=0)) / max(1.0, float(np.abs(theirs).max(initial=0)))
+
+
 def assert_close(ours, theirs, rtol=1e-5):
     """Within rtol of the blob's largest value (at least 1); returns the
     largest difference relative to that."""
     assert ours.shape == theirs.shape
     scale = max(1.0, float(np.abs(theirs).max()))
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=rtol * scale)
-    return float(np.abs(ours - theirs).max(initial=0)) / scale
+    return relative_difference(ours, theirs)

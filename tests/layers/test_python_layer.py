@@ -125,6 +125,7 @@ def test_factory_returns_the_user_object_with_param_str_phase_and_blobvec(py_mod
     layer = python_layer("Recorder", "hello", cct.TEST)
     assert isinstance(layer, py_module.Recorder) and isinstance(layer, cct.Layer)
     assert (layer.param_str, layer.phase, layer.type, layer.constructed_with) == ("hello", cct.TEST, "Python", "python")
+    assert layer.param_str_ == "hello"            # older pycaffe's name, which py-faster-rcnn's layers read
     layer.blobs.add_blob(2, 3)
     layer.blobs.add_blob((4,))
     assert [b.shape for b in layer.blobs] == [(2, 3), (4,)]

@@ -162,6 +162,11 @@ TYPES = {
                        ((1, 3, 2, 2),)),
     "PSROIPooling": Case("psroi_pooling_param { spatial_scale: 1 output_dim: 1 group_size: 2 }",
                          ((1, 4, 2, 2), np.array([[0, 0, 0, .5, .5]])), ((1, 1, 2, 2),)),
+    # the other forks' small layers (test_fork_layers.py)
+    "Axpy": Case(bottoms=((1, 3, 1, 1), (1, 3, 2, 2), (1, 3, 2, 2)), tops=((1, 3, 2, 2),)),
+    "ShuffleChannel": Case("shuffle_channel_param { group: 3 }", ((1, 6, 2, 2),), ((1, 6, 2, 2),)),
+    "Reorg": Case("reorg_param { stride: 2 }", ((1, 4, 2, 2),), ((1, 16, 1, 1),)),
+    "ReLU6": NEURON,
 }
 
 
@@ -180,9 +185,9 @@ CAFFE_LAYER_TYPES = [
 
 
 # The forks' types cct registers beside BVLC's (layers/ssd.py: weiliu89/caffe, branch ssd;
-# layers/segmentation.py; layers/roi.py).
-FORK_LAYER_TYPES = ["BN", "DetectionOutput", "Interp", "Normalize", "PSROIPooling", "Permute", "PriorBox",
-                    "ROIPooling", "Upsample"]
+# layers/segmentation.py; layers/roi.py; the small ones in the family modules).
+FORK_LAYER_TYPES = ["Axpy", "BN", "DetectionOutput", "Interp", "Normalize", "PSROIPooling", "Permute", "PriorBox",
+                    "ROIPooling", "ReLU6", "Reorg", "ShuffleChannel", "Upsample"]
 
 
 def test_the_types_are_caffes():

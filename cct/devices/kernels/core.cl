@@ -38,6 +38,22 @@ __kernel void relu_backward(const int count, __global const float* x, __global c
     dx[index] = dy[index] * (x[index] > 0.0f ? 1.0f : slope);
 }
 
+__kernel void clip_forward(const int count, __global const float* x, __global float* y, const float low,
+                           const float high) {
+    const int index = get_global_id(0);
+    if (index >= count) return;
+    y[index] = fmin(fmax(x[index], low), high);
+}
+
+// the gradient passes strictly inside (low, high)
+__kernel void clip_backward(const int count, __global const float* x, __global const float* dy,
+                            __global float* dx, const float low, const float high) {
+    const int index = get_global_id(0);
+    if (index >= count) return;
+    const float value = x[index];
+    dx[index] = value > low && value < high ? dy[index] : 0.0f;
+}
+
 // cols (Cg*KH*KW, N*OH*OW) of group g from x (N, C, H, W); one item per cols element.
 __kernel void im2col(const int total, __global const float* x, __global float* cols,
                      const int first, const int batch, const int channels, const int height, const int width,

@@ -1,0 +1,264 @@
+"""The forks' small layers: SENet's Axpy, ShuffleNet's ShuffleChannel, the
+YOLOv2 port's Reorg, MobileNet-YOLO's ReLU6 and the Fast R-CNN fork's
+Dropout scale_train. Forward against loops
+written from each fork's C++ and against OpenCV 4's DNN module where it has
+the layer (skipped, with one reason, where OpenCV 4 is not here); every
+backward by the numerical gradient checker; the device paths on the numpy
+CPU device and on OpenCL against the host; the errors."""
+import numpy as np
+import pytest
+
+import cct
+from cct.core.errors import ConfigError, ShapeError
+from cct.devices.cpu import CPU
+from cct.testing.gradient_check import check_layer_gradient, make_layer
+from helpers.devices import OPENCL, assert_close_both_ways, opencl_or_skip, run_both_ways
+from helpers.layers import run_layer
+from helpers.opencv4 import assert_close, compare_with_opencv
+
+RNG = np.random.default_rng(147)
+F32 = np.float32
+
+
+def rand(*shape):
+    return RNG.standard_normal(shape)
+
+
+@pytest.fixture(params=["cpu", OPENCL])
+def device(request):
+    return CPU if request.param == "cpu" else opencl_or_skip()
+
+
+def one_layer(kind, bottoms, fields="", top="y"):
+    return (f'layer {{ name: "{top}" type: "{kind}" ' + " ".join(f'bottom: "{b}"' for b in bottoms)
+            + f' top: "{top}" {fields} }}\n')
+
+
+# --- Axpy ----------------------------------------------------------------------------
+def naive_axpy(a, x, y):
+    """The fork's Forward_cpu: top = y, then caffe_axpy per image and channel."""
+    n, c = x.shape[:2]
+    top = y.reshape(n, c, -1).copy()
+    for i in range(n):
+        for j in range(c):
+            top[i, j] += a.reshape(n, c)[i, j] * x.reshape(n, c, -1)[i, j]
+    return top.reshape(x.shape)
+
+
+@pytest.mark.parametrize("a_shape", [(2, 3, 1, 1), (2, 3)])
+def test_axpy_forward_and_gradient(a_shape):
+    a, x, y = rand(*a_shape), rand(2, 3, 4, 5), rand(2, 3, 4, 5)
+    _, _, tops = run_layer('type: "Axpy"', [a, x, y])
+    np.testing.assert_allclose(tops[0].data, naive_axpy(a, x, y), rtol=1e-12)
+    check_layer_gradient(make_layer('type: "Axpy"'), [a, x, y])
+
+
+def test_axpy_in_place_on_y():
+    a, x, y = rand(2, 3, 1, 1), rand(2, 3, 2, 2), rand(2, 3, 2, 2)
+    layer = make_layer('type: "Axpy"')
+    bottoms = [cct.Blob(v.shape, np.float64) for v in (a, x, y)]
+    for blob, value in zip(bottoms, (a, x, y)):
+        blob.data[...] = value
+    layer.set_up(bottoms, [bottoms[2]])
+    layer.forward(bottoms, [bottoms[2]])
+    np.testing.assert_allclose(bottoms[2].data, naive_axpy(a, x, y), rtol=1e-12)
+    dy = rand(*y.shape)
+    bottoms[2].diff[...] = dy
+    layer.backward([bottoms[2]], [True, True, True], bottoms)
+    np.testing.assert_allclose(bottoms[1].diff, dy * a, rtol=1e-12)
+    np.testing.assert_allclose(bottoms[0].diff, (dy * x).sum(axis=(2, 3), keepdims=True), rtol=1e-12)
+    np.testing.assert_array_equal(bottoms[2].diff, dy)
+
+
+def test_axpy_errors():
+    with pytest.raises(ShapeError, match=r"axpy.*a \(bottom\[0\]\) \(2, 3, 2, 1\) must be \(N, C\)"):
+        run_layer('type: "Axpy"', [rand(2, 3, 2, 1), rand(2, 3, 2, 2), rand(2, 3, 2, 2)])
+    with pytest.raises(ShapeError, match=r"y \(bottom\[2\]\) \(2, 3, 2, 3\) must have the shape of x"):
+        run_layer('type: "Axpy"', [rand(2, 3), rand(2, 3, 2, 2), rand(2, 3, 2, 3)])
+    x = cct.Blob((1, 2, 2, 2))
+    with pytest.raises(ConfigError, match=r"'axpy' \(Axpy\): top: Axpy runs in place only on y"):
+        make_layer('type: "Axpy"').set_up([cct.Blob((1, 2)), x, cct.Blob((1, 2, 2, 2))], [x])
+
+
+def test_axpy_against_opencv(tmp_path):
+    """OpenCV 4's importer rewrites Axpy as a Scale of the third bottom by the
+    first plus the second (caffe_importer.cpp: addInput(layer.bottom(2),
+    scaleId, 0)), a * y + x where the fork computes a * x + y (SE-ResNet's
+    a * residual + shortcut), and takes one image only: so cct's Axpy with x
+    and y exchanged gives OpenCV's numbers, at batch 1."""
+    a, x, y = rand(1, 4, 1, 1).astype(F32), rand(1, 4, 3, 5).astype(F32), rand(1, 4, 3, 5).astype(F32)
+    text = one_layer("Axpy", ["a", "x", "y"], top="out") + one_layer("Axpy", ["a", "y", "x"], top="swapped")
+    ours, theirs = compare_with_opencv(tmp_path, text, {"a": a, "x": x, "y": y}, ["out", "swapped"])
+    assert_close(ours["swapped"], theirs["out"])
+    assert_close(ours["out"], theirs["swapped"])
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_axpy_on_device_matches_the_host(device, in_place):
+    results = run_both_ways(device, 'type: "Axpy"', [rand(2, 3, 1, 1), rand(2, 3, 4, 5), rand(2, 3, 4, 5)],
+                            in_place=in_place, in_place_bottom=2)
+    assert_close_both_ways(results, 1e-6)
+
+
+# --- ShuffleChannel ------------------------------------------------------------------
+def naive_shuffle(x, group):
+    """The fork's Resize_cpu: input channel i * (C / group) + j to output channel j * group + i."""
+    n, c = x.shape[:2]
+    cols = c // group
+    y = np.empty_like(x)
+    for i in range(group):
+        for j in range(cols):
+            y[:, j * group + i] = x[:, i * cols + j]
+    return y
+
+
+@pytest.mark.parametrize("group, shape", [(3, (2, 6, 3, 4)), (2, (1, 8, 5)), (1, (2, 4, 2, 2)), (4, (2, 4, 1, 1))])
+def test_shuffle_channel_forward_and_gradient(group, shape):
+    text = f'type: "ShuffleChannel" shuffle_channel_param {{ group: {group} }}'
+    x = rand(*shape)
+    _, _, tops = run_layer(text, [x])
+    np.testing.assert_array_equal(tops[0].data, naive_shuffle(x, group))
+    check_layer_gradient(make_layer(text), [x])
+
+
+def test_shuffle_channel_errors():
+    with pytest.raises(ConfigError, match=r"shuffle_channel_param.group: must divide the bottom's 5 channels, got 2"):
+        run_layer('type: "ShuffleChannel" shuffle_channel_param { group: 2 }', [rand(1, 5, 2, 2)])
+    with pytest.raises(ConfigError, match=r"shuffle_channel_param.group: must be > 0, got 0"):
+        run_layer('type: "ShuffleChannel" shuffle_channel_param { group: 0 }', [rand(1, 4, 2, 2)])
+    x = cct.Blob((1, 4, 2, 2))
+    with pytest.raises(ConfigError, match=r"top: ShuffleChannel cannot run in place"):
+        make_layer('type: "ShuffleChannel"').set_up([x], [x])
+
+
+@pytest.mark.parametrize("group", [2, 3])
+def test_shuffle_channel_against_opencv(tmp_path, group):
+    text = one_layer("ShuffleChannel", ["x"], f"shuffle_channel_param {{ group: {group} }}")
+    ours, theirs = compare_with_opencv(tmp_path, text, {"x": rand(2, 12, 3, 5).astype(F32)}, ["y"])
+    np.testing.assert_array_equal(ours["y"], theirs["y"])
+
+
+@pytest.mark.parametrize("group, shape", [(3, (2, 6, 3, 4)), (2, (5, 4, 2, 2))])
+def test_shuffle_channel_on_device_matches_the_host(device, group, shape):
+    results = run_both_ways(device, f'type: "ShuffleChannel" shuffle_channel_param {{ group: {group} }}',
+                            [rand(*shape)])
+    assert_close_both_ways(results, 0)
+
+
+# --- Reorg ---------------------------------------------------------------------------
+def naive_reorg(x, stride, reverse):
+    """The fork's Forward_cpu: its reorg_cpu loop on the bottom's sizes, forward = reverse."""
+    n, c, h, w = x.shape
+    tc, tw, th = c // (stride * stride), w * stride, h * stride
+    flat, out = x.reshape(-1), np.empty(x.size)
+    for b in range(n):
+        for k in range(c):
+            for j in range(h):
+                for i in range(w):
+                    bottom_index = i + w * (j + h * (k + c * b))
+                    c2, offset = k % tc, k // tc
+                    w2, h2 = i * stride + offset % stride, j * stride + offset // stride
+                    top_index = w2 + tw * (h2 + th * (c2 + tc * b))
+                    if reverse:
+                        out[top_index] = flat[bottom_index]
+                    else:
+                        out[bottom_index] = flat[top_index]
+    if reverse:
+        return out.reshape(n, tc, th, tw)
+    return out.reshape(n, c * stride * stride, h // stride, w // stride)
+
+
+@pytest.mark.parametrize("stride, reverse, shape", [(2, False, (2, 8, 4, 6)), (2, True, (2, 8, 4, 6)),
+                                                    (3, False, (1, 9, 6, 3)), (3, True, (1, 18, 2, 3)),
+                                                    (1, False, (1, 2, 3, 3))])
+def test_reorg_forward_and_gradient(stride, reverse, shape):
+    text = f'type: "Reorg" reorg_param {{ stride: {stride} reverse: {str(reverse).lower()} }}'
+    x = rand(*shape)
+    _, _, tops = run_layer(text, [x])
+    want = naive_reorg(x, stride, reverse)
+    assert tops[0].shape == want.shape
+    np.testing.assert_array_equal(tops[0].data, want)
+    check_layer_gradient(make_layer(text), [x])
+
+
+def test_reorg_errors():
+    with pytest.raises(ConfigError, match=r"reorg_param.stride: must be given"):
+        run_layer('type: "Reorg"', [rand(1, 4, 2, 2)])
+    with pytest.raises(ConfigError, match=r"reorg_param.stride: 2: its square must divide the channels"):
+        run_layer('type: "Reorg" reorg_param { stride: 2 }', [rand(1, 6, 4, 4)])
+    with pytest.raises(ConfigError, match=r"reorg_param.stride: 2: must divide the height and width of the bottom "
+                                          r"\(1, 4, 3, 4\)"):
+        run_layer('type: "Reorg" reorg_param { stride: 2 }', [rand(1, 4, 3, 4)])
+    with pytest.raises(ShapeError, match=r"reorg.*bottom must be 4-d"):
+        run_layer('type: "Reorg" reorg_param { stride: 2 }', [rand(4, 4)])
+
+
+# OpenCV 4 reads neither stride (always 2) nor reverse: compared on the forward at stride 2
+def test_reorg_against_opencv(tmp_path):
+    text = one_layer("Reorg", ["x"], "reorg_param { stride: 2 }")
+    ours, theirs = compare_with_opencv(tmp_path, text, {"x": rand(2, 8, 6, 4).astype(F32)}, ["y"])
+    np.testing.assert_array_equal(ours["y"], theirs["y"])
+
+
+# --- ReLU6 ---------------------------------------------------------------------------
+def away_from_kinks(*shape):
+    """Values in (-9, 9) at least 0.05 from 0 and 6."""
+    x = RNG.uniform(-9, 9, shape)
+    for kink in (0.0, 6.0):
+        x = np.where(np.abs(x - kink) < 0.05, x + 0.1, x)
+    return x
+
+
+def test_relu6_forward_and_gradient():
+    x = away_from_kinks(2, 3, 4, 5)
+    _, _, tops = run_layer('type: "ReLU6"', [x])
+    np.testing.assert_array_equal(tops[0].data, np.minimum(np.maximum(x, 0), 6))
+    check_layer_gradient(make_layer('type: "ReLU6"'), [x])
+
+
+def test_relu6_in_place_backward_reads_the_output():
+    x = np.array([-1.0, 0.0, 3.0, 6.0, 7.0])
+    blob = cct.Blob((5,), np.float64)
+    blob.data[...] = x
+    layer = make_layer('type: "ReLU6"')
+    layer.set_up([blob], [blob])
+    layer.forward([blob], [blob])
+    np.testing.assert_array_equal(blob.data, [0, 0, 3, 6, 6])
+    blob.diff[...] = 1
+    layer.backward([blob], [True], [blob])
+    np.testing.assert_array_equal(blob.diff, [0, 0, 1, 0, 0])      # the fork's: x > 0 and x < 6
+
+
+def test_relu6_against_opencv(tmp_path):
+    ours, theirs = compare_with_opencv(tmp_path, one_layer("ReLU6", ["x"]), {"x": away_from_kinks(2, 3, 4, 5).astype(F32)},
+                                       ["y"])
+    np.testing.assert_array_equal(ours["y"], theirs["y"])
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_relu6_on_device_matches_the_host(device, in_place):
+    results = run_both_ways(device, 'type: "ReLU6"', [away_from_kinks(2, 3, 4, 5)], in_place=in_place)
+    assert_close_both_ways(results, 0)
+
+
+# --- Dropout scale_train (Fast R-CNN's fork) -----------------------------------------
+def test_dropout_without_scale_train():
+    x = rand(4, 50)
+    text = 'type: "Dropout" dropout_param { dropout_ratio: 0.3 scale_train: false }'
+    cct.set_random_seed(5)
+    _, _, tops = run_layer(text, [x], phase=cct.TRAIN)
+    kept = tops[0].data != 0
+    assert 0 < kept.mean() < 1
+    np.testing.assert_array_equal(tops[0].data[kept], x[kept])              # unscaled in training
+    check_layer_gradient(make_layer(text, cct.TRAIN), [x])
+    factor = np.float32(1.0 / np.float32(1.0 / (1.0 - np.float32(0.3))))   # the fork's 1 / scale_, floats
+    _, _, tops = run_layer(text, [x], phase=cct.TEST)
+    np.testing.assert_array_equal(tops[0].data, x * factor)
+    check_layer_gradient(make_layer(text, cct.TEST), [x])
+
+
+@pytest.mark.parametrize("phase", [cct.TRAIN, cct.TEST])
+def test_dropout_without_scale_train_on_device_matches_the_host(device, phase):
+    results = run_both_ways(device, 'type: "Dropout" dropout_param { dropout_ratio: 0.4 scale_train: false }',
+                            [rand(2, 3, 4, 5)], phase=phase, random_seed=9)
+    assert_close_both_ways(results, 1e-7)
