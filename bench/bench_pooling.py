@@ -23,7 +23,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -54,17 +53,6 @@ CASES = [
     ("LeNet pool2", "pool: MAX kernel_size: 2 stride: 2", (50, 8, 8), [64]),
     ("AVE 3x3/2 pad 1", "pool: AVE kernel_size: 3 stride: 2 pad: 1", (192, 56, 56), None),
 ]
-
-
-def sample(function, least=0.02):
-    """Seconds per call of function(), repeated until `least` seconds passed."""
-    calls, start = 0, time.perf_counter()
-    while True:
-        function()
-        calls += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= least:
-            return elapsed / calls
 
 
 def run_parts(function, parts):
@@ -108,12 +96,12 @@ def bench_case(fields, shape, rounds, mode_setters):
         layer.backward(tops, [True], bottoms)
         results[name] = (tops[0].data.copy(), bottoms[0].diff.copy(), [], [])
     for _ in range(rounds):
-        results["old"][2].append(sample(old_forward))
-        results["old"][3].append(sample(old_backward))
+        results["old"][2].append(common.sample(old_forward))
+        results["old"][3].append(common.sample(old_backward))
         for name, apply in mode_setters.items():
             apply()
-            results[name][2].append(sample(lambda: layer.forward(bottoms, tops)))
-            results[name][3].append(sample(lambda: layer.backward(tops, [True], bottoms)))
+            results[name][2].append(common.sample(lambda: layer.forward(bottoms, tops)))
+            results[name][3].append(common.sample(lambda: layer.backward(tops, [True], bottoms)))
     old = results["old"]
     for name, (value, diff, _, _) in results.items():
         same = np.array_equal(value, old[0]) and np.array_equal(diff, old[1])
@@ -143,7 +131,7 @@ def bench_googlenet(rounds, mode_setters):
             apply()
             total = 0.0
             for index in indices:
-                total += sample(lambda: executor.forward(index), least=0.005)
+                total += common.sample(lambda: executor.forward(index), least=0.005)
             executor.finish()
             totals[name].append(total)
     scale = np.abs(outputs["new"]).max()

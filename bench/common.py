@@ -40,6 +40,18 @@ def time_loop(function, iterations=5, warmup=1):
     return statistics.median(times), times
 
 
+def sample(function, least=0.02):
+    """Seconds per call of function(), repeated until `least` seconds passed
+    (so that short calls are not timer-bound)."""
+    calls, start = 0, time.perf_counter()
+    while True:
+        function()
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= least:
+            return elapsed / calls
+
+
 def peak_rss_mb():
     """This process's peak resident memory (MiB): VmHWM where /proc has it,
     else getrusage (kilobytes on Linux)."""

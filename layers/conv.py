@@ -32,7 +32,7 @@ import numpy as np
 from cct.core.blob import Layout
 from cct.core.layer import TRAIN, Layer, register
 from cct.lowering import (ConvGeometry, bind_pointwise, chooser, conv_backward, conv_backward_data, conv_backward_weights,
-                          conv_forward, lowering, pointwise, type1, winograd)
+                          conv_forward, depthwise, lowering, pointwise, type1, winograd)
 from cct.lowering import device as device_lowering
 from cct.core.workspace import thread_arena
 from cct.lowering.chunking import DEFAULT_BUDGET_MB, band_slot_bytes, cache_chunk, chunk_size, slot_bytes
@@ -330,6 +330,8 @@ class _ConvolutionBase(Layer):
                     "held": winograd.held_bytes(self.blobs[0].data, m)}
         if pointwise(self.geom, batch) and not self.runs_backward:
             return {}                 # the forward multiplies the blobs themselves; only a backward lowers
+        if depthwise.applies(self.geom):
+            return {}                 # the direct kernels lower nothing, forward or backward
         chunk = min(chunk_size(self.geom, kind, batch, itemsize, max(1, self._owner._lowering_budget // partitions)),
                     cache_chunk(self.geom, kind, batch, itemsize))
         keeps = self._keeps(batch, chunk)

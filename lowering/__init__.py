@@ -18,6 +18,10 @@ they process the batch that many images at a time, which bounds the workspace
 (see workspace.chunk_size). The chooser (cct.lowering.chooser) picks a type
 per layer from a cost model.
 
+A depthwise geometry (group == channels == num_output > 1, MobileNets')
+runs its forward and backward directly over the windows instead, whatever
+the lowering type (cct.lowering.depthwise).
+
 A forward that never runs backward (a deploy net's) may instead run a 3 x 3 or
 5 x 5 convolution at stride 1 by Winograd's minimal filtering
 (cct.lowering.winograd), where timing it on the shape says it is faster
@@ -29,7 +33,7 @@ from typing import Callable, Dict, Optional, Tuple, Union, cast
 import numpy as np
 import numpy.typing as npt
 
-from . import type1, type2, type3
+from . import depthwise, type1, type2, type3
 from .geometry import ConvGeometry, Shape4, finish, weights_as
 from .kept import KeptLowering
 from cct.core.arrays import FloatArray
@@ -146,6 +150,8 @@ def conv_forward(x: FloatArray, w: FloatArray, geom: ConvGeometry, lowering_type
         return _bias_only(geom, n, x.dtype, out, bias, relu)
     if pointwise(geom, n):            # nothing to lower, so nothing kept: a backward multiplies x itself
         return _pointwise_forward(x, w, geom, out, bias, relu)
+    if depthwise.applies(geom):       # one channel per group: the windows directly, nothing lowered or kept
+        return depthwise.forward(x, w, geom, out, bias, relu)
     rows = type1.band_rows(geom, n, x.dtype.itemsize) if impl is type1 and keep is None else 0
     if rows and out is not None and out.flags.c_contiguous:
         ws.plan(band_slot_bytes(geom, rows, x.dtype.itemsize))      # a band, not the whole lowering
@@ -176,6 +182,8 @@ def conv_backward(x: Optional[FloatArray], dy: FloatArray, w: Optional[FloatArra
     if n == 0 or geom.empty:          # nothing lowered: the gradients are zero (or empty)
         dx = _zeros(geom.input_shape(n), dy.dtype, dx_out) if data else None
         return dx, (np.zeros(geom.weight_shape, dy.dtype) if weights else None)
+    if depthwise.applies(geom):
+        return depthwise.backward(x, dy, w, geom, data=data, weights=weights, dx_out=dx_out)
     _plan(ws, geom, lowering_type, n, chunk, dy.dtype)
     if _whole(n, chunk):
         return impl.backward(x, dy, w, geom, data=data, weights=weights, ws=ws, dx_out=dx_out, lowered=lowered)

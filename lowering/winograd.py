@@ -66,6 +66,7 @@ from cct.core.bits import same_bits
 from cct.core.workspace import FRESH, Workspace
 from cct.devices.jit import kernel
 
+from . import depthwise
 from .geometry import ConvGeometry, relu_value, weights_as
 
 # Transform matrices (B^T, G, A^T) per (output tile m, kernel r), points 0,
@@ -148,8 +149,9 @@ def transforms(m: int, r: int = 3, dtype: npt.DTypeLike = np.float64) -> Tuple[A
 def applicable(geom: ConvGeometry, dtype: npt.DTypeLike = np.float32) -> bool:
     """Whether a forward of this geometry can run as some F(m x m, r x r): a
     square kernel with a variant (3 x 3, 5 x 5) at stride 1 without dilation,
-    padding below the kernel, float32, something to compute."""
-    return (geom.kernel_h == geom.kernel_w and bool(tile_sizes(geom.kernel_h))
+    padding below the kernel, float32, something to compute; not a depthwise
+    geometry, whose direct kernels (cct.lowering.depthwise) it would only slow."""
+    return (geom.kernel_h == geom.kernel_w and bool(tile_sizes(geom.kernel_h)) and not depthwise.applies(geom)
             and geom.stride_h == geom.stride_w == 1 and geom.dilation_h == geom.dilation_w == 1
             and np.dtype(dtype) == np.float32 and not geom.empty
             and max(geom.pad_h, geom.pad_w) < geom.kernel_h)

@@ -1,5 +1,6 @@
 """The forks' small layers: SENet's Axpy, ShuffleNet's ShuffleChannel, the
-YOLOv2 port's Reorg, MobileNet-YOLO's ReLU6 and the Fast R-CNN fork's
+YOLOv2 port's Reorg, MobileNet-YOLO's ReLU6, caffe-mobilenet's
+ConvolutionDepthwise and DepthwiseConvolution, and the Fast R-CNN fork's
 Dropout scale_train. Forward against loops
 written from each fork's C++ and against OpenCV 4's DNN module where it has
 the layer (skipped, with one reason, where OpenCV 4 is not here); every
@@ -262,3 +263,91 @@ def test_dropout_without_scale_train_on_device_matches_the_host(device, phase):
     results = run_both_ways(device, 'type: "Dropout" dropout_param { dropout_ratio: 0.4 scale_train: false }',
                             [rand(2, 3, 4, 5)], phase=phase, random_seed=9)
     assert_close_both_ways(results, 1e-7)
+
+
+# --- ConvolutionDepthwise, DepthwiseConvolution ----------------------------------------
+def naive_depthwise(x, w, bias, stride, pad, dilation):
+    """The fork's Forward_cpu (conv_dw_layer.cpp): per image, channel and
+    output, the window's products summed in the fork's order, then the bias."""
+    n, c, h, wd = x.shape
+    kh, kw = w.shape[2:]
+    oh = (h + 2 * pad[0] - (dilation[0] * (kh - 1) + 1)) // stride[0] + 1
+    ow = (wd + 2 * pad[1] - (dilation[1] * (kw - 1) + 1)) // stride[1] + 1
+    y = np.zeros((n, c, oh, ow))
+    for i in range(n):
+        for ch in range(c):
+            for r in range(oh):
+                for q in range(ow):
+                    for a in range(kh):
+                        for b in range(kw):
+                            hi = -pad[0] + r * stride[0] + a * dilation[0]
+                            wi = -pad[1] + q * stride[1] + b * dilation[1]
+                            if 0 <= hi < h and 0 <= wi < wd:
+                                y[i, ch, r, q] += w[ch, 0, a, b] * x[i, ch, hi, wi]
+    return y + (0 if bias is None else bias.reshape(1, c, 1, 1))
+
+
+DEPTHWISE = [  # convolution_param fields, (stride, pad, dilation) as (h, w) pairs
+    ("kernel_size: 3 pad: 1", (1, 1), (1, 1), (1, 1)),
+    ("kernel_size: 3 stride: 2 pad: 1 bias_term: false", (2, 2), (1, 1), (1, 1)),
+    ("kernel_h: 3 kernel_w: 2 stride_h: 2 stride_w: 1 pad_h: 0 pad_w: 2 dilation: 2 dilation: 3", (2, 1), (0, 2), (2, 3)),
+    ("kernel_size: 5 pad: 2 stride: 3", (3, 3), (2, 2), (1, 1)),
+]
+FILLERS = 'weight_filler { type: "gaussian" std: 1 } bias_filler { type: "gaussian" std: 1 }'
+
+
+@pytest.mark.parametrize("index", range(len(DEPTHWISE)))
+def test_convolution_depthwise_forward_and_gradient(index):
+    fields, stride, pad, dilation = DEPTHWISE[index]
+    # num_output and group are implied: the fork reads neither
+    text = f'type: "ConvolutionDepthwise" convolution_param {{ num_output: 9 group: 2 {fields} {FILLERS} }}'
+    x = rand(2, 4, 7, 8)
+    layer, _, tops = run_layer(text, [x])
+    assert layer.blobs[0].shape[:2] == (4, 1)
+    bias = layer.blobs[1].data if len(layer.blobs) > 1 else None
+    np.testing.assert_allclose(tops[0].data, naive_depthwise(x, layer.blobs[0].data, bias, stride, pad, dilation),
+                               rtol=1e-12, atol=1e-12)
+    check_layer_gradient(make_layer(text), [rand(2, 4, 7, 8)])
+
+
+@pytest.mark.parametrize("kind", ["DepthwiseConvolution", "Convolution"])
+def test_grouped_convolution_with_one_channel_per_group(kind):
+    """group == channels == num_output: the direct kernels (cct.lowering.depthwise)."""
+    text = f'type: "{kind}" convolution_param {{ num_output: 6 group: 6 kernel_size: 3 stride: 2 pad: 1 {FILLERS} }}'
+    x = rand(2, 6, 9, 7)
+    layer, _, tops = run_layer(text, [x])
+    want = naive_depthwise(x, layer.blobs[0].data, layer.blobs[1].data, (2, 2), (1, 1), (1, 1))
+    np.testing.assert_allclose(tops[0].data, want, rtol=1e-12, atol=1e-12)
+    check_layer_gradient(make_layer(text), [x])
+
+
+def test_depthwise_convolution_with_other_groups_is_convolution():
+    text = f'convolution_param {{ num_output: 4 group: 2 kernel_size: 3 {FILLERS} }}'
+    x = rand(2, 6, 5, 5)
+    theirs, _, want = run_layer('type: "Convolution" ' + text, [x])
+    layer, bottoms, tops = run_layer('type: "DepthwiseConvolution" ' + text, [x])
+    for mine, blob in zip(layer.blobs, theirs.blobs):
+        mine.data[...] = blob.data
+    layer.forward(bottoms, tops)
+    np.testing.assert_allclose(tops[0].data, want[0].data, rtol=1e-12)
+
+
+def test_convolution_depthwise_errors():
+    with pytest.raises(ConfigError, match=r"'convolutiondepthwise' \(ConvolutionDepthwise\): bottom: takes exactly 1"):
+        run_layer('type: "ConvolutionDepthwise" convolution_param { kernel_size: 3 }', [rand(1, 2, 4, 4)] * 2, 2)
+    with pytest.raises(ConfigError, match=r"convolution_param.kernel_size: must be > 0"):
+        run_layer('type: "ConvolutionDepthwise" convolution_param { kernel_size: 0 }', [rand(1, 2, 4, 4)])
+
+
+@pytest.mark.parametrize("index", [0, 1, 3])
+def test_convolution_depthwise_against_opencv(tmp_path, index):
+    fields = DEPTHWISE[index][0]
+    text = one_layer("ConvolutionDepthwise", ["x"], f"convolution_param {{ num_output: 5 {fields} {FILLERS} }}")
+    ours, theirs = compare_with_opencv(tmp_path, text, {"x": rand(2, 5, 9, 8).astype(F32)}, ["y"])
+    assert_close(ours["y"], theirs["y"])
+
+
+@pytest.mark.parametrize("in_place", [False])
+def test_depthwise_layers_on_device_match_the_host(device, in_place):
+    text = f'type: "ConvolutionDepthwise" convolution_param {{ kernel_size: 3 stride: 2 pad: 1 {FILLERS} }}'
+    assert_close_both_ways(run_both_ways(device, text, [rand(2, 3, 7, 6)], in_place=in_place), 1e-5)

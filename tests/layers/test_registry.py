@@ -167,6 +167,9 @@ TYPES = {
     "ShuffleChannel": Case("shuffle_channel_param { group: 3 }", ((1, 6, 2, 2),), ((1, 6, 2, 2),)),
     "Reorg": Case("reorg_param { stride: 2 }", ((1, 4, 2, 2),), ((1, 16, 1, 1),)),
     "ReLU6": NEURON,
+    "ConvolutionDepthwise": Case("convolution_param { kernel_size: 3 }", ((1, 2, 4, 4),), ((1, 2, 2, 2),)),
+    "DepthwiseConvolution": Case("convolution_param { num_output: 2 group: 2 kernel_size: 3 }", ((1, 2, 4, 4),),
+                                 ((1, 2, 2, 2),)),
 }
 
 
@@ -185,9 +188,10 @@ CAFFE_LAYER_TYPES = [
 
 
 # The forks' types cct registers beside BVLC's (layers/ssd.py: weiliu89/caffe, branch ssd;
-# layers/segmentation.py; layers/roi.py; the small ones in the family modules).
-FORK_LAYER_TYPES = ["Axpy", "BN", "DetectionOutput", "Interp", "Normalize", "PSROIPooling", "Permute", "PriorBox",
-                    "ROIPooling", "ReLU6", "Reorg", "ShuffleChannel", "Upsample"]
+# layers/segmentation.py; layers/roi.py; layers/depthwise.py; the small ones in the family modules).
+FORK_LAYER_TYPES = ["Axpy", "BN", "ConvolutionDepthwise", "DepthwiseConvolution", "DetectionOutput", "Interp",
+                    "Normalize", "PSROIPooling", "Permute", "PriorBox", "ROIPooling", "ReLU6", "Reorg",
+                    "ShuffleChannel", "Upsample"]
 
 
 def test_the_types_are_caffes():
