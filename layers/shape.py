@@ -408,7 +408,10 @@ class Crop(Layer):
     crop_param: axis (default 2): first cropped axis; offset: none (0), one for
     every cropped axis, or one per cropped axis. top shape = bottom[0] shape[:axis]
     + bottom[1] shape[axis:]; top = bottom[0][..., o_a:o_a+n_a, ...].
-    bottom[1] only gives a shape and gets a zero gradient.
+    bottom[1] only gives a shape and gets a zero gradient. A Crop without
+    crop_param in the forks' nets (HED, CRF-RNN) gets the offsets their
+    Crop computes from the net's geometry (cct.core.passes.legacy_crop_offsets,
+    which logs each).
     """
     exact_bottoms = 2
     exact_tops = 1

@@ -1,10 +1,11 @@
-"""filter_net and insert_splits, prototxt text in -> text out (Caffe's
-FilterNet and InsertSplits tests, rewritten for the V2 format)."""
+"""filter_net, insert_splits and legacy_crop_offsets, prototxt text in ->
+text out (Caffe's FilterNet and InsertSplits tests, rewritten for the V2
+format; the forks' Crop offsets computed by hand from their coordinate maps)."""
 import pytest
 from google.protobuf import text_format
 
 from cct.core.errors import ConfigError
-from cct.core.passes import filter_net, insert_splits, state_meets_rule
+from cct.core.passes import filter_net, insert_splits, legacy_crop_offsets, state_meets_rule
 from cct.proto import caffe_pb2
 from helpers.protos import assert_same, parse
 
@@ -281,3 +282,42 @@ def test_insert_splits_leaves_its_input_alone():
     before = text_format.MessageToString(net)
     insert_splits(net)
     assert text_format.MessageToString(net) == before
+
+
+# --- legacy_crop_offsets ----------------------------------------------------------------
+CROP_NET = """
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 1 dim: 20 dim: 20 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 2 kernel_size: 3 pad: PAD } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+layer { name: "pool" type: "Pooling" bottom: "conv" top: "pool" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "up" type: "Deconvolution" bottom: "pool" top: "up"
+        convolution_param { num_output: 2 kernel_size: 4 stride: 2 pad: UNPAD } }
+layer { name: "crop" type: "Crop" bottom: "up" bottom: "data" top: "crop" CROP }
+"""
+
+
+def crop_net(pad, unpad=0, crop=""):
+    return parse(CROP_NET.replace("UNPAD", str(unpad)).replace("PAD", str(pad)).replace("CROP", crop))
+
+
+@pytest.mark.parametrize("pad, unpad", [(5, 0), (3, 1)])
+def test_legacy_crop_offset_from_the_coordinate_maps(pad, unpad):
+    # data x -> conv x + pad - 1 -> pool (x + pad - 1.5) / 2 -> deconv x + pad - 1.5 + 1.5 - unpad
+    offset = pad - unpad
+    want = crop_net(pad, unpad, f"crop_param {{ axis: 2 offset: {offset} offset: {offset} }}")
+    assert_same(legacy_crop_offsets(crop_net(pad, unpad)), str(want))
+
+
+@pytest.mark.parametrize("crop", ["crop_param { offset: 0 }", "crop_param { axis: 3 }"])
+def test_legacy_crop_keeps_a_given_crop_param(crop):
+    assert_same(legacy_crop_offsets(crop_net(5, 0, crop)), str(crop_net(5, 0, crop)))
+
+
+def test_legacy_crop_leaves_zero_unmapped_and_misaligned_offsets():
+    assert_same(legacy_crop_offsets(crop_net(1, 1)), str(crop_net(1, 1)))     # offset 0: BVLC's reading
+    unmapped = crop_net(5)
+    unmapped.layer[3].type = "InnerProduct"                                   # no coordinate map
+    assert_same(legacy_crop_offsets(unmapped), str(unmapped))
+    smaller = crop_net(0, 1)                                                  # offset -1: the fork refuses it
+    assert_same(legacy_crop_offsets(smaller), str(smaller))
