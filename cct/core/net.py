@@ -15,7 +15,7 @@ from cct.core.blob import Blob
 from cct.core.allocation import charging, format_bytes
 from cct.core.errors import ConfigError, MemoryLimitError, ShapeError, WeightsError
 from cct.core.layer import TEST, TRAIN, check_layer_type, create_layer
-from cct.core.passes import filter_net, insert_splits
+from cct.core.passes import filter_net, insert_splits, legacy_crop_offsets
 from cct.formats import weights as weights_io
 from cct.formats.prototxt import net_source, read_net
 from cct.formats.upgrade import upgrade_net
@@ -50,7 +50,8 @@ class Net:
         state.stage.extend(stages)          # added to the prototxt's own stages
         param.state.CopyFrom(state)
         self.phase = phase
-        self.net_param = insert_splits(filter_net(param, state, str(self.source)), str(self.source))
+        source = str(self.source)
+        self.net_param = insert_splits(legacy_crop_offsets(filter_net(param, state, source), source), source)
         try:
             with charging(f"net '{param.name}' ({self.source})") as charge:
                 self.memory_baseline = charge.in_use     # the process before the net: the plan's first term

@@ -405,8 +405,6 @@ def test_hed_offsets_with_splits_and_a_log_line(caplog):
         in caplog.text
 
 
-@pytest.mark.xfail(strict=True, reason="cct.Net does not run cct.core.passes.legacy_crop_offsets yet: one line in "
-                   "cct/core/net.py (issue 38)")
 def test_hed_through_net_crops_at_34(tmp_path):
     path = tmp_path / "hed.prototxt"
     path.write_text(str(small_hed(24)))
