@@ -22,17 +22,20 @@ backward: a deploy net):
              are fitted to three timed GEMMs
 
 `choose_forward` decides, for a forward that never runs backward, between the
-lowering and Winograd (cct.lowering.winograd), by timing both on the shape.
+lowering and Winograd (cct.lowering.winograd): by a model of both
+(winograd_estimate), or by timing both on the shape.
 
-`Machine` holds those constants, measured once per process (0.13 to 0.22 s
-here) and merged, keeping each constant's fastest value, with the ones cached in
-$CCT_CACHE_DIR/lowering.json (default ~/.cache/cct), one entry per host and
-BLAS thread count (load_machine). `choose(geom, batch, machine, measure=False)` returns the
+`Machine` holds those constants, measured (0.13 to 0.22 s here) only where a
+choice depends on them, merged, keeping each timing's fastest value, with the
+ones cached in $CCT_CACHE_DIR/lowering.json (default ~/.cache/cct), one entry
+per host and BLAS thread count (load_machine, known_machine); until then the
+model runs on NOMINAL_MACHINE. `choose(geom, batch, machine, measure=False)` returns the
 type the model says is fastest, or with measure=True times every type once on
 the actual shape (batch reduced to keep it short) and caches the answer in the
 same file.
 """
 import contextlib
+import dataclasses
 import json
 import platform
 import threading
@@ -46,7 +49,7 @@ import numpy.typing as npt
 
 from cct.core import settings
 from cct.core.workspace import Arena
-from cct.devices.blas import blas_limited
+from cct.devices.blas import blas, blas_limited
 from cct.formats.prototxt import atomic_write
 
 from .geometry import ConvGeometry
@@ -61,6 +64,7 @@ MEASURE_BYTES = 32 * 2 ** 20          # largest workspace matrix when timing a s
 _lock = threading.RLock()
 _cache: Dict[Path, Dict[str, Any]] = {}      # cache path -> parsed file contents
 _machines: Dict[Tuple[Path, str], "Machine"] = {}   # (cache path, machine key) -> Machine
+_robust: Dict[Any, Any] = {}           # choose_by_model's arguments -> its choice on every NOMINAL machine, or None
 
 
 # --- machine constants -------------------------------------------------------------------
@@ -83,6 +87,7 @@ class Machine:
     probes              the timed GEMMs, [m, n, k, seconds]
     copies              the timed copies, {name: [elements, rows, streams, seconds]}
                         (COPY_PROBES), from which the first four constants come
+    calibrations        how many measurements were merged into these (best_of)
     """
     bandwidth: float
     gather_row: float
@@ -93,6 +98,7 @@ class Machine:
     gemm_in_bandwidth: float
     probes: List[List[float]] = field(default_factory=list)
     copies: Dict[str, List[float]] = field(default_factory=dict)
+    calibrations: int = 1
 
     FIELDS = ("bandwidth", "gather_row", "scatter_row", "add_row", "gemm_flops", "gemm_out_bandwidth",
               "gemm_in_bandwidth")
@@ -117,15 +123,16 @@ class Machine:
         return elements * itemsize / self.bandwidth
 
     def to_dict(self) -> Dict[str, Any]:
-        return {name: float(getattr(self, name)) for name in self.FIELDS} | {"probes": self.probes,
-                                                                          "copies": self.copies}
+        return {name: float(getattr(self, name)) for name in self.FIELDS} | {
+            "probes": self.probes, "copies": self.copies, "calibrations": self.calibrations}
 
     @classmethod
     def from_dict(cls, values: Dict[str, Any]) -> "Machine":
         # (mypy cannot count the arguments a starred generator gives)
         return cls(*(float(values[name]) for name in cls.FIELDS),  # type: ignore[call-arg, arg-type]
                    [list(p) for p in values.get("probes", [])],
-                   {name: list(timing) for name, timing in values.get("copies", {}).items()})
+                   {name: list(timing) for name, timing in values.get("copies", {}).items()},
+                   int(values.get("calibrations", 1)))
 
 
 def _best_time(function: Callable[[], object], repeats: int) -> float:
@@ -195,11 +202,7 @@ def measure_machine() -> Machine:
 
 
 def _blas_threads() -> int:
-    try:
-        from threadpoolctl import threadpool_info
-        return max([lib.get("num_threads", 1) for lib in threadpool_info() if lib.get("user_api") == "blas"] or [1])
-    except Exception:                  # threadpoolctl missing or a library it cannot read
-        return 0
+    return blas().reported()
 
 
 def machine_key() -> str:
@@ -282,7 +285,28 @@ def best_of(first: Machine, second: Machine) -> Machine:
     else:                              # calibrations without their copies: constant by constant
         constants = (max(first.bandwidth, second.bandwidth), min(first.gather_row, second.gather_row),
                      min(first.scatter_row, second.scatter_row), min(first.add_row, second.add_row))
-    return Machine(*constants, *gemm, probes, copies)
+    return Machine(*constants, *gemm, probes, copies, first.calibrations + second.calibrations)
+
+
+def known_machine():
+    """This host's Machine without measuring anything: the one this process
+    has, else the cache file's once it merges CALIBRATIONS measurements
+    (fewer may still read slow from a loaded moment: load_machine measures
+    again, where a choice needs it); None otherwise."""
+    with _lock:
+        path, key = cache_path(), machine_key()
+        machine = _machines.get((path, key))
+        if machine is not None:
+            return machine
+        stored = _load_cache(path)["machines"].get(key)
+        try:
+            stored = Machine.from_dict(stored) if stored else None
+        except (KeyError, TypeError, ValueError):
+            stored = None
+        if stored is None or stored.calibrations < CALIBRATIONS:
+            return None
+        _machines[(path, key)] = stored
+        return stored
 
 
 def clear_memory_cache() -> None:
@@ -290,6 +314,7 @@ def clear_memory_cache() -> None:
     with _lock:
         _cache.clear()
         _machines.clear()
+        _robust.clear()
 
 
 # --- the cost model ----------------------------------------------------------------------------
@@ -464,17 +489,75 @@ def choose_by_measurement(geom: ConvGeometry, batch: int, dtype: npt.DTypeLike =
     return choice
 
 
+# The model's constants on a host not calibrated yet: the middle of this
+# 2-core machine's calibrations, which spread 1.6x (BENCHMARKS.md, "Loading
+# a .caffemodel (issue 39)"). A choice the model makes alike on every
+# machine around them (nominal_machines) needs no calibration.
+NOMINAL_MACHINE = Machine(bandwidth=15e9, gather_row=3.7e-9, scatter_row=1.5e-9, add_row=1.3e-8, gemm_flops=1.3e11,
+                          gemm_out_bandwidth=5e9, gemm_in_bandwidth=9e9, calibrations=0)
+MACHINE_SPREAD = 3.0                   # each group of constants this many times faster and slower
+CALIBRATIONS = 3                       # merged measurements after which a stored Machine is used without more
+CLOSE_ENOUGH = 1.1                     # a pick this near each nominal machine's own needs no calibration
+
+
+def nominal_machines(machine=NOMINAL_MACHINE, spread=MACHINE_SPREAD):
+    """`machine`, and for each group of its constants (GEMM arithmetic, GEMM
+    memory traffic, copy bandwidth, copy row costs) the same machine with
+    that group `spread` times faster and `spread` times slower."""
+    groups = (("gemm_flops",), ("gemm_out_bandwidth", "gemm_in_bandwidth"), ("bandwidth",),
+              ("gather_row", "scatter_row", "add_row"))
+    machines = [machine]
+    for names in groups:
+        for factor in (spread, 1 / spread):          # faster, slower: a row cost is a time
+            machines.append(dataclasses.replace(machine, **{
+                name: getattr(machine, name) / factor if name.endswith("_row") else getattr(machine, name) * factor
+                for name in names}))
+    return machines
+
+
+def choose_uncalibrated(geom, batch, itemsize=4, budget=None, forward_only=False):
+    """The type the model picks on NOMINAL_MACHINE where, on every nominal
+    machine, it costs at most CLOSE_ENOUGH times that machine's own pick;
+    else None: the choice then depends on this host's constants."""
+    key = (geom, batch, itemsize, budget, forward_only)
+    with _lock:
+        if key in _robust:
+            return _robust[key]
+    choice = None
+    for machine in nominal_machines():
+        costs = {t: estimate(geom, batch, t, machine, itemsize, budget, forward_only) for t in TYPES}
+        if choice is None:                   # the first is NOMINAL_MACHINE itself
+            choice = min(TYPES, key=lambda t: (costs[t], t))
+        if costs[choice] > CLOSE_ENOUGH * min(costs.values()):
+            choice = None
+            break
+    with _lock:
+        _robust[key] = choice
+    return choice
+
+
 def choose(geom: ConvGeometry, batch: int, machine: Optional[Machine] = None, measure: bool = False,
            dtype: npt.DTypeLike = np.float32, budget: Optional[int] = None, forward_only: bool = False) -> int:
     """The lowering type for `geom` at `batch`: by the cost model, or with
     measure=True by timing every type once on this shape (cached per shape),
-    for forward + backward or, forward_only, the forward alone.
+    for forward + backward or, forward_only, the forward alone. The model
+    runs on `machine`, else this host's calibration where one is known
+    (known_machine); else a choice that holds on every nominal machine
+    (choose_uncalibrated) is taken as it is, and only a choice that depends on
+    the constants calibrates the host (load_machine, about 0.2 s).
     Nothing to lower (an empty batch, geom.empty) runs no type: type 1, unmeasured."""
     if batch == 0 or geom.empty:
         return 1
     if measure:
         return choose_by_measurement(geom, batch, dtype, forward_only)
-    return choose_by_model(geom, batch, machine or load_machine(), np.dtype(dtype).itemsize, budget, forward_only)
+    itemsize = np.dtype(dtype).itemsize
+    machine = machine or known_machine()
+    if machine is None:
+        choice = choose_uncalibrated(geom, batch, itemsize, budget, forward_only)
+        if choice is not None:
+            return choice
+        machine = load_machine()
+    return choose_by_model(geom, batch, machine, itemsize, budget, forward_only)
 
 
 # --- Winograd for forwards alone ----------------------------------------------------------------
@@ -548,16 +631,66 @@ def measure_forward(geom: ConvGeometry, batch: int, lowering_type: int, dtype: n
         return _interleaved_best((0,) + tiles, run, repeats)
 
 
-def choose_forward(geom: ConvGeometry, batch: int, lowering_type: int, dtype: npt.DTypeLike = np.float32,
-                   threads: Optional[int] = None) -> int:
-    """0 (the lowering) or the Winograd tile size m whose forward alone is the
-    fastest on this shape at `threads` BLAS threads (those of the batch
-    partition that runs it; None: the count in force), timed once
-    (measure_forward) and cached per shape, count and machine beside the
-    lowering choices; Winograd only where it is clearly faster
-    (CLEARLY_FASTER). Only for shapes cct.lowering.winograd.applicable takes.
-    At CaffeNet's conv2 with 8 images, F(2x2, 5x5) took 0.95x the lowering's
-    time on 2 BLAS threads and 0.63x on the one each of two partitions has."""
+# Winograd's transforms cost this many times a strided copy of the values
+# they write (V, M) in the model (winograd_estimate): the value whose picks
+# agreed best with the timed ones on the three deploy nets' shapes at batch 1
+# and 10 (BENCHMARKS.md, "Loading a .caffemodel (issue 39)").
+TRANSFORM_COST = 2.0
+# The model picks Winograd without timing where it estimates at most this
+# share of the lowering's forward: its estimates were within some 20% of
+# the timed ratios; a closer call keeps the lowering (CLEARLY_FASTER).
+MODEL_CLEARLY_FASTER = 0.8
+
+
+def winograd_estimate(geom, batch, m, machine, itemsize=4):
+    """Modelled seconds of Winograd F(m x m, r x r)'s forward as
+    cct.lowering.winograd runs it: per block of images, alpha^2 GEMMs per
+    group of (tiles x C/group) by (C/group x O/group); the input and output
+    transforms as strided copies of what they write, TRANSFORM_COST times
+    over, plus a read of the input; the check of the weights against their
+    copy (two passes over them)."""
+    from . import winograd
+    g = geom
+    alpha = m + g.kernel_h - 1
+    tiles_h, tiles_w = winograd.tile_counts(g, m)
+    per_image = tiles_h * tiles_w
+    step = winograd.block_images(g, m, batch)
+    seconds = 0.0
+    for start in range(0, batch, step):
+        columns = min(step, batch - start) * per_image
+        seconds += machine.gemm_seconds(columns, g.outputs_per_group, g.channels_per_group, itemsize,
+                                        alpha * alpha * g.group)
+        seconds += TRANSFORM_COST * (machine.gather(alpha * alpha * g.channels * columns, g.channels, itemsize)
+                                     + machine.gather(alpha * alpha * g.num_output * columns, g.num_output, itemsize))
+    seconds += machine.gather(g.channels * batch * g.in_h * g.in_w, g.in_w, itemsize)
+    return seconds + 2 * g.num_output * g.channels_per_group * g.kernel_h * g.kernel_w * itemsize / machine.bandwidth
+
+
+def choose_forward_by_model(geom, batch, lowering_type, machine, itemsize=4):
+    """0 (the lowering) or the tile size m the model puts at or under
+    MODEL_CLEARLY_FASTER of the lowering's forward, in its budget's chunks."""
+    from . import winograd
+    tiles = winograd.timing_tiles(geom, batch)
+    if not tiles:
+        return 0
+    lowered = estimate(geom, batch, lowering_type, machine, itemsize, DEFAULT_BUDGET_MB * 2 ** 20, forward_only=True)
+    seconds = {m: winograd_estimate(geom, batch, m, machine, itemsize) for m in tiles}
+    fastest = min(tiles, key=lambda m: (seconds[m], m))
+    return fastest if seconds[fastest] <= MODEL_CLEARLY_FASTER * lowered else 0
+
+
+def choose_forward(geom, batch, lowering_type, dtype=np.float32, threads=None, measure=False):
+    """0 (the lowering) or the Winograd tile size m for a forward alone of
+    this shape at `threads` BLAS threads (those of the batch partition that
+    runs it; None: the count in force). A choice timed earlier on this shape,
+    count and machine (cached beside the lowering choices) stands; else the
+    model decides (choose_forward_by_model, on this host's calibration where
+    one is known, else NOMINAL_MACHINE: nothing timed), or with measure=True
+    the forwards are timed (measure_forward) and the answer cached: Winograd
+    only where it is clearly faster (CLEARLY_FASTER). Only for shapes
+    cct.lowering.winograd.applicable takes. At CaffeNet's conv2 with 8
+    images, F(2x2, 5x5) took 0.95x the lowering's time on 2 BLAS threads and
+    0.63x on the one each of two partitions has."""
     dtype = np.dtype(dtype)
     # "winograd5": timed on the partition's own batch and BLAS threads (the first
     # timings, on the lowerings' capped batch at the process's threads, are not
@@ -571,6 +704,8 @@ def choose_forward(geom: ConvGeometry, batch: int, lowering_type: int, dtype: np
         from . import winograd
         allowed = (0,) + winograd.timing_tiles(geom, forward_measured_batch(geom, batch, dtype.itemsize))
         return _winograd_pick({int(m): s for m, s in stored["seconds"].items() if int(m) in allowed})
+    if not measure:
+        return choose_forward_by_model(geom, batch, lowering_type, known_machine() or NOMINAL_MACHINE, dtype.itemsize)
     seconds = measure_forward(geom, forward_measured_batch(geom, batch, dtype.itemsize), lowering_type, dtype,
                               threads=threads)
     choice = _winograd_pick(seconds)

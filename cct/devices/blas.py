@@ -54,6 +54,11 @@ class BlasThreads:
                 if lib.get_num_threads() != self.current:
                     setter(self.current)
 
+    def reported(self):
+        """The largest count the libraries report now (1 without a BLAS
+        library): a call into each, not threadpoolctl's scan of the process."""
+        return max([lib.get_num_threads() for lib in self._libraries] or [1])
+
     def restore(self):
         """Back to the process's default count, in every library."""
         self.set(self.default)

@@ -82,6 +82,39 @@ def test_gemm_fit_recovers_constants():
     assert in_bw == pytest.approx(FIXED.gemm_in_bandwidth, rel=1e-6)
 
 
+# --- calibrating only where it changes a choice -------------------------------------------------
+def test_a_choice_every_nominal_machine_agrees_on_calibrates_nothing(monkeypatch):
+    monkeypatch.setattr(chooser, "measure_machine", lambda: pytest.fail("calibrated"))
+    geom = square(16, 256)
+    assert chooser.choose_uncalibrated(geom, 64) is not None
+    assert chooser.choose(geom, 64) == chooser.choose_by_model(geom, 64, chooser.NOMINAL_MACHINE)
+
+
+def test_a_choice_that_depends_on_the_machine_calibrates_once(monkeypatch):
+    """Asked to be exact (CLOSE_ENOUGH 1), CaffeNet's conv5 shape at 32
+    images picks differently on some nominal machine: the host is measured,
+    once, and the model runs on its constants."""
+    monkeypatch.setattr(chooser, "CLOSE_ENOUGH", 1.0)
+    geom = square(384, 256, n=13)
+    assert chooser.choose_uncalibrated(geom, 32) is None
+    calls = []
+    monkeypatch.setattr(chooser, "measure_machine", lambda: calls.append(1) or FIXED)
+    assert chooser.choose(geom, 32) == chooser.choose_by_model(geom, 32, FIXED)
+    assert chooser.choose(geom, 32) == chooser.choose_by_model(geom, 32, FIXED) and calls == [1]
+
+
+def test_a_stored_calibration_is_used_once_it_merges_enough_measurements(cache_dir, monkeypatch):
+    stored = dataclasses.replace(FIXED, calibrations=chooser.CALIBRATIONS - 1)
+    (cache_dir / "lowering.json").write_text(json.dumps({"version": chooser.CACHE_VERSION, "choices": {},
+                                                         "machines": {chooser.machine_key(): stored.to_dict()}}))
+    assert chooser.known_machine() is None                  # a few calibrations may read slow: not yet
+    monkeypatch.setattr(chooser, "measure_machine", lambda: FIXED)
+    assert chooser.load_machine().calibrations == chooser.CALIBRATIONS
+    chooser.clear_memory_cache()                              # a new process
+    monkeypatch.setattr(chooser, "measure_machine", lambda: pytest.fail("calibrated"))
+    assert chooser.known_machine().calibrations == chooser.CALIBRATIONS
+
+
 # --- the cache file ----------------------------------------------------------------------------
 def test_machine_is_measured_once_per_process_and_cached(cache_dir, monkeypatch):
     calls = []

@@ -176,10 +176,10 @@ def test_transformed_weights_follow_writes_through_views():
 def test_timed_choice_is_cached_per_shape(cache_dir, monkeypatch):
     geom = ConvGeometry(8, 8, 28, 28, 3, 3, pad_h=1, pad_w=1)
     monkeypatch.setattr(chooser, "measure_forward", lambda geom, batch, kind, dtype, threads: {0: 2.0, 2: 1.0, 4: 1.5})
-    assert chooser.choose_forward(geom, 1, 1) == 2
+    assert chooser.choose_forward(geom, 1, 1, measure=True) == 2
     chooser.clear_memory_cache()
     monkeypatch.setattr(chooser, "measure_forward", lambda *args: pytest.fail("timed twice"))
-    assert chooser.choose_forward(geom, 1, 1) == 2
+    assert chooser.choose_forward(geom, 1, 1) == 2              # the timed choice stands, not the model's
     choices = json.loads((cache_dir / "lowering.json").read_text())["choices"]
     assert list(choices.values()) == [{"winograd": 2, "seconds": {"0": 2.0, "2": 1.0, "4": 1.5}}]
 
@@ -188,9 +188,34 @@ def test_winograd_is_kept_only_where_clearly_faster(cache_dir, monkeypatch):
     geom = ConvGeometry(8, 8, 28, 28, 3, 3, pad_h=1, pad_w=1)
     near = 1.0 * chooser.CLEARLY_FASTER + 0.01
     monkeypatch.setattr(chooser, "measure_forward", lambda geom, batch, kind, dtype, threads: {0: 1.0, 2: near, 4: 2.0})
-    assert chooser.choose_forward(geom, 1, 1) == 0
+    assert chooser.choose_forward(geom, 1, 1, measure=True) == 0
     monkeypatch.setattr(chooser, "measure_forward", lambda geom, batch, kind, dtype, threads: {0: 1.0, 2: 0.9, 4: 0.8})
-    assert chooser.choose_forward(geom, 2, 1) == 4
+    assert chooser.choose_forward(geom, 2, 1, measure=True) == 4
+
+
+def test_auto_decides_by_the_model_without_timing(cache_dir, monkeypatch):
+    """Nothing timed and nothing cached: a wide 3 x 3 on a large plane goes
+    to F(4x4, 3x3), a few channels on a small plane lower, as the model says."""
+    monkeypatch.setattr(chooser, "measure_forward", lambda *args, **kwargs: pytest.fail("timed"))
+    monkeypatch.setattr(chooser, "measure_machine", lambda: pytest.fail("calibrated"))
+    wide = ConvGeometry(128, 128, 28, 28, 3, 3, pad_h=1, pad_w=1)
+    narrow = ConvGeometry(16, 32, 28, 28, 5, 5, pad_h=2, pad_w=2)
+    assert chooser.choose_forward(wide, 1, 1) == 4
+    assert chooser.choose_forward(narrow, 1, 1) == 0
+    machine = chooser.NOMINAL_MACHINE
+    lowered = chooser.estimate(wide, 1, 1, machine, budget=64 * 2 ** 20, forward_only=True)
+    assert chooser.winograd_estimate(wide, 1, 4, machine) <= chooser.MODEL_CLEARLY_FASTER * lowered
+    assert not (cache_dir / "lowering.json").exists() or not json.loads(
+        (cache_dir / "lowering.json").read_text())["choices"]
+
+
+def test_winograd_estimate_counts_the_gemms_the_forward_runs():
+    """With free copies and memory, the model is the alpha^2 GEMMs' arithmetic:
+    F(4x4, 3x3) on 8 x 8 outputs has 4 tiles of 6 x 6."""
+    free = chooser.Machine(bandwidth=1e30, gather_row=0, scatter_row=0, add_row=0, gemm_flops=1e9,
+                           gemm_out_bandwidth=1e30, gemm_in_bandwidth=1e30)
+    geom = ConvGeometry(16, 32, 8, 8, 3, 3, pad_h=1, pad_w=1)
+    assert chooser.winograd_estimate(geom, 2, 4, free) == pytest.approx(36 * 2 * (2 * 4) * 32 * 16 / 1e9)
 
 
 def test_the_chooser_times_at_the_runtimes_blas_count():
@@ -223,7 +248,7 @@ def test_auto_times_only_tile_sizes_with_enough_columns(cache_dir, monkeypatch):
     # a timing cached before the rule keeps to it
     key_geom = ConvGeometry(8, 8, 14, 14, 3, 3, pad_h=1, pad_w=1)
     monkeypatch.setattr(chooser, "measure_forward", lambda geom, batch, kind, dtype, threads: {0: 1.0, 2: 0.99, 4: 0.5})
-    assert chooser.choose_forward(key_geom, 1, 1) == 4       # measured now: the stub's seconds as given
+    assert chooser.choose_forward(key_geom, 1, 1, measure=True) == 4       # measured now: the stub's seconds
     chooser.clear_memory_cache()
     monkeypatch.setattr(chooser, "measure_forward", lambda *args: pytest.fail("timed twice"))
     assert chooser.choose_forward(key_geom, 1, 1) == 0       # read back: F(4x4, 3x3)'s 16 columns left out
