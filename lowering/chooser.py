@@ -65,6 +65,7 @@ _lock = threading.RLock()
 _cache: Dict[Path, Dict[str, Any]] = {}      # cache path -> parsed file contents
 _machines: Dict[Tuple[Path, str], "Machine"] = {}   # (cache path, machine key) -> Machine
 _robust: Dict[Any, Any] = {}           # choose_by_model's arguments -> its choice on every NOMINAL machine, or None
+_decided: Dict[Any, int] = {}          # choose's and choose_forward's untimed choices: the same all process long
 
 
 # --- machine constants -------------------------------------------------------------------
@@ -315,6 +316,7 @@ def clear_memory_cache() -> None:
         _cache.clear()
         _machines.clear()
         _robust.clear()
+        _decided.clear()
 
 
 # --- the cost model ----------------------------------------------------------------------------
@@ -551,13 +553,19 @@ def choose(geom: ConvGeometry, batch: int, machine: Optional[Machine] = None, me
     if measure:
         return choose_by_measurement(geom, batch, dtype, forward_only)
     itemsize = np.dtype(dtype).itemsize
-    machine = machine or known_machine()
-    if machine is None:
-        choice = choose_uncalibrated(geom, batch, itemsize, budget, forward_only)
-        if choice is not None:
-            return choice
-        machine = load_machine()
-    return choose_by_model(geom, batch, machine, itemsize, budget, forward_only)
+    if machine is not None:
+        return choose_by_model(geom, batch, machine, itemsize, budget, forward_only)
+    # a calibration made later in this process must not change what nets built before it run
+    key = ("type", geom, batch, itemsize, budget, forward_only)
+    with _lock:
+        if key in _decided:
+            return _decided[key]
+    machine = known_machine()
+    choice = choose_uncalibrated(geom, batch, itemsize, budget, forward_only) if machine is None else None
+    if choice is None:
+        choice = choose_by_model(geom, batch, machine or load_machine(), itemsize, budget, forward_only)
+    with _lock:
+        return _decided.setdefault(key, choice)
 
 
 # --- Winograd for forwards alone ----------------------------------------------------------------
@@ -705,7 +713,11 @@ def choose_forward(geom, batch, lowering_type, dtype=np.float32, threads=None, m
         allowed = (0,) + winograd.timing_tiles(geom, forward_measured_batch(geom, batch, dtype.itemsize))
         return _winograd_pick({int(m): s for m, s in stored["seconds"].items() if int(m) in allowed})
     if not measure:
-        return choose_forward_by_model(geom, batch, lowering_type, known_machine() or NOMINAL_MACHINE, dtype.itemsize)
+        with _lock:
+            if key not in _decided:
+                _decided[key] = choose_forward_by_model(geom, batch, lowering_type,
+                                                        known_machine() or NOMINAL_MACHINE, dtype.itemsize)
+            return _decided[key]
     seconds = measure_forward(geom, forward_measured_batch(geom, batch, dtype.itemsize), lowering_type, dtype,
                               threads=threads)
     choice = _winograd_pick(seconds)
