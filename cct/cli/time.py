@@ -1,5 +1,7 @@
 """`cct time`: Caffe's per-layer forward and backward timings, then cct's
-profile table (GFLOP/s, share of the GEMM peak, lowering type, partitions)."""
+profile table (GFLOP/s, share of the GEMM peak, lowering type, partitions),
+and the start-up apart: building the net, loading its weights, and what the
+first forward costs over the average one (a one-shot tool pays all three)."""
 import json
 import logging
 import statistics
@@ -47,14 +49,19 @@ def time_command(args):
     apply_gpu(args)
     apply_schedule(args)
     apply_memory_limit(args)
+    clock = time.perf_counter
+    start = clock()
     net = Net(args.model, phase(args, TRAIN), level=args.level, stages=stages(args.stage))
+    startup = {"net construction": clock() - start}
     for line in fusion.describe(net):
         log.info("%s", line)
     memory = net.executor.memory_plan
     memory.add("runtime", "numba and OpenBLAS buffers", memory_plan.runtime_bytes())     # what timing loads
     log.info("Memory plan: %s", memory)
+    start = clock()
     for path in stages(args.weights):
         net.copy_from(path)
+    startup["weights"] = clock() - start if args.weights else None
     peak = bandwidth = None
     if args.peak_size and settings.device() is not None:
         from cct.devices.query import measured_gflops
@@ -74,7 +81,10 @@ def time_command(args):
         plan = net.executor.tune()
         log.info("Partitions: %s", ", ".join(f"{name}={p}" for name, p in plan.items()) or "no layer")
     log.info("Performing Forward")
-    log.info("Initial loss: %s", fmt(net._forward()))
+    start = clock()
+    loss = net._forward()
+    startup["first forward"] = clock() - start
+    log.info("Initial loss: %s", fmt(loss))
     log.info("Performing Backward")
     net._backward()
     if settings.device() is not None and settings.hybrid() is not None:
@@ -83,7 +93,6 @@ def time_command(args):
     forward_ms, backward_ms = np.zeros(count), np.zeros(count)
     log.info("*** Benchmark begins ***")
     log.info("Testing for %d iterations.", args.iterations)
-    clock = time.perf_counter
     # on a device, each layer's time is up to its last kernel's end (Caffe's GPU timer)
     wait = settings.device().finish if settings.device() is not None else (lambda: None)
     total_start = clock()
@@ -115,6 +124,7 @@ def time_command(args):
     log.info("Average Backward pass: %s ms.", fmt(backward_ms.sum()))
     log.info("Average Forward-Backward: %s ms.", fmt(total_ms / args.iterations))
     log.info("Total Time: %s ms.", fmt(total_ms))
+    log.info("%s", startup_line(startup, forward_ms.sum()))
     for line in profile_table(net, forward_ms, backward_ms, peak, bandwidth):
         log.info("%s", line)
     for line in placement_lines(net):
@@ -127,6 +137,19 @@ def time_command(args):
 
 
 STREAMED = ("streams", "tuned", "auto")
+
+
+def startup_line(seconds, forward_ms):
+    """The start-up, apart from the benchmark: building the net, its weights
+    (None: no --weights), and the first forward with what it took over `forward_ms`,
+    the average forward (machine-specific choices, compiled kernels loaded,
+    buffers first touched)."""
+    first_ms = 1e3 * seconds["first forward"]
+    weights = "none" if seconds["weights"] is None else f"{fmt(1e3 * seconds['weights'])} ms"
+    return (f"Start-up: net construction {fmt(1e3 * seconds['net construction'])} ms, weights {weights}, "
+            f"first forward {fmt(first_ms)} ms "
+            f"({fmt(first_ms - forward_ms)} ms over the average forward, "
+            f"{first_ms / forward_ms if forward_ms > 0 else float('inf'):.2f}x).")
 
 
 def placement_lines(net):

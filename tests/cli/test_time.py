@@ -251,3 +251,29 @@ layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
     start = next(i for i, m in enumerate(text) if m.startswith("Profile per layer"))
     rows = {m.split()[0]: m.split() for m in text[start + 2:] if m.split() and m.split()[0] in ("conv", "relu")}
     assert rows["conv"][-2] == "W4"
+
+
+# --- the start-up --------------------------------------------------------------------------------
+START_UP = re.compile(r"Start-up: net construction ([0-9.e+-]+) ms, weights (none|[0-9.e+-]+ ms), first forward "
+                      r"([0-9.e+-]+) ms \(([0-9.e+-]+) ms over the average forward, ([0-9.]+|inf)x\)\.")
+
+
+def test_time_reports_the_start_up_apart(run_folder, capsys):
+    """Construction, weights and the first forward's extra cost, each in ms:
+    the weights "none" without --weights, and the extra is the first
+    forward less Caffe's "Average Forward pass"."""
+    import cct
+    cct.Net("net.prototxt", cct.TRAIN).save(str(run_folder / "net.caffemodel"))
+    for flags, weighted in (((), False), (("--weights", "net.caffemodel"), True)):
+        code, _, err = run_cct(capsys, "time", "--model", "net.prototxt", "--iterations", "2", "--peak_size", "0",
+                               *flags)
+        assert code == 0, err
+        text = messages(err)
+        found = [START_UP.fullmatch(m) for m in text if m.startswith("Start-up: ")]
+        assert len(found) == 1 and found[0], text
+        construction, weights, first, extra, _ = found[0].groups()
+        assert float(construction) > 0 and float(first) > 0
+        assert (weights != "none" and float(weights.split()[0]) > 0) == weighted
+        average = next(float(m.split()[3]) for m in text if m.startswith("Average Forward pass: "))
+        assert float(extra) == pytest.approx(float(first) - average, abs=2e-3)
+        assert text.index(found[0].group(0)) > text.index("*** Benchmark begins ***")
