@@ -19,6 +19,9 @@ forward: ms per forward.
 
 --backward times forward + backward of the same nets built for TRAIN with
 force_backward (every layer's backward runs, the input's gradient too).
+--stub replaces every layer's forward (and, where the tree has them, its
+bound forward) and the fused passes with calls that do nothing: what is left
+of a forward is the runtime's own cost, in any revision.
 
 Run one revision against another by putting an install of the other first on
 PYTHONPATH (pip install --no-deps --target DIR REV's checkout), in turns.
@@ -59,6 +62,23 @@ def unit(kind, i):
                 + f'layer {{ name: "sum{i}" type: "Eltwise" bottom: "{bottom}" bottom: "{branch}" top: "{top}" }}\n'
                 + f'layer {{ name: "r{i}" type: "ReLU" bottom: "{top}" top: "{top}" }}\n'), 6
     raise SystemExit(f"unknown kind {kind!r}: relu, conv, pool, block, residual")
+
+
+def stub_kernels():
+    """Every layer's forward, bound forward and fused pass does nothing."""
+    from cct.core.layer import LAYER_TYPES
+    from cct.runtime import fusion
+
+    def nothing(self, bottom, top):
+        pass
+
+    def bound_nothing(self, bottom, top, output_relu=None):
+        return lambda: None
+    for cls in LAYER_TYPES.values():
+        cls.forward = nothing
+        if hasattr(cls, "bind_forward"):
+            cls.bind_forward = bound_nothing
+    fusion._execute = lambda prepared, threads: None
 
 
 def tiny_net(kind, units, backward=False):
@@ -115,11 +135,15 @@ def main():
     parser.add_argument("--repeats", type=int, default=300)
     parser.add_argument("--nets", default="resnet50,googlenet", help="'' for none")
     parser.add_argument("--backward", action="store_true", help="forward + backward of TRAIN nets")
+    parser.add_argument("--stub", action="store_true", help="every compute kernel replaced by a call doing nothing")
     args = parser.parse_args()
     import cct
     p = common.print_flush
     p(common.machine_line())
     p(f"cct from {os.path.dirname(cct.__file__)}")
+    if args.stub:
+        stub_kernels()
+        p("every layer's forward and fused pass stubbed out")
     for kind in args.kinds.split(","):
         if not kind:
             continue

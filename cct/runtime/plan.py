@@ -26,11 +26,16 @@ reshape reads more than their blobs' layout (reshape_reads_layout False:
 Python and data layers) reshape in their step, as Caffe's do at every
 forward.
 """
+from typing import Any, Callable, FrozenSet, List, Optional, Tuple
+
 from cct.core.blob import Layout
 from cct.core.errors import MemoryLimitError
 
+Step = Callable[[], Any]
+Group = Tuple[int, int]               # (first, last) layer of a fused run or a convolution + output ReLU
 
-def _nothing():
+
+def _nothing() -> None:
     """The step of a layer its group's first step runs (a fused run, an output ReLU)."""
 
 
@@ -46,12 +51,14 @@ class Plan:
     (all but the last), with the range they belong to.
     """
 
-    def __init__(self, executor):
+    def __init__(self, executor: Any) -> None:
         net = executor.net
         self.epoch = Layout.epoch
         self.settings_version = executor.settings.version
         self.layers, self.tops = net.layers, net.top_vecs
-        self.forward_steps, self.backward_steps, self.blas = [], [], []
+        self.forward_steps: List[Optional[Step]] = []
+        self.backward_steps: List[Optional[Step]] = []
+        self.blas: List[int] = []
         for index, layer in enumerate(net.layers):
             bottoms, tops = net.bottom_vecs[index], net.top_vecs[index]
             partitions = executor.partitions(index)
@@ -61,20 +68,20 @@ class Plan:
                                        if net.layer_need_backward[index] else None)
         self.losses = frozenset(index for index, layer in enumerate(net.layers) if any(layer.loss_weights))
         self.groups = _fuse(executor, self.forward_steps, self.blas)
-        self.starts_inside = frozenset(i for first, last in self.groups for i in range(first + 1, last + 1))
+        self.starts_inside: FrozenSet[int] = frozenset(i for first, last in self.groups for i in range(first + 1, last + 1))
         self.ends_inside = frozenset(i for first, last in self.groups for i in range(first, last))
         # after these steps the BLAS count is set again: a loss was read, or a group may have run layer by layer
         self.resets = self.losses | {first for first, _ in self.groups}
 
-    def current(self, executor):
+    def current(self, executor: Any) -> bool:
         """Whether this plan still describes the executor's net."""
         return Layout.epoch == self.epoch and executor.settings.version == self.settings_version
 
-    def covers(self, start, end):
+    def covers(self, start: int, end: int) -> bool:
         """Whether a forward of layers start..end may run the steps (it cuts no group)."""
         return start not in self.starts_inside and end not in self.ends_inside
 
-    def forward(self, executor, start, end):
+    def forward(self, executor: Any, start: int, end: int) -> float:
         """Layers start..end forward; their summed loss. Where a reshape
         changes the layout on the way, the rest runs layer by layer."""
         steps, blas, epoch, losses, resets = self.forward_steps, self.blas, self.epoch, self.losses, self.resets
@@ -107,7 +114,7 @@ class Plan:
             raise self._named(error, index) from None
         return loss
 
-    def backward(self, executor, start, end):
+    def backward(self, executor: Any, start: int, end: int) -> None:
         """Layers start..end backward (start > end), those the net runs."""
         steps, blas = self.backward_steps, self.blas
         set_blas = executor.blas.set
@@ -125,12 +132,12 @@ class Plan:
         except MemoryLimitError as error:
             raise self._named(error, index) from None
 
-    def _named(self, error, index):
+    def _named(self, error: MemoryLimitError, index: int) -> MemoryLimitError:
         """The error under the layer's name (Layer.naming_allocations's, for a whole pass)."""
         return error if error.named else self.layers[index].named_allocation_error(error, self.tops[index])
 
 
-def _forward_step(executor, index, partitions):
+def _forward_step(executor: Any, index: int, partitions: int) -> Optional[Step]:
     """Layer `index`'s forward as one call, or None for the executor's path."""
     net = executor.net
     layer, bottoms, tops = net.layers[index], net.bottom_vecs[index], net.top_vecs[index]
@@ -142,13 +149,13 @@ def _forward_step(executor, index, partitions):
     if layer.reshape_reads_layout:
         return layer.bind_forward(bottoms, tops)
 
-    def reshaped():
+    def reshaped() -> None:
         layer.reshape(bottoms, tops)
         layer.forward(bottoms, tops)
     return reshaped
 
 
-def _backward_step(executor, index, partitions, layer, bottoms, tops):
+def _backward_step(executor: Any, index: int, partitions: int, layer: Any, bottoms: list, tops: list) -> Step:
     propagate_down = executor.net.bottom_need_backward[index]
     if partitions > 1:
         runner, workers = executor._runner(index, partitions), executor.workers(partitions)
@@ -156,13 +163,13 @@ def _backward_step(executor, index, partitions, layer, bottoms, tops):
     return layer.bind_backward(tops, propagate_down, bottoms)
 
 
-def _fuse(executor, steps, blas):
+def _fuse(executor: Any, steps: List[Optional[Step]], blas: List[int]) -> List[Group]:
     """Rewrite the forward steps for inference fusion; returns the groups,
     (first, last) layer of each fused run and convolution + output ReLU."""
     fusion = executor.fusion
     if fusion is None:
         return []
-    net, groups = executor.net, []
+    net, groups = executor.net, []  # type: Any, List[Group]
     for number, run in enumerate(fusion.runs):
         steps[run[0]] = _fused_run(executor, fusion, number, run)
         for index in run[1:]:
@@ -180,12 +187,12 @@ def _fuse(executor, steps, blas):
     return groups
 
 
-def _fused_run(executor, fusion, number, run):
+def _fused_run(executor: Any, fusion: Any, number: int, run: List[int]) -> Step:
     """Run `number`'s step: its kept pass (Fusion.replay), else its layers on
     the executor's path, which compose the pass and keep it."""
     forward, threads = executor.forward, executor.threads
 
-    def step():
+    def step() -> None:
         if not fusion.replay(number, threads):
             for index in run:
                 forward(index)
