@@ -73,6 +73,15 @@ class ReLU(Neuron):
         x, y = bottom[0].data, top[0].data
         return lambda: np.maximum(x, 0, out=y)
 
+    def bind_backward(self, top, propagate_down, bottom):
+        """dx = dy where x > 0, on the arrays the plan's layout holds, with a
+        mask of the layer's own for a blob of one slice (backward's numbers)."""
+        if self.slope != 0 or not propagate_down[0] or bottom[0].count > CHUNK_ELEMENTS:
+            return super().bind_backward(top, propagate_down, bottom)
+        x, dy, dx = bottom[0].data, top[0], bottom[0]
+        mask = self.scratch("relu_positive", x.shape, np.bool_)
+        return lambda: np.multiply(dy.diff, np.greater(x, 0, out=mask), out=dx.diff)
+
     def runs_on(self, device, bottom, top):
         return self.all_float32(bottom, top)
 

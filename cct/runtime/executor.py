@@ -291,6 +291,10 @@ class Executor:
             return None
         return plan if plan.current(self) else None
 
+    def drop_plan(self):
+        """The next whole forward runs layer by layer and makes a new plan."""
+        self._plan = None
+
     def forward_range(self, start, end):
         """Layers start..end forward (Net.forward); their summed loss."""
         loss = 0.0
@@ -299,10 +303,13 @@ class Executor:
             plan = self._current_plan()
             if plan is not None and plan.covers(start, end):
                 return plan.forward(self, start, end)
+            if plan is not None and plan.params is not None and plan.params.changed():
+                self.drop_plan()                # remade after this forward, with the new parameters
             for index in range(start, end + 1):
                 loss += self.forward(index)
             if (start == 0 and end == len(self.net.layers) - 1 and not self._listeners
                     and self._forward_device is None):
+                self._plan = None
                 self._plan = Plan(self)         # every layer reshaped and chose for these shapes
         finally:
             self.end_forward()                  # a failing layer leaves no lowered BLAS count
@@ -549,7 +556,10 @@ class Executor:
 
     def shape_key(self):
         """What a schedule is built for: every blob's shape and every layer's
-        batch partitions at those shapes."""
+        batch partitions at those shapes (the plan's, while it holds)."""
+        plan = self._plan
+        if plan is not None and plan.current(self):
+            return plan.shape_key
         return (tuple(blob.shape for blob in self.net.blobs.values()),
                 tuple(self.partitions(i) for i in range(len(self.net.layers))))
 

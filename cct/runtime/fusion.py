@@ -421,6 +421,47 @@ def _same_bits(current, snapshot):
     return True
 
 
+@kernel
+def _first_changed(currents, snapshot, offsets):
+    """The index of the first of `currents` (flat unsigned views) whose bits
+    are not its piece of `snapshot` (offsets[i] to offsets[i + 1]), else -1."""
+    for i in range(len(currents)):
+        current, start = currents[i], offsets[i]
+        if current.shape[0] != offsets[i + 1] - start:
+            return i
+        differs = current.dtype.type(0)
+        for j in range(current.shape[0]):    # no early exit, unsigned indices: the loop vectorises
+            differs |= current[j] ^ snapshot[start + np.uint64(j)]
+        if differs:
+            return i
+    return -1
+
+
+class ParamWatch:
+    """The parameters of a net's kept passes, checked in one compiled call per
+    word width (an execution plan's, before each forward): whether any
+    changed since the passes were kept. Arrays of a whole number of 8-byte
+    words are compared by those, the others by 4-byte ones."""
+
+    def __init__(self, fusion):
+        pieces = {np.uint64: ([], []), np.uint32: ([], [])}
+        for replay in fusion._replays.values():
+            for _, _, data, _, snapshot in replay.params:
+                word = np.uint64 if data.nbytes % 8 == 0 else np.uint32
+                pieces[word][0].append(data.reshape(-1).view(word))
+                pieces[word][1].append(snapshot.view(word))
+        self.groups = [_watched(arrays, snapshots) for arrays, snapshots in pieces.values() if arrays]
+
+    def changed(self):
+        return any(_first_changed(*group) >= 0 for group in self.groups)
+
+
+def _watched(arrays, snapshots):
+    from numba.typed import List
+    offsets = np.cumsum([0] + [piece.size for piece in snapshots]).astype(np.uint64)
+    return List(arrays), np.concatenate(snapshots), offsets
+
+
 def _bits(values):
     """A blob's values as a flat view of unsigned integers of their width."""
     return values.reshape(-1).view(f"u{values.dtype.itemsize}")
@@ -454,6 +495,11 @@ class Replay:
         for blob, shape, data in self.blobs:
             if blob.shape != shape or blob.data is not data:
                 return False
+        return self.params_same()
+
+    def params_same(self):
+        """Every parameter of the run's layers has the array and the values it had
+        (still_valid without the blobs, which an execution plan's layout vouches for)."""
         for blobs, k, data, bits, snapshot in self.params:
             if blobs[k].data is not data or not _same_bits(bits, snapshot):
                 return False
@@ -550,10 +596,11 @@ class Fusion:
         return True
 
     def replay(self, number, threads):
-        """Run `number`'s kept pass where nothing it read has changed (an
-        execution plan's step for the whole run); whether it ran."""
+        """Run `number`'s kept pass (an execution plan's step for the whole
+        run: the plan's layout vouches for the blobs, its ParamWatch for the
+        parameters); whether there was one."""
         replay = self._replays.get(number)
-        if replay is None or not replay.still_valid():
+        if replay is None:
             return False
         replay.run(threads)
         return True

@@ -30,6 +30,7 @@ from typing import Any, Callable, FrozenSet, List, Optional, Tuple
 
 from cct.core.blob import Layout
 from cct.core.errors import MemoryLimitError
+from cct.runtime.fusion import ParamWatch
 
 Step = Callable[[], Any]
 Group = Tuple[int, int]               # (first, last) layer of a fused run or a convolution + output ReLU
@@ -56,6 +57,7 @@ class Plan:
         self.epoch = Layout.epoch
         self.settings_version = executor.settings.version
         self.layers, self.tops = net.layers, net.top_vecs
+        self.shape_key = executor.shape_key()      # computed: the executor holds no plan while this is made
         self.forward_steps: List[Optional[Step]] = []
         self.backward_steps: List[Optional[Step]] = []
         self.blas: List[int] = []
@@ -68,6 +70,7 @@ class Plan:
                                        if net.layer_need_backward[index] else None)
         self.losses = frozenset(index for index, layer in enumerate(net.layers) if any(layer.loss_weights))
         self.groups = _fuse(executor, self.forward_steps, self.blas)
+        self.params = ParamWatch(executor.fusion) if executor.fusion is not None else None
         self.starts_inside: FrozenSet[int] = frozenset(i for first, last in self.groups for i in range(first + 1, last + 1))
         self.ends_inside = frozenset(i for first, last in self.groups for i in range(first, last))
         # after these steps the BLAS count is set again: a loss was read, or a group may have run layer by layer
@@ -78,8 +81,11 @@ class Plan:
         return Layout.epoch == self.epoch and executor.settings.version == self.settings_version
 
     def covers(self, start: int, end: int) -> bool:
-        """Whether a forward of layers start..end may run the steps (it cuts no group)."""
-        return start not in self.starts_inside and end not in self.ends_inside
+        """Whether a forward of layers start..end may run the steps: it cuts no
+        group, and no parameter a fused run's kept pass folded in has changed
+        (pycaffe writes them through numpy views: the next plan folds them again)."""
+        return (start not in self.starts_inside and end not in self.ends_inside
+                and (self.params is None or not self.params.changed()))
 
     def forward(self, executor: Any, start: int, end: int) -> float:
         """Layers start..end forward; their summed loss. Where a reshape
@@ -189,11 +195,12 @@ def _fuse(executor: Any, steps: List[Optional[Step]], blas: List[int]) -> List[G
 
 def _fused_run(executor: Any, fusion: Any, number: int, run: List[int]) -> Step:
     """Run `number`'s step: its kept pass (Fusion.replay), else its layers on
-    the executor's path, which compose the pass and keep it."""
+    the executor's path, which compose the pass and keep it for the next plan."""
     forward, threads = executor.forward, executor.threads
 
     def step() -> None:
         if not fusion.replay(number, threads):
             for index in run:
                 forward(index)
+            executor.drop_plan()      # the pass these kept is not in this plan's ParamWatch
     return step
