@@ -29,6 +29,7 @@ import logging
 import time
 import weakref
 
+from cct.core.blob import Layout
 from cct.core.progress import Progress
 from cct.runtime import fusion as fusion_module
 from cct.runtime import hybrid as hybrid_module
@@ -103,6 +104,7 @@ class Executor:
         self._hybrid_key = None       # (shape key, device) the hybrid plan was made for
         self._forwarded = None        # the shape key of the last whole forward on a device
         self._plan = None             # the host's execution plan (cct.runtime.plan), made after a whole forward
+        self._laid_out = None         # Layout.epoch after the last whole forward layer by layer
         # CCT_PARTITIONS=p partitions every layer that allows it (the conformance
         # suite runs with it to check partitioned results equal unpartitioned
         # ones); CCT_PARTITIONS=1 runs every layer whole.
@@ -309,8 +311,12 @@ class Executor:
                 loss += self.forward(index)
             if (start == 0 and end == len(self.net.layers) - 1 and not self._listeners
                     and self._forward_device is None):
-                self._plan = None
-                self._plan = Plan(self)         # every layer reshaped and chose for these shapes
+                # every layer reshaped and chose for these shapes; a plan (tens of binds) only
+                # for a layout a whole forward saw twice, not for shapes that change every time
+                if self._laid_out == Layout.epoch:
+                    self._plan = None
+                    self._plan = Plan(self)
+                self._laid_out = Layout.epoch
         finally:
             self.end_forward()                  # a failing layer leaves no lowered BLAS count
         return loss

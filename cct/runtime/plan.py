@@ -15,8 +15,10 @@ layers' steps do nothing), and a convolution that absorbs the ReLU after it
 is bound with that ReLU in its output store (the ReLU's step does nothing).
 A forward that starts or stops inside such a group runs layer by layer.
 
-A plan is made after a whole forward that ran layer by layer, so every
-reshape has run and every choice is made for the shapes the plan binds; it
+A plan is made after a whole forward that ran layer by layer at a layout the
+previous whole forward ran at too (shapes that change at every forward get
+none), so every reshape has run and every choice is made for the shapes the
+plan binds; it
 is used while Layout.epoch (cct.core.blob) is the one it was made at, the
 net's settings are those it read, and nothing was subscribed since. A
 reshape in the middle of a forward (a Python layer's, a data layer's new
@@ -47,9 +49,10 @@ class Plan:
     it must), None where the executor's per-layer path runs it;
     backward_steps[i]: a callable running layer i's backward, None where the
     net skips it; blas[i]: the BLAS threads step i runs with; losses: the
-    layers whose forward leaves a loss to read; inside: the layers a forward
-    may not start at (the second and later of a group) and may not end at
-    (all but the last), with the range they belong to.
+    layers whose forward leaves a loss to read; groups: (first, last) of each
+    fused run and convolution + output ReLU; starts_inside and ends_inside:
+    the layers a forward may not start at (a group's second and later) or
+    end at (a group's all but last); params: the fused passes' ParamWatch.
     """
 
     def __init__(self, executor: Any) -> None:

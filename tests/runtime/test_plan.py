@@ -70,6 +70,8 @@ def test_a_steady_net_runs_its_plan_and_gets_the_per_layer_numbers(fused):
     net, reference = make_net(fused), make_net(fused)
     run(net, x, target)
     run(net, x, target)                      # the first backward made the diffs: the layout moved once
+    assert net.executor._plan is None        # a plan for a layout two whole forwards saw
+    run(net, x, target)
     plan = net.executor._plan
     assert plan is not None and plan.current(net.executor)
     got = run(net, x, target)
@@ -97,11 +99,21 @@ def test_a_reshape_by_the_user_makes_a_new_plan():
     assert len({id(plan) for plan in plans}) == len(plans)
 
 
+def test_shapes_that_change_at_every_forward_get_no_plan():
+    """A plan binds tens of steps: not worth it for a layout one forward uses."""
+    rng = np.random.default_rng(4)
+    net = make_net()
+    for batch in (1, 2, 3, 1, 2, 3):
+        run(net, rng.normal(size=(batch, 3, 8, 8)).astype(np.float32), rng.normal(size=(batch, 5)).astype(np.float32))
+        assert net.executor._plan is None
+
+
 def test_a_setting_or_a_lowering_choice_makes_a_new_plan():
     rng = np.random.default_rng(2)
     x, target = rng.normal(size=(2, 3, 8, 8)).astype(np.float32), rng.normal(size=(2, 5)).astype(np.float32)
     net = make_net()
     expected = run(net, x, target)
+    run(net, x, target)
     run(net, x, target)
     plan = net.executor._plan
     epoch = Layout.epoch
@@ -110,6 +122,7 @@ def test_a_setting_or_a_lowering_choice_makes_a_new_plan():
     assert Layout.epoch != epoch and not plan.current(net.executor)
     got = run(net, x, target)
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-5)
+    run(net, x, target)
     run(net, x, target)
     plan = net.executor._plan
     assert plan.current(net.executor)
@@ -169,8 +182,9 @@ def test_a_forward_between_layers_runs_the_plans_steps():
     rng = np.random.default_rng(3)
     x, target = rng.normal(size=(2, 3, 8, 8)).astype(np.float32), rng.normal(size=(2, 5)).astype(np.float32)
     net = make_net()
-    run(net, x, target)
-    run(net, x, target)
+    for _ in range(3):
+        run(net, x, target)
+    assert net.executor._plan.current(net.executor)
     whole = net.blobs["ip"].data.copy()
     net.blobs["ip"].data[...] = 0
     net.forward(start="pool2", end="ip")
@@ -201,21 +215,20 @@ def fused_net():
 
 
 def per_layer_fused(net, **ends):
-    """A forward of a fused net on the executor's per-layer path (a layout
-    change leaves its plan stale; a subscriber would turn fusion off)."""
-    Layout.changed()
+    """A forward of a fused net on the executor's per-layer path (its plan
+    dropped; a subscriber would turn fusion off)."""
+    net.executor.drop_plan()
     return net.forward(**ends)
 
 
 def test_fused_runs_and_output_relus_are_steps_with_the_per_layer_numbers():
     net, reference = fused_net(), fused_net()
-    groups = None
-    for _ in range(4):
-        x = np.random.default_rng(len(str(groups))).normal(size=(1, 3, 6, 6)).astype(np.float32)
+    for seed in range(4):
+        x = np.random.default_rng(seed).normal(size=(1, 3, 6, 6)).astype(np.float32)
         net.blobs["data"].data[...] = reference.blobs["data"].data[...] = x
         got, expected = net.forward()["pool"].copy(), per_layer_fused(reference)["pool"]
         np.testing.assert_array_equal(got, expected)
-        groups = net.executor._plan.groups
+    groups = net.executor._plan.groups
     names = [net.layers[i].name for first, last in groups for i in (first, last)]
     assert {"conv1", "relu1", "bn2", "relu2"} <= set(names)
     # a forward that ends inside a group runs layer by layer and leaves Caffe's blobs
