@@ -20,11 +20,11 @@ torch.nn model built layer for layer from the deploy net (grouped
 convolutions, Caffe's ceil-mode pooling, LocalResponseNorm) with cct's
 weights, in the same rounds (torch.set_num_threads(--threads), no autograd).
 
-OpenCV 5 dropped the Caffe importer, so the comparison needs a 4.x wheel,
-installed by hand beside cct's own OpenCV and put first on the path:
+OpenCV 5 dropped the Caffe importer, so the comparison needs a 4.x wheel
+beside cct's own OpenCV, first on the path: `tools/setup.sh --test` puts one
+(without numpy, so cct runs on the venv's) in .venv/test-references/opencv4:
 
-    pip install --target /tmp/cv4 "opencv-python-headless>=4.10,<5"
-    PYTHONPATH=/tmp/cv4 python bench/bench_deploy.py
+    PYTHONPATH=.venv/test-references/opencv4 python bench/bench_deploy.py
 
 cv2.setNumThreads(--threads), and cct's BLAS at the same count. Deploy nets:
 models/bvlc_reference_caffenet, models/bvlc_googlenet, models/resnet50.

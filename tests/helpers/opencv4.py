@@ -1,23 +1,23 @@
 """OpenCV 4's DNN module as a reference for the forks' layers (OpenCV 5 has no
 Caffe importer). It runs in a child process: the test environment may hold
 OpenCV 5 as `cv2`, and two OpenCV builds do not load into one process. The
-child puts OPENCV4_PATH (a `pip install --target` folder) first on its
-sys.path; where no 4.x is importable there, the callers skip with one reason.
-CI does not install it."""
+child puts OPENCV4_PATH (a `pip install --target` folder: tools/setup.sh
+--test makes .venv/test-references/opencv4) first on its sys.path; where no
+4.x is importable there, the callers skip with one reason, or under CI=true
+fail."""
 import functools
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 import cct
+from helpers.requirements import REFERENCES, SETUP, reference_path, skip_or_fail
 
-OPENCV4_PATH = os.environ.get("CCT_OPENCV4_PATH", "/tmp/cv4")
+OPENCV4_PATH = reference_path("CCT_OPENCV4_PATH", "opencv4", "/tmp/cv4")
 INSTALL = f'pip install --target {OPENCV4_PATH} "opencv-python-headless>=4.10,<5"'
 
 # argv: the OpenCV 4 folder, a JSON spec, the inputs' .npz, the outputs' .npz.
@@ -62,7 +62,8 @@ def opencv4_version():
 def require_opencv4():
     """Skip the calling test, with one reason, where OpenCV 4 is not importable."""
     if opencv4_version() is None:
-        pytest.skip(f"OpenCV 4.x comparisons need OpenCV 4 at {OPENCV4_PATH}: {INSTALL}")
+        skip_or_fail(f"OpenCV 4.x comparisons need OpenCV 4 at {OPENCV4_PATH}: {INSTALL} ({SETUP} puts it in "
+                     f"{REFERENCES})")
 
 
 def opencv4_forward(prototxt, caffemodel, runs, outputs):

@@ -13,6 +13,17 @@ import shutil
 import pytest
 
 SETUP = "bash tools/setup.sh --test"
+# What tools/setup.sh --test downloads beside the venv: the forks' references.
+REFERENCES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                          ".venv", "test-references")
+
+
+def reference_path(variable, name, fallback):
+    """The environment's `variable`, else REFERENCES/name where setup put it, else `fallback`."""
+    if os.environ.get(variable):
+        return os.environ[variable]
+    path = os.path.join(REFERENCES, name)
+    return path if os.path.exists(path) else fallback
 
 
 def _modules(*names):

