@@ -682,8 +682,8 @@ def _plan_output_relus(net, run_of, forward_only):
             continue
         op = _op(net, after, forward_only)
         bottom, top = net.bottom_vecs[after], net.top_vecs[after]
-        if (op is not None and op[0] == "relu" and net.layers[after].type == "ReLU"
-                and bottom[0] is top[0] is net.top_vecs[index][0]):
+        # ("relu", slope) is the layer's own declaration (Layer.epilogue), not its type name
+        if op is not None and op[0] == "relu" and bottom[0] is top[0] is net.top_vecs[index][0]:
             relus[index] = (after, float(op[1]))
     return relus
 
