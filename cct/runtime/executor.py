@@ -28,8 +28,10 @@ layer forward(i) or backward(i) runs (pycaffe's Net.before_forward & co.).
 import logging
 import time
 import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from cct.core.blob import Layout
+from cct.core.blob import Blob, Layout
+from cct.core.layer import Layer
 from cct.core.progress import Progress
 from cct.runtime import fusion as fusion_module
 from cct.runtime import hybrid as hybrid_module
@@ -57,8 +59,10 @@ _ASK = object()                # Executor._forward_device outside a Net.forward:
 
 log = logging.getLogger("cct.runtime.executor")
 
+Net = Any                             # cct.core.net.Net, which imports this module: not imported back
 
-def on_host(call, read, written, diffs=False):
+
+def on_host(call: Callable[[], Any], read: List[Blob], written: List[Blob], diffs: bool = False) -> None:
     """Run `call` on the host for a layer without a device path: what it reads
     and writes copied down first; afterwards the blobs it only read are
     current on the device again (their host views were read, not written),
@@ -84,27 +88,27 @@ class Executor:
     applies the run settings to the net's layers (cct.runtime.settings.apply).
     """
 
-    def __init__(self, net, threads=None):
+    def __init__(self, net: Net, threads: Optional[int] = None) -> None:
         # The net owns its executor; a weak pointer back, so that a dropped net
         # is freed at once, with no cycle for the garbage collector to find.
         self._net = weakref.ref(net)
         self.blas = threads_module.blas()
         self.settings = settings.resolve(net.phase)
         self.threads = int(threads or self.settings.workers or self.blas.default)
-        self.plan = {}
-        self._partitioned = {}
-        self._defaults = {}           # layer index -> (its top shape and settings, default partitions)
-        self._listeners = {}          # kind -> callbacks; empty until a subscription, so the checks cost little
+        self.plan: Dict[int, int] = {}
+        self._partitioned: Dict[int, PartitionedLayer] = {}
+        self._defaults: Dict[int, Tuple[tuple, int]] = {}   # layer index -> (its top shape and settings, default partitions)
+        self._listeners: Dict[str, List[Callable[[int], Any]]] = {}   # kind -> callbacks; empty until a subscription
         self.schedule = self.settings.schedule   # sequential, streams, tuned or auto (cct.runtime.scheduler)
-        self._streams = None          # (net shape, scheduler.Schedule) for the streams mode
-        self._auto = None             # (shape_key, FasterOf): "auto"'s choice for the backward alone
-        self.placed = {}              # layer index -> where its last forward ran on a device: its name or "host"
-        self.hybrid = {}              # layer index -> the device's share of its batch (cct.runtime.hybrid)
-        self._hybrid_runners = {}
-        self._hybrid_key = None       # (shape key, device) the hybrid plan was made for
-        self._forwarded = None        # the shape key of the last whole forward on a device
-        self._plan = None             # the host's execution plan (cct.runtime.plan), made after a whole forward
-        self._laid_out = None         # Layout.epoch after the last whole forward layer by layer
+        self._streams: Optional[Tuple[tuple, scheduler.Schedule]] = None   # for the streams mode, per net shape
+        self._auto: Optional[Tuple[tuple, FasterOf]] = None   # "auto"'s choice for the backward alone, per shape
+        self.placed: Dict[int, str] = {}   # layer index -> where its last forward ran on a device: its name or "host"
+        self.hybrid: Dict[int, float] = {}  # layer index -> the device's share of its batch (cct.runtime.hybrid)
+        self._hybrid_runners: Dict[int, hybrid_module.HybridLayer] = {}
+        self._hybrid_key: Optional[tuple] = None   # (shape key, device) the hybrid plan was made for
+        self._forwarded: Optional[tuple] = None    # the shape key of the last whole forward on a device
+        self._plan: Optional[Plan] = None   # the host's execution plan (cct.runtime.plan), made after a whole forward
+        self._laid_out: Optional[int] = None   # Layout.epoch after the last whole forward layer by layer
         # CCT_PARTITIONS=p partitions every layer that allows it (the conformance
         # suite runs with it to check partitioned results equal unpartitioned
         # ones); CCT_PARTITIONS=1 runs every layer whole.
@@ -115,28 +119,30 @@ class Executor:
                     self.plan[index] = forced
         settings.apply(self, self.settings.config)
         self.fusion = fusion_module.plan(net) if self.settings.fusion else None
-        self.forward_end = None       # the last layer of the Net.forward under way (fusion's output ReLUs)
+        self.forward_end: Optional[int] = None   # the last layer of the Net.forward under way (fusion's output ReLUs)
         self._forward_device = _ASK   # the device of the Net.forward under way, looked up once for its layers
         # Refused now, before the first forward touches the blobs setup mapped.
         self.memory_plan = memory_plan.net_plan(net, self)
         self.memory_plan.check(f"net '{net.name}' ({net.source})")
 
     @property
-    def net(self):
-        return self._net()
+    def net(self) -> Net:
+        net = self._net()
+        assert net is not None, "the executor outlived its net"
+        return net
 
-    def current_settings(self):
+    def current_settings(self) -> settings.NetSettings:
         """The net's settings, made again where an explicit call changed a knob."""
         if self.settings.stale():
             self.settings = settings.resolve(self.net.phase)
         return self.settings
 
-    def device(self):
+    def device(self) -> Any:
         """The OpenCL device this net's layers run on now, or None (the host)."""
         return self.current_settings().device()
 
     # --- events ---------------------------------------------------------------------
-    def subscribe(self, kind, callback):
+    def subscribe(self, kind: str, callback: Callable[[int], Any]) -> None:
         """Call callback(layer_index) at every `kind` event (EVENTS)."""
         if kind not in EVENTS:
             raise ValueError(f"unknown executor event {kind!r}; known: {', '.join(EVENTS)}")
@@ -145,12 +151,12 @@ class Executor:
         self._listeners.setdefault(kind, []).append(callback)
         self._plan = None
 
-    def _emit(self, kind, index):
+    def _emit(self, kind: str, index: int) -> None:
         for callback in self._listeners.get(kind, ()):
             callback(index)
 
     # --- which layers may be partitioned, and into how many ------------------------
-    def batch(self, index):
+    def batch(self, index: int) -> Optional[int]:
         """The batch size every blob of the layer shares, when the layer may be
         split along it (Layer.can_partition); else None."""
         layer, bottoms, tops = self._layer(index)
@@ -160,12 +166,12 @@ class Executor:
         batch = blobs[0].shape[0] if blobs[0].shape else 0
         return batch if all(b.shape and b.shape[0] == batch for b in blobs) else None
 
-    def partitionable(self, index):
+    def partitionable(self, index: int) -> bool:
         """The layer may be split (batch() is not None) and its batch has more than one sample."""
         batch = self.batch(index)
         return batch is not None and batch > 1
 
-    def fit(self, index, partitions):
+    def fit(self, index: int, partitions: int) -> int:
         """`partitions` as the layer's current shapes allow: at most one per
         sample of its batch (partitions may then differ by one sample), 1 where
         it cannot be split. A plan entry holds what was asked for at whatever
@@ -175,7 +181,7 @@ class Executor:
         batch = self.batch(index)
         return min(partitions, batch) if batch else 1
 
-    def set_partitions(self, index, partitions):
+    def set_partitions(self, index: int, partitions: int) -> None:
         """Ask for `partitions` batch partitions of layer `index`, at every
         batch size: a forward runs fit(index, partitions) of them."""
         partitions = int(partitions)
@@ -187,13 +193,13 @@ class Executor:
         self._partitioned.pop(index, None)
         self._plan = None
 
-    def partitions(self, index):
+    def partitions(self, index: int) -> int:
         """The batch partitions layer `index` runs at its current shapes: its
         plan entry as fit() allows, else default_partitions."""
         requested = self.plan.get(index)
         return self.default_partitions(index) if requested is None else self.fit(index, requested)
 
-    def default_partitions(self, index):
+    def default_partitions(self, index: int) -> int:
         """One partition per thread for a large partitionable layer that splits
         by default (Layer.split_by_default; see DEFAULT_SPLIT_ELEMENTS), fewer
         where the twins' parameter diffs would exceed TUNE_PARAM_COPY_BYTES,
@@ -204,44 +210,44 @@ class Executor:
         known = self._defaults.get(index)
         if known is not None and known[0] == key:
             return known[1]
-        partitions = 1
+        partitions: int = 1
         layer = self.net.layers[index]
         if (self.threads >= 2 and layer.split_by_default and tops
                 and (tops[0].count >= DEFAULT_SPLIT_ELEMENTS or not layer.runs_backward)
                 and self.partitionable(index) and tops[0].shape[0] >= 2 * self.threads):
             # (on a many-core host, p - 1 copies of a convolution's weights add up)
-            partitions = min(self.threads, self._most_partitions(index))
+            partitions = int(min(self.threads, self._most_partitions(index)))
         self._defaults[index] = (key, partitions)
         return partitions
 
-    def _most_partitions(self, index):
+    def _most_partitions(self, index: int) -> float:
         """The most partitions whose twins' private parameter diffs ((p - 1)
         copies of the layer's parameters) stay within TUNE_PARAM_COPY_BYTES."""
         param_bytes = sum(blob.count * blob.dtype.itemsize for blob in self.net.layers[index].blobs)
         return 1 + TUNE_PARAM_COPY_BYTES // param_bytes if param_bytes else float("inf")
 
     # --- running -----------------------------------------------------------------
-    def workers(self, count):
+    def workers(self, count: int) -> list:
         """The process's worker threads for `count` units run at once (the
         caller runs one itself): worker k - 1 runs unit k."""
         return threads_module.workers(count)
 
-    def blas_count(self, partitions):
+    def blas_count(self, partitions: int) -> int:
         """The BLAS threads each of `partitions` batch partitions runs with."""
         return self.threads if partitions == 1 else max(1, self.threads // partitions)
 
-    def _layer(self, index):
+    def _layer(self, index: int) -> Tuple[Layer, List[Blob], List[Blob]]:
         net = self.net
         return net.layers[index], net.bottom_vecs[index], net.top_vecs[index]
 
-    def _runner(self, index, partitions=None):
+    def _runner(self, index: int, partitions: Optional[int] = None) -> PartitionedLayer:
         partitions = self.partitions(index) if partitions is None else partitions
         runner = self._partitioned.get(index)
         if runner is None or runner.partitions != partitions:
             runner = self._partitioned[index] = PartitionedLayer(self.net.layers[index], partitions)
         return runner
 
-    def forward(self, index, set_blas=True):
+    def forward(self, index: int, set_blas: bool = True) -> float:
         """Run layer `index` forward (reshape first, as Caffe's Layer::Forward,
         where its blobs changed: Layer.reshape_if_changed),
         set its loss tops' diffs to their loss weights, and return its weighted
@@ -285,7 +291,7 @@ class Executor:
         return loss
 
     # --- whole passes: the plan's steps where one holds ---------------------------------
-    def _current_plan(self):
+    def _current_plan(self) -> Optional[Plan]:
         """The execution plan, where the host runs every layer in turn with
         nobody listening and a plan for this layout and these settings exists."""
         plan = self._plan
@@ -293,11 +299,11 @@ class Executor:
             return None
         return plan if plan.current(self) else None
 
-    def drop_plan(self):
+    def drop_plan(self) -> None:
         """The next whole forward runs layer by layer and makes a new plan."""
         self._plan = None
 
-    def forward_range(self, start, end):
+    def forward_range(self, start: int, end: int) -> float:
         """Layers start..end forward (Net.forward); their summed loss."""
         loss = 0.0
         try:
@@ -321,7 +327,7 @@ class Executor:
             self.end_forward()                  # a failing layer leaves no lowered BLAS count
         return loss
 
-    def backward_range(self, start, end):
+    def backward_range(self, start: int, end: int) -> None:
         """Layers start..end backward (Net.backward; start >= end)."""
         try:
             if start == len(self.net.layers) - 1 and end == 0:
@@ -336,7 +342,7 @@ class Executor:
         finally:
             self.finish()
 
-    def _backward_plan(self):
+    def _backward_plan(self) -> Optional[Plan]:
         """The plan for a backward on the host, layer after layer."""
         if self._plan is None or self._listeners or not self._plan.current(self) or self.device() is not None:
             return None
@@ -344,11 +350,11 @@ class Executor:
             self.fusion.before_backward(self)
         return self._plan
 
-    def _loss(self, index):
+    def _loss(self, index: int) -> float:
         net = self.net
         return net.layers[index].weighted_loss(net.top_vecs[index])
 
-    def begin_forward(self, end):
+    def begin_forward(self, end: Optional[int]) -> None:
         """A Net.forward through layer `end` starts: a ReLU is fused only into a
         forward that reaches it, and the device is looked up once for all its
         layers."""
@@ -356,12 +362,12 @@ class Executor:
         self._forward_device = self.device()
         self.blas.sync()
 
-    def end_forward(self):
+    def end_forward(self) -> None:
         self.forward_end = None
         self._forward_device = _ASK
         self.finish()
 
-    def _run_with_relu(self, index, relu):
+    def _run_with_relu(self, index: int, relu: Tuple[int, float]) -> None:
         """Convolution `index` with the ReLU after it in its output store
         (cct.runtime.fusion, rule 2), which then skips that ReLU."""
         relu_index, slope = relu
@@ -371,9 +377,10 @@ class Executor:
             self.run_layer(index)
         finally:
             layer.fuse_output_relu(None)
-        self.fusion.applied = relu_index
+        if self.fusion is not None:
+            self.fusion.applied = relu_index
 
-    def run_layer(self, index, set_blas=True):
+    def run_layer(self, index: int, set_blas: bool = True) -> None:
         """Layer `index`'s reshape and forward, in its batch partitions."""
         layer, bottoms, tops = self._layer(index)
         with layer.naming_allocations(tops):
@@ -388,7 +395,7 @@ class Executor:
             else:
                 self._runner(index, partitions).forward(self.workers(partitions), bottoms, tops)
 
-    def run_on(self, device, index):
+    def run_on(self, device: Any, index: int) -> None:
         """Layer `index`'s reshape and forward on `device`, whole: with its
         device path where it has one for these blobs, else on the host with
         the blobs synced (Caffe's fallback to Forward_cpu)."""
@@ -408,7 +415,7 @@ class Executor:
                 on_host(lambda: layer.forward(bottoms, tops), read=bottoms, written=tops)
                 self.placed[index] = "host"
 
-    def _plan_hybrid(self, device):
+    def _plan_hybrid(self, device: Any) -> None:
         """At a forward's start on a device, with the hybrid split on: the
         plan for the net's shapes (cct.runtime.hybrid.plan), made once a whole
         forward at those shapes ran (its blobs are what the FLOPS rule times
@@ -424,7 +431,7 @@ class Executor:
         log.info("Hybrid split on %s: %s", device.name, ", ".join(
             f"{self.net.layers[index].name} {share:.2f}" for index, share in sorted(self.hybrid.items())) or "none")
 
-    def _split(self, device, index):
+    def _split(self, device: Any, index: int) -> Optional[hybrid_module.HybridLayer]:
         """The HybridLayer running layer `index` split between the host and
         `device` at its hybrid share, or None: no share, a share of 0 or 1
         (the layer runs whole: on the host, on the device), no device path,
@@ -440,7 +447,7 @@ class Executor:
             runner = self._hybrid_runners[index] = hybrid_module.HybridLayer(layer, device, share)
         return runner
 
-    def backward_on(self, device, index):
+    def backward_on(self, device: Any, index: int) -> None:
         """Layer `index`'s backward on `device` (see run_on)."""
         layer, bottoms, tops = self._layer(index)
         propagate_down = self.net.bottom_need_backward[index]
@@ -455,7 +462,7 @@ class Executor:
                 on_host(lambda: layer.backward(tops, propagate_down, bottoms), read=tops + layer.blobs,
                         written=bottoms + layer.blobs, diffs=True)
 
-    def backward(self, index, force=False):
+    def backward(self, index: int, force: bool = False) -> None:
         """Run layer `index` backward if the net needs its backward (or `force`:
         `cct time` runs every layer's, as Caffe's does). The events fire either way."""
         if self.fusion is not None:
@@ -472,7 +479,7 @@ class Executor:
         if self._listeners:
             self._emit("after_backward", index)
 
-    def layer_backward(self, index, partitions=None):
+    def layer_backward(self, index: int, partitions: Optional[int] = None) -> None:
         """Layer `index`'s whole backward in its batch partitions (its plan's,
         unless the caller looked them up already), the BLAS count left as it is
         (a stream of cct.runtime.scheduler calls this)."""
@@ -485,7 +492,7 @@ class Executor:
             else:
                 self._runner(index, partitions).backward(self.workers(partitions), tops, propagate_down, bottoms)
 
-    def layer_backward_param(self, index, param):
+    def layer_backward_param(self, index: int, param: int) -> None:
         """Layer `index`'s gradient of parameter `param` (Layer.backward_param),
         in its batch partitions: a stream's sub-task, the BLAS count left as it is."""
         layer, bottoms, tops = self._layer(index)
@@ -496,7 +503,7 @@ class Executor:
             else:
                 self._runner(index, partitions).backward_param(self.workers(partitions), param, tops, bottoms)
 
-    def layer_backward_data(self, index):
+    def layer_backward_data(self, index: int) -> None:
         """Layer `index`'s bottom gradients (Layer.backward_data), in its batch partitions."""
         layer, bottoms, tops = self._layer(index)
         propagate_down = self.net.bottom_need_backward[index]
@@ -508,7 +515,7 @@ class Executor:
                 self._runner(index, partitions).backward_data(self.workers(partitions), tops, propagate_down,
                                                               bottoms)
 
-    def finish(self):
+    def finish(self) -> None:
         """The pass of a fused run a forward stopped inside, then all BLAS
         threads again, for whatever runs after the net."""
         if self.fusion is not None:
@@ -516,16 +523,16 @@ class Executor:
         self.blas.set(self.threads)
 
     @property
-    def listened(self):
+    def listened(self) -> bool:
         """Whether per-layer callbacks are subscribed (they see layers one at a time)."""
         return bool(self._listeners)
 
-    def listeners(self):
+    def listeners(self) -> List[Callable[[int], Any]]:
         """Every subscribed callback, of any kind."""
         return [callback for callbacks in self._listeners.values() for callback in callbacks]
 
     # --- the whole backward, in the schedule's mode ----------------------------------
-    def backward_all(self):
+    def backward_all(self) -> None:
         """Every layer's backward: layer after layer (sequential), or as
         sub-tasks on streams (cct.runtime.scheduler), or, with "auto", the
         faster of the two as measured on this net and shape. Per-layer
@@ -548,7 +555,7 @@ class Executor:
         self._backward_in(mode)
         choice.record(mode, time.perf_counter() - start)
 
-    def _backward_in(self, mode):
+    def _backward_in(self, mode: str) -> None:
         if mode in ("streams", "tuned"):       # a backward alone is not tuned: streams
             scheduler.run_on_streams(self.net, self.stream_schedule())
             return
@@ -560,7 +567,7 @@ class Executor:
         for index in range(last, -1, -1):
             self.backward(index)
 
-    def shape_key(self):
+    def shape_key(self) -> tuple:
         """What a schedule is built for: every blob's shape and every layer's
         batch partitions at those shapes (the plan's, while it holds)."""
         plan = self._plan
@@ -569,7 +576,7 @@ class Executor:
         return (tuple(blob.shape for blob in self.net.blobs.values()),
                 tuple(self.partitions(i) for i in range(len(self.net.layers))))
 
-    def stream_schedule(self):
+    def stream_schedule(self) -> scheduler.Schedule:
         """The streams mode's Schedule for the net's current shapes and batch
         partitions (built once for each)."""
         key = self.shape_key()
@@ -578,7 +585,7 @@ class Executor:
         return self._streams[1]
 
     # --- choosing p per layer by measurement ---------------------------------------
-    def tune(self, candidates=None, repeats=2):
+    def tune(self, candidates: Optional[List[int]] = None, repeats: int = 2) -> Dict[str, int]:
         """Time each partitionable layer's forward+backward with every candidate p
         on the net's current data, keep the fastest per layer. Returns the plan.
         Candidates whose parameter copies exceed TUNE_PARAM_COPY_BYTES are not tried."""
@@ -596,7 +603,7 @@ class Executor:
         net.clear_param_diffs()
         return chosen
 
-    def _tune_layer(self, index, candidates, repeats):
+    def _tune_layer(self, index: int, candidates: List[int], repeats: int) -> int:
         """The fastest candidate p for layer `index`, set in the plan and returned."""
         best = None
         most = self._most_partitions(index)
@@ -611,7 +618,7 @@ class Executor:
         self.set_partitions(index, chosen)
         return chosen
 
-    def _time_layer(self, index, repeats):
+    def _time_layer(self, index: int, repeats: int) -> float:
         self.forward(index)                       # warm: buffers allocated, clones built
         needs_backward = self.net.layer_need_backward[index]
         if needs_backward:
