@@ -46,6 +46,19 @@ def interp_table(size_in, size_out, dtype):
     return index, step, lambda0, lambda1
 
 
+def interp_device_table(size, start, size_in, size_out):
+    """The device's Interp table (cct.devices.base) of an axis of `size`
+    positions whose [start, start + size_in) is resized to size_out, float32:
+    index + start, step, lambda0, lambda1 per output, then per input position
+    the first output reading it and one past the last."""
+    index, step, lambda0, lambda1 = interp_table(size_in, size_out, np.dtype(_F32))
+    index = index + start
+    positions = np.arange(size)
+    first = np.searchsorted(index + step, positions, side="left")      # both nondecreasing in the output
+    last = np.maximum(np.searchsorted(index, positions, side="right"), first)
+    return np.concatenate([index, step, lambda0, lambda1, first, last]).astype(_F32)
+
+
 @kernel
 def interp_backward(dy, h_index, h_step, h_lambda0, h_lambda1, w_index, w_step, w_lambda0, w_lambda1, dx):
     """dx (P, H1, W1) += the adjoint of the bilinear resize of dy (P, H2, W2):

@@ -22,7 +22,9 @@ The primitives, by kind:
                  max and average pooling, LRN, BatchNorm's channel statistics
                  and normalization, softmax and its loss, Eltwise's max and
                  products, Scale/Bias's broadcast, strided block copies
-                 (Concat, Slice)
+                 (Concat, Slice); the forks' strided copies (Permute, Reorg,
+                 Upsample), Normalize's division and gradient, Interp's
+                 bilinear resize and unpooling
 """
 from typing import Any, Optional, Protocol, Sequence
 
@@ -339,6 +341,74 @@ class Device:
                               scale: float, ignore_label: Optional[int] = None) -> None:
         """dx (outer, channels, inner) = (prob - [c == label]) * scale, 0 where
         the label is ignore_label; labels as in softmax_loss_forward, all valid."""
+        raise NotImplementedError
+
+    # --- the forks' layers (layers/ssd.py, segmentation.py, shape.py) ---------------
+    # (OpenCL kernels in kernels/forks.cl)
+    max_axes = 8                  # the most axes copy_strided takes
+
+    def copy_strided(self, src: Buffer, dst: Buffer, shape: Sequence[int], src_strides: Sequence[int],
+                     dst_strides: Optional[Sequence[int]] = None, src_offset: int = 0, dst_offset: int = 0,
+                     accumulate: bool = False) -> None:
+        """For every index (i_0, ..., i_k) of `shape` (at most max_axes axes):
+        dst[dst_offset + sum i_j * dst_strides[j]] = src[src_offset + sum
+        i_j * src_strides[j]], or += with accumulate. Strides count elements;
+        dst_strides default to shape's contiguous ones. A source stride may be
+        0 (a broadcast); the destination positions must be distinct, and
+        must not overlap the source. Permute, Reorg and the nearest-neighbour
+        Upsample are such copies of a numpy view's shape and strides."""
+        raise NotImplementedError
+
+    def divide_across(self, x: Buffer, divisor: Buffer, y: Buffer, outer: int, axis: int, inner: int) -> None:
+        """y (outer, axis, inner) = x / divisor[o, i], divisor (outer, inner)
+        broadcast along the middle axis (Normalize's division by the norm).
+        y may be x."""
+        raise NotImplementedError
+
+    def l2_normalize_backward(self, x: Buffer, dy: Buffer, norm: Buffer, dot: Buffer, dx: Buffer, outer: int,
+                              axis: int, inner: int) -> None:
+        """dx (outer, axis, inner) = (dy - x * dot[o, i] / (n * n)) / n, n =
+        norm[o, i], in that order (SSD's Normalize backward before its scale):
+        norm and dot (outer, inner) the norms and the sums of x * dy over the
+        middle axis. dx may be dy."""
+        raise NotImplementedError
+
+    # Interp: x (planes, in_h, in_w) resized to y (planes, out_h, out_w) from
+    # a table per axis (float32, integers exact): for an axis of `size` input
+    # positions and `out` outputs, entries [0, out) the input index each output
+    # reads (a crop's start included), [out, 2 out) its step to the next (0 or
+    # 1), [2 out, 3 out) lambda0, [3 out, 4 out) lambda1, then per input
+    # position r, [4 out, 4 out + size) the first output reading r and
+    # [4 out + size, 4 out + 2 size) one past the last (layers/segmentation.py
+    # builds it: interp_device_table).
+    def interp_forward(self, x: Buffer, y: Buffer, table_h: Buffer, table_w: Buffer, planes: int, in_h: int,
+                       in_w: int, out_h: int, out_w: int) -> None:
+        """y[p, h, w] = h0 * (w0 * x[p, i, j] + w1 * x[p, i, j + sj]) + h1 * (w0
+        * x[p, i + si, j] + w1 * x[p, i + si, j + sj]), left to right, i, si,
+        h0, h1 the height table's entries for h, j, sj, w0, w1 the width's for
+        w (the forks' caffe_cpu_interp2)."""
+        raise NotImplementedError
+
+    def interp_backward(self, dy: Buffer, dx: Buffer, table_h: Buffer, table_w: Buffer, planes: int, in_h: int,
+                        in_w: int, out_h: int, out_w: int) -> None:
+        """dx (planes, in_h, in_w) = the adjoint of interp_forward applied to dy
+        (planes, out_h, out_w): each input's terms added from 0 in output order,
+        an output's four in the order (i, j), (i, j + sj), (i + si, j),
+        (i + si, j + sj), each term (h weight * w weight) * dy (the forks'
+        caffe_cpu_interp2_backward, serial); 0 where no output reads."""
+        raise NotImplementedError
+
+    # Unpooling: x and mask (planes, pixels), y (planes, out_pixels); each mask
+    # value truncated to an int names a cell of its plane of y.
+    def unpool_forward(self, x: Buffer, mask: Buffer, y: Buffer, planes: int, pixels: int, out_pixels: int) -> None:
+        """y = 0, then y[p, mask[p, i]] = x[p, i] for i in order (a later value
+        at the same cell wins: SegNet's Upsample). A cell outside [0,
+        out_pixels) is skipped (the host layer refuses it)."""
+        raise NotImplementedError
+
+    def unpool_backward(self, dy: Buffer, mask: Buffer, dx: Buffer, planes: int, pixels: int,
+                        out_pixels: int) -> None:
+        """dx[p, i] = dy[p, mask[p, i]], 0 where the cell is outside [0, out_pixels)."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

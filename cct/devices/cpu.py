@@ -345,6 +345,94 @@ class CPUDevice(Device):
         grad = np.where(ignored.reshape(outer, 1, inner), np.float32(0), grad)
         dx[:outer * channels * inner] = grad.reshape(-1)
 
+    # --- the forks' layers (layers/ssd.py, segmentation.py, shape.py) ---------------
+    @staticmethod
+    def _strided(buffer, offset, shape, strides):
+        """The view of buffer at offset with shape and element strides, checked to lie inside it."""
+        last = offset + sum((n - 1) * stride for n, stride in zip(shape, strides))
+        if min(shape, default=1) > 0 and not 0 <= offset <= last < buffer.size:
+            from cct.devices.base import DeviceError
+            raise DeviceError(f"copy_strided: shape {tuple(shape)} at strides {tuple(strides)} from {offset} "
+                              f"overruns a buffer of {buffer.size}")
+        return np.lib.stride_tricks.as_strided(buffer[offset:], tuple(shape), tuple(4 * s for s in strides),
+                                               writeable=True)
+
+    def copy_strided(self, src, dst, shape, src_strides, dst_strides=None, src_offset=0, dst_offset=0,
+                     accumulate=False):
+        if dst_strides is None:
+            dst_strides = [int(np.prod(shape[k + 1:], dtype=np.int64)) for k in range(len(shape))]
+        source = self._strided(src, src_offset, shape, src_strides)
+        target = self._strided(dst, dst_offset, shape, dst_strides)
+        if accumulate:
+            target += source
+        else:
+            target[...] = source
+
+    def divide_across(self, x, divisor, y, outer, axis, inner):
+        count = outer * axis * inner
+        with np.errstate(divide="ignore", invalid="ignore"):
+            y[:count] = (x[:count].reshape(outer, axis, inner)
+                         / divisor[:outer * inner].reshape(outer, 1, inner)).reshape(-1)
+
+    def l2_normalize_backward(self, x, dy, norm, dot, dx, outer, axis, inner):
+        count = outer * axis * inner
+        n = norm[:outer * inner].reshape(outer, 1, inner)
+        d = dot[:outer * inner].reshape(outer, 1, inner)
+        shape = (outer, axis, inner)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            dx[:count] = ((dy[:count].reshape(shape) - x[:count].reshape(shape) * d / (n * n)) / n).reshape(-1)
+
+    @staticmethod
+    def _interp_table(table, size, out):
+        """(index, step, lambda0, lambda1) of an Interp table (base.py's layout)."""
+        index = table[:out].astype(np.int64)
+        return index, table[out:2 * out].astype(np.int64), table[2 * out:3 * out], table[3 * out:4 * out]
+
+    def interp_forward(self, x, y, table_h, table_w, planes, in_h, in_w, out_h, out_w):
+        hi, hs, h0, h1 = self._interp_table(table_h, in_h, out_h)
+        wi, ws, w0, w1 = self._interp_table(table_w, in_w, out_w)
+        source = x[:planes * in_h * in_w].reshape(planes, in_h, in_w)
+        upper, lower = source[:, hi], source[:, hi + hs]                    # (P, out_h, in_w)
+        h0, h1 = h0[:, None], h1[:, None]
+        y[:planes * out_h * out_w] = (h0 * (w0 * upper[..., wi] + w1 * upper[..., wi + ws])
+                                      + h1 * (w0 * lower[..., wi] + w1 * lower[..., wi + ws])).reshape(-1)
+
+    def interp_backward(self, dy, dx, table_h, table_w, planes, in_h, in_w, out_h, out_w):
+        hi, hs, h0, h1 = self._interp_table(table_h, in_h, out_h)
+        wi, ws, w0, w1 = self._interp_table(table_w, in_w, out_w)
+        rows = np.stack([hi, hi, hi + hs, hi + hs], axis=1)[:, None, :]     # (out_h, 1, 4)
+        cols = np.stack([wi, wi + ws, wi, wi + ws], axis=1)[None, :, :]     # (1, out_w, 4)
+        weights = (np.stack([h0, h0, h1, h1], axis=1)[:, None, :]
+                   * np.stack([w0, w1, w0, w1], axis=1)[None, :, :])        # (out_h, out_w, 4)
+        grad = dy[:planes * out_h * out_w].reshape(planes, out_h, out_w, 1)
+        targets = (np.arange(planes)[:, None, None, None] * (in_h * in_w) + rows * in_w + cols)
+        total = np.zeros(planes * in_h * in_w, np.float32)
+        # unbuffered adds in output order, an output's four terms in turn: the forks' serial loop
+        np.add.at(total, np.broadcast_to(targets, (planes, out_h, out_w, 4)).reshape(-1),
+                  (weights * grad).reshape(-1))
+        dx[:total.size] = total
+
+    @staticmethod
+    def _unpool_cells(mask, planes, pixels, out_pixels):
+        cells = np.trunc(mask[:planes * pixels].reshape(planes, pixels))
+        valid = (cells >= 0) & (cells < out_pixels)
+        flat = np.where(valid, cells, 0).astype(np.int64) + np.arange(planes)[:, None] * out_pixels
+        return flat.reshape(-1), valid.reshape(-1)
+
+    def unpool_forward(self, x, mask, y, planes, pixels, out_pixels):
+        flat, valid = self._unpool_cells(mask, planes, pixels, out_pixels)
+        total = np.zeros(planes * out_pixels, np.float32)
+        order = np.flatnonzero(valid)
+        # the last value written to a cell wins: keep each cell's last index
+        cells = flat[order]
+        last = order[cells.size - 1 - np.unique(cells[::-1], return_index=True)[1]]
+        total[flat[last]] = x[last]
+        y[:total.size] = total
+
+    def unpool_backward(self, dy, mask, dx, planes, pixels, out_pixels):
+        flat, valid = self._unpool_cells(mask, planes, pixels, out_pixels)
+        dx[:planes * pixels] = np.where(valid, dy[flat], np.float32(0))
+
     @staticmethod
     def _blocks(buffer, offset, blocks, size, stride):
         """The (blocks, size) view of buffer whose rows start at offset + b * stride."""

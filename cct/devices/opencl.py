@@ -315,6 +315,51 @@ class OpenCLDevice(Device):
         self.launch("layers.cl", "softmax_loss_backward", count, count, channels, inner, prob, labels, dx,
                     float(scale), int(ignore_label is not None), int(ignore_label or 0))
 
+    # --- the forks' layers (layers/ssd.py, segmentation.py, shape.py) ---------------
+    def copy_strided(self, src, dst, shape, src_strides, dst_strides=None, src_offset=0, dst_offset=0,
+                     accumulate=False):
+        axes = len(shape)
+        if axes > self.max_axes:
+            raise DeviceError(f"copy_strided takes at most {self.max_axes} axes, got shape {tuple(shape)}")
+        if dst_strides is None:
+            dst_strides = [int(np.prod(shape[k + 1:], dtype=np.int64)) for k in range(axes)]
+        total = int(np.prod(shape, dtype=np.int64))
+        self.launch("forks.cl", "copy_strided", total, total, axes, _int8(shape, 1), src, src_offset,
+                    _int8(src_strides, 0), dst, dst_offset, _int8(dst_strides, 0), int(bool(accumulate)))
+
+    def divide_across(self, x, divisor, y, outer, axis, inner):
+        total = outer * axis * inner
+        self.launch("forks.cl", "divide_across", total, total, axis, inner, x, divisor, y)
+
+    def l2_normalize_backward(self, x, dy, norm, dot, dx, outer, axis, inner):
+        total = outer * axis * inner
+        self.launch("forks.cl", "l2_normalize_backward", total, total, axis, inner, x, dy, norm, dot, dx)
+
+    def interp_forward(self, x, y, table_h, table_w, planes, in_h, in_w, out_h, out_w):
+        total = planes * out_h * out_w
+        self.launch("forks.cl", "interp_forward", total, total, x, y, in_h, in_w, out_h, out_w, table_h, table_w)
+
+    def interp_backward(self, dy, dx, table_h, table_w, planes, in_h, in_w, out_h, out_w):
+        total = planes * in_h * in_w
+        self.launch("forks.cl", "interp_backward", total, total, dy, dx, in_h, in_w, out_h, out_w, table_h,
+                    table_w)
+
+    def unpool_forward(self, x, mask, y, planes, pixels, out_pixels):
+        self.fill(y, 0.0, planes * out_pixels)
+        self.launch("forks.cl", "unpool_forward", planes, planes, x, mask, y, pixels, out_pixels)
+
+    def unpool_backward(self, dy, mask, dx, planes, pixels, out_pixels):
+        total = planes * pixels
+        self.launch("forks.cl", "unpool_backward", total, total, dy, mask, dx, pixels, out_pixels)
+
+
+def _int8(values, pad):
+    """An OpenCL int8 of up to 8 ints, the rest `pad`."""
+    from pyopencl import cltypes
+    values = [int(v) for v in values]
+    return cltypes.make_int8(*(values + [pad] * (8 - len(values))))
+
+
 def _argument(value):
     if isinstance(value, (bool, int, np.integer)):
         return np.int32(value)

@@ -1,0 +1,117 @@
+// Kernels of the forks' layers (layers/ssd.py, segmentation.py, shape.py):
+// strided copies, Normalize's division and gradient, Interp's bilinear resize
+// and its adjoint, unpooling. One work item per output element (per plane for
+// unpooling, whose later values win), so results do not depend on scheduling.
+// The numpy reference of each is the same-named method of cct.devices.cpu.
+
+// Round every product before a sum, as numpy does: no fused multiply-add.
+#pragma OPENCL FP_CONTRACT OFF
+
+// For every index of shape (axes 0 .. axes-1, at most 8, row-major):
+// dst[dst_offset + sum i_k dst_strides_k] (+)= src[src_offset + sum i_k src_strides_k]
+__kernel void copy_strided(const int total, const int axes, const int8 shape, __global const float* src,
+                           const int src_offset, const int8 src_strides, __global float* dst,
+                           const int dst_offset, const int8 dst_strides, const int accumulate) {
+    const int index = get_global_id(0);
+    if (index >= total) return;
+    const int sizes[8] = {shape.s0, shape.s1, shape.s2, shape.s3, shape.s4, shape.s5, shape.s6, shape.s7};
+    const int from[8] = {src_strides.s0, src_strides.s1, src_strides.s2, src_strides.s3,
+                         src_strides.s4, src_strides.s5, src_strides.s6, src_strides.s7};
+    const int to[8] = {dst_strides.s0, dst_strides.s1, dst_strides.s2, dst_strides.s3,
+                       dst_strides.s4, dst_strides.s5, dst_strides.s6, dst_strides.s7};
+    int rest = index, source = src_offset, target = dst_offset;
+    for (int k = axes - 1; k >= 0; --k) {
+        const int i = rest % sizes[k];
+        rest /= sizes[k];
+        source += i * from[k];
+        target += i * to[k];
+    }
+    dst[target] = accumulate ? dst[target] + src[source] : src[source];
+}
+
+// y (outer, axis, inner) = x / divisor[o, i]
+__kernel void divide_across(const int total, const int axis, const int inner, __global const float* x,
+                            __global const float* divisor, __global float* y) {
+    const int index = get_global_id(0);
+    if (index >= total) return;
+    const int o = index / (axis * inner), i = index % inner;
+    y[index] = x[index] / divisor[o * inner + i];
+}
+
+// dx = (dy - x * dot[o, i] / (n * n)) / n, n = norm[o, i]
+__kernel void l2_normalize_backward(const int total, const int axis, const int inner, __global const float* x,
+                                    __global const float* dy, __global const float* norm,
+                                    __global const float* dot, __global float* dx) {
+    const int index = get_global_id(0);
+    if (index >= total) return;
+    const int at = index / (axis * inner) * inner + index % inner;
+    const float n = norm[at];
+    dx[index] = (dy[index] - x[index] * dot[at] / (n * n)) / n;
+}
+
+// An Interp table's entries (cct.devices.base): out outputs, size inputs
+#define INDEX(t, out, k) ((int)(t)[k])
+#define STEP(t, out, k) ((int)(t)[(out) + (k)])
+#define LAMBDA0(t, out, k) ((t)[2 * (out) + (k)])
+#define LAMBDA1(t, out, k) ((t)[3 * (out) + (k)])
+#define FIRST(t, out, r) ((int)(t)[4 * (out) + (r)])
+#define LAST(t, out, size, r) ((int)(t)[4 * (out) + (size) + (r)])
+
+__kernel void interp_forward(const int total, __global const float* x, __global float* y, const int in_h,
+                             const int in_w, const int out_h, const int out_w, __global const float* th,
+                             __global const float* tw) {
+    const int index = get_global_id(0);
+    if (index >= total) return;
+    const int w = index % out_w, h = (index / out_w) % out_h, p = index / (out_w * out_h);
+    const int i = INDEX(th, out_h, h), si = STEP(th, out_h, h);
+    const int j = INDEX(tw, out_w, w), sj = STEP(tw, out_w, w);
+    const float h0 = LAMBDA0(th, out_h, h), h1 = LAMBDA1(th, out_h, h);
+    const float w0 = LAMBDA0(tw, out_w, w), w1 = LAMBDA1(tw, out_w, w);
+    __global const float* upper = x + (p * in_h + i) * in_w;
+    __global const float* lower = upper + si * in_w;
+    y[index] = h0 * (w0 * upper[j] + w1 * upper[j + sj]) + h1 * (w0 * lower[j] + w1 * lower[j + sj]);
+}
+
+// dx[p, r, c]: the terms of the outputs that read (r, c), in output order
+__kernel void interp_backward(const int total, __global const float* dy, __global float* dx, const int in_h,
+                              const int in_w, const int out_h, const int out_w, __global const float* th,
+                              __global const float* tw) {
+    const int index = get_global_id(0);
+    if (index >= total) return;
+    const int c = index % in_w, r = (index / in_w) % in_h, p = index / (in_w * in_h);
+    float sum = 0.0f;
+    for (int h = FIRST(th, out_h, r); h < LAST(th, out_h, in_h, r); ++h) {
+        const int i = INDEX(th, out_h, h), si = STEP(th, out_h, h);
+        const float h0 = LAMBDA0(th, out_h, h), h1 = LAMBDA1(th, out_h, h);
+        for (int w = FIRST(tw, out_w, c); w < LAST(tw, out_w, in_w, c); ++w) {
+            const int j = INDEX(tw, out_w, w), sj = STEP(tw, out_w, w);
+            const float w0 = LAMBDA0(tw, out_w, w), w1 = LAMBDA1(tw, out_w, w);
+            const float g = dy[(p * out_h + h) * out_w + w];
+            if (i == r && j == c) sum += h0 * w0 * g;
+            if (i == r && j + sj == c) sum += h0 * w1 * g;
+            if (i + si == r && j == c) sum += h1 * w0 * g;
+            if (i + si == r && j + sj == c) sum += h1 * w1 * g;
+        }
+    }
+    dx[index] = sum;
+}
+
+// One plane p: y[p, mask[p, i]] = x[p, i] in order (y zeroed before)
+__kernel void unpool_forward(const int planes, __global const float* x, __global const float* mask,
+                             __global float* y, const int pixels, const int out_pixels) {
+    const int p = get_global_id(0);
+    if (p >= planes) return;
+    for (int i = p * pixels; i < (p + 1) * pixels; ++i) {
+        const float cell = mask[i];           // truncated below: (-1, out_pixels) are the cells
+        if (cell > -1.0f && cell < (float)out_pixels) y[p * out_pixels + (int)cell] = x[i];
+    }
+}
+
+__kernel void unpool_backward(const int total, __global const float* dy, __global const float* mask,
+                              __global float* dx, const int pixels, const int out_pixels) {
+    const int index = get_global_id(0);
+    if (index >= total) return;
+    const float cell = mask[index];
+    const bool inside = cell > -1.0f && cell < (float)out_pixels;
+    dx[index] = inside ? dy[index / pixels * out_pixels + (int)cell] : 0.0f;
+}
