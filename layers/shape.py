@@ -46,6 +46,29 @@ def axis_slices(axis, bounds):
     return [lead + (slice(start, end),) for start, end in bounds]
 
 
+def view_layout(shape, make):
+    """(shape, element strides) of make(a C-contiguous float32 array of
+    `shape`), make a function of numpy views (reshape, transpose, broadcast),
+    found on a stand-in that holds no data: what a device's copy_strided
+    needs to copy that view of a blob's buffer."""
+    strides = [4 * math.prod(shape[k + 1:]) for k in range(len(shape))]
+    stand_in = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), tuple(shape), tuple(strides),
+                                               writeable=False)
+    view = make(stand_in)
+    return view.shape, [stride // 4 for stride in view.strides]
+
+
+def copy_view_on(device, src, dst, shape, make, accumulate=False):
+    """dst (contiguous) = make(src seen as `shape`) on a device (view_layout)."""
+    view_shape, strides = view_layout(shape, make)
+    device.copy_strided(src, dst, view_shape, strides, accumulate=accumulate)
+
+
+def fits_copy_view(device, shape, make):
+    """Whether copy_view_on can copy make's view of a blob of `shape` (its axis count)."""
+    return len(view_layout(shape, make)[0]) <= device.max_axes
+
+
 def copy_pieces(device, whole, pieces, shape, axis, bounds, into_whole, wanted=None):
     """Device buffers: the blob of `shape` (`whole`) and its pieces along
     `axis`, piece i the [start, end) of `bounds[i]`, in flat buffers of their
@@ -756,3 +779,19 @@ class Reorg(Layer):
         if propagate_down[0]:
             moved = darknet_reorg(top[0].diff, *self._dims, self.stride, not self.reverse)
             bottom[0].diff.reshape(moved.shape)[...] = moved
+
+    # --- on a device: darknet_reorg's view, copied strided
+    def _moves(self, forward):
+        return lambda x: darknet_reorg(x, *self._dims, self.stride, forward)
+
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top)
+
+    def forward_on(self, device, bottom, top):
+        copy_view_on(device, bottom[0].device_data(device), top[0].mutable_device_data(device), bottom[0].shape,
+                     self._moves(self.reverse))
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        if propagate_down[0]:
+            copy_view_on(device, top[0].device_diff(device), bottom[0].mutable_device_diff(device),
+                         top[0].shape, self._moves(not self.reverse))

@@ -12,6 +12,8 @@ import math
 import numpy as np
 
 from cct.core.layer import Layer, NoBackward, register
+from cct.layers.elementwise import sum_outer_inner
+from cct.layers.shape import copy_view_on, fits_copy_view
 from cct.proto import caffe_pb2
 
 _F32 = np.float32
@@ -65,6 +67,7 @@ class Normalize(Layer):
             raise self.config_error("norm_param.channel_shared", f"the scale blob has {self.blobs[0].count} "
                                     f"values, expected {want} (channel_shared: {str(self.channel_shared).lower()})")
         self.param_propagate_down = [True]
+        self._device_x = None                # forward_on's saved input when in place
 
     def _check_axes(self, blob):
         if not 2 <= len(blob.shape) <= 4:
@@ -122,6 +125,66 @@ class Normalize(Layer):
             dx = (dy3 - x3 * dot / (n * n)) / n * scale
             self._as3(bottom[0].diff)[...] = dx
 
+    # --- on a device: the sums by sum_axis, the rest element-wise in the host's order
+    def _blocks(self, bottom):
+        """(N, C, S) and the (outer, axis, inner) the norm sums over the middle of."""
+        n, c = bottom[0].shape[:2]
+        s = math.prod(bottom[0].shape[2:])
+        return (n, c, s), ((n, c * s, 1) if self.across_spatial else (n, c, s))
+
+    def _scale_on(self, device, values, dims):
+        """values (N, C, S) *= the scale, in place."""
+        scale = self.blobs[0].device_data(device)
+        if self.channel_shared:
+            device.broadcast_affine(values, 1, 1, math.prod(dims), values, scale)
+        else:
+            device.broadcast_affine(values, *dims, values, scale)
+
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top, self.blobs)
+
+    def forward_on(self, device, bottom, top):
+        dims, blocks = self._blocks(bottom)
+        count = math.prod(dims)
+        x = bottom[0].device_data(device)
+        self._device_x = None
+        if top[0] is bottom[0]:              # backward needs x, forward overwrites it
+            self._device_x = self.device_scratch(device, "input", count)
+            device.copy(self._device_x, x, count)
+            x = self._device_x
+        squares = device.scratch("normalize", count)
+        device.multiply(x, x, squares, count)
+        norms = self.device_scratch(device, "norms", blocks[0] * blocks[2])
+        device.sum_axis(squares, *blocks, norms)
+        # sqrt(sum + eps): batch_norm_stats without its factor
+        device.batch_norm_stats(norms, norms, norms, blocks[0] * blocks[2], self.eps)
+        out = top[0].mutable_device_data(device)
+        device.divide_across(x, norms, out, *blocks)
+        self._scale_on(device, out, dims)
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        dims, blocks = self._blocks(bottom)
+        count = math.prod(dims)
+        x = self._device_x if self._device_x is not None else bottom[0].device_data(device)
+        dy = top[0].device_diff(device)
+        norms = self.device_scratch(device, "norms", blocks[0] * blocks[2])
+        work = device.scratch("normalize", count)
+        if self.param_wanted(0):             # sum of dy * x / n (before dx overwrites dy in place)
+            device.divide_across(x, norms, work, *blocks)
+            device.multiply(work, dy, work, count)
+            scale_diff = self.blobs[0].mutable_device_diff(device)
+            if self.channel_shared:
+                device.sum_axis(work, 1, count, 1, scale_diff, 1.0)
+            else:
+                sum_outer_inner(device, work, *dims, scale_diff, 1.0)
+        if propagate_down[0]:
+            device.multiply(x, dy, work, count)
+            dots = device.scratch("normalize_dots", blocks[0] * blocks[2])
+            device.sum_axis(work, *blocks, dots)
+            dx = bottom[0].mutable_device_diff(device)
+            device.l2_normalize_backward(x, dy, norms, dots, dx, *blocks)
+            self._scale_on(device, dx, dims)
+
 
 # --- Permute ------------------------------------------------------------------------
 @register("Permute")
@@ -168,6 +231,21 @@ class Permute(Layer):
     def backward(self, top, propagate_down, bottom):
         if propagate_down[0] and top[0] is not bottom[0]:
             np.copyto(bottom[0].diff, top[0].diff.transpose(self.inverse))
+
+    # --- on a device: the transposed view copied strided
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top) and fits_copy_view(device, bottom[0].shape,
+                                                                lambda x: x.transpose(self.order))
+
+    def forward_on(self, device, bottom, top):
+        if top[0] is not bottom[0]:
+            copy_view_on(device, bottom[0].device_data(device), top[0].mutable_device_data(device),
+                         bottom[0].shape, lambda x: x.transpose(self.order))
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        if propagate_down[0] and top[0] is not bottom[0]:
+            copy_view_on(device, top[0].device_diff(device), bottom[0].mutable_device_diff(device),
+                         top[0].shape, lambda x: x.transpose(self.inverse))
 
 
 # --- PriorBox -----------------------------------------------------------------------
@@ -219,6 +297,7 @@ class PriorBox(Layer):
         self.img_h, self.img_w = self._pair(p, "img_size", "img_h", "img_w")
         self.step_h, self.step_w = self._pair(p, "step", "step_h", "step_w")
         self.offset = _F32(p.offset)
+        self._device_priors_key = self._device_priors = None       # what forward_on last uploaded
 
     def _setup_sizes(self, p):
         if not p.min_size:
@@ -304,19 +383,40 @@ class PriorBox(Layer):
         boxes[..., 3] = np.broadcast_to((cy + half[:, 1]) / img_h, shape)
         return boxes.astype(_F32).reshape(-1, 4)
 
-    def forward(self, bottom, top):
+    def priors(self, bottom):
+        """(2, H * W * P * 4) float32: the boxes (clipped if asked), then their variances."""
         boxes = self.boxes(bottom)
         if self.clip:
             np.clip(boxes, 0, 1, out=boxes)
-        out = top[0].data
-        out[0, 0] = boxes.reshape(-1)
-        out[0, 1] = np.resize(self.variance, boxes.size)
+        return np.stack([boxes.reshape(-1), np.resize(self.variance, boxes.size)])
+
+    def forward(self, bottom, top):
+        top[0].data[0] = self.priors(bottom)
 
     def backward(self, top, propagate_down, bottom):
         # the fork's Backward_cpu writes nothing: its bottoms' diffs stay at Caffe's zeros
         for blob, wanted in zip(bottom, propagate_down):
             if wanted:
                 blob.diff[...] = 0
+
+    # --- on a device: the priors depend on the shapes alone: made on the host once
+    # per shape, kept on the device and copied to the top at each forward
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(top)
+
+    def forward_on(self, device, bottom, top):
+        key = (device, bottom[0].shape, bottom[1].shape)
+        count = top[0].count
+        kept = self.device_scratch(device, "priors", count)
+        if self._device_priors_key != key or self._device_priors is not kept:
+            device.upload(kept, self.priors(bottom))
+            self._device_priors_key, self._device_priors = key, kept
+        device.copy(top[0].mutable_device_data(device), kept, count)
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        for blob, wanted in zip(bottom, propagate_down):
+            if wanted:
+                device.fill(blob.mutable_device_diff(device), 0.0, blob.count)
 
 
 # --- DetectionOutput ----------------------------------------------------------------

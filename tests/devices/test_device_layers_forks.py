@@ -1,0 +1,104 @@
+"""The forks' layers' device paths against their host forward and backward,
+on the numpy CPU device and on OpenCL: SSD's Normalize, Permute and PriorBox,
+the segmentation forks' BN, Interp and Upsample, the YOLOv2 port's Reorg.
+Bit for bit where the device computes in the host's order; within 1e-6 of the
+largest value where a sum runs in another order (Normalize's norms, BN's batch
+statistics) or a square root or power is the device's (BN's); parameter
+gradients, sums whose terms cancel, within 3e-5."""
+import numpy as np
+import pytest
+
+from cct.core.blob import Blob
+from cct.devices.cpu import CPU
+from cct.testing.gradient_check import make_layer
+from helpers.devices import OPENCL, assert_close_both_ways, opencl_or_skip, run_both_ways
+
+RNG = np.random.default_rng(205)
+
+
+def rand(*shape):
+    return RNG.standard_normal(shape)
+
+
+def assert_close_but_sums(results, sums, tolerance=1e-6, sum_tolerance=3e-5):
+    """As assert_close_both_ways, the results named in `sums` (parameter
+    gradients: sums of many terms of both signs, in another order on the
+    device, that cancel) within sum_tolerance of their largest value."""
+    assert_close_both_ways({k: v for k, v in results.items() if k not in sums}, tolerance)
+    assert_close_both_ways({k: v for k, v in results.items() if k in sums}, sum_tolerance)
+
+
+@pytest.fixture(params=["cpu", OPENCL])
+def device(request):
+    return CPU if request.param == "cpu" else opencl_or_skip()
+
+
+# --- SSD ------------------------------------------------------------------------------
+@pytest.mark.parametrize("across", [True, False])
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_normalize_on_device_matches_the_host(device, across, shared, in_place):
+    text = (f'type: "Normalize" norm_param {{ across_spatial: {str(across).lower()} '
+            f'channel_shared: {str(shared).lower()} scale_filler {{ type: "gaussian" std: 2 }} }}')
+    results = run_both_ways(device, text, [rand(2, 3, 4, 5)], in_place=in_place)
+    assert set(results) == {"top0", "bottom0.diff", "param0.diff"}
+    assert_close_but_sums(results, {"param0.diff"})
+
+
+def test_normalize_on_device_two_axes(device):
+    assert_close_but_sums(run_both_ways(device, 'type: "Normalize"', [rand(3, 7)]), {"param0.diff"})
+
+
+@pytest.mark.parametrize("order, shape", [((0, 2, 3, 1), (2, 3, 4, 5)), ((1, 0), (2, 3, 4, 5)),
+                                          ((), (2, 3, 4)), ((3, 1), (2, 3, 4, 5)), ((2, 0, 1), (3, 4, 5))])
+def test_permute_on_device_matches_the_host(device, order, shape):
+    text = 'type: "Permute" permute_param { ' + " ".join(f"order: {a}" for a in order) + " }"
+    assert_close_both_ways(run_both_ways(device, text, [rand(*shape)]), 0)
+
+
+def test_permute_identity_in_place_on_device(device):
+    assert_close_both_ways(run_both_ways(device, 'type: "Permute"', [rand(2, 3)], in_place=True), 0)
+
+
+def test_permute_with_too_many_axes_stays_on_the_host(device):
+    layer = make_layer('type: "Permute" permute_param { order: 8 }')
+    bottom, top = Blob((1,) * 9, np.float32), Blob(dtype=np.float32)
+    layer.set_up([bottom], [top])
+    assert not layer.runs_on(device, [bottom], [top])
+
+
+PRIOR_BOXES = [
+    "min_size: 30 max_size: 60 aspect_ratio: 2 flip: true clip: false variance: 0.1 variance: 0.1 "
+    "variance: 0.2 variance: 0.2 step: 8",
+    "min_size: 10.5 min_size: 20 aspect_ratio: 2 aspect_ratio: 3 flip: false clip: true",
+]
+
+
+@pytest.mark.parametrize("fields", PRIOR_BOXES)
+def test_prior_box_on_device_matches_the_host(device, fields):
+    results = run_both_ways(device, f'type: "PriorBox" prior_box_param {{ {fields} }}',
+                            [rand(2, 4, 3, 5), rand(2, 3, 60, 100)])
+    assert_close_both_ways(results, 0)
+    assert not results["bottom0.diff"][0].any()
+
+
+def test_prior_box_on_device_follows_the_shapes(device):
+    """Made once per shape: a new feature map size makes new priors, the same one reuses them."""
+    layer = make_layer(f'type: "PriorBox" prior_box_param {{ {PRIOR_BOXES[0]} }}')
+    feature, image, top = Blob((1, 2, 3, 3), np.float32), Blob((1, 3, 48, 48), np.float32), Blob(dtype=np.float32)
+    layer.set_up([feature, image], [top])
+    for size in (3, 5, 5, 3):
+        feature.reshape((1, 2, size, size))
+        layer.reshape([feature, image], [top])
+        layer.forward_on(device, [feature, image], [top])
+        on_device = top.data.copy()
+        layer.forward([feature, image], [top])
+        np.testing.assert_array_equal(on_device, top.data)
+
+
+# --- Reorg ----------------------------------------------------------------------------
+@pytest.mark.parametrize("stride, reverse, shape", [(2, False, (2, 8, 4, 6)), (2, True, (2, 8, 3, 5)),
+                                                    (3, False, (1, 9, 6, 3)), (1, False, (2, 3, 2, 2))])
+def test_reorg_on_device_matches_the_host(device, stride, reverse, shape):
+    text = f'type: "Reorg" reorg_param {{ stride: {stride} reverse: {str(reverse).lower()} }}'
+    assert_close_both_ways(run_both_ways(device, text, [rand(*shape)]), 0)
