@@ -267,6 +267,7 @@ class BN(Layer):
             raise self.config_error("blobs", f"{'SegNet' if self.segnet else 'PSPNet'}'s BN has {want} blobs, "
                                     f"got {len(self.blobs)}")
         self.param_propagate_down = [True] * len(self.blobs)
+        self._device_x = None                # forward_on's input, kept for SegNet INFERENCE's backward
 
     def _is_segnet(self):
         p = self.layer_param.bn_param
@@ -420,6 +421,112 @@ class BN(Layer):
         self._accumulate(1, _channel_sum(dy))
         n, _, s = dy.shape
         return _batch_gradient(self.x_norm, dy * scale, dtype.type(-1.0 / (n * s))) / self.std
+
+    # --- on a device: normalization by channel_normalize (x - mean) / std, the
+    # affine maps by broadcast_affine, the statistics and parameter gradients by
+    # channel_sum, the batch gradient by batch_norm_backward. Where the host
+    # multiplies by (var + eps)^-0.5 the device divides by sqrt(var + eps), and
+    # its sums run in another order: equal within float32 rounding.
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top, self.blobs)
+
+    def _dims(self, bottom):
+        shape = bottom[0].shape
+        return shape[0], self.channels, math.prod(shape[2:])
+
+    def _kept(self, device, name, dims=None):
+        """A buffer this layer keeps from forward_on to backward_on: (C,), or (N, C, S) given dims."""
+        return self.device_scratch(device, name, math.prod(dims) if dims else self.channels)
+
+    def forward_on(self, device, bottom, top):
+        dims = self._dims(bottom)
+        x, out = bottom[0].device_data(device), None
+        if self.segnet and self.mode == _INFERENCE:
+            self._device_x = x
+            if top[0] is bottom[0]:          # backward's scale gradient reads x
+                self._device_x = self._kept(device, "input", dims)
+                device.copy(self._device_x, x, math.prod(dims))
+        elif self.segnet:
+            self._segnet_statistics_on(device, x, dims, top)
+        elif self.frozen or self.phase == TEST:
+            std = self._kept(device, "std")
+            device.batch_norm_stats(self.blobs[2].device_data(device), self.blobs[3].device_data(device), std,
+                                    self.channels, self.eps)
+            # not frozen in TEST, backward reads x_norm as after batch statistics
+            out = top[0].mutable_device_data(device) if self.frozen else self._kept(device, "x_norm", dims)
+            device.channel_normalize(x, out, *dims, self.blobs[2].device_data(device), std)
+        else:
+            self._pspnet_statistics_on(device, x, dims)
+        source = out if out is not None else (self._device_x if self.segnet and self.mode == _INFERENCE
+                                              else self._kept(device, "x_norm", dims))
+        device.broadcast_affine(source, *dims, top[0].mutable_device_data(device), self.blobs[0].device_data(device),
+                                self.blobs[1].device_data(device))
+
+    def _pspnet_statistics_on(self, device, x, dims):
+        """The batch's mean and variance (into the running ones), std and x_norm (kept)."""
+        alpha = 1.0 / (dims[0] * dims[2])
+        mean, variance, std = self._kept(device, "mean"), self._kept(device, "variance"), self._kept(device, "std")
+        x_norm = self._kept(device, "x_norm", dims)
+        m = _F32(self.momentum)
+        keep = float(_F32(1) - m)
+        device.channel_sum(x, *dims, mean, alpha)
+        device.axpby(self.channels, keep, mean, float(m), self.blobs[2].mutable_device_data(device))
+        device.channel_normalize(x, x_norm, *dims, mean)                 # centred
+        device.channel_sum(x_norm, *dims, variance, alpha, times=x_norm)
+        device.axpby(self.channels, keep, variance, float(m), self.blobs[3].mutable_device_data(device))
+        device.batch_norm_stats(mean, variance, std, self.channels, self.eps)
+        device.channel_normalize(x_norm, x_norm, *dims, std=std)
+
+    def _segnet_statistics_on(self, device, x, dims, top):
+        """The batch's mean and E[x^2] - mean^2 (to tops 1 and 2), std and x_norm (kept)."""
+        alpha = 1.0 / (dims[0] * dims[2])
+        mean, variance, std = self._kept(device, "mean"), self._kept(device, "variance"), self._kept(device, "std")
+        square = device.scratch("bn_channels", self.channels)
+        device.channel_sum(x, *dims, mean, alpha)
+        device.channel_sum(x, *dims, variance, alpha, times=x)
+        device.multiply(mean, mean, square, self.channels)
+        device.axpby(self.channels, -1.0, square, 1.0, variance)
+        for blob, value in zip(top[1:], (mean, variance)):
+            device.copy(blob.mutable_device_data(device), value, self.channels)
+        device.batch_norm_stats(mean, variance, std, self.channels, _SEGNET_EPS)
+        device.channel_normalize(x, self._kept(device, "x_norm", dims), *dims, mean, std)
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        dims = self._dims(bottom)
+        count = math.prod(dims)
+        dy = top[0].device_diff(device)
+        dx = bottom[0].mutable_device_diff(device) if propagate_down[0] else None
+        scale = self.blobs[0].device_data(device)
+        if not self.segnet and self.frozen:
+            factor = device.scratch("bn_channels", self.channels)       # slope / std
+            device.divide(scale, self._kept(device, "std"), factor, self.channels)
+            if dx is not None:
+                device.broadcast_affine(dy, *dims, dx, factor)
+            return
+        inference = self.segnet and self.mode == _INFERENCE
+        # parameter gradients first: in place, dx overwrites dy
+        self._accumulate_on(device, 0, self._device_x if inference else self._kept(device, "x_norm", dims), dy,
+                            dims)
+        self._accumulate_on(device, 1, dy, None, dims)
+        if dx is None:
+            return
+        if inference:
+            device.broadcast_affine(dy, *dims, dx, scale)
+            return
+        dxhat = device.scratch("bn_dxhat", count)
+        device.broadcast_affine(dy, *dims, dxhat, scale)
+        x_norm, alpha = self._kept(device, "x_norm", dims), 1.0 / (dims[0] * dims[2])
+        mean_dxhat, mean_dxhat_y = self._kept(device, "mean_dy"), self._kept(device, "mean_dy_y")
+        device.channel_sum(dxhat, *dims, mean_dxhat, alpha)
+        device.channel_sum(dxhat, *dims, mean_dxhat_y, alpha, times=x_norm)
+        device.batch_norm_backward(dxhat, x_norm, self._kept(device, "std"), mean_dxhat, mean_dxhat_y, dx, *dims)
+
+    def _accumulate_on(self, device, index, values, times, dims):
+        """blobs[index].diff (C,) += the channel sums of values (* times)."""
+        if self.param_wanted(index):
+            total = device.scratch("bn_channels", self.channels)
+            device.channel_sum(values, *dims, total, times=times)
+            device.axpby(self.channels, 1.0, total, 1.0, self.blobs[index].mutable_device_diff(device))
 
 
 # --- Upsample -----------------------------------------------------------------------

@@ -8,6 +8,8 @@ gradients, sums whose terms cancel, within 3e-5."""
 import numpy as np
 import pytest
 
+import cct
+
 from cct.core.blob import Blob
 from cct.devices.cpu import CPU
 from cct.testing.gradient_check import make_layer
@@ -102,3 +104,57 @@ def test_prior_box_on_device_follows_the_shapes(device):
 def test_reorg_on_device_matches_the_host(device, stride, reverse, shape):
     text = f'type: "Reorg" reorg_param {{ stride: {stride} reverse: {str(reverse).lower()} }}'
     assert_close_both_ways(run_both_ways(device, text, [rand(*shape)]), 0)
+
+
+# --- BN -------------------------------------------------------------------------------
+def bn_text(fields, values):
+    """A BN layer with its blobs given: each (C,) of values as a (1, C, 1, 1) blob."""
+    blobs = " ".join("blobs { shape { dim: 1 dim: %d dim: 1 dim: 1 } %s }"
+                     % (len(v), " ".join(f"data: {x}" for x in v)) for v in values)
+    return f'type: "BN" bn_param {{ {fields} }} {blobs}'
+
+
+def bn_blobs(count, channels=3):
+    """slope/scale, bias/shift, running mean, running variance (positive)."""
+    values = [RNG.standard_normal(channels) for _ in range(count)]
+    if count == 4:
+        values[3] = np.abs(values[3]) + 0.5
+    return values
+
+
+BN_CASES = [
+    ("momentum: 0.8 eps: 1e-4 frozen: true", 4, cct.TRAIN),     # PSPNet frozen
+    ("momentum: 0.8 eps: 1e-4", 4, cct.TEST),                   # PSPNet at test: the running statistics
+    ("momentum: 0.8 eps: 1e-4", 4, cct.TRAIN),                  # PSPNet learning: batch statistics
+    ("bn_mode: INFERENCE", 2, cct.TEST),                         # SegNet after compute_bn_statistics.py
+    ("bn_mode: LEARN", 2, cct.TRAIN),                            # SegNet learning
+]
+
+
+@pytest.mark.parametrize("fields, blobs, phase", BN_CASES)
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (4, 3)])
+def test_bn_on_device_matches_the_host(device, fields, blobs, phase, in_place, shape):
+    text = bn_text(fields, bn_blobs(blobs))
+    results = run_both_ways(device, text, [rand(*shape) * 2 + 1], phase=phase, in_place=in_place)
+    assert_close_but_sums(results, {name for name in results if name.startswith("param")})
+    if "INFERENCE" in fields:                  # an affine map: bit for bit
+        assert_close_both_ways({"top0": results["top0"], "bottom0.diff": results["bottom0.diff"]}, 0)
+
+
+@pytest.mark.parametrize("fields, blobs", [("momentum: 0.8 eps: 1e-4", 4), ("bn_mode: LEARN", 2)])
+def test_bn_on_device_keeps_statistics_as_the_host(device, fields, blobs):
+    """PSPNet's running mean and variance, SegNet's batch statistics tops
+    (its E[x^2] - mean^2 cancels: the inputs' mean 3 costs a digit)."""
+    text, x = bn_text(fields, bn_blobs(blobs)), rand(2, 3, 4, 5) + 3
+    kept = []
+    for on_device in (False, True):
+        layer = make_layer(text, cct.TRAIN)
+        bottom = Blob(x.shape, np.float32)
+        bottom.data[...] = x
+        tops = [Blob(dtype=np.float32) for _ in range(1 if blobs == 4 else 3)]
+        layer.set_up([bottom], tops)
+        layer.forward_on(device, [bottom], tops) if on_device else layer.forward([bottom], tops)
+        kept.append([blob.data.copy() for blob in layer.blobs[2:]] + [top.data.copy() for top in tops[1:]])
+    for ours, reference in zip(kept[1], kept[0]):
+        np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-6)
