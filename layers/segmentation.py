@@ -15,6 +15,7 @@ import numpy as np
 
 from cct.core.layer import TEST, Layer, register
 from cct.devices.jit import kernel
+from cct.layers.shape import copy_into_view_on, copy_view_on
 from cct.proto import caffe_pb2
 
 _F32 = np.float32
@@ -105,6 +106,7 @@ class Interp(Layer):
                 raise self.config_error(f"interp_param.{name}", f"must be <= 0 (the fork crops only), got "
                                         f"{getattr(p, name)}")
         self.pad_beg, self.pad_end = int(p.pad_beg), int(p.pad_end)
+        self._device_key = None              # the shapes and buffers of the device's tables
         if len(bottom) > 1:
             given = [name for name in ("shrink_factor", "zoom_factor", "height", "width") if p.HasField(name)]
             if given:
@@ -184,6 +186,44 @@ class Interp(Layer):
             return
         tables = self._tables(diff.dtype)
         interp_backward(_planes(np.ascontiguousarray(top[0].diff)), *tables[0], *tables[1], _plane_view(dx))
+
+    # --- on a device: the resize from per-axis tables made on the host once per
+    # shape (interp_device_table); an output of the input's size is a strided copy
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom[:1], top)
+
+    def _device_tables(self, device, bottom):
+        """(height table, width table) on the device, remade when the shapes change."""
+        axes = list(zip(bottom[0].shape[2:], self.in_size, self.out_size))     # (size, size_in, size_out)
+        kept = tuple(self.device_scratch(device, name, 4 * size_out + 2 * size)
+                     for name, (size, _, size_out) in zip(("th", "tw"), axes))
+        key = (bottom[0].shape, self.out_size) + kept
+        if self._device_key != key:
+            for buffer, (size, size_in, size_out) in zip(kept, axes):
+                device.upload(buffer, interp_device_table(size, -self.pad_beg, size_in, size_out))
+            self._device_key = key
+        return kept
+
+    def _planes_and_sizes(self, bottom):
+        n, c, h, w = bottom[0].shape
+        return (n * c, h, w) + self.out_size
+
+    def forward_on(self, device, bottom, top):
+        x, y = bottom[0].device_data(device), top[0].mutable_device_data(device)
+        if self.in_size == self.out_size:
+            copy_view_on(device, x, y, bottom[0].shape, self._cropped)
+            return
+        device.interp_forward(x, y, *self._device_tables(device, bottom), *self._planes_and_sizes(bottom))
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        dy, dx = top[0].device_diff(device), bottom[0].mutable_device_diff(device)
+        if self.in_size == self.out_size:
+            device.fill(dx, 0.0, bottom[0].count)
+            copy_into_view_on(device, dy, dx, bottom[0].shape, self._cropped)
+            return
+        device.interp_backward(dy, dx, *self._device_tables(device, bottom), *self._planes_and_sizes(bottom))
 
 
 def _plane_view(array):
@@ -647,3 +687,41 @@ class Upsample(Layer):
             for j in range(s):
                 total += blocks[:, :, :, j, :, i]
         bottom[0].diff[...] = total
+
+    # --- on a device: nearest-neighbour as strided copies of broadcast views and
+    # sums of them; unpooling by unpool_forward/unpool_backward (a mask cell
+    # outside the top is skipped there, where the host refuses it)
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top)
+
+    def _nearest(self, n, c, h, w):
+        s = self.scale
+        return lambda x: np.broadcast_to(x[:, :, :, None, :, None], (n, c, h, s, w, s))
+
+    def _unpool_sizes(self, bottom, top):
+        n, c, h, w = bottom[0].shape
+        return n * c, h * w, top[0].shape[2] * top[0].shape[3]
+
+    def forward_on(self, device, bottom, top):
+        x, y = bottom[0].device_data(device), top[0].mutable_device_data(device)
+        if self.unpool:
+            device.unpool_forward(x, bottom[1].device_data(device), y, *self._unpool_sizes(bottom, top))
+        else:
+            copy_view_on(device, x, y, bottom[0].shape, self._nearest(*bottom[0].shape))
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        if self.unpool and len(propagate_down) > 1 and propagate_down[1]:
+            device.fill(bottom[1].mutable_device_diff(device), 0.0, bottom[1].count)
+        if not propagate_down[0]:
+            return
+        dy, dx = top[0].device_diff(device), bottom[0].mutable_device_diff(device)
+        if self.unpool:
+            device.unpool_backward(dy, bottom[1].device_data(device), dx, *self._unpool_sizes(bottom, top))
+            return
+        n, c, h, w = bottom[0].shape
+        s = self.scale
+        device.fill(dx, 0.0, bottom[0].count)
+        for i in range(s):                  # the host's order
+            for j in range(s):
+                copy_view_on(device, dy, dx, top[0].shape,
+                             lambda x, i=i, j=j: x.reshape(n, c, h, s, w, s)[:, :, :, j, :, i], accumulate=True)

@@ -47,21 +47,29 @@ def axis_slices(axis, bounds):
 
 
 def view_layout(shape, make):
-    """(shape, element strides) of make(a C-contiguous float32 array of
-    `shape`), make a function of numpy views (reshape, transpose, broadcast),
-    found on a stand-in that holds no data: what a device's copy_strided
-    needs to copy that view of a blob's buffer."""
+    """(shape, element strides, element offset) of make(a C-contiguous
+    float32 array of `shape`), make a function of numpy views (reshape,
+    transpose, slice, broadcast), found on a stand-in that holds no data:
+    what a device's copy_strided needs to copy that view of a blob's buffer."""
     strides = [4 * math.prod(shape[k + 1:]) for k in range(len(shape))]
     stand_in = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), tuple(shape), tuple(strides),
                                                writeable=False)
     view = make(stand_in)
-    return view.shape, [stride // 4 for stride in view.strides]
+    offset = view.__array_interface__["data"][0] - stand_in.__array_interface__["data"][0]
+    return view.shape, [stride // 4 for stride in view.strides], offset // 4
 
 
 def copy_view_on(device, src, dst, shape, make, accumulate=False):
-    """dst (contiguous) = make(src seen as `shape`) on a device (view_layout)."""
-    view_shape, strides = view_layout(shape, make)
-    device.copy_strided(src, dst, view_shape, strides, accumulate=accumulate)
+    """dst (contiguous) = make(src seen as `shape`), or += it, on a device (view_layout)."""
+    view_shape, strides, offset = view_layout(shape, make)
+    device.copy_strided(src, dst, view_shape, strides, src_offset=offset, accumulate=accumulate)
+
+
+def copy_into_view_on(device, src, dst, shape, make):
+    """make(dst seen as `shape`) = src (contiguous) on a device (view_layout)."""
+    view_shape, strides, offset = view_layout(shape, make)
+    contiguous = [math.prod(view_shape[k + 1:]) for k in range(len(view_shape))]
+    device.copy_strided(src, dst, view_shape, contiguous, strides, dst_offset=offset)
 
 
 def fits_copy_view(device, shape, make):

@@ -158,3 +158,38 @@ def test_bn_on_device_keeps_statistics_as_the_host(device, fields, blobs):
         kept.append([blob.data.copy() for blob in layer.blobs[2:]] + [top.data.copy() for top in tops[1:]])
     for ours, reference in zip(kept[1], kept[0]):
         np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-6)
+
+
+# --- Interp, Upsample -----------------------------------------------------------------
+@pytest.mark.parametrize("fields, shape", [
+    ("zoom_factor: 3", (2, 3, 4, 5)), ("shrink_factor: 2", (1, 2, 9, 7)), ("height: 8 width: 6", (2, 2, 5, 9)),
+    ("zoom_factor: 2 pad_beg: -1 pad_end: -1", (1, 3, 7, 6)), ("height: 1 width: 1", (2, 2, 3, 3)),
+    ("height: 4 width: 3 pad_end: -2", (1, 2, 6, 5)),              # the crop's size: a copy
+    ("height: 5 width: 5", (2, 3, 5, 5)),                          # the input's size: a copy
+])
+def test_interp_on_device_matches_the_host(device, fields, shape):
+    results = run_both_ways(device, f'type: "Interp" interp_param {{ {fields} }}', [rand(*shape)])
+    assert_close_both_ways(results, 0)
+
+
+def test_interp_on_device_with_a_size_bottom(device):
+    results = run_both_ways(device, 'type: "Interp"', [rand(2, 3, 4, 5), rand(2, 1, 7, 9)],
+                            propagate_down=[True, False])
+    assert_close_both_ways(results, 0)
+
+
+@pytest.mark.parametrize("scale", [1, 2, 3])
+def test_nearest_upsample_on_device_matches_the_host(device, scale):
+    results = run_both_ways(device, f'type: "Upsample" upsample_param {{ scale: {scale} }}', [rand(2, 3, 4, 5)])
+    assert_close_both_ways(results, 0)
+
+
+@pytest.mark.parametrize("fields, out", [("scale: 2", (8, 6)), ("upsample_h: 7 upsample_w: 9", (7, 9)),
+                                         ("scale: 2 pad_out_h: true", (7, 6))])
+def test_unpooling_on_device_matches_the_host(device, fields, out):
+    """Masks with repeated cells (a later value wins, every repeat gathers)."""
+    values = rand(2, 3, 4, 3)
+    mask = RNG.integers(0, out[0] * out[1], values.shape).astype(np.float32)
+    results = run_both_ways(device, f'type: "Upsample" upsample_param {{ {fields} }}', [values, mask])
+    assert_close_both_ways(results, 0)
+    assert not results["bottom1.diff"][0].any()
