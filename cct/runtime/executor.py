@@ -36,7 +36,7 @@ from cct.core.progress import Progress
 from cct.runtime import fusion as fusion_module
 from cct.runtime import hybrid as hybrid_module
 from cct.runtime import memory_plan, scheduler
-from cct.runtime.plan import Plan
+from cct.runtime.plan import Layers, Plan
 from cct.runtime import settings
 from cct.runtime.choice import FasterOf
 from cct.runtime import threads as threads_module
@@ -118,7 +118,7 @@ class Executor:
                 if self.batch(index) is not None:
                     self.plan[index] = forced
         settings.apply(self, self.settings.config)
-        self.fusion = fusion_module.plan(net) if self.settings.fusion else None
+        self.fusion = fusion_module.plan(net, self.threads) if self.settings.fusion else None
         self.forward_end: Optional[int] = None   # the last layer of the Net.forward under way (fusion's output ReLUs)
         self._forward_device = _ASK   # the device of the Net.forward under way, looked up once for its layers
         # Refused now, before the first forward touches the blobs setup mapped.
@@ -263,7 +263,7 @@ class Executor:
             device = self.device()
         if device is not None:
             if fusion is not None:
-                fusion.flush(self)
+                fusion.flush()
             if index == 0:
                 self._plan_hybrid(device)
             self.run_on(device, index)
@@ -276,8 +276,8 @@ class Executor:
         relu = None
         if fusion is not None:
             if self._listeners or not set_blas:
-                fusion.flush(self)
-            elif fusion.forward(self, index):
+                fusion.flush()
+            elif fusion.forward(index, self.forward_end):
                 return self._loss(index)
             else:
                 relu = fusion.output_relu(index, self.forward_end)
@@ -297,7 +297,7 @@ class Executor:
         plan = self._plan
         if plan is None or self._listeners or self._forward_device is not None:
             return None
-        return plan if plan.current(self) else None
+        return plan if plan.current(self.settings.version) else None
 
     def drop_plan(self) -> None:
         """The next whole forward runs layer by layer and makes a new plan."""
@@ -305,14 +305,14 @@ class Executor:
 
     def forward_range(self, start: int, end: int) -> float:
         """Layers start..end forward (Net.forward); their summed loss."""
-        loss = 0.0
         try:
             self.begin_forward(end)             # inside: a bad CCT_GPU still ends the forward
             plan = self._current_plan()
             if plan is not None and plan.covers(start, end):
-                return plan.forward(self, start, end)
+                return self._forward_planned(plan, start, end)
             if plan is not None and plan.params is not None and plan.params.changed():
                 self.drop_plan()                # remade after this forward, with the new parameters
+            loss = 0.0
             for index in range(start, end + 1):
                 loss += self.forward(index)
             if (start == 0 and end == len(self.net.layers) - 1 and not self._listeners
@@ -321,11 +321,42 @@ class Executor:
                 # for a layout a whole forward saw twice, not for shapes that change every time
                 if self._laid_out == Layout.epoch:
                     self._plan = None
-                    self._plan = Plan(self)
+                    self._plan = self._make_plan()
                 self._laid_out = Layout.epoch
         finally:
             self.end_forward()                  # a failing layer leaves no lowered BLAS count
         return loss
+
+    def _forward_planned(self, plan: Plan, start: int, end: int) -> float:
+        """The plan's steps, and the executor's per-layer path where the plan
+        hands a layer back: a step it left to it, a fused run without a kept
+        pass (the next plan keeps the one this composes), or the rest of a
+        forward whose layout a reshape changed."""
+        loss, index = plan.forward(start, end)
+        while index <= end:
+            if not plan.current(self.settings.version):
+                for rest in range(index, end + 1):
+                    loss += self.forward(rest)
+                return loss
+            last = plan.group_end.get(index, index)
+            for member in range(index, last + 1):
+                loss += self.forward(member)
+            if index in plan.run_starts:
+                self.drop_plan()                # its pass is kept now, outside this plan's ParamWatch
+            part, index = plan.forward(last + 1, end)
+            loss += part
+        return loss
+
+    def _make_plan(self) -> Plan:
+        """The plan for the net's current shapes: each layer's partitions,
+        BLAS threads and partition runners decided here, bound by the plan."""
+        count = len(self.net.layers)
+        partitions = [self.partitions(index) for index in range(count)]
+        split = [index for index in range(count) if partitions[index] > 1]
+        decided = Layers(partitions=partitions, blas=[self.blas_count(p) for p in partitions],
+                         runners={index: self._runner(index, partitions[index]) for index in split},
+                         workers={index: self.workers(partitions[index]) for index in split})
+        return Plan(self.net, decided, self.blas, self.settings.version, self.shape_key(), self.fusion)
 
     def backward_range(self, start: int, end: int) -> None:
         """Layers start..end backward (Net.backward; start >= end)."""
@@ -335,7 +366,7 @@ class Executor:
                 return
             plan = self._backward_plan()
             if plan is not None:
-                plan.backward(self, start, end)
+                plan.backward(start, end)
                 return
             for index in range(start, end - 1, -1):
                 self.backward(index)
@@ -344,11 +375,12 @@ class Executor:
 
     def _backward_plan(self) -> Optional[Plan]:
         """The plan for a backward on the host, layer after layer."""
-        if self._plan is None or self._listeners or not self._plan.current(self) or self.device() is not None:
+        plan = self._plan
+        if plan is None or self._listeners or not plan.current(self.settings.version) or self.device() is not None:
             return None
         if self.fusion is not None:
-            self.fusion.before_backward(self)
-        return self._plan
+            self.fusion.before_backward()
+        return plan
 
     def _loss(self, index: int) -> float:
         net = self.net
@@ -466,7 +498,7 @@ class Executor:
         """Run layer `index` backward if the net needs its backward (or `force`:
         `cct time` runs every layer's, as Caffe's does). The events fire either way."""
         if self.fusion is not None:
-            self.fusion.before_backward(self)
+            self.fusion.before_backward()
         if self._listeners:
             self._emit("before_backward", index)
         device = self.device()
@@ -519,7 +551,7 @@ class Executor:
         """The pass of a fused run a forward stopped inside, then all BLAS
         threads again, for whatever runs after the net."""
         if self.fusion is not None:
-            self.fusion.flush(self)
+            self.fusion.flush()
         self.blas.set(self.threads)
 
     @property
@@ -539,7 +571,7 @@ class Executor:
         callbacks see layers one at a time, so with a subscriber the mode is
         sequential. The numbers are the same in every mode."""
         if self.fusion is not None:
-            self.fusion.before_backward(self)
+            self.fusion.before_backward()
         device = self.device()
         if self._listeners or self.schedule != "auto" or device is not None:
             # a device's one in-order queue runs the layers in turn: sequential
@@ -562,7 +594,7 @@ class Executor:
         last = len(self.net.layers) - 1
         plan = self._backward_plan()
         if plan is not None:
-            plan.backward(self, last, 0)
+            plan.backward(last, 0)
             return
         for index in range(last, -1, -1):
             self.backward(index)
@@ -571,7 +603,7 @@ class Executor:
         """What a schedule is built for: every blob's shape and every layer's
         batch partitions at those shapes (the plan's, while it holds)."""
         plan = self._plan
-        if plan is not None and plan.current(self):
+        if plan is not None and plan.current(self.settings.version):
             return plan.shape_key
         return (tuple(blob.shape for blob in self.net.blobs.values()),
                 tuple(self.partitions(i) for i in range(len(self.net.layers))))

@@ -87,6 +87,8 @@ rounds differently from Caffe's two passes (a few float32 ulps); a ReLU,
 copy or sum alone rounds the same. Reference cases stay within their 1e-4.
 `describe(net)` gives printable lines of what a net fuses (`cct time`).
 """
+import weakref
+
 import numpy as np
 
 from cct.core.blob import Layout
@@ -516,7 +518,9 @@ class Fusion:
     of the Split layers whose tops alias their bottom; `forward_only`: the
     runs were planned for a net that never runs backward (forward_only())."""
 
-    def __init__(self, net):
+    def __init__(self, net, threads):
+        self._net = weakref.ref(net)  # the net owns its executor, which owns this: no cycle
+        self.threads = threads        # the passes' threads: the executor's
         self.forward_only = False
         self.applied = None           # the ReLU whose convolution applied it in this forward
         self.plan_runs(net)
@@ -551,30 +555,34 @@ class Fusion:
         entry = self.output_relus.get(index)
         return entry if entry is not None and end is not None and entry[0] <= end else None
 
-    def before_backward(self, executor):
+    @property
+    def net(self):
+        return self._net()
+
+    def before_backward(self):
         """Run a pass still pending; refuse a backward of a forward-only plan."""
-        self.flush(executor)
+        self.flush()
         if self.forward_only:
-            raise ConfigError(f"net '{executor.net.name}': its fusion was planned forward only "
+            raise ConfigError(f"net '{self.net.name}': its fusion was planned forward only "
                               "(cct.runtime.fusion.forward_only), so a fused layer's backward would read "
                               "an input its pass did not keep; build the net again to run backward")
 
-    def forward(self, executor, index):
-        """Take layer `index` into the current run (True) or, when it is no
-        run's, run the pending pass first and leave the layer to the caller
-        (False)."""
+    def forward(self, index, end):
+        """Take layer `index` of a forward through layer `end` into the
+        current run (True) or, when it is no run's, run the pending pass first
+        and leave the layer to the caller (False)."""
         number = self.run_of.get(index)
         if self._replaying is not None:
             if number == self._replaying and index == self._expected:
-                return self._replay_member(executor, index)
-            self.flush(executor)
+                return self._replay_member(index)
+            self.flush()
         if self.pending is not None and (number != self._pending_run or index != self._expected):
-            self.flush(executor)
-        net = executor.net
+            self.flush()
+        net = self.net
         applied, self.applied = self.applied, None
         if index != applied and number is None:
             return False
-        if index != applied and self._replay_start(executor, number, index):
+        if index != applied and self._replay_start(number, index, end):
             return True
         layer, bottom, top = net.layers[index], net.bottom_vecs[index], net.top_vecs[index]
         with layer.naming_allocations(top):
@@ -583,16 +591,16 @@ class Fusion:
             return True
         op = layer.epilogue(bottom, top)
         if op is None:                    # the shapes no longer allow it
-            self.flush(executor)
+            self.flush()
             return False
         if self.pending is None or not self.pending.add(index, op, bottom, top):
-            self.flush(executor)
+            self.flush()
             self.pending = Run()
             self.pending.add(index, op, bottom, top)
         run = self.runs[number]
         self._pending_run, self._expected = number, index + 1
         if index == run[-1]:
-            self.flush(executor)
+            self.flush()
         return True
 
     def replay(self, number, threads):
@@ -605,40 +613,44 @@ class Fusion:
         replay.run(threads)
         return True
 
-    def _replay_start(self, executor, number, index):
+    def _replay_start(self, number, index, end):
         """At the first layer of run `number`: replay its kept pass when the
-        forward goes through the whole run and nothing it read has changed
-        (the run's layers are then neither reshaped nor asked again)."""
+        forward goes through the whole run (to `end`) and nothing it read has
+        changed (the run's layers are then neither reshaped nor asked again)."""
         run = self.runs[number]
         replay = self._replays.get(number)
-        if (replay is None or index != run[0] or executor.forward_end is None or executor.forward_end < run[-1]
-                or not replay.still_valid()):
+        if replay is None or index != run[0] or end is None or end < run[-1] or not replay.still_valid():
             return False
         self._replaying, self._expected = number, index
-        return self._replay_member(executor, index)
+        return self._replay_member(index)
 
-    def _replay_member(self, executor, index):
+    def _replay_member(self, index):
         self._expected = index + 1
         if index == self.runs[self._replaying][-1]:
             replay, self._replaying = self._replays[self._replaying], None
-            replay.run(executor.threads)
+            replay.run(self.threads)
         return True
 
-    def flush(self, executor):
-        """Run the pending pass, if any: a run of one layer runs that layer.
-        A whole run's pass is kept for its next forwards (Replay)."""
+    def flush(self):
+        """Run the pending pass, if any: a run of one layer runs that layer's
+        own forward (reshaped as it joined; element-wise, so whole). A whole
+        run's pass is kept for its next forwards (Replay)."""
         pending, self.pending = self.pending, None
         number, self._pending_run = self._pending_run, None
         self._expected = self._replaying = None
         if pending is None:
             return
+        net = self.net
         if len(pending.members) == 1:
-            executor.run_layer(pending.members[0])
+            index = pending.members[0]
+            layer, bottom, top = net.layers[index], net.bottom_vecs[index], net.top_vecs[index]
+            with layer.naming_allocations(top):
+                layer.forward(bottom, top)
             return
         prepared = pending.prepare()
         if number is not None and pending.members == self.runs[number]:
-            self._replays[number] = Replay(executor.net, pending.members, prepared)
-        _execute(prepared, executor.threads)
+            self._replays[number] = Replay(net, pending.members, prepared)
+        _execute(prepared, self.threads)
 
 
 def _op(net, index, forward_only=False):
@@ -734,9 +746,9 @@ def _written_after(net, index, blob):
     return any(top is blob for tops in net.top_vecs[index + 1:] for top in tops)
 
 
-def plan(net):
-    """The net's Fusion (it sets the aliases at once)."""
-    return Fusion(net)
+def plan(net, threads):
+    """The net's Fusion, its passes on `threads` threads (it sets the aliases at once)."""
+    return Fusion(net, threads)
 
 
 def forward_only(net):
@@ -745,10 +757,9 @@ def forward_only(net):
     one, in-place Scales whose parameters learn included (a TEST net built
     from a train_val prototxt keeps those out otherwise), and a backward is
     refused from then on. Returns the net's Fusion, or None (fusion off)."""
-    executor = net.executor
-    fusion = executor.fusion
+    fusion = net.executor.fusion
     if fusion is not None:
-        fusion.flush(executor)
+        fusion.flush()
         fusion.forward_only = True
         fusion.plan_runs(net)
     return fusion

@@ -49,7 +49,7 @@ from cct.runtime.threads import run_all
 
 CLEAR, FORWARD, BACKWARD_PARAM, BACKWARD_DATA, BACKWARD, SUM, RATE, UPDATE = (
     "clear", "forward", "backward_param", "backward_data", "backward", "sum", "rate", "update")
-SOLVER = ("solver",)        # the solver's learning rate, iteration count and clipping state
+LOOP = ("loop",)            # the training loop's learning rate, iteration count and clipping state (Updates)
 COMMUNICATOR = ("communicator",)    # the gradient sums' MPI communicator
 
 
@@ -119,11 +119,11 @@ def accesses(net, task, clip=False, sums=()):
         return Access(reads=diffs, writes=diffs | {COMMUNICATOR})
     if task.kind == RATE:
         diffs = {_diff(blob) for blob in net.learnable_params} if clip else set()
-        return Access(reads={SOLVER} | diffs, writes={SOLVER} | diffs)
+        return Access(reads={LOOP} | diffs, writes={LOOP} | diffs)
     if task.kind == UPDATE:
         blob = net.learnable_params[task.param]
         touched = {_data(blob), _diff(blob), ("history", task.param)}
-        return Access(reads=touched | {SOLVER}, writes=touched)
+        return Access(reads=touched | {LOOP}, writes=touched)
     i = task.layer
     layer, bottoms, tops = net.layers[i], net.bottom_vecs[i], net.top_vecs[i]
     state = ("state", i)

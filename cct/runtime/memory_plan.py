@@ -223,22 +223,22 @@ def _fitted(make, nets):
     return plan
 
 
-def solver_plan(solver, baseline):
-    """The plan of a solver: its train net (with diffs), test nets (forward
-    only; parameters shared with the train net count once), history, and
-    the runtime a training run loads."""
+def training_plan(train_net, test_nets, history, baseline):
+    """The plan of a training run: its train net (with diffs), test nets
+    (forward only; parameters shared with the train net count once), the
+    update's history arrays, and the runtime a training run loads."""
     runtime = runtime_bytes()
 
     def make():
         plan = MemoryPlan(baseline)
         plan.add("runtime", "numba and OpenBLAS buffers", runtime)
-        plan_net(solver.net, plan, backward=True)
-        for net in solver.test_nets:
+        plan_net(train_net, plan, backward=True)
+        for net in test_nets:
             plan_net(net, plan, backward=False)
-        for index, array in enumerate(solver.history):
+        for index, array in enumerate(history):
             plan.add("solver history", f"history {index}", 0, array)
         return plan
-    return _fitted(make, [solver.net])
+    return _fitted(make, [train_net])
 
 
 def runtime_bytes():

@@ -18,17 +18,18 @@ A forward that starts or stops inside such a group runs layer by layer.
 A plan is made after a whole forward that ran layer by layer at a layout the
 previous whole forward ran at too (shapes that change at every forward get
 none), so every reshape has run and every choice is made for the shapes the
-plan binds; it
-is used while Layout.epoch (cct.core.blob) is the one it was made at, the
-net's settings are those it read, and nothing was subscribed since. A
-reshape in the middle of a forward (a Python layer's, a data layer's new
-batch) changes the epoch: the rest of that forward then runs layer by
-layer, as Caffe's does, and the next one makes a new plan. Layers whose
+plan binds. It is used while Layout.epoch (cct.core.blob) is the one it was
+made at, the net's settings are those it read, and nothing was subscribed
+since. A reshape in the middle of a forward (a Python layer's, a data
+layer's new batch) changes the epoch: the plan then hands the rest of that
+forward back to the executor, which runs it layer by layer, as Caffe's
+does, and makes a new plan after the next one. Layers whose
 reshape reads more than their blobs' layout (reshape_reads_layout False:
 Python and data layers) reshape in their step, as Caffe's do at every
 forward.
 """
-from typing import Any, Callable, FrozenSet, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 from cct.core.blob import Layout
 from cct.core.errors import MemoryLimitError
@@ -42,46 +43,66 @@ def _nothing() -> None:
     """The step of a layer its group's first step runs (a fused run, an output ReLU)."""
 
 
+@dataclass
+class Layers:
+    """What the executor decided for each of a net's layers at its current
+    shapes, handed to a Plan: partitions[i], blas[i] (the BLAS threads step i
+    runs with) and, where partitions[i] > 1, runners[i] (PartitionedLayer)
+    and workers[i] (the worker threads it runs on)."""
+    partitions: List[int]
+    blas: List[int]
+    runners: Dict[int, Any]
+    workers: Dict[int, list]
+
+
 class Plan:
-    """The steps of one executor's net at one layout and settings version.
+    """The steps of one net at one layout and settings version, made from
+    what the executor decided (Layers) and walked by it; a plan never calls
+    the executor back: where a step needs the executor's per-layer path,
+    forward returns, and the executor goes on from that layer.
 
     forward_steps[i]: a callable running layer i's forward (its reshape where
-    it must), None where the executor's per-layer path runs it;
+    it must), None where the executor's per-layer path runs it (a fused
+    run's first step returns False where it has no kept pass to replay);
     backward_steps[i]: a callable running layer i's backward, None where the
     net skips it; blas[i]: the BLAS threads step i runs with; losses: the
     layers whose forward leaves a loss to read; groups: (first, last) of each
     fused run and convolution + output ReLU; starts_inside and ends_inside:
     the layers a forward may not start at (a group's second and later) or
-    end at (a group's all but last); params: the fused passes' ParamWatch.
+    end at (a group's all but last); group_end: each group's last layer by
+    its first; run_starts: the fused runs' first layers; params: the fused
+    passes' ParamWatch.
     """
 
-    def __init__(self, executor: Any) -> None:
-        net = executor.net
+    def __init__(self, net: Any, decided: Layers, blas: Any, settings_version: int, shape_key: tuple,
+                 fusion: Any = None) -> None:
         self.epoch = Layout.epoch
-        self.settings_version = executor.settings.version
+        self.settings_version = settings_version
+        self.shape_key = shape_key
         self.layers, self.tops = net.layers, net.top_vecs
-        self.shape_key = executor.shape_key()      # computed: the executor holds no plan while this is made
+        self._blas_threads = blas                    # the process's BlasThreads (cct.devices.blas)
+        self.blas = decided.blas
         self.forward_steps: List[Optional[Step]] = []
         self.backward_steps: List[Optional[Step]] = []
-        self.blas: List[int] = []
         for index, layer in enumerate(net.layers):
             bottoms, tops = net.bottom_vecs[index], net.top_vecs[index]
-            partitions = executor.partitions(index)
-            self.blas.append(executor.blas_count(partitions))
-            self.forward_steps.append(_forward_step(executor, index, partitions))
-            self.backward_steps.append(_backward_step(executor, index, partitions, layer, bottoms, tops)
+            self.forward_steps.append(_forward_step(layer, bottoms, tops, index, decided))
+            self.backward_steps.append(_backward_step(layer, bottoms, tops, net.bottom_need_backward[index],
+                                                      index, decided)
                                        if net.layer_need_backward[index] else None)
         self.losses = frozenset(index for index, layer in enumerate(net.layers) if any(layer.loss_weights))
-        self.groups = _fuse(executor, self.forward_steps, self.blas)
-        self.params = ParamWatch(executor.fusion) if executor.fusion is not None else None
-        self.starts_inside: FrozenSet[int] = frozenset(i for first, last in self.groups for i in range(first + 1, last + 1))
+        self.groups = _fuse(net, fusion, self.forward_steps, decided.partitions)
+        self.params = ParamWatch(fusion) if fusion is not None else None
+        self.starts_inside: FrozenSet[int] = frozenset(
+            i for first, last in self.groups for i in range(first + 1, last + 1))
         self.ends_inside = frozenset(i for first, last in self.groups for i in range(first, last))
-        # after these steps the BLAS count is set again: a loss was read, or a group may have run layer by layer
-        self.resets = self.losses | {first for first, _ in self.groups}
+        self.group_end = {first: last for first, last in self.groups}
+        self.run_starts = frozenset(run[0] for run in fusion.runs) if fusion is not None else frozenset()
 
-    def current(self, executor: Any) -> bool:
-        """Whether this plan still describes the executor's net."""
-        return Layout.epoch == self.epoch and executor.settings.version == self.settings_version
+    def current(self, settings_version: int) -> bool:
+        """Whether this plan still describes its net: the layout it was bound
+        to, and the settings version it read."""
+        return Layout.epoch == self.epoch and settings_version == self.settings_version
 
     def covers(self, start: int, end: int) -> bool:
         """Whether a forward of layers start..end may run the steps: it cuts no
@@ -90,43 +111,36 @@ class Plan:
         return (start not in self.starts_inside and end not in self.ends_inside
                 and (self.params is None or not self.params.changed()))
 
-    def forward(self, executor: Any, start: int, end: int) -> float:
-        """Layers start..end forward; their summed loss. Where a reshape
-        changes the layout on the way, the rest runs layer by layer."""
-        steps, blas, epoch, losses, resets = self.forward_steps, self.blas, self.epoch, self.losses, self.resets
-        layers, tops = self.layers, self.tops
-        per_layer, set_blas = executor.forward, executor.blas.set
+    def forward(self, start: int, end: int) -> Tuple[float, int]:
+        """Layers start.. forward, up to `end` or the first layer the plan
+        leaves to the executor: (their summed loss, the index of that layer,
+        end + 1 when none). A layout changed on the way (a reshape) leaves the
+        rest to the executor too (current() says so)."""
+        steps, blas, epoch, losses = self.forward_steps, self.blas, self.epoch, self.losses
+        layers, tops, set_blas = self.layers, self.tops, self._blas_threads.set
         count = None
         loss = 0.0
         index = start
         try:
             while index <= end:
-                if Layout.epoch != epoch:
-                    for rest in range(index, end + 1):
-                        loss += per_layer(rest)
-                    return loss
                 step = steps[index]
-                if step is None:              # the executor's path: it sets the BLAS count and reads the loss
-                    loss += per_layer(index)
-                    count = None
-                else:
-                    if blas[index] != count:
-                        count = blas[index]
-                        set_blas(count)
-                    step()
-                    if index in resets:
-                        if index in losses:
-                            loss += layers[index].weighted_loss(tops[index])
-                        count = None
+                if step is None or Layout.epoch != epoch:
+                    return loss, index
+                if blas[index] != count:
+                    count = blas[index]
+                    set_blas(count)
+                if step() is False:           # a fused run without a kept pass
+                    return loss, index
+                if index in losses:
+                    loss += layers[index].weighted_loss(tops[index])
                 index += 1
         except MemoryLimitError as error:
             raise self._named(error, index) from None
-        return loss
+        return loss, index
 
-    def backward(self, executor: Any, start: int, end: int) -> None:
+    def backward(self, start: int, end: int) -> None:
         """Layers start..end backward (start > end), those the net runs."""
-        steps, blas = self.backward_steps, self.blas
-        set_blas = executor.blas.set
+        steps, blas, set_blas = self.backward_steps, self.blas, self._blas_threads.set
         count = None
         index = start
         try:
@@ -146,14 +160,12 @@ class Plan:
         return error if error.named else self.layers[index].named_allocation_error(error, self.tops[index])
 
 
-def _forward_step(executor: Any, index: int, partitions: int) -> Optional[Step]:
+def _forward_step(layer: Any, bottoms: list, tops: list, index: int, decided: Layers) -> Optional[Step]:
     """Layer `index`'s forward as one call, or None for the executor's path."""
-    net = executor.net
-    layer, bottoms, tops = net.layers[index], net.bottom_vecs[index], net.top_vecs[index]
-    if partitions > 1 and not layer.reshape_reads_layout:
-        return None                   # the executor's per-layer path (Executor.forward)
-    if partitions > 1:
-        runner, workers = executor._runner(index, partitions), executor.workers(partitions)
+    if decided.partitions[index] > 1:
+        if not layer.reshape_reads_layout:
+            return None               # the executor's per-layer path reshapes it first
+        runner, workers = decided.runners[index], decided.workers[index]
         return lambda: runner.forward(workers, bottoms, tops)
     if layer.reshape_reads_layout:
         return layer.bind_forward(bottoms, tops)
@@ -164,29 +176,28 @@ def _forward_step(executor: Any, index: int, partitions: int) -> Optional[Step]:
     return reshaped
 
 
-def _backward_step(executor: Any, index: int, partitions: int, layer: Any, bottoms: list, tops: list) -> Step:
-    propagate_down = executor.net.bottom_need_backward[index]
-    if partitions > 1:
-        runner, workers = executor._runner(index, partitions), executor.workers(partitions)
+def _backward_step(layer: Any, bottoms: list, tops: list, propagate_down: list, index: int,
+                   decided: Layers) -> Step:
+    if decided.partitions[index] > 1:
+        runner, workers = decided.runners[index], decided.workers[index]
         return lambda: runner.backward(workers, tops, propagate_down, bottoms)
     return layer.bind_backward(tops, propagate_down, bottoms)
 
 
-def _fuse(executor: Any, steps: List[Optional[Step]], blas: List[int]) -> List[Group]:
+def _fuse(net: Any, fusion: Any, steps: List[Optional[Step]], partitions: List[int]) -> List[Group]:
     """Rewrite the forward steps for inference fusion; returns the groups,
     (first, last) layer of each fused run and convolution + output ReLU."""
-    fusion = executor.fusion
     if fusion is None:
         return []
-    net, groups = executor.net, []  # type: Any, List[Group]
+    groups: List[Group] = []
     for number, run in enumerate(fusion.runs):
-        steps[run[0]] = _fused_run(executor, fusion, number, run)
+        steps[run[0]] = _fused_run(fusion, number)
         for index in run[1:]:
             steps[index] = _nothing
         groups.append((run[0], run[-1]))
     for index, (relu_index, slope) in fusion.output_relus.items():
         bound = None
-        if steps[index] is not None and blas[index] == executor.threads:
+        if steps[index] is not None and partitions[index] == 1:
             bound = net.layers[index].bind_forward(net.bottom_vecs[index], net.top_vecs[index], output_relu=slope)
         if bound is None:             # both on the executor's path, which folds the ReLU as it does
             steps[index] = steps[relu_index] = None
@@ -196,14 +207,8 @@ def _fuse(executor: Any, steps: List[Optional[Step]], blas: List[int]) -> List[G
     return groups
 
 
-def _fused_run(executor: Any, fusion: Any, number: int, run: List[int]) -> Step:
-    """Run `number`'s step: its kept pass (Fusion.replay), else its layers on
-    the executor's path, which compose the pass and keep it for the next plan."""
-    forward, threads = executor.forward, executor.threads
-
-    def step() -> None:
-        if not fusion.replay(number, threads):
-            for index in run:
-                forward(index)
-            executor.drop_plan()      # the pass these kept is not in this plan's ParamWatch
-    return step
+def _fused_run(fusion: Any, number: int) -> Step:
+    """Run `number`'s step: its kept pass (Fusion.replay); False where it
+    has none (the executor then runs its layers, which compose and keep it)."""
+    threads = fusion.threads
+    return lambda: fusion.replay(number, threads)

@@ -153,7 +153,7 @@ class Solver(ScheduleWindows):
         if self.world is not None:
             distributed.join(self, self.world)
         # before the first iteration touches what setup mapped (cct.runtime.memory_plan)
-        self.memory_plan = memory_plan.solver_plan(self, charge.in_use)
+        self.memory_plan = memory_plan.training_plan(self.net, self.test_nets, self.history, charge.in_use)
         log.info("Memory plan: %s", self.memory_plan)
         self.memory_plan.check(f"solver {source}")
         log.info("Solver scaffolding done.")

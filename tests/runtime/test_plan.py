@@ -73,7 +73,7 @@ def test_a_steady_net_runs_its_plan_and_gets_the_per_layer_numbers(fused):
     assert net.executor._plan is None        # a plan for a layout two whole forwards saw
     run(net, x, target)
     plan = net.executor._plan
-    assert plan is not None and plan.current(net.executor)
+    assert plan is not None and plan.current(net.executor.settings.version)
     got = run(net, x, target)
     assert net.executor._plan is plan        # no reshape, no setting: the same plan
     expected = per_layer(reference, x, target)
@@ -94,7 +94,7 @@ def test_a_reshape_by_the_user_makes_a_new_plan():
             got, expected = run(net, x, target), per_layer(reference, x, target)
             np.testing.assert_array_equal(got[0], expected[0])
             np.testing.assert_array_equal(got[1], expected[1])
-        assert net.executor._plan.current(net.executor)
+        assert net.executor._plan.current(net.executor.settings.version)
         plans.append(net.executor._plan)
     assert len({id(plan) for plan in plans}) == len(plans)
 
@@ -119,16 +119,16 @@ def test_a_setting_or_a_lowering_choice_makes_a_new_plan():
     epoch = Layout.epoch
     conv = net.layer_dict["conv1"]
     conv.lowering_type = 2 if conv.lowering_type != 2 else 3
-    assert Layout.epoch != epoch and not plan.current(net.executor)
+    assert Layout.epoch != epoch and not plan.current(net.executor.settings.version)
     got = run(net, x, target)
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-5)
     run(net, x, target)
     run(net, x, target)
     plan = net.executor._plan
-    assert plan.current(net.executor)
+    assert plan.current(net.executor.settings.version)
     with table.override(schedule="sequential"):
         net.executor.current_settings()      # as a forward's start: resolved again after the call
-        assert not plan.current(net.executor)
+        assert not plan.current(net.executor.settings.version)
         got = run(net, x, target)
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-5)
 
@@ -184,7 +184,7 @@ def test_a_forward_between_layers_runs_the_plans_steps():
     net = make_net()
     for _ in range(3):
         run(net, x, target)
-    assert net.executor._plan.current(net.executor)
+    assert net.executor._plan.current(net.executor.settings.version)
     whole = net.blobs["ip"].data.copy()
     net.blobs["ip"].data[...] = 0
     net.forward(start="pool2", end="ip")
