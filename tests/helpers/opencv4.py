@@ -121,3 +121,55 @@ def assert_close(ours, theirs, rtol=1e-5):
     scale = max(1.0, float(np.abs(theirs).max()))
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=rtol * scale)
     return relative_difference(ours, theirs)
+
+
+def detections_of(rows):
+    """The detection rows of a (1, 1, D, 7) top: OpenCV 4 pads its top with rows
+    of zeros (all zeros when nothing is found), the fork gives a row of -1 per
+    image when nothing is found."""
+    rows = rows.reshape(-1, 7)
+    return rows[(rows != 0).any(axis=1) & (rows[:, 1] != -1)]
+
+
+def assert_same_detections(ours, theirs, score_tolerance=1e-5, box_tolerance=1e-4):
+    """Every detection of ours is one of theirs: same image and label, score
+    within score_tolerance, box within box_tolerance; returns the largest box
+    difference. Matched one to one, not row by row: scores that tie, or differ
+    by rounding, may come in another order (std::sort is not stable)."""
+    mine, cv = detections_of(ours), detections_of(theirs)
+    assert mine.shape == cv.shape, f"{mine.shape[0]} detections, OpenCV 4 {cv.shape[0]}"
+    free, worst = list(range(cv.shape[0])), 0.0
+    for row in mine:
+        near = [j for j in free if (cv[j, :2] == row[:2]).all() and abs(cv[j, 2] - row[2]) <= score_tolerance]
+        assert near, f"no detection of OpenCV 4's matches {row}"
+        best = min(near, key=lambda j: np.abs(cv[j, 3:] - row[3:]).max())
+        difference = float(np.abs(cv[best, 3:] - row[3:]).max())
+        assert difference <= box_tolerance, f"{row}: OpenCV 4's nearest box is {difference} away: {cv[best]}"
+        free.remove(best)
+        worst = max(worst, difference)
+    return mine.shape[0], worst
+
+
+def run_script(text, python_path, args):
+    """A script's printed lines, split at tabs: under OpenCV 4 where python_path
+    is OPENCV4_PATH, under this environment's packages where it is None."""
+    env_path = f"import sys; sys.path.insert(0, {python_path!r})\n" if python_path else ""
+    run = subprocess.run([sys.executable, "-c", env_path + text, *args], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [line.split("\t") for line in run.stdout.splitlines()]
+
+
+def compare_scripts(script, args):
+    """Run an OpenCV 4 script that prints `path, score, x1, y1, x2, y2, ...` per
+    box under OpenCV 4 and with cv2.dnn replaced by cct.dnn: the same lines,
+    scores within 1e-5 and boxes within 1e-4. Returns (line count, largest box
+    difference)."""
+    theirs = run_script(script, OPENCV4_PATH, args)
+    mine = run_script("import cct\n" + script.replace("cv2.dnn.", "cct.dnn."), None, args)
+    assert len(mine) == len(theirs), f"{len(mine)} boxes, OpenCV 4 {len(theirs)}"
+    worst = 0.0
+    for a, b in zip(sorted(mine), sorted(theirs)):
+        assert a[0] == b[0] and abs(float(a[1]) - float(b[1])) <= 1e-5, (a, b)
+        worst = max(worst, max(abs(float(x) - float(y)) for x, y in zip(a[2:6], b[2:6])))
+    assert worst <= 1e-4
+    return len(mine), worst

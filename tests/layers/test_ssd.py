@@ -13,7 +13,8 @@ import cct
 from cct.core.errors import ConfigError, ShapeError
 from cct.testing.gradient_check import check_layer_gradient, make_layer
 from helpers.layers import run_layer
-from helpers.opencv4 import assert_close, compare_with_opencv, opencv4_forward, require_opencv4
+from helpers.opencv4 import (assert_close, assert_same_detections, compare_with_opencv, detections_of,
+                             opencv4_forward, require_opencv4)
 from helpers.res10 import face_blob, res10_files, shared_images
 
 RNG = np.random.default_rng(38)
@@ -377,33 +378,6 @@ def test_prior_box_against_opencv(tmp_path, index):
     inputs = {"f": rand(1, 4, 3, 5).astype(F32), "img": rand(1, 3, 60, 100).astype(F32)}
     ours, theirs = compare_with_opencv(tmp_path, text, inputs, ["y"])
     assert_close(ours["y"], theirs["y"])
-
-
-def detections_of(rows):
-    """The detection rows of a (1, 1, D, 7) top: OpenCV 4 pads its top with rows
-    of zeros (all zeros when nothing is found), the fork gives a row of -1 per
-    image when nothing is found."""
-    rows = rows.reshape(-1, 7)
-    return rows[(rows != 0).any(axis=1) & (rows[:, 1] != -1)]
-
-
-def assert_same_detections(ours, theirs, score_tolerance=1e-5, box_tolerance=1e-4):
-    """Every detection of ours is one of theirs: same image and label, score
-    within score_tolerance, box within box_tolerance; returns the largest box
-    difference. Matched one to one, not row by row: scores that tie, or differ
-    by rounding, may come in another order (std::sort is not stable)."""
-    mine, cv = detections_of(ours), detections_of(theirs)
-    assert mine.shape == cv.shape, f"{mine.shape[0]} detections, OpenCV 4 {cv.shape[0]}"
-    free, worst = list(range(cv.shape[0])), 0.0
-    for row in mine:
-        near = [j for j in free if (cv[j, :2] == row[:2]).all() and abs(cv[j, 2] - row[2]) <= score_tolerance]
-        assert near, f"no detection of OpenCV 4's matches {row}"
-        best = min(near, key=lambda j: np.abs(cv[j, 3:] - row[3:]).max())
-        difference = float(np.abs(cv[best, 3:] - row[3:]).max())
-        assert difference <= box_tolerance, f"{row}: OpenCV 4's nearest box is {difference} away: {cv[best]}"
-        free.remove(best)
-        worst = max(worst, difference)
-    return mine.shape[0], worst
 
 
 # DETECTIONS[2] (share_location false, no background) ends OpenCV 4's process
