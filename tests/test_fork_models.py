@@ -88,7 +88,11 @@ def test_wechat_qr_detector_batch_against_opencv(tmp_path):
 
 @pytest.mark.slow
 def test_wechat_qr_super_resolution_against_opencv(tmp_path):
-    """The net that doubles a small code's size before decoding: grey crops in [0, 1]."""
+    """The net that doubles a small code's size before decoding: grey crops in
+    [0, 1]. Its Crop has no crop_param, and its bottoms' coordinate maps are
+    half a pixel apart (a 2 x 2 stride-2 deconvolution against a 3 x 3 pad-1
+    one), so the forks' legacy offset does not apply (core/passes.py) and it
+    crops at 0, as BVLC and OpenCV do."""
     require_opencv4()
     files = wechat_qr_files(tmp_path)
     code = made_up_code(400)[:, :, 40:240, 60:220]

