@@ -79,11 +79,20 @@ def scale_cases(layer_type):
 @pytest.mark.parametrize("in_place", [False, True])
 def test_scale_and_bias_on_device_match_the_host(device, layer_type, case, in_place):
     prototxt, operand = scale_cases(layer_type)[case]
-    arrays = [RNG.standard_normal(SHAPE)]
+    rng = np.random.default_rng([case, in_place, layer_type == "Scale"])    # the same data in any test order
+    arrays = [rng.standard_normal(SHAPE)]
     if operand is not None:
-        arrays.append(RNG.standard_normal(operand))
+        arrays.append(rng.standard_normal(operand))
     results = run_both_ways(device, prototxt, arrays, in_place=in_place)
-    assert_close_both_ways(results, 1e-5)
+    summed = {}
+    if "num_axes: 0" in prototxt:
+        # one value: its gradient sums all N*C*H*W products x * dy, which mostly
+        # cancel, in another order on the device; a float32 sum of n such terms
+        # in any order is within n * eps (terms of about 1) of another order's
+        summed = {"param0.diff": results["param0.diff"]}
+        ours, reference = summed["param0.diff"]
+        assert abs(float(ours) - float(reference)) <= np.prod(SHAPE) * np.finfo(np.float32).eps
+    assert_close_both_ways({name: pair for name, pair in results.items() if name not in summed}, 1e-5)
     assert any(name.startswith("param") for name in results) == (operand is None or "bias_term" in prototxt)
 
 
