@@ -16,10 +16,10 @@ narrow outputs (OW < BATCH_INNER_WIDTH) the columns run (oh, ow, n) instead,
 the batch innermost ("batch-inner"): the padded input is then (C, Hp, Wp, N),
 so every lowering copy and col2im add moves rows of OW*N (stride 1) or N
 contiguous values instead of OW-long ones. numpy pays a fixed cost per inner
-row, which dominated these passes on 8- to 13-pixel-wide images (LeNet conv2's
-col2im: 6.6 ms -> 1.4 ms at batch 64). The price is that the input, output and
-gradients are transposed to and from batch-innermost, four activation-sized
-copies instead of the KH*KW-times-larger strided ones they speed up.
+row, which dominated these passes on 8- to 13-pixel-wide images. The price
+is that the input, output and gradients are transposed to and from
+batch-innermost, four activation-sized copies instead of the
+KH*KW-times-larger strided ones they speed up.
 
 For few lowered rows on large images (image_major: LeNet's conv1, 1 -> 20
 channels 5x5 on 28x28) the columns run (n, oh, ow) with the images outermost
@@ -27,8 +27,10 @@ and the rows inside each image, the lowered matrix (N, C*KH*KW, OH*OW): one
 small GEMM per image then reads its image's columns while they are in cache
 and writes (N, O, OH*OW), the output's own layout, so neither the output nor
 its gradient is transposed. One GEMM over the whole batch streamed the lowered
-matrix and the product through memory at a third of the rate (0.93 -> 0.38 ms
-forward, 1.29 -> 0.41 ms weight gradient, LeNet conv1 at batch 64, one thread).
+matrix and the product through memory at a third of the rate.
+
+The timings behind these layouts and kernels: BENCHMARKS.md, "Lowering type 1's
+layouts and kernels".
 
 Hp, Wp: the padded frame, geom.padded_h x geom.padded_w (padding plus any
 overrun of the last window, see cct.lowering.geometry).
@@ -83,11 +85,9 @@ def lower(x: FloatArray, geom: ConvGeometry, out: Optional[FloatArray] = None, w
 @kernel
 def _lower_one_image(xp, kernel_h, kernel_w, stride_h, out_h, out_w, cols):
     """cols[(c, i, j), (oh, ow)] = xp[c, 0, oh*stride_h + i, ow + j]: one
-    image's lowering at stride 1 along the width, no dilation. numpy's
-    strided copy pays per inner row, and one image's rows are short (13 to
-    28 values on the deploy nets' 3x3 and 5x5 shapes): this loop took
-    0.45-0.6x its time there. The plane view is taken once per channel:
-    taken per image and kernel offset instead, it made the loop 4x slower."""
+    image's lowering at stride 1 along the width, no dilation: numpy's
+    strided copy pays per inner row, and one image's rows are short. The
+    plane view is taken once per channel, not per kernel offset."""
     r = 0
     for c in range(xp.shape[0]):
         plane = xp[c, 0]
@@ -130,10 +130,8 @@ def batch_inner(geom: ConvGeometry, batch: int) -> bool:
 
 
 # Back from the batch-inner layout, numpy's strided copy reads one value per
-# cache line (6.8 ns a value on CaffeNet's conv2 output); this loop goes by
-# 16 x 16 tiles, a cache line each way: 162 -> 46 ms for conv2's output at
-# batch 128, 0.34 -> 0.18 ms for LeNet's. (Into the layout, numpy's copy is
-# as fast as a tiled loop, and stays.)
+# cache line; this loop goes by 16 x 16 tiles, a cache line each way. (Into
+# the layout, numpy's copy is as fast as a tiled loop, and stays.)
 TILE = 16
 
 
@@ -203,9 +201,8 @@ def _lower_batch_inner(x: FloatArray, geom: ConvGeometry, ws: Workspace) -> Floa
 def _add_windows_batch_inner(cols, stride_h, stride_w, dilation_h, dilation_w, dxp):
     """dxp (C, Hp, Wp, N) += each window's column of cols (C, KH, KW, OH, OW, N),
     N values at a time, each cell's sum in Caffe's order (kernel offset, then
-    output position). Compiled: 1.5 -> 0.3 ms on LeNet's conv2 at batch 64, and
-    91 -> 59 ms on CaffeNet's conv5 at batch 128, against numpy's KH*KW strided
-    adds (the batch-inner im2col measured no faster compiled, so stays numpy)."""
+    output position); compiled, as numpy's KH*KW strided adds were slower
+    (the batch-inner im2col was not, and stays numpy)."""
     channels, kernel_h, kernel_w, out_h, out_w, batch = cols.shape
     for c in range(channels):
         for i in range(kernel_h):
