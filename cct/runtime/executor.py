@@ -308,10 +308,10 @@ class Executor:
         try:
             self.begin_forward(end)             # inside: a bad CCT_GPU still ends the forward
             plan = self._current_plan()
-            if plan is not None and plan.covers(start, end):
-                return self._forward_planned(plan, start, end)
-            if plan is not None and plan.params is not None and plan.params.changed():
+            if plan is not None and plan.params_changed():
                 self.drop_plan()                # remade after this forward, with the new parameters
+            elif plan is not None and plan.covers(start, end):
+                return self._forward_planned(plan, start, end)
             loss = 0.0
             for index in range(start, end + 1):
                 loss += self.forward(index)

@@ -497,11 +497,6 @@ class Replay:
         for blob, shape, data in self.blobs:
             if blob.shape != shape or blob.data is not data:
                 return False
-        return self.params_same()
-
-    def params_same(self):
-        """Every parameter of the run's layers has the array and the values it had
-        (still_valid without the blobs, which an execution plan's layout vouches for)."""
         for blobs, k, data, bits, snapshot in self.params:
             if blobs[k].data is not data or not _same_bits(bits, snapshot):
                 return False

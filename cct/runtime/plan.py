@@ -104,12 +104,14 @@ class Plan:
         to, and the settings version it read."""
         return Layout.epoch == self.epoch and settings_version == self.settings_version
 
+    def params_changed(self) -> bool:
+        """Whether a parameter a fused run's kept pass folded in has changed
+        (pycaffe writes them through numpy views): the next plan folds them again."""
+        return self.params is not None and self.params.changed()
+
     def covers(self, start: int, end: int) -> bool:
-        """Whether a forward of layers start..end may run the steps: it cuts no
-        group, and no parameter a fused run's kept pass folded in has changed
-        (pycaffe writes them through numpy views: the next plan folds them again)."""
-        return (start not in self.starts_inside and end not in self.ends_inside
-                and (self.params is None or not self.params.changed()))
+        """Whether a forward of layers start..end may run the steps: it cuts no group."""
+        return start not in self.starts_inside and end not in self.ends_inside
 
     def forward(self, start: int, end: int) -> Tuple[float, int]:
         """Layers start.. forward, up to `end` or the first layer the plan
