@@ -223,14 +223,18 @@ class Pooling(Layer):
         a parallel runner (set_parallel_runner) and a layer run whole, over
         ranges of planes at once."""
         count = outputs[0].shape[0]
-        if (_parallel is None or self.shares_threads
-                or max(array.size for array in planes + outputs) < PARALLEL_ELEMENTS):
+        if self._serial(planes + outputs):
             function(*planes, *settings, *outputs)
             return
         runner, parts = _parallel
         edges = np.linspace(0, count, min(parts, count) + 1).astype(int)
         runner(function, [[a[start:stop] for a in planes] + list(settings) + [a[start:stop] for a in outputs]
                           for start, stop in zip(edges[:-1], edges[1:])])
+
+    def _serial(self, arrays):
+        """Whether a kernel on these arrays runs as one call on this thread: no
+        parallel runner, a partition twin's, or arrays below PARALLEL_ELEMENTS."""
+        return _parallel is None or self.shares_threads or max(array.size for array in arrays) < PARALLEL_ELEMENTS
 
     def clone(self, share=1):
         twin = super().clone(share)
@@ -261,8 +265,7 @@ class Pooling(Layer):
         the plan's layout holds, its kernel chosen now (Layer.bind_forward)."""
         x, value = bottom[0].data, top[0].data
         if (self.pool == STOCHASTIC or len(top) > 1 or not value.size or not x.flags.c_contiguous
-                or (_parallel is not None and not self.shares_threads
-                    and max(x.size, value.size) >= PARALLEL_ELEMENTS)):
+                or not self._serial([x, value])):
             return super().bind_forward(bottom, top)
         if self.pool == AVE:
             return lambda: self._average(x, value)
