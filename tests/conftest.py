@@ -16,6 +16,9 @@ from threadpoolctl import threadpool_limits
 threadpool_limits(limits=1, user_api="blas")
 # The lowering chooser caches machine constants; keep tests off ~/.cache.
 os.environ.setdefault("CCT_CACHE_DIR", tempfile.mkdtemp(prefix="cct-cache-"))
+# The two workers are each other's "other process": a net's thread count must not
+# follow them (cct.runtime.cores); tests/runtime/test_cores.py turns it on.
+os.environ.setdefault("CCT_FIT_CORES", "0")
 sys.path.insert(0, os.path.dirname(__file__))
 
 from helpers.requirements import missing, require  # noqa: E402  (needs the path above)

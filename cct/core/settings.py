@@ -267,6 +267,9 @@ KNOBS = (
          "sub-tasks run whole, fixed instead of profiled (cct.runtime.tuner)", LAYER),
     Knob("workers", Count(), None, "threads a net's layers run on (default: the BLAS library's count; "
          "for one of several MPI ranks on a host, its share of the cores)", NET, "CCT_THREADS"),
+    Knob("fit_cores", Switch(), True, "where workers is not given, a net runs on the cores other "
+         "processes leave free, measured as it runs (cct.runtime.cores); the last bits of a result may "
+         "differ between counts, so give workers for runs repeatable bit for bit", NET, "CCT_FIT_CORES"),
     Knob("schedule", _SCHEDULE, "auto", "how a net runs its backward and a solver its iterations "
          "(cct.runtime.scheduler)", NET, "CCT_SCHEDULE", "cct.set_schedule, cct train --schedule"),
     Knob("priorities", Priorities(), {}, "how far a weight gradient (alpha) and another parameter "

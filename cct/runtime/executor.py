@@ -37,7 +37,7 @@ from cct.runtime import fusion as fusion_module
 from cct.runtime import hybrid as hybrid_module
 from cct.runtime import memory_plan, scheduler
 from cct.runtime.plan import Layers, Plan
-from cct.runtime import settings
+from cct.runtime import cores, settings
 from cct.runtime.choice import FasterOf
 from cct.runtime import threads as threads_module
 from cct.runtime.partition import PartitionedLayer
@@ -94,7 +94,10 @@ class Executor:
         self._net = weakref.ref(net)
         self.blas = threads_module.blas()
         self.settings = settings.resolve(net.phase)
-        self.threads = int(threads or self.settings.workers or self.blas.default)
+        given = threads or self.settings.workers
+        # a count nobody gave follows the cores other processes leave free (fit_threads)
+        self._cores = None if given or not self.settings.fit_cores else cores.watch()
+        self._threads = self.most_threads = int(given or self.blas.default)
         self.plan: Dict[int, int] = {}
         self._partitioned: Dict[int, PartitionedLayer] = {}
         self._defaults: Dict[int, Tuple[tuple, int]] = {}   # layer index -> (its top shape and settings, default partitions)
@@ -136,6 +139,45 @@ class Executor:
         if self.settings.stale():
             self.settings = settings.resolve(self.net.phase)
         return self.settings
+
+    @property
+    def threads(self) -> int:
+        """The threads the net's layers run on: the count given (the workers
+        knob, the constructor, this setter), else the BLAS library's count
+        within the cores other processes leave free (fit_threads)."""
+        return self._threads
+
+    @threads.setter
+    def threads(self, count: int) -> None:
+        self._threads = self.most_threads = int(count)
+        self._cores = None                      # given: no longer fitted
+        self._changed_threads()
+
+    def fit_threads(self) -> None:
+        """Where no count was given, run on the cores free now (as the
+        process's cores.Watch last measured them), at most most_threads; a
+        new count makes a new plan. Asked at every whole forward and
+        solver window: a clock read, and /proc/stat every WINDOW_SECONDS."""
+        if self._cores is None:
+            return
+        count = min(self.most_threads, self._cores.free())
+        if count != self._threads:
+            log.info("threads: %d; %s", count, self._cores.last.describe() if self._cores.last else "")
+            self._threads = count
+            self._changed_threads()
+
+    def threads_reason(self) -> str:
+        """The thread count and why (cct time prints it)."""
+        if self._cores is None:
+            return f"{self._threads} (given, or fitting turned off)"
+        last = self._cores.last
+        measured = last.describe() if last is not None else "no window measured yet"
+        return f"{self._threads} of at most {self.most_threads}, fitted to the cores free: {measured}"
+
+    def _changed_threads(self) -> None:
+        self._plan = None
+        if self.fusion is not None:
+            self.fusion.threads = self._threads
 
     def device(self) -> Any:
         """The OpenCL device this net's layers run on now, or None (the host)."""
@@ -392,6 +434,7 @@ class Executor:
         layers."""
         self.forward_end = end
         self._forward_device = self.device()
+        self.fit_threads()
         self.blas.sync()
 
     def end_forward(self) -> None:
@@ -600,13 +643,14 @@ class Executor:
             self.backward(index)
 
     def shape_key(self) -> tuple:
-        """What a schedule is built for: every blob's shape and every layer's
-        batch partitions at those shapes (the plan's, while it holds)."""
+        """What a schedule is built for: every blob's shape, every layer's
+        batch partitions at those shapes and the thread count (the plan's,
+        while it holds)."""
         plan = self._plan
         if plan is not None and plan.current(self.settings.version):
             return plan.shape_key
         return (tuple(blob.shape for blob in self.net.blobs.values()),
-                tuple(self.partitions(i) for i in range(len(self.net.layers))))
+                tuple(self.partitions(i) for i in range(len(self.net.layers))), self._threads)
 
     def stream_schedule(self) -> scheduler.Schedule:
         """The streams mode's Schedule for the net's current shapes and batch

@@ -258,6 +258,7 @@ class NetSettings:
     version: int                      # cct.core.settings.version() when resolved
     config: Optional[RunConfig]
     workers: Optional[int]
+    fit_cores: bool
     schedule: str
     fusion: bool
     hybrid: Optional[Dict[str, float]]
@@ -277,7 +278,7 @@ def resolve(phase):
     """The settings of a net built in `phase`, now."""
     config = table.run_config()
     return NetSettings(version=table.version(), config=config, workers=threads(),
-                       schedule=schedule(config), fusion=fusion_enabled(phase, config),
+                       fit_cores=table.value("fit_cores", config=config), schedule=schedule(config), fusion=fusion_enabled(phase, config),
                        hybrid=hybrid(config), priorities=dict(table.value("priorities", config=config)),
                        device_ids=_device_list(), forced_partitions=forced_partitions())
 

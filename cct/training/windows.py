@@ -63,6 +63,7 @@ class ScheduleWindows:
         thread's collectives here): the auto choice is made from every
         rank's slowest times (_window_in)."""
         executor, param = self.net.executor, self.param
+        executor.fit_threads()                  # the window's schedule is chosen for the cores free now
         if (executor.schedule == "sequential" or self._watched() or param.debug_info
                 or run_config.device() is not None or (self.world is not None and not self.world.threads_allowed)):
             return None
