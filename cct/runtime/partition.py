@@ -112,9 +112,7 @@ class PartitionedLayer:
             clone.param_propagate_down = self.layer.param_propagate_down
             clone.backward(top_views, propagate_down, bottom_views)
         run_all(workers, run, self._views(bottoms, tops))
-        for index in range(len(self.layer.blobs)):
-            if self.layer.param_propagate_down[index]:
-                self._sum_private_diffs(index)
+        self.sum_private_diffs()
 
     def backward_param(self, workers, index, tops, bottoms):
         """Parameter `index`'s gradient (Layer.backward_param) in the partitions,
@@ -130,6 +128,34 @@ class PartitionedLayer:
         def run(clone, bottom_views, top_views):
             clone.backward_data(top_views, propagate_down, bottom_views)
         run_all(workers, run, self._views(bottoms, tops))
+
+    def bind(self, bottoms, tops, propagate_down, backward):
+        """Per partition, its twin's forward and backward (None unless
+        `backward`) bound on views made now (Layer.bind_forward): for an
+        execution plan, which holds them while the layout holds (the views
+        slice the blobs' arrays of now). follow() before running them, and
+        sum_private_diffs() after the backwards."""
+        bound = []
+        for clone, bottom_views, top_views in self._views(bottoms, tops):
+            clone.reshape(bottom_views, top_views)
+            clone.param_propagate_down = self.layer.param_propagate_down
+            forward = clone.bind_forward(bottom_views, top_views)
+            back = clone.bind_backward(top_views, propagate_down, bottom_views) if backward else None
+            bound.append((forward, back))
+        return bound
+
+    def follow(self):
+        """Every twin's parameter views onto the layer's storage of now."""
+        for clone in self.clones:
+            for view, blob in zip(clone.blobs, self.layer.blobs):
+                view.follow(blob)
+
+    def sum_private_diffs(self):
+        """After the bound backwards: the twins' private parameter diffs
+        added into the layer's, in the order backward adds them."""
+        for index in range(len(self.layer.blobs)):
+            if self.layer.param_propagate_down[index]:
+                self._sum_private_diffs(index)
 
     def _sum_private_diffs(self, index):
         blob = self.layer.blobs[index]

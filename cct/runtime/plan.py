@@ -15,6 +15,14 @@ layers' steps do nothing), and a convolution that absorbs the ReLU after it
 is bound with that ReLU in its output store (the ReLU's step does nothing).
 A forward that starts or stops inside such a group runs layer by layer.
 
+Batch partitions become partition runs: consecutive layers split into the
+same partitions of one batch run as one step, each partition's twins one
+after the other on that partition's thread (cct.runtime.partition), bound
+on views made once, and its backward likewise, the twins' private
+parameter diffs summed after it. The partitions of a run meet once, at its
+end, instead of at every layer: while one partition's Python holds the
+GIL, the other's GEMMs and kernels run.
+
 A plan is made after a whole forward that ran layer by layer at a layout the
 previous whole forward ran at too (shapes that change at every forward get
 none), so every reshape has run and every choice is made for the shapes the
@@ -34,9 +42,11 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 from cct.core.blob import Layout
 from cct.core.errors import MemoryLimitError
 from cct.runtime.fusion import ParamWatch
+from cct.runtime.threads import run_all
 
 Step = Callable[[], Any]
 Group = Tuple[int, int]               # (first, last) layer of a fused run or a convolution + output ReLU
+Run = Tuple[int, Step]                # a partition run's other end (its last layer forward, first backward) and step
 
 
 def _nothing() -> None:
@@ -71,7 +81,9 @@ class Plan:
     the layers a forward may not start at (a group's second and later) or
     end at (a group's all but last); group_end: each group's last layer by
     its first; run_starts: the fused runs' first layers; params: the fused
-    passes' ParamWatch.
+    passes' ParamWatch; forward_runs and backward_runs: the partition runs
+    by the layer a pass enters them at (forward: first; backward: last),
+    with the layer it leaves them at, taken where a pass covers the run.
     """
 
     def __init__(self, net: Any, decided: Layers, blas: Any, settings_version: int, shape_key: tuple,
@@ -92,6 +104,7 @@ class Plan:
                                        if net.layer_need_backward[index] else None)
         self.losses = frozenset(index for index, layer in enumerate(net.layers) if any(layer.loss_weights))
         self.groups = _fuse(net, fusion, self.forward_steps, decided.partitions)
+        self.forward_runs, self.backward_runs = _partition_runs(net, decided, self.groups, self.backward_steps)
         self.params = ParamWatch(fusion) if fusion is not None else None
         self.starts_inside: FrozenSet[int] = frozenset(
             i for first, last in self.groups for i in range(first + 1, last + 1))
@@ -119,7 +132,7 @@ class Plan:
         end + 1 when none). A layout changed on the way (a reshape) leaves the
         rest to the executor too (current() says so)."""
         steps, blas, epoch, losses = self.forward_steps, self.blas, self.epoch, self.losses
-        layers, tops, set_blas = self.layers, self.tops, self._blas_threads.set
+        layers, tops, set_blas, runs = self.layers, self.tops, self._blas_threads.set, self.forward_runs
         count = None
         loss = 0.0
         index = start
@@ -131,18 +144,24 @@ class Plan:
                 if blas[index] != count:
                     count = blas[index]
                     set_blas(count)
-                if step() is False:           # a fused run without a kept pass
+                last = index
+                run = runs.get(index)
+                if run is not None and run[0] <= end:
+                    last = run[0]
+                    run[1]()
+                elif step() is False:         # a fused run without a kept pass
                     return loss, index
-                if index in losses:
-                    loss += layers[index].weighted_loss(tops[index])
-                index += 1
+                for ran in range(index, last + 1):
+                    if ran in losses:
+                        loss += layers[ran].weighted_loss(tops[ran])
+                index = last + 1
         except MemoryLimitError as error:
             raise self._named(error, index) from None
         return loss, index
 
     def backward(self, start: int, end: int) -> None:
         """Layers start..end backward (start > end), those the net runs."""
-        steps, blas, set_blas = self.backward_steps, self.blas, self._blas_threads.set
+        steps, blas, set_blas, runs = self.backward_steps, self.blas, self._blas_threads.set, self.backward_runs
         count = None
         index = start
         try:
@@ -152,7 +171,12 @@ class Plan:
                     if blas[index] != count:
                         count = blas[index]
                         set_blas(count)
-                    step()
+                    run = runs.get(index)
+                    if run is not None and run[0] >= end:
+                        run[1]()
+                        index = run[0]
+                    else:
+                        step()
                 index -= 1
         except MemoryLimitError as error:
             raise self._named(error, index) from None
@@ -214,3 +238,75 @@ def _fused_run(fusion: Any, number: int) -> Step:
     has none (the executor then runs its layers, which compose and keep it)."""
     threads = fusion.threads
     return lambda: fusion.replay(number, threads)
+
+
+def _partition_runs(net: Any, decided: Layers, groups: List[Group],
+                    backward_steps: List[Optional[Step]]) -> Tuple[Dict[int, Run], Dict[int, Run]]:
+    """The partition runs: maximal runs of consecutive layers split into the
+    same partitions of one batch, outside fused groups, no parameter in two
+    of their layers; each as a forward step (by its first layer) and a
+    backward step (by its last layer that runs a backward)."""
+    grouped = {i for first, last in groups for i in range(first, last + 1)}
+
+    def key(index: int) -> Optional[tuple]:
+        layer, tops = net.layers[index], net.top_vecs[index]
+        if decided.partitions[index] < 2 or index in grouped or not layer.reshape_reads_layout or not tops:
+            return None
+        return decided.partitions[index], tops[0].shape[0]
+
+    def params(index: int) -> set:
+        # a parameter shared by name has its owner's storage
+        return {blob.data.__array_interface__["data"][0] for blob in net.layers[index].blobs}
+
+    forward_runs: Dict[int, Run] = {}
+    backward_runs: Dict[int, Run] = {}
+    index = 0
+    while index < len(net.layers):
+        run_key = key(index)
+        last, held = index, params(index)
+        # two layers sharing a parameter stay in separate runs: the run sums the
+        # twins' diffs at its end, which would add theirs in another order
+        while (run_key is not None and last + 1 < len(net.layers) and key(last + 1) == run_key
+               and not held & params(last + 1)):
+            last += 1
+            held |= params(last)
+        if run_key is not None:
+            members = list(range(index, last + 1))
+            backs = [i for i in members if backward_steps[i] is not None]
+            forward, backward = _run_steps(net, decided, members, backs)
+            forward_runs[index] = (last, forward)
+            if backs:
+                backward_runs[backs[-1]] = (backs[0], backward)
+        index = last + 1
+    return forward_runs, backward_runs
+
+
+def _run_steps(net: Any, decided: Layers, members: List[int], backs: List[int]) -> Tuple[Step, Step]:
+    """A partition run's forward and backward steps: each partition's bound
+    twins in turn on its thread, the partitions at once."""
+    runners = [decided.runners[i] for i in members]
+    bound = {i: runner.bind(net.bottom_vecs[i], net.top_vecs[i], net.bottom_need_backward[i], i in backs)
+             for i, runner in zip(members, runners)}
+    parts = len(bound[members[0]])
+    forwards = [([bound[i][part][0] for i in members],) for part in range(parts)]
+    backwards = [([bound[i][part][1] for i in reversed(backs)],) for part in range(parts)]
+    summed = [decided.runners[i] for i in backs]
+    workers = decided.workers[members[0]]
+
+    def forward() -> None:
+        for runner in runners:
+            runner.follow()
+        run_all(workers, _in_turn, forwards)
+
+    def backward() -> None:
+        for runner in summed:
+            runner.follow()
+        run_all(workers, _in_turn, backwards)
+        for runner in summed:
+            runner.sum_private_diffs()
+    return forward, backward
+
+
+def _in_turn(steps: List[Step]) -> None:
+    for step in steps:
+        step()

@@ -191,6 +191,39 @@ def test_a_forward_between_layers_runs_the_plans_steps():
     np.testing.assert_array_equal(net.blobs["ip"].data, whole)
 
 
+def test_batch_partitions_run_as_one_step_with_the_per_layer_numbers(monkeypatch):
+    """Consecutive layers in the same 2 partitions run as one partition run
+    (each partition's twins in turn on its thread), forward and backward:
+    bitwise the per-layer path's numbers, and a pass that starts or ends
+    inside a run takes the run's layers one by one."""
+    monkeypatch.setenv(settings.PARTITIONS_ENV, "2")
+    rng = np.random.default_rng(6)
+    x, target = rng.normal(size=(4, 3, 8, 8)).astype(np.float32), rng.normal(size=(4, 5)).astype(np.float32)
+    net, reference = make_net(), make_net()
+    for _ in range(3):
+        run(net, x, target)
+    plan = net.executor._plan
+    names = net.layer_names
+    runs = {(names[first], names[last]) for first, (last, _) in plan.forward_runs.items()}
+    assert ("conv1", "ip") in runs           # conv1 .. ip all split in 2: one step (the loss is not split)
+    assert [(names[last], names[first]) for last, (first, _) in plan.backward_runs.items()] == [("ip", "conv1")]
+    got = run(net, x, target)
+    assert net.executor._plan is plan
+    expected = per_layer(reference, x, target)
+    np.testing.assert_array_equal(got[0], expected[0])
+    np.testing.assert_array_equal(got[1], expected[1])
+    for a, b in zip(got[2], expected[2]):
+        np.testing.assert_array_equal(a, b)
+    for net_ in (net, reference):            # inside the run: its layers one by one
+        net_.blobs["conv2"].data[...] = 0
+        net_.forward(start="pool1", end="conv2")
+        net_.blobs["pool1"].diff[...] = 0
+        net_.backward(start="pool2", end="pool1")
+    np.testing.assert_array_equal(net.blobs["conv2"].data, reference.blobs["conv2"].data)
+    np.testing.assert_array_equal(net.blobs["pool1"].diff, reference.blobs["pool1"].diff)
+    assert net.executor._plan is plan
+
+
 FUSED = """
 layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 3 dim: 6 dim: 6 } } }
 layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
