@@ -119,6 +119,16 @@ def _block_phases(x, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, out_h
 
 
 @kernel
+def _take(better, label, where):
+    """`label` where `better`, else `where`, as arithmetic: the select of a
+    byte-wide winner on a float comparison did not vectorise on AVX2 (LLVM
+    left a branch per cell, 6x slower on random data: pooling's forward 20x
+    slower on Zen 3 than on AVX-512 hosts, BENCHMARKS.md "Pooling kernels");
+    exact in any integer type (a wrapped difference wraps back)."""
+    return where + (label - where) * better
+
+
+@kernel
 def _keep_larger(candidate, label, best, where, track):
     """Where candidate[t] > best[t]: take it, and with `track` `label` as its
     winner (the running max over a window's cells, in window order: the first
@@ -132,7 +142,7 @@ def _keep_larger(candidate, label, best, where, track):
         v, b = candidate[t], best[t]
         better = v > b
         best[t] = v if better else b
-        where[t] = label if better else where[t]
+        where[t] = _take(better, label, where[t])
 
 
 @kernel
@@ -188,7 +198,7 @@ def max_forward(x, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, block_c
                     v, b = row[t], best_t[t]
                     better = v > b
                     best_t[t] = v if better else b
-                    where_t[t] = k + column[t] if better else where_t[t]
+                    where_t[t] = _take(better, k + column[t], where_t[t])
         else:
             for i in range(kernel_h):
                 for j in range(kernel_w):
