@@ -11,8 +11,8 @@ than the old layer was (BENCHMARKS.md, "Pooling kernels", has those figures).
 
 Each round times old, new and, with --threads above 1, new with each call
 of at least --split-from elements split into that many ranges of planes run
-at once on cct's worker threads (pooling.set_parallel_runner; off in cct
-itself, see the layer's docstring).
+at once on cct's worker threads (the spread a layer run whole on several
+threads gets: Layer.run_partitions, cct.runtime.threads.Spread).
 A timed sample repeats the call until it has taken 20 ms at least, so short
 layers are not timer-bound. Backward times the layer's backward alone (MAX
 routes by the argmax the last forward kept). The GoogLeNet part runs
@@ -55,19 +55,17 @@ CASES = [
 ]
 
 
-def run_parts(function, parts):
-    """pooling's parallel runner: the parts on cct's worker threads, part 0 here."""
-    threads.run_all(threads.workers(len(parts)), function, parts)
-
-
 def modes(parts):
-    """{mode: function that sets it}: the kernels whole (new), split in `parts`."""
-    def setter(split):
-        return lambda: pooling.set_parallel_runner(run_parts if split > 1 else None, split)
-    found = {"new": setter(1)}
+    """{mode: threads}: the kernels whole (new), split in `parts`."""
+    found = {"new": 1}
     if parts > 1:
-        found[f"new x{parts}"] = setter(parts)
+        found[f"new x{parts}"] = parts
     return found
+
+
+def run_whole_on(layer, count):
+    """The layer run whole on `count` threads, as the executor tells it."""
+    layer.run_partitions(1, count, threads.Spread(count) if count > 1 else None)
 
 
 def numpy_passes(layer, x, dy):
@@ -90,16 +88,16 @@ def bench_case(fields, shape, rounds, mode_setters):
     tops[0].diff[...] = rng.standard_normal(tops[0].shape).astype(np.float32)
     old_forward, old_backward = numpy_passes(layer, x, tops[0].diff.copy())
     results = {"old": (old_forward(), old_backward(), [], [])}
-    for name, apply in mode_setters.items():     # warm: compiled, work arrays made
-        apply()
+    for name, count in mode_setters.items():     # warm: compiled, work arrays made
+        run_whole_on(layer, count)
         layer.forward(bottoms, tops)
         layer.backward(tops, [True], bottoms)
         results[name] = (tops[0].data.copy(), bottoms[0].diff.copy(), [], [])
     for _ in range(rounds):
         results["old"][2].append(common.sample(old_forward))
         results["old"][3].append(common.sample(old_backward))
-        for name, apply in mode_setters.items():
-            apply()
+        for name, count in mode_setters.items():
+            run_whole_on(layer, count)
             results[name][2].append(common.sample(lambda: layer.forward(bottoms, tops)))
             results[name][3].append(common.sample(lambda: layer.backward(tops, [True], bottoms)))
     old = results["old"]
@@ -122,13 +120,13 @@ def bench_googlenet(rounds, mode_setters):
     totals = {name: [] for name in mode_setters}
     outputs = {}
     net.forward()
-    for name, apply in mode_setters.items():
-        apply()
+    for name, count in mode_setters.items():
+        executor.threads = count                    # the pooling layers whole on `count` threads
         net.forward()                               # warm
         outputs[name] = net.blobs["prob"].data.copy()
     for _ in range(rounds):
-        for name, apply in mode_setters.items():
-            apply()
+        for name, count in mode_setters.items():
+            executor.threads = count
             total = 0.0
             for index in indices:
                 total += common.sample(lambda: executor.forward(index), least=0.005)

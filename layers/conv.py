@@ -249,7 +249,7 @@ class _ConvolutionBase(Layer):
         self._owner._choose()
         return self._owner._winograd_m
 
-    def run_partitions(self, count, threads=None):
+    def run_partitions(self, count, threads=None, spread=None):
         self._partitions = count
         self._partition_threads = threads
         if self._configured:

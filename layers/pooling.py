@@ -5,10 +5,10 @@ MAX and AVE run as compiled kernels, one call per layer pass
 numpy passes they replaced are the reference the tests check them against
 (layers/pooling_reference.py). Where the net never runs a MAX layer's
 backward and it has no mask top, the forward finds the maxima alone. A
-kernel call runs on the calling thread: the executor's batch partitions run
-them at once, and nothing splits a whole layer's planes by default
-(set_parallel_runner). The measurements behind each choice: BENCHMARKS.md,
-"Pooling kernels (issue 20)".
+kernel call of a batch partition's twin runs on its thread; a layer run
+whole on several threads splits a large call's planes over them
+(Layer.run_partitions' spread). The measurements behind each choice:
+BENCHMARKS.md, "Pooling kernels (issue 20)".
 """
 import numpy as np
 
@@ -35,24 +35,12 @@ def pooled_size(size, kernel, stride, pad, ceil, padded):
     return pooled
 
 
-# Kernels over ranges of planes at once: (runner, parts) where runner(function,
-# [arguments of each part]) runs function(*arguments) for every part and returns
-# when all are done. None (the default): one call on the calling thread.
-_parallel = None
 # Elements of a kernel's largest array below which it runs in one call: a
-# hand-off to a worker costs tens of microseconds. Measured with 2 threads on
-# a shared 2-core host: calls below 1M elements (every GoogLeNet pooling layer
-# at batch 1) ran 0.6-0.9x as fast split, pool1 once 1.26x; above 1.5M (batch
-# 16, run whole) 1.5-1.8x faster in one run, 0.85-0.95x in the next.
+# hand-off to a worker costs tens of microseconds. Measured with 2 threads:
+# calls below 1M elements (every GoogLeNet pooling layer at batch 1) ran
+# 0.6-0.9x as fast split; at batch 16 1.1-2.0x faster (BENCHMARKS.md,
+# "Pooling kernels (issue 20)").
 PARALLEL_ELEMENTS = 1 << 20
-
-
-def set_parallel_runner(runner, parts):
-    """Run each kernel call of a layer that runs whole (not in batch
-    partitions) as `parts` ranges of planes through runner(function,
-    [arguments per part]); runner None: one call, on the calling thread."""
-    global _parallel
-    _parallel = None if runner is None or parts <= 1 else (runner, int(parts))
 
 
 def _planes(array, written=False):
@@ -84,6 +72,7 @@ class Pooling(Layer):
     """
     batch_independent = True
     shares_threads = False          # a batch partition's twin (clone) runs beside the others
+    _spread = None                  # Layer.run_partitions' spread, for a layer run whole on several threads
     reshape_reads_layout = True
 
     def can_partition(self, bottom, top):
@@ -217,24 +206,29 @@ class Pooling(Layer):
                 yield i, j, (slice(None), slice(None), slice(i, i + sh * (ph - 1) + 1, sh),
                              slice(j, j + sw * (pw - 1) + 1, sw))
 
+    def run_partitions(self, count, threads=None, spread=None):
+        self._spread = spread
+
     def _run(self, function, planes, settings, outputs):
         """function(*planes, *settings, *outputs): a kernel whose array
-        arguments `planes` and `outputs` all have the (N*C) planes first; with
-        a parallel runner (set_parallel_runner) and a layer run whole, over
-        ranges of planes at once."""
+        arguments `planes` and `outputs` all have the (N*C) planes first; for
+        a layer run whole on several threads (its spread), over ranges of
+        planes at once."""
         count = outputs[0].shape[0]
         if self._serial(planes + outputs):
             function(*planes, *settings, *outputs)
             return
-        runner, parts = _parallel
-        edges = np.linspace(0, count, min(parts, count) + 1).astype(int)
-        runner(function, [[a[start:stop] for a in planes] + list(settings) + [a[start:stop] for a in outputs]
-                          for start, stop in zip(edges[:-1], edges[1:])])
+        edges = np.linspace(0, count, min(self._spread.parts, count) + 1).astype(int)
+        self._spread(function, [[a[start:stop] for a in planes] + list(settings) + [a[start:stop] for a in outputs]
+                                for start, stop in zip(edges[:-1], edges[1:])])
 
     def _serial(self, arrays):
         """Whether a kernel on these arrays runs as one call on this thread: no
-        parallel runner, a partition twin's, or arrays below PARALLEL_ELEMENTS."""
-        return _parallel is None or self.shares_threads or max(array.size for array in arrays) < PARALLEL_ELEMENTS
+        spread (a layer on one thread or in batch partitions), a partition
+        twin's, or arrays below PARALLEL_ELEMENTS."""
+        spread = self._spread
+        return (spread is None or spread.parts < 2 or self.shares_threads
+                or max(array.size for array in arrays) < PARALLEL_ELEMENTS)
 
     def clone(self, share=1):
         twin = super().clone(share)

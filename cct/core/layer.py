@@ -17,8 +17,10 @@ What the runtime reads (declarations, never type names):
     flops(bottom, top)     (forward, backward_data, backward_params) FLOPs
     run_settings           the run-setting keys the layer takes; configure(settings) gets them
     clone(share)           a twin for one of `share` batch partitions run at once
-    run_partitions(count)  told after every reshape how many partitions the next
-                           forward and backward run as
+    run_partitions(count, threads, spread)
+                           told after every reshape how many partitions the next
+                           forward and backward run as, and for a layer run whole
+                           on several threads, how to spread its own passes on them
     draws_random           forward draws from the process's random stream
     splits_backward        backward is also offered as sub-tasks a scheduler may run apart:
         backward_param(i, top, bottom)         parameter i's gradient, ACCUMULATED into
@@ -329,11 +331,15 @@ class Layer:
             del twin.__dict__[key]
         return twin
 
-    def run_partitions(self, count, threads=None):
+    def run_partitions(self, count, threads=None, spread=None):
         """The runtime runs the next forward and backward as `count` batch
         partitions (decided after every reshape, cct.runtime.executor), each
         call at `threads` BLAS threads (None: not said). A layer whose own
-        choices depend on the batch one call sees overrides this."""
+        choices depend on the batch one call sees overrides this. `spread`,
+        for a layer run whole on several threads (else None): its own
+        compiled passes may run in pieces on them, spread(function, pieces)
+        calling function(*piece) for each at once (up to spread.parts
+        pieces; cct.runtime.threads.Spread)."""
 
     def allow_force_backward(self, bottom_index):
         # Loss layers' labels (bottom 1) never get a gradient, even with force_backward.

@@ -98,6 +98,7 @@ class Executor:
         # a count nobody gave follows the cores other processes leave free (fit_threads)
         self._cores = None if given or not self.settings.fit_cores else cores.watch()
         self._threads = self.most_threads = int(given or self.blas.default)
+        self._spread = threads_module.Spread(self._threads)
         self.plan: Dict[int, int] = {}
         self._partitioned: Dict[int, PartitionedLayer] = {}
         self._defaults: Dict[int, Tuple[tuple, int]] = {}   # layer index -> (its top shape and settings, default partitions)
@@ -176,6 +177,7 @@ class Executor:
 
     def _changed_threads(self) -> None:
         self._plan = None
+        self._spread = threads_module.Spread(self._threads)
         if self.fusion is not None:
             self.fusion.threads = self._threads
 
@@ -273,6 +275,11 @@ class Executor:
         """The process's worker threads for `count` units run at once (the
         caller runs one itself): worker k - 1 runs unit k."""
         return threads_module.workers(count)
+
+    def spread(self, partitions: int) -> Optional[threads_module.Spread]:
+        """How a layer run in `partitions` spreads its own passes: on every
+        thread where it runs whole (Layer.run_partitions), else not."""
+        return self._spread if partitions == 1 and self._spread.count > 1 else None
 
     def blas_count(self, partitions: int) -> int:
         """The BLAS threads each of `partitions` batch partitions runs with."""
@@ -462,7 +469,7 @@ class Executor:
             layer.reshape_if_changed(bottoms, tops)
             # decided anew at every reshape: a batch that shrank gets fewer partitions
             partitions = self.partitions(index)
-            layer.run_partitions(partitions, self.blas_count(partitions))
+            layer.run_partitions(partitions, self.blas_count(partitions), self.spread(partitions))
             if set_blas:
                 self.blas.set(self.blas_count(partitions))
             if partitions == 1:

@@ -242,7 +242,7 @@ def apply(executor, config="active"):
         if declared:
             # the partitions first: a convolution chooses its lowering for one partition's batch
             partitions = executor.partitions(index)
-            layer.run_partitions(partitions, executor.blas_count(partitions))
+            layer.run_partitions(partitions, executor.blas_count(partitions), executor.spread(partitions))
             layer.configure(layer_settings(layer, config))
             # the net set the layer up before it had its settings: size it again with them
             layer.reshape(net.bottom_vecs[index], net.top_vecs[index])

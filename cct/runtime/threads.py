@@ -111,6 +111,25 @@ def leased(lease):
         _lease.workers = None
 
 
+class Spread:
+    """A whole layer's own passes on the threads its step runs with
+    (Layer.run_partitions): spread(function, pieces) runs function(*piece)
+    for every piece at once, piece 0 on the calling thread. `parts`: the
+    most pieces worth making now, `count` or, on a stream's sub-task, the
+    workers it leased and itself."""
+
+    def __init__(self, count):
+        self.count = count
+
+    @property
+    def parts(self):
+        lease = getattr(_lease, "workers", None)
+        return self.count if lease is None else min(self.count, len(lease) + 1)
+
+    def __call__(self, function, pieces):
+        run_all(workers(len(pieces)), function, pieces)
+
+
 def run_all(workers, function, work):
     """Unit k on workers[k - 1], unit 0 on this thread; waits for all of them
     and re-raises the first exception (in unit order)."""

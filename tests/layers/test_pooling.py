@@ -258,9 +258,11 @@ def test_padding_on_one_axis_clips_the_last_window_on_both():
         assert tops[0].shape[2:] == expected
 
 
-def forward_backward(prototxt, x, dy):
+def forward_backward(prototxt, x, dy, spread=None):
     layer = make_layer(prototxt, cct.TRAIN)
     bottoms, tops = setup_layer(layer, [x], dtype=x.dtype)
+    if spread is not None:
+        layer.run_partitions(1, spread.parts, spread)     # run whole on spread.parts threads
     layer.forward(bottoms, tops)
     tops[0].diff[...] = dy
     layer.backward(tops, [True], bottoms)
@@ -556,9 +558,10 @@ def test_max_kernel_skips_nan_and_infinity_as_caffe_does(fields, kernel, stride,
 
 @pytest.mark.parametrize("text", ["pool: MAX kernel_size: 3 stride: 2", "pool: AVE kernel_size: 3 stride: 1 pad: 1",
                                   "pool: MAX global_pooling: true"])
-def test_parallel_runner_gives_the_one_call_numbers(monkeypatch, text):
-    """Kernels split into ranges of planes (pooling.set_parallel_runner) give
-    the one call's numbers; a batch partition's twin never splits."""
+def test_a_spread_layer_gives_the_one_call_numbers(monkeypatch, text):
+    """Kernels of a layer run whole on several threads split into ranges of
+    planes (Layer.run_partitions' spread) give the one call's numbers; a
+    batch partition's twin never splits."""
     from cct.layers import pooling
     x = distinct((2, 3, 9, 9))
     prototxt = f'type: "Pooling" pooling_param {{ {text} }}'
@@ -566,21 +569,21 @@ def test_parallel_runner_gives_the_one_call_numbers(monkeypatch, text):
     whole = forward_backward(prototxt, x, dy)
     calls = []
 
-    def runner(function, parts):
-        calls.append(len(parts))
-        for arguments in parts:
-            function(*arguments)
+    class Spread:
+        parts = 4
+
+        def __call__(self, function, pieces):
+            calls.append(len(pieces))
+            for arguments in pieces:
+                function(*arguments)
     monkeypatch.setattr(pooling, "PARALLEL_ELEMENTS", 0)
-    pooling.set_parallel_runner(runner, 4)
-    try:
-        split = forward_backward(prototxt, x, dy)
-        assert calls and set(calls) == {4}
-        calls.clear()
-        twin = make_layer(prototxt, cct.TRAIN).clone(2)
-        bottoms, tops = setup_layer(twin, [x])
-        twin.forward(bottoms, tops)
-        assert not calls
-    finally:
-        pooling.set_parallel_runner(None, 1)
+    split = forward_backward(prototxt, x, dy, spread=Spread())
+    assert calls and set(calls) == {4}
+    calls.clear()
+    twin = make_layer(prototxt, cct.TRAIN).clone(2)
+    twin.run_partitions(1, 4, Spread())
+    bottoms, tops = setup_layer(twin, [x])
+    twin.forward(bottoms, tops)
+    assert not calls
     for ours, theirs in zip(split, whole):
         np.testing.assert_array_equal(ours, theirs)

@@ -3,6 +3,7 @@ training step gets every BLAS thread, and no pass leaves the count lowered."""
 import os
 import signal
 
+import numpy as np
 import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
@@ -162,3 +163,35 @@ def test_a_forked_child_runs_units_on_workers_of_its_own():
             os._exit(2)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+def test_a_layer_run_whole_spreads_its_kernels_on_the_executors_threads(monkeypatch):
+    """A pooling layer run whole on 2 threads splits its kernel calls' planes
+    over the executor's workers (Layer.run_partitions' spread); on 1 thread,
+    or in batch partitions, it does not. The numbers are the same."""
+    from cct.layers import pooling
+    monkeypatch.setattr(pooling, "PARALLEL_ELEMENTS", 0)
+    spread = []
+    real = threads.Spread.__call__
+    monkeypatch.setattr(threads.Spread, "__call__", lambda self, function, pieces: (
+        spread.append(len(pieces)), real(self, function, pieces)))
+    text = """name: "pool" force_backward: true
+input: "data" input_shape { dim: 4 dim: 3 dim: 8 dim: 8 }
+layer { name: "pool" type: "Pooling" bottom: "data" top: "pool" pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+"""
+    x = np.random.default_rng(0).standard_normal((4, 3, 8, 8)).astype(np.float32)
+    results = []
+    for count, partitions in ((1, 1), (2, 1), (2, 2)):
+        monkeypatch.setenv("CCT_PARTITIONS", str(partitions))
+        net = cct.Net(text, cct.TEST)
+        net.executor.threads = count
+        net.blobs["data"].data[...] = x
+        spread.clear()
+        net.forward()
+        net.blobs["pool"].diff[...] = net.blobs["pool"].data
+        net.backward()
+        assert spread == ([2, 2] if (count, partitions) == (2, 1) else [])     # forward and backward
+        results.append((net.blobs["pool"].data.copy(), net.blobs["data"].diff.copy()))
+    for data, diff in results[1:]:
+        np.testing.assert_array_equal(data, results[0][0])
+        np.testing.assert_array_equal(diff, results[0][1])
