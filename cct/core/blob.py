@@ -19,9 +19,12 @@ host memory (the numpy CPU device) gets the host store itself.
 """
 import math
 import threading
+from typing import Any, NoReturn, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
+import numpy.typing as npt
 
+from cct.core.arrays import Array, Shape
 from cct.core.errors import ShapeError
 from cct.core.allocation import charge_store, check_allocation
 
@@ -34,6 +37,23 @@ _ALLOCATION_LOCK = threading.Lock()
 # device (a hybrid split's device part, cct.runtime.hybrid).
 HOST, DEVICE, SYNCED, SPLIT = "host", "device", "synced", "split"
 
+# A device's flat buffer (cct.devices.base.Buffer: a numpy array or a pyopencl one).
+Buffer = Any
+
+
+class DeviceMemory(Protocol):
+    """What a Mirror uses of a device: cct.devices.base.Device's memory
+    primitives (devices sit above the core, which does not import them)."""
+    shares_host: bool
+
+    def empty(self, count: int) -> Buffer: ...
+    def upload(self, buffer: Buffer, host: Array) -> None: ...
+    def download(self, buffer: Buffer, host: Array) -> None: ...
+
+
+# A hybrid split's shard: (device, start, stop, buffer), elements [start, stop) of the store.
+Shard = Tuple[DeviceMemory, int, int, Buffer]
+
 
 class Layout:
     """What an execution plan (cct.runtime.plan) was bound to: `epoch` grows
@@ -44,7 +64,7 @@ class Layout:
     epoch = 0
 
     @classmethod
-    def changed(cls):
+    def changed(cls) -> None:
         cls.epoch += 1
 
 
@@ -55,24 +75,26 @@ class Mirror:
     shard of its own, (device, start, stop, buffer)."""
     __slots__ = ("store", "device", "buffer", "head", "shard")
 
-    def __init__(self, store):
+    def __init__(self, store: Array) -> None:
         self.store = store            # the flat host array this mirrors
-        self.device = None
-        self.buffer = None
+        self.device: Optional[DeviceMemory] = None
+        self.buffer: Buffer = None
         self.head = HOST
-        self.shard = None
+        self.shard: Optional[Shard] = None
 
-    def to_host(self):
+    def to_host(self) -> None:
         """Make the host current (copying down what a device is ahead with)."""
         if self.head == DEVICE:
+            assert self.device is not None            # on() set it before the device went ahead
             self.device.download(self.buffer, self.store)
             self.head = SYNCED
         elif self.head == SPLIT:
+            assert self.shard is not None             # rows_on() set it with the head
             device, start, stop, buffer = self.shard
             device.download(buffer, self.store[start:stop])
             self.head = HOST          # the whole-store buffer missed the shard's writes
 
-    def on(self, device, upload=True):
+    def on(self, device: DeviceMemory, upload: bool = True) -> Buffer:
         """The current contents in `device`'s buffer (copied up when stale,
         unless `upload` is False: the caller overwrites them all)."""
         if device.shares_host:
@@ -89,28 +111,28 @@ class Mirror:
             self.head = SYNCED
         return self.buffer
 
-    def written_on(self, device, upload=True):
+    def written_on(self, device: DeviceMemory, upload: bool = True) -> Buffer:
         """The device buffer, to be written: from now on only the device is current."""
         buffer = self.on(device, upload)
         self.head = HOST if device.shares_host else DEVICE
         return buffer
 
     # --- a hybrid split: one range on a device, the rest on the host --------------------
-    def rest_on_host(self, written, start=0, stop=0):
+    def rest_on_host(self, written: bool, start: int = 0, stop: int = 0) -> None:
         """Make the host current outside elements [start, stop) (a split's
         host part reads its rows there, the device part has those); `written`:
         it writes them, so a whole-store device copy goes stale."""
-        if self.head == DEVICE or (self.head == SPLIT and self.shard[1:3] != (start, stop)):
+        if self.head == DEVICE or (self.head == SPLIT and self.shard is not None and self.shard[1:3] != (start, stop)):
             self.to_host()
         if written and self.head == SYNCED:
             self.head = HOST
 
-    def rows_on(self, device, start, stop, upload=True):
+    def rows_on(self, device: DeviceMemory, start: int, stop: int, upload: bool = True) -> Buffer:
         """Elements [start, stop) in a buffer on `device`, current (copied up
         unless the shard there already holds them, or `upload` is False: the
         caller overwrites them all); from now on they are current only there."""
         shard = self.shard
-        if self.head == SPLIT and shard[0] is device and shard[1] == start and shard[2] == stop:
+        if self.head == SPLIT and shard is not None and shard[0] is device and shard[1] == start and shard[2] == stop:
             return shard[3]
         self.to_host()
         buffer = shard[3] if shard is not None and shard[0] is device and shard[3].size >= stop - start \
@@ -128,10 +150,10 @@ class HostOnly:
     head = HOST
     buffer = None
 
-    def to_host(self):
+    def to_host(self) -> None:
         pass
 
-    def on(self, device):
+    def on(self, device: DeviceMemory) -> NoReturn:
         raise RuntimeError("a view of a blob's rows lives on the host; run its layer whole on a device")
 
     written_on = on
@@ -141,66 +163,78 @@ HOST_ONLY = HostOnly()
 
 
 class Blob:
-    def __init__(self, shape=(), dtype=np.float32):
+    _data_store: Array
+    _diff_store: Optional[Array]
+    _data_mirror: Mirror
+    _diff_mirror: Optional[Mirror]
+    _shape: Shape
+    _data: Array
+    _diff: Optional[Array]
+
+    def __init__(self, shape: Sequence[int] = (), dtype: npt.DTypeLike = np.float32) -> None:
         self.dtype = np.dtype(dtype)
         self._data_store = np.zeros(0, self.dtype)   # flat storage, may exceed count
         self._diff_store = None                      # same capacity as the data's, once used
         self._data_mirror = Mirror(self._data_store)
         self._diff_mirror = None                     # made with the diff store
         self._shape = ()
-        self._data = self._diff = None               # views of the stores, made by reshape
+        # views of the stores, made by reshape below (None until then marks them unmade)
+        self._data = None                            # type: ignore[assignment]  # an Array from reshape on
+        self._diff = None
         self.reshape(shape)
 
     # --- shape -------------------------------------------------------------------
-    def reshape(self, *shape):
+    def reshape(self, *shape: Union[int, Sequence[int], Array]) -> None:
         """Reshape to `shape` (ints, or one tuple/list). Storage grows, never shrinks."""
+        given: Sequence[Any] = shape
         if len(shape) == 1 and isinstance(shape[0], (tuple, list, np.ndarray)):
-            shape = tuple(shape[0])
-        shape = tuple(int(d) for d in shape)
-        if shape == self._shape and self._data is not None:
+            given = tuple(shape[0])
+        dims = tuple(int(d) for d in given)
+        if dims == self._shape and self._data is not None:
             return      # every layer reshapes its tops at every forward: mostly to the shape they have
-        if any(d < 0 for d in shape):
-            raise ShapeError(f"blob shape must be non-negative, got {shape}")
-        check_allocation(shape, self.dtype, blob=self)
-        count = math.prod(shape)
+        if any(d < 0 for d in dims):
+            raise ShapeError(f"blob shape must be non-negative, got {dims}")
+        check_allocation(dims, self.dtype, blob=self)
+        count = math.prod(dims)
         if count > self._data_store.size:
-            charge_store((count - self._data_store.size) * self.dtype.itemsize, shape, self)
+            charge_store((count - self._data_store.size) * self.dtype.itemsize, dims, self)
             self._data_mirror.to_host()                  # the values move to the grown store
             self._data_store = _grown(self._data_store, count)
             self._data_mirror = Mirror(self._data_store)
             # (a data store placed in another blob's, use_data_storage, may be the smaller)
             if self._diff_store is not None and count > self._diff_store.size:
+                assert self._diff_mirror is not None      # made with the diff store
                 self._diff_mirror.to_host()
                 self._diff_store = _grown(self._diff_store, count)
                 self._diff_mirror = Mirror(self._diff_store)
-        self._shape = shape
+        self._shape = dims
         self._make_views()
 
-    def reshape_like(self, other):
+    def reshape_like(self, other: "Blob") -> None:
         self.reshape(other.shape)
 
-    def _make_views(self):
+    def _make_views(self) -> None:
         Layout.epoch += 1
         count = self.count
         self._data = self._data_store[:count].reshape(self._shape)
         self._diff = None if self._diff_store is None else self._diff_store[:count].reshape(self._shape)
 
     @property
-    def shape(self):
+    def shape(self) -> Shape:
         return self._shape
 
     # math.prod on the shape's Python ints: exact at any size, and a tenth of
     # np.prod's cost, which every layer's reshape pays several times (ResNet-50
     # at batch 1: 410 calls a forward)
     @property
-    def count(self):
+    def count(self) -> int:
         return math.prod(self._shape)
 
-    def count_range(self, start, end=None):
+    def count_range(self, start: int, end: Optional[int] = None) -> int:
         """Product of dims [start, end), Caffe's count(start, end)."""
         return math.prod(self._shape[start:end])
 
-    def canonical_axis(self, axis):
+    def canonical_axis(self, axis: int) -> int:
         """Caffe's CanonicalAxisIndex: negative axes count from the end."""
         n = len(self._shape)
         if not -n <= axis < max(n, 1):
@@ -208,7 +242,7 @@ class Blob:
         return axis + n if axis < 0 else axis
 
     # Caffe's legacy 4-d accessors (LegacyShape): axis i, or 1 past the last axis.
-    def _legacy(self, index):
+    def _legacy(self, index: int) -> int:
         if len(self._shape) > 4:
             raise ShapeError(f"num/channels/height/width need a blob of at most 4 axes, got {self._shape}")
         return self._shape[index] if index < len(self._shape) else 1
@@ -220,77 +254,81 @@ class Blob:
 
     # --- data and diff -----------------------------------------------------------
     @property
-    def data(self):
+    def data(self) -> Array:
         if self._data_mirror.head != HOST:
             self._data_mirror.to_host()
             self._data_mirror.head = HOST
         return self._data
 
     @data.setter
-    def data(self, value):
+    def data(self, value: npt.ArrayLike) -> None:
         self.data[...] = value
 
     @property
-    def diff(self):
+    def diff(self) -> Array:
         diff = self._diff
         if diff is None:
             return self._allocate_diff()
+        assert self._diff_mirror is not None             # made with the diff store
         if self._diff_mirror.head != HOST:
             self._diff_mirror.to_host()
             self._diff_mirror.head = HOST
         return diff
 
+    @diff.setter
+    def diff(self, value: npt.ArrayLike) -> None:
+        self.diff[...] = value
+
     # --- on a device (cct.devices) -----------------------------------------------------
-    def device_data(self, device):
+    def device_data(self, device: DeviceMemory) -> Buffer:
         """The data in `device`'s flat buffer (of the store's capacity), to read."""
         return self._data_mirror.on(device)
 
-    def mutable_device_data(self, device):
+    def mutable_device_data(self, device: DeviceMemory) -> Buffer:
         """The data's device buffer, to write: the host copy is stale from now on."""
         return self._data_mirror.written_on(device)
 
-    def device_diff(self, device):
+    def device_diff(self, device: DeviceMemory) -> Buffer:
         if self._diff is None:
             self._allocate_diff()
+        assert self._diff_mirror is not None             # made with the diff store
         return self._diff_mirror.on(device)
 
-    def mutable_device_diff(self, device):
+    def mutable_device_diff(self, device: DeviceMemory) -> Buffer:
         if self._diff is None:
             self._allocate_diff()
+        assert self._diff_mirror is not None             # made with the diff store
         return self._diff_mirror.written_on(device)
 
-    def sync_to_host(self):
+    def sync_to_host(self) -> None:
         """Copy down what a device wrote, leaving both sides current (a host
         reader that writes nothing, e.g. a layer run on the CPU reading its bottoms)."""
         self._data_mirror.to_host()
         if self._diff_mirror is not None:
             self._diff_mirror.to_host()
 
-    def keep_device_copy(self, diff=False):
+    def keep_device_copy(self, diff: bool = False) -> None:
         """After a host reader that wrote nothing since sync_to_host: the
         device copy is current again (the data's, and with `diff` the diff's)."""
         for mirror in (self._data_mirror, self._diff_mirror if diff else None):
             if mirror is not None and mirror.buffer is not None and mirror.head == HOST:
                 mirror.head = SYNCED
 
-    def heads(self):
+    def heads(self) -> Tuple[str, Optional[str]]:
         """(data head, diff head or None): which side is current."""
         return self._data_mirror.head, None if self._diff_mirror is None else self._diff_mirror.head
 
-    @diff.setter
-    def diff(self, value):
-        self.diff[...] = value
-
-    def _allocate_diff(self):
+    def _allocate_diff(self) -> Array:
         """The diff view, its zeroed storage made now (capacity as the data's)."""
         with _ALLOCATION_LOCK:
             if self._diff_store is None:
                 self._diff_store = np.zeros(self._data_store.size, self.dtype)
                 self._diff_mirror = Mirror(self._diff_store)
                 self._make_views()
+        assert self._diff is not None                    # the views of a diff store are made with it
         return self._diff
 
-    def share_data(self, other):
+    def share_data(self, other: "Blob") -> None:
         """Use `other`'s data storage (Caffe's ShareData); counts must agree."""
         self._check_same_count(other)
         if self._data_store is other._data_store and self._data_mirror is other._data_mirror:
@@ -298,7 +336,7 @@ class Blob:
         self._data_store, self._data_mirror = other._data_store, other._data_mirror
         self._make_views()
 
-    def share_diff(self, other):
+    def share_diff(self, other: "Blob") -> None:
         """Use `other`'s diff storage (Caffe's ShareDiff); counts must agree."""
         self._check_same_count(other)
         if other._diff_store is None:
@@ -307,24 +345,24 @@ class Blob:
         self._make_views()
 
     @property
-    def data_view(self):
+    def data_view(self) -> Array:
         """The host data view as it stands, not synced from a device: a new
         array at every reshape to another shape and every change of store,
         which is what Layer.reshape_if_changed compares."""
         return self._data
 
     @property
-    def data_store(self):
+    def data_store(self) -> Array:
         """The flat host array the data is a view of (capacity >= count): a
         Concat places its bottoms in pieces of its top's (use_data_storage)."""
         return self._data_store
 
-    def shares_data_with(self, other):
+    def shares_data_with(self, other: "Blob") -> bool:
         """Whether the two blobs' data stores overlap (ShareData, a Flatten's
         top and bottom, a Concat's placed bottoms and top)."""
         return np.may_share_memory(self._data_store, other._data_store)
 
-    def use_data_storage(self, store):
+    def use_data_storage(self, store: Array) -> None:
         """Keep the data in `store`, a flat array of at least the count (a
         Concat places its bottoms in slices of its top's store, cct.runtime.
         fusion), holding the values: the caller copied them there. A reshape
@@ -335,11 +373,11 @@ class Blob:
         self._data_store, self._data_mirror = store, Mirror(store)
         self._make_views()
 
-    def sync_data_to_host(self):
+    def sync_data_to_host(self) -> None:
         """Copy down the data a device wrote; both sides current."""
         self._data_mirror.to_host()
 
-    def own_data_storage(self):
+    def own_data_storage(self) -> None:
         """Move the data to a store of its own (a copy of the host values),
         its device copy and which side is current kept: a placed Concat
         bottom leaves its top's store."""
@@ -347,13 +385,13 @@ class Blob:
         self._data_store = self._data_mirror.store = store
         self._make_views()
 
-    def written_on_host(self):
+    def written_on_host(self) -> None:
         """The host data was written in full through views of the store (a
         Concat's bottoms placed in it): a device copy is stale now, and is
         not copied down over it."""
         self._data_mirror.head = HOST
 
-    def use_diff_storage(self, store):
+    def use_diff_storage(self, store: Optional[Array]) -> None:
         """Keep the diff in `store`, a flat array of the data's capacity (diff
         sharing hands out slices of shared arenas, cct.runtime.memory); None: in
         a store of its own, made on first use."""
@@ -364,15 +402,15 @@ class Blob:
             self._diff_mirror = None if store is None else Mirror(store)
             self._make_views()
 
-    def _check_same_count(self, other):
+    def _check_same_count(self, other: "Blob") -> None:
         if other.count != self.count:
             raise ShapeError(f"cannot share a blob of count {other.count} into one of count {self.count}")
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Blob(shape={self._shape})"
 
 
-def _grown(store, count):
+def _grown(store: Array, count: int) -> Array:
     grown = np.zeros(count, store.dtype)
     grown[:store.size] = store
     return grown
