@@ -7,31 +7,77 @@ top names its bottom), sharing named params, then deciding which layers and
 bottoms need backward (Caffe's rules, force_backward and propagate_down).
 """
 import logging
+import os
 from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
+import numpy.typing as npt
 
+from cct.core.arrays import Array
 from cct.core.blob import Blob
 from cct.core.allocation import charging, format_bytes
 from cct.core.errors import ConfigError, MemoryLimitError, ShapeError, WeightsError
-from cct.core.layer import TEST, TRAIN, check_layer_type, create_layer
+from cct.core.layer import TEST, TRAIN, Layer, check_layer_type, create_layer
 from cct.core.passes import filter_net, insert_splits, legacy_crop_offsets
 from cct.formats import weights as weights_io
 from cct.formats.prototxt import net_source, read_net
 from cct.formats.upgrade import upgrade_net
 from cct.proto import caffe_pb2
 
+if TYPE_CHECKING:                 # for annotations only: Net.executor imports it lazily
+    from cct.runtime.executor import Executor
+
 log = logging.getLogger("cct")
 
 AUTOMATIC_TOP = "(automatic)"   # Caffe's name for the tops a loss layer adds itself
+
+Path = Union[str, bytes, "os.PathLike[Any]"]
+# A net as Net() takes it: a prototxt path, prototxt text, or a caffe_pb2.NetParameter
+NetSource = Union[str, "os.PathLike[Any]", caffe_pb2.NetParameter]
 
 
 class Net:
     """A Caffe net. `Net(prototxt, phase, weights=None, level=0, stages=())`, or
     pycaffe's legacy `Net(prototxt, weights, phase)`; the prototxt may also be a
     caffe_pb2.NetParameter."""
+    # What __init__ and _build set (the public names are pycaffe's)
+    source: str
+    phase: int
+    net_param: caffe_pb2.NetParameter
+    memory_baseline: int
+    name: str
+    layers: List[Layer]
+    _layer_names: List[str]
+    layer_dict: "OrderedDict[str, Layer]"
+    blobs: "OrderedDict[str, Blob]"
+    bottom_vecs: List[List[Blob]]
+    top_vecs: List[List[Blob]]
+    _bottom_names: List[List[str]]
+    _top_names: List[List[str]]
+    bottom_need_backward: List[List[bool]]
+    layer_need_backward: List[bool]
+    blob_loss_weights: "OrderedDict[str, float]"
+    inputs: List[str]
+    outputs: List[str]
+    _executor: Optional["Executor"]
+    _blob_needs_backward: Dict[str, bool]           # while building
+    _available: "OrderedDict[str, bool]"            # while building
+    # the parameter tables (_init_param_tables)
+    _params: List[Blob]
+    _param_owners: List[int]
+    _param_layer_indices: List[Tuple[int, int]]
+    _param_names_index: Dict[str, int]
+    learnable_params: List[Blob]
+    params_lr: List[float]
+    params_weight_decay: List[float]
+    _learnable_has_lr: List[bool]
+    _learnable_has_decay: List[bool]
+    _learnable_index_of_param: List[int]
 
-    def __init__(self, network, phase=None, weights=None, level=0, stages=(), **kwargs):
+    def __init__(self, network: NetSource, phase: Union[int, Path, None] = None,
+                 weights: Union[Path, int, None] = None, level: int = 0, stages: Sequence[str] = (),
+                 **kwargs: Any) -> None:
         if isinstance(phase, (str, bytes)) or hasattr(phase, "__fspath__"):
             phase, weights = weights, phase          # legacy form (prototxt, weights, phase)
         if "weights" in kwargs:
@@ -49,7 +95,7 @@ class Net:
         state.phase, state.level = phase, level
         state.stage.extend(stages)          # added to the prototxt's own stages
         param.state.CopyFrom(state)
-        self.phase = phase
+        self.phase = cast(int, phase)      # TRAIN or TEST, checked above
         source = str(self.source)
         self.net_param = insert_splits(legacy_crop_offsets(filter_net(param, state, source), source), source)
         try:
@@ -59,12 +105,12 @@ class Net:
         except MemoryLimitError as refused:
             raise refused.noted(f". Largest so far: {self._largest_stores()}") from None
         if weights:
-            self.copy_from(weights)
+            self.copy_from(cast(Path, weights))       # a path (the legacy form's, swapped above)
 
-    def _largest_stores(self, count=3):
+    def _largest_stores(self, count: int = 3) -> str:
         """The largest blob and parameter stores the build has made, for the
         message of a net refused as too large: "blob 'x' 1 GiB; ..."."""
-        stores = {}
+        stores: Dict[int, Tuple[int, str]] = {}
         for name, blob in self.blobs.items():
             stores.setdefault(id(blob._data_store), (blob._data_store.nbytes, f"blob '{name}'"))
         for layer in self.layers:
@@ -75,7 +121,7 @@ class Net:
         return "; ".join(f"{owner} {format_bytes(nbytes)}" for nbytes, owner in largest) or "none"
 
     # --- construction ------------------------------------------------------------
-    def _build(self):
+    def _build(self) -> None:
         self.name = self.net_param.name
         self.layers, self._layer_names = [], []
         self.blobs = OrderedDict()
@@ -102,7 +148,7 @@ class Net:
         self.layer_dict = OrderedDict(zip(self._layer_names, self.layers))
         self.executor                                 # the run settings, checked and applied now
 
-    def _add_layer(self, layer_index, layer_param):
+    def _add_layer(self, layer_index: int, layer_param: caffe_pb2.LayerParameter) -> None:
         source = str(self.source)
         if not layer_param.name:
             raise ConfigError(f"{source}: layer #{layer_index} ({layer_param.type}): name: missing")
@@ -136,9 +182,13 @@ class Net:
                 self._blob_needs_backward[name] = True
         log.debug("%s: tops %s", layer.where(), [blob.shape for blob in tops])
 
-    def _wire_bottoms(self, layer, layer_param):
+    def _wire_bottoms(self, layer: Layer, layer_param: caffe_pb2.LayerParameter
+                      ) -> Tuple[List[Blob], List[str], List[bool], bool]:
         """(blobs, names, per-bottom need-backward, whether any input needs backward)."""
-        bottoms, names, bottom_backward, need_backward = [], [], [], False
+        bottoms: List[Blob] = []
+        names: List[str] = []
+        bottom_backward: List[bool] = []
+        need_backward = False
         for index, name in enumerate(layer_param.bottom):
             if name not in self.blobs:
                 raise ConfigError(f"{layer.where()}: bottom[{index}]: unknown blob '{name}'")
@@ -151,7 +201,8 @@ class Net:
                                    else self._blob_needs_backward[name])
         return bottoms, names, bottom_backward, need_backward
 
-    def _wire_tops(self, layer, layer_param, bottom_names):
+    def _wire_tops(self, layer: Layer, layer_param: caffe_pb2.LayerParameter,
+                   bottom_names: List[str]) -> Tuple[List[Blob], List[str]]:
         """(blobs, names): new blobs, or the bottom's own for an in-place top."""
         names = list(layer_param.top)
         num_named = len(names)
@@ -173,7 +224,7 @@ class Net:
                 self.inputs.append(name)
         return tops, names
 
-    def _loss_weights(self, layer, num_tops):
+    def _loss_weights(self, layer: Layer, num_tops: int) -> List[float]:
         given = list(layer.layer_param.loss_weight)
         if given and len(given) != num_tops:
             raise layer.config_error("loss_weight", f"give none or one per top ({num_tops}), got {len(given)}")
@@ -181,7 +232,7 @@ class Net:
             return given
         return [1.0 if (layer.is_loss and k == 0) else 0.0 for k in range(num_tops)]
 
-    def _init_param_tables(self):
+    def _init_param_tables(self) -> None:
         self._params = []                   # every param blob, shared ones included
         self._param_owners = []             # index into _params of the owner, or -1
         self._param_layer_indices = []      # (layer index, param index)
@@ -191,7 +242,7 @@ class Net:
         self._learnable_has_lr, self._learnable_has_decay = [], []
         self._learnable_index_of_param = []
 
-    def _append_params(self, layer_index, layer):
+    def _append_params(self, layer_index: int, layer: Layer) -> bool:
         """Register the layer's param blobs; True if any of them learns (lr_mult != 0)."""
         specs = self.net_param.layer[layer_index].param
         if len(specs) > len(layer.blobs):
@@ -210,7 +261,8 @@ class Net:
             self._append_param(layer, layer_index, param_index, spec)
         return any_learns
 
-    def _append_param(self, layer, layer_index, param_index, spec):
+    def _append_param(self, layer: Layer, layer_index: int, param_index: int,
+                      spec: caffe_pb2.ParamSpec) -> None:
         net_index = len(self._params)
         blob = layer.blobs[param_index]
         self._param_layer_indices.append((layer_index, param_index))
@@ -253,7 +305,7 @@ class Net:
         self._params.append(shared)
         self._learnable_index_of_param.append(learnable)
 
-    def _prune_backward(self):
+    def _prune_backward(self) -> None:
         """Walk back from the losses: layers that feed no loss need no backward."""
         under_loss, skip_backprop = set(), set()
         for i in reversed(range(len(self.layers))):
@@ -274,7 +326,7 @@ class Net:
                 if not self.bottom_need_backward[i][j]:
                     skip_backprop.add(name)
 
-    def _force_backward(self):
+    def _force_backward(self) -> None:
         for i, layer in enumerate(self.layers):
             self.layer_need_backward[i] = True
             self.bottom_need_backward[i] = [need or layer.allow_force_backward(j)
@@ -282,7 +334,7 @@ class Net:
             layer.param_propagate_down = [True] * len(layer.blobs)
 
     # --- running -----------------------------------------------------------------
-    def _layer_index(self, name, default):
+    def _layer_index(self, name: Optional[str], default: int) -> int:
         if name is None:
             return default
         try:
@@ -290,13 +342,13 @@ class Net:
         except ValueError:
             raise ConfigError(f"no layer named {name!r} in net '{self.name}'") from None
 
-    def _forward(self, start=0, end=None):
+    def _forward(self, start: int = 0, end: Optional[int] = None) -> float:
         """Run layers start..end inclusive (by index); return the summed loss."""
         end = len(self.layers) - 1 if end is None else end
         return self.executor.forward_range(start, end)
 
     @property
-    def executor(self):
+    def executor(self) -> "Executor":
         """Runs each layer, batch-partitioned as its plan says, and tells
         subscribers about it (cct.runtime.executor). The one place the core
         reaches up into the runtime: imported here, so that the core imports
@@ -306,11 +358,12 @@ class Net:
             self._executor = Executor(self)
         return self._executor
 
-    def _backward(self, start=None, end=0):
+    def _backward(self, start: Optional[int] = None, end: int = 0) -> None:
         start = len(self.layers) - 1 if start is None else start
         self.executor.backward_range(start, end)
 
-    def forward(self, blobs=None, start=None, end=None, **kwargs):
+    def forward(self, blobs: Optional[Iterable[str]] = None, start: Optional[str] = None, end: Optional[str] = None,
+                **kwargs: npt.ArrayLike) -> Dict[str, Array]:
         """Forward from layer `start` to `end` (layer names, inclusive). Keyword
         arrays set input blobs. Returns {blob name: data} for the net's outputs
         (or, given `end`, that layer's tops) + `blobs`, as pycaffe."""
@@ -327,7 +380,8 @@ class Net:
         self._forward(start_index, end_index)
         return {name: self.blobs[name].data for name in outputs}
 
-    def backward(self, diffs=None, start=None, end=None, **kwargs):
+    def backward(self, diffs: Optional[Iterable[str]] = None, start: Optional[str] = None, end: Optional[str] = None,
+                 **kwargs: npt.ArrayLike) -> Dict[str, Array]:
         """Backward from layer `start` down to `end` (layer names, inclusive).
         Keyword arrays set output diffs. Returns {blob name: diff} for the net's
         inputs (or, given `end`, that layer's bottoms) + `diffs`, as pycaffe."""
@@ -344,7 +398,7 @@ class Net:
         self._backward(start_index, end_index)
         return {name: self.blobs[name].diff for name in outputs}
 
-    def _set_batch(self, name, values, field):
+    def _set_batch(self, name: str, values: npt.ArrayLike, field: str) -> None:
         blob = self.blobs[name]
         values = np.asarray(values)
         if values.shape[:1] != blob.shape[:1]:
@@ -352,16 +406,16 @@ class Net:
                              f"sized: got {values.shape}, the blob is {blob.shape}")
         getattr(blob, field)[...] = values
 
-    def forward_backward(self):
+    def forward_backward(self) -> float:
         loss = self._forward()
         self._backward()
         return loss
 
-    def reshape(self):
+    def reshape(self) -> None:
         for layer, bottoms, tops in zip(self.layers, self.bottom_vecs, self.top_vecs):
             layer.reshape(bottoms, tops)
 
-    def close(self):
+    def close(self) -> None:
         """Release what the layers hold outside the process's memory: data
         layers stop their prefetch threads and close their databases. Dropping
         the net does the same; a closed net's data layers refuse to forward."""
@@ -370,49 +424,49 @@ class Net:
             if close is not None:
                 close()
 
-    def __enter__(self):
+    def __enter__(self) -> "Net":
         return self
 
-    def __exit__(self, *exception):
+    def __exit__(self, *exception: Any) -> None:
         self.close()
 
-    def clear_param_diffs(self):
+    def clear_param_diffs(self) -> None:
         for blob in self.learnable_params:
             blob.diff[...] = 0
 
     # --- pycaffe's views ---------------------------------------------------------
     @property
-    def params(self):
+    def params(self) -> "OrderedDict[str, List[Blob]]":
         return OrderedDict((layer.name, layer.blobs) for layer in self.layers if layer.blobs)
 
     @property
-    def top_names(self):
+    def top_names(self) -> "OrderedDict[str, List[str]]":
         return OrderedDict(zip(self._layer_names, self._top_names))
 
     @property
-    def bottom_names(self):
+    def bottom_names(self) -> "OrderedDict[str, List[str]]":
         return OrderedDict(zip(self._layer_names, self._bottom_names))
 
     @property
-    def layer_names(self):
+    def layer_names(self) -> List[str]:
         return list(self._layer_names)
 
-    def owns_param(self, layer_index, param_index):
+    def owns_param(self, layer_index: int, param_index: int) -> bool:
         """Whether that parameter blob holds its own storage: false for a
         parameter shared by name with an earlier layer (Caffe's param_owners_)."""
         net_index = self._param_layer_indices.index((layer_index, param_index))
         return self._param_owners[net_index] < 0
 
-    def learnable_param_layers(self):
+    def learnable_param_layers(self) -> List[List[int]]:
         """For each of learnable_params, the indexes of the layers holding it,
         in forward order (several where layers share it by name)."""
-        layers = [[] for _ in self.learnable_params]
+        layers: List[List[int]] = [[] for _ in self.learnable_params]
         for (layer_index, _), learnable in zip(self._param_layer_indices, self._learnable_index_of_param):
             layers[learnable].append(layer_index)
         return layers
 
     # --- weights -----------------------------------------------------------------
-    def copy_from(self, path):
+    def copy_from(self, path: Path) -> None:
         """Load weights by layer name from a .caffemodel or Caffe HDF5 file."""
         path = str(path)
         try:
@@ -426,10 +480,10 @@ class Net:
         for name in skipped:
             log.info("%s: ignoring source layer '%s' (not in net '%s')", path, name, self.name)
 
-    def copy_trained_layers_from(self, net_param, source="<NetParameter>"):
+    def copy_trained_layers_from(self, net_param: caffe_pb2.NetParameter, source: str = "<NetParameter>") -> List[str]:
         return weights_io.copy_layers_from_proto(self, upgrade_net(net_param, source), source)
 
-    def share_with(self, other):
+    def share_with(self, other: "Net") -> None:
         """Use `other`'s parameter storage (Caffe's ShareTrainedLayersWith)."""
         for layer in self.layers:
             source_layer = other.layer_dict.get(layer.name)
@@ -444,23 +498,23 @@ class Net:
                                        f"source layer, {blob.shape} here")
                 blob.share_data(source_blob)
 
-    def save(self, path, write_diff=False):
+    def save(self, path: Path, write_diff: bool = False) -> None:
         weights_io.save_caffemodel(self, path, write_diff)
 
-    def save_hdf5(self, path, write_diff=False):
+    def save_hdf5(self, path: Path, write_diff: bool = False) -> None:
         weights_io.save_hdf5(self, path, write_diff)
 
-    def load_hdf5(self, path):
+    def load_hdf5(self, path: Path) -> None:
         weights_io.copy_layers_from_hdf5(self, path)
 
-    def to_proto(self, write_diff=False):
+    def to_proto(self, write_diff: bool = False) -> caffe_pb2.NetParameter:
         return weights_io.net_to_proto(self, write_diff)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<cct.Net '{self.name}' with {len(self.layers)} layers>"
 
 
-def _copy(message):
+def _copy(message: caffe_pb2.LayerParameter) -> caffe_pb2.LayerParameter:
     duplicate = type(message)()
     duplicate.CopyFrom(message)
     return duplicate
