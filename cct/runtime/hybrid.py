@@ -219,8 +219,7 @@ def candidate_rows(batch, host_seconds, device_seconds):
     """The device's row counts worth timing: the whole numbers around the
     FLOPS rule's share of the batch (flops_share), one below, and the whole
     batch (a device so much faster that the host's few rows cost more than
-    they save: measured on the lent H100, where the rule's 0.957 of conv1
-    took 1.18x the device alone)."""
+    they save: BENCHMARKS.md, "On a lent NVIDIA H100 (2026-11-26)")."""
     balanced = batch * flops_share(host_seconds, device_seconds)
     low = int(balanced)
     return sorted({rows for rows in (low - 1, low, low + 1, batch) if 1 <= rows <= batch})
@@ -233,9 +232,8 @@ def best_rows(host_seconds, split_seconds):
     because what a split costs beyond FLOPs (the device's fixed cost per
     call, the host's time to queue it, either side's loss of efficiency on
     few rows, the two sides slowing each other on shared cores and memory)
-    is not the sum of the sides timed alone: on this 2-core host, pocl and
-    the host each alone predicted 1 row of conv2's 16 on pocl 6% faster than
-    none, and together they took 1.18x."""
+    is not the sum of the sides timed alone:
+    BENCHMARKS.md, "The FLOPS rule on this machine (pocl)"."""
     return min([0] + sorted(split_seconds), key=lambda rows: split_seconds[rows] if rows else host_seconds)
 
 
