@@ -570,11 +570,8 @@ def choose(geom: ConvGeometry, batch: int, machine: Optional[Machine] = None, me
 
 # --- Winograd for forwards alone ----------------------------------------------------------------
 # Winograd is kept only where its timed forward takes at most this share of
-# the lowering's: a near tie is noise (CaffeNet's conv3 at 8 images: 14.53
-# against 14.60 ms, then 1.056x the net's time), and the lowering's numbers
-# are the closer to Caffe's. (Timing with cold caches, 64 MiB written before
-# each run, changed no pick at batch 1, where in the net a layer's weights
-# come from memory: tried, not kept.)
+# the lowering's: a near tie is noise, and the lowering's numbers are the
+# closer to Caffe's (BENCHMARKS.md, "Winograd for deploy convolutions (session 9)").
 CLEARLY_FASTER = 0.95
 # Largest input + output (bytes) of the batch Winograd is timed on: the
 # lowerings' MEASURE_BYTES, which bounds their largest matrix, would time
@@ -592,10 +589,8 @@ def forward_measured_batch(geom: ConvGeometry, batch: int, itemsize: int = 4) ->
 
 
 # Timed runs of each candidate in measure_forward: at least 3, and more (up to
-# 9) while a candidate's runs add up to under FORWARD_TIMING_SECONDS. Small
-# forwards are the noisy ones (ResNet-50's 28x28 3 x 3s at batch 1 flipped
-# between Winograd and the lowering from one timing to the next on best-of-3),
-# and nine of them cost a few milliseconds.
+# 9) while a candidate's runs add up to under FORWARD_TIMING_SECONDS: small
+# forwards are the noisy ones (BENCHMARKS.md, "Winograd for deploy convolutions (session 9)").
 FORWARD_TIMING_SECONDS = 0.02
 FORWARD_REPEATS = (3, 9)
 
@@ -645,8 +640,8 @@ def measure_forward(geom: ConvGeometry, batch: int, lowering_type: int, dtype: n
 # and 10 (BENCHMARKS.md, "Loading a .caffemodel (issue 39)").
 TRANSFORM_COST = 2.0
 # The model picks Winograd without timing where it estimates at most this
-# share of the lowering's forward: its estimates were within some 20% of
-# the timed ratios; a closer call keeps the lowering (CLEARLY_FASTER).
+# share of the lowering's forward, beyond the model's error; a closer call
+# keeps the lowering (CLEARLY_FASTER; BENCHMARKS.md, "Loading a .caffemodel (issue 39)").
 MODEL_CLEARLY_FASTER = 0.8
 
 
@@ -696,9 +691,8 @@ def choose_forward(geom, batch, lowering_type, dtype=np.float32, threads=None, m
     one is known, else NOMINAL_MACHINE: nothing timed), or with measure=True
     the forwards are timed (measure_forward) and the answer cached: Winograd
     only where it is clearly faster (CLEARLY_FASTER). Only for shapes
-    cct.lowering.winograd.applicable takes. At CaffeNet's conv2 with 8
-    images, F(2x2, 5x5) took 0.95x the lowering's time on 2 BLAS threads and
-    0.63x on the one each of two partitions has."""
+    cct.lowering.winograd.applicable takes. Timed at the partition's threads:
+    the ratio moves with the count (BENCHMARKS.md, "Winograd for deploy convolutions (session 9)")."""
     dtype = np.dtype(dtype)
     # "winograd5": timed on the partition's own batch and BLAS threads (the first
     # timings, on the lowerings' capped batch at the process's threads, are not
