@@ -153,8 +153,28 @@ def tuned_window(solver, iterations):
     return schedule.trace, tuner
 
 
+def at_once(spans):
+    """(the most sub-tasks running at once, the streams they ran on, the
+    seconds in which two or more ran) of a trace."""
+    events = sorted([(span.start, 1, span) for span in spans] + [(span.end, -1, span) for span in spans],
+                    key=lambda event: (event[0], event[1]))
+    running, most, streams, shared, since = set(), 0, set(), 0.0, None
+    for moment, change, span in events:
+        if len(running) >= 2:
+            shared += moment - since
+        if change > 0:
+            running.add(span)
+        else:
+            running.discard(span)
+        since = moment
+        if len(running) > most:
+            most, streams = len(running), {s.stream for s in running}
+    return most, sorted(streams), shared
+
+
 def trace_figures(solver):
-    """(span, summed sub-task time, dispatch cost per sub-task) of one streamed backward, ms."""
+    """(span, summed sub-task time, dispatch cost per sub-task) of one
+    streamed backward in ms, its sub-task count, and at_once()."""
     schedule = solver.net.executor.stream_schedule()
     solver.net.forward()
     from cct.runtime import scheduler
@@ -165,7 +185,7 @@ def trace_figures(solver):
     from cct.runtime import scheduler
     dispatch = statistics.median(scheduler.dispatch_costs(spans))
     solver.net.clear_param_diffs()
-    return span * 1e3, busy * 1e3, dispatch * 1e6, len(spans)
+    return span * 1e3, busy * 1e3, dispatch * 1e6, len(spans), at_once(spans)
 
 
 def decompose(solver, args, sequential_ms):
@@ -208,7 +228,7 @@ def main():
             times[mode, whole].append(step_time(solver, mode, args.iterations, whole))
     whole_layers(solver.net.executor, False)
     medians = {mode: statistics.median(times[mode, False]) * 1e3 for mode in modes}
-    span, busy, dispatch, count = trace_figures(solver)
+    span, busy, dispatch, count, (most, streams, shared) = trace_figures(solver)
     p(f"{args.net} batch {args.batch}, training iteration: sequential {medians['sequential']:.2f} ms, "
       f"streams {medians['streams']:.2f} ms; streams / sequential time {medians['streams'] / medians['sequential']:.3f}")
     if args.decompose:
@@ -222,13 +242,18 @@ def main():
           f"{100 * overhead / (10000 * medians['sequential'] / 1e3):.4f}% of 10,000 sequential iterations); "
           f"sub-tasks at once per start/finish {concurrency(spans):.2f}; threads per sub-task "
           f"{dict(sorted(collections.Counter(span.threads for span in spans).items()))}")
+        most, streams, shared = at_once(spans)
+        window = max(span.end for span in spans) - min(span.start for span in spans)
+        p(f"  one tuned window: at most {most} sub-tasks at once (streams {', '.join(map(str, streams))}), "
+          f"two or more running for {shared * 1e3:.2f} ms of its {window * 1e3:.2f} ms")
     if args.whole:
         seq, streams = (statistics.median(times[mode, True]) * 1e3 for mode in ("sequential", "streams"))
         p(f"  every layer whole: sequential {seq:.2f} ms, streams {streams:.2f} ms; "
           f"streams / sequential time {streams / seq:.3f}")
     p(f"  one streamed backward: {count} sub-tasks, span {span:.2f} ms, sub-tasks' own time {busy:.2f} ms "
       f"(overlap {busy / span:.2f}x), dispatch {dispatch:.0f} us per sub-task (median, from the "
-      f"sub-task being ready and cores free to its start)")
+      f"sub-task being ready and cores free to its start); at most {most} sub-tasks at once "
+      f"(streams {', '.join(map(str, streams))}), two or more running for {shared * 1e3:.2f} ms of the span")
     p(f"load after the runs: {common.load_average():.2f}")
 
 
