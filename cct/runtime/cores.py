@@ -35,11 +35,17 @@ STAT = "/proc/stat"
 
 @dataclass(frozen=True)
 class Reading:
-    """One window: the cores allowed, the cores' worth other processes ran
-    over `seconds`, and the cores free (at least 1)."""
-    allowed: int
+    """One window: the cores of the affinity mask (`cores`), the cores'
+    worth other processes ran on them over `seconds`, a cgroup's CPU quota
+    in cores (None: none), and the cores free (at least 1)."""
+    cores: int
     others: float
     seconds: float
+    quota: Optional[int] = None
+
+    @property
+    def allowed(self) -> int:
+        return min(self.cores, self.quota) if self.quota else self.cores
 
     @property
     def held(self) -> int:
@@ -47,19 +53,18 @@ class Reading:
 
     @property
     def free(self) -> int:
-        return max(1, self.allowed - self.held)
+        # a quota caps what this process may run, whatever others run on the
+        # host's other cores (a container's 2 CPUs on a busy 64-core host)
+        return max(1, min(self.allowed, self.cores - self.held))
 
     def describe(self) -> str:
         return (f"{self.free} of {self.allowed} cores free (other processes ran {self.others:.2f} "
                 f"cores' worth over {self.seconds:.2f} s)")
 
 
-def allowed_cores() -> int:
-    """The cores the scheduler lets this process use: its affinity mask,
-    within a cgroup's CPU quota where one is set (a container's --cpus)."""
-    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    quota = _cgroup_quota()
-    return max(1, min(count, quota)) if quota else max(1, count)
+def affinity_cores() -> int:
+    """The cores the scheduler lets this process run on (its affinity mask)."""
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
 
 def _cgroup_quota() -> Optional[int]:
@@ -102,12 +107,15 @@ class Watch:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic,
                  own_seconds: Callable[[], float] = time.process_time,
-                 ticks: Optional[Callable[[], Optional[int]]] = None, allowed: Optional[int] = None,
-                 tick_seconds: Optional[float] = None) -> None:
+                 ticks: Optional[Callable[[], Optional[int]]] = None, cores: Optional[int] = None,
+                 quota: Optional[int] = None, tick_seconds: Optional[float] = None) -> None:
         self._clock, self._own = clock, own_seconds
         cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         self._ticks = ticks if ticks is not None else (lambda: busy_ticks(cpus))
-        self.allowed = allowed or allowed_cores()
+        if cores is None:                       # this process's, not a test's machine
+            cores, quota = affinity_cores(), _cgroup_quota()
+        self.cores, self.quota = cores, quota
+        self.allowed = Reading(self.cores, 0.0, 0.0, self.quota).allowed
         self._tick = tick_seconds or 1.0 / os.sysconf("SC_CLK_TCK")
         self._lock = threading.Lock()
         self.last: Optional[Reading] = None
@@ -138,7 +146,7 @@ class Watch:
                 return
             seconds = now - start[0]
             others = max(0.0, ((ticks - start[2]) * self._tick - (own - start[1])) / seconds)
-            reading = Reading(self.allowed, others, seconds)
+            reading = Reading(self.cores, others, seconds, self.quota)
             if self.last is None or reading.free != self.last.free:
                 self.history.append(reading)
             self.last = reading

@@ -34,15 +34,22 @@ class Machine:
         self.own += seconds * own_cores
         self.ticks += round(100 * seconds * (own_cores + other_cores))
 
-    def watch(self, allowed=2):
+    def watch(self, cores=2, quota=None):
         return Watch(clock=lambda: self.now, own_seconds=lambda: self.own, ticks=lambda: self.ticks,
-                     allowed=allowed, tick_seconds=0.01)
+                     cores=cores, quota=quota, tick_seconds=0.01)
 
 
 @pytest.mark.parametrize("others, free", [(0.0, 2), (HELD_SHARE - 0.01, 2), (HELD_SHARE + 0.01, 1),
                                           (1.0, 1), (1.9, 1), (5.0, 1)])
 def test_a_core_is_held_once_others_run_a_quarter_of_one(others, free):
-    assert Reading(allowed=2, others=others, seconds=1.0).free == free
+    assert Reading(cores=2, others=others, seconds=1.0).free == free
+
+
+@pytest.mark.parametrize("others, free", [(0.0, 2), (30.0, 2), (62.5, 1)])
+def test_a_quota_caps_the_count_whatever_others_run_on_the_hosts_other_cores(others, free):
+    """A container's 2 CPUs on a 64-core host: others' load elsewhere takes
+    nothing from it until fewer than 2 cores are left."""
+    assert Reading(cores=64, others=others, seconds=1.0, quota=2).free == free
 
 
 def test_a_window_measures_what_other_processes_ran():
@@ -59,7 +66,7 @@ def test_a_window_measures_what_other_processes_ran():
 
 
 def test_without_proc_stat_every_allowed_core_is_free():
-    watch = Watch(ticks=lambda: None, allowed=3)
+    watch = Watch(ticks=lambda: None, cores=3)
     assert watch.free() == 3 and watch.last is None
 
 
