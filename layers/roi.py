@@ -29,7 +29,7 @@ def _rois(layer, blob):
     if len(shape) < 2 or blob.count_range(1) < 5:
         raise layer.shape_error(f"the ROIs (bottom[1]) {shape} must be (R, 5[, ...]): one [batch index, x1, y1, "
                                 "x2, y2] row per ROI")
-    return blob.data.reshape(shape[0], -1)[:, :5]
+    return blob.data.reshape(shape[0], blob.count_range(1))[:, :5]     # (not -1: R may be 0)
 
 
 def _batch_indices(layer, rois, batch):

@@ -188,6 +188,17 @@ def test_psroi_pooling_gradient():
     check_layer_gradient(make_layer(PSROI_TEXT.format(0.25, 2, 2)), [x, rois], check_bottoms=[0])
 
 
+@pytest.mark.parametrize("text", [ROI_TEXT.format(2, 3, 0.5), PSROI_TEXT.format(0.5, 2, 2)])
+def test_roi_layers_without_rois(text):
+    """No ROI (a proposal layer that kept none): an empty top, a zero gradient, as the forks' loops."""
+    x = RNG.standard_normal((1, 8, 5, 5)).astype(F32)
+    layer, bottoms, tops = run_layer(text, [x, np.zeros((0, 5))], dtype=F32)
+    assert tops[0].shape[0] == 0
+    bottoms[0].diff[...] = 1
+    layer.backward(tops, [True, True], bottoms)
+    assert not bottoms[0].diff.any()
+
+
 @pytest.mark.parametrize("text, arrays, error, message", [
     (ROI_TEXT.format(0, 2, 1), None, ConfigError, r"\(ROIPooling\): roi_pooling_param.pooled_h: must be > 0, got 0"),
     ('type: "PSROIPooling" psroi_pooling_param { output_dim: 1 group_size: 1 }', None, ConfigError,
