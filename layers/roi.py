@@ -6,6 +6,10 @@ Each ROI is a row [batch index, x1, y1, x2, y2] in image pixels; its bins'
 bounds are computed in numpy as the forks compute them (the blob's type, C's
 round, floor and ceil), and compiled loops (cct.devices.jit) pool and spread
 in the forks' order, so a float32 net's sums round as theirs.
+
+On a device (cct.devices) the same bounds, computed on the host from the
+ROIs (a few numbers each), go up as a table (roi_device_bins) and the
+device's kernels pool and gather the gradients per pixel, in the same order.
 """
 import numpy as np
 
@@ -46,6 +50,21 @@ def _check_features(layer, blob):
     if len(blob.shape) != 4:
         raise layer.shape_error(f"the features (bottom[0]) must have 4 axes (num, channels, height, width), "
                                 f"got {blob.shape}")
+
+
+def roi_device_bins(batch, h_lo, h_hi, w_lo, w_hi):
+    """The device's bins table (cct.devices.base) of R ROIs: their images
+    (R,), then their bins' row bounds (R, PH) twice and column bounds (R, PW)
+    twice, float32 (map sizes and batch indices are exact in it)."""
+    return np.concatenate([np.asarray(part).reshape(-1) for part in (batch, h_lo, h_hi, w_lo, w_hi)]) \
+        .astype(np.float32)
+
+
+def upload_table(layer, device, name, table):
+    """`table` (a flat numpy array) in the layer's device buffer `name`."""
+    buffer = layer.device_scratch(device, name, table.size)
+    device.upload(buffer, table)
+    return buffer
 
 
 # --- ROIPooling ---------------------------------------------------------------------
@@ -184,6 +203,37 @@ class ROIPooling(Layer):
         roi_max_pool_backward(np.ascontiguousarray(top[0].diff), self.argmax, batch, in_h, ph_lo, ph_hi,
                               in_w, pw_lo, pw_hi, bottom[0].diff)
 
+    # --- on a device: the bins and the backward's feasible bins from the host's
+    # numpy (the ROIs read there); the maxima's places kept on the device
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top)
+
+    def _device_bins(self, device, bottom):
+        batch, rows, cols = self._geometry(bottom)
+        return upload_table(self, device, "bins", roi_device_bins(batch, rows[3], rows[4], cols[3], cols[4])), \
+            rows, cols
+
+    def forward_on(self, device, bottom, top):
+        bins = self._device_bins(device, bottom)[0]
+        argmax = self.device_scratch(device, "argmax", top[0].count)
+        device.roi_max_pool_forward(bottom[0].device_data(device), bins, top[0].mutable_device_data(device), argmax,
+                                    bottom[0].shape, top[0].shape[0], self.pooled)
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        if propagate_down[1]:
+            device.fill(bottom[1].mutable_device_diff(device), 0.0, bottom[1].count)
+        if not propagate_down[0]:
+            return
+        bins, rows, cols = self._device_bins(device, bottom)
+        _, _, height, width = bottom[0].shape
+        feasible = np.concatenate([np.asarray(table).reshape(-1) for table in
+                                   roi_feasible(*rows[:3], self.pooled[0], height)
+                                   + roi_feasible(*cols[:3], self.pooled[1], width)]).astype(np.float32)
+        device.roi_max_pool_backward(top[0].device_diff(device), self.device_scratch(device, "argmax", top[0].count),
+                                     bins, upload_table(self, device, "feasible", feasible),
+                                     bottom[0].mutable_device_diff(device), bottom[0].shape, top[0].shape[0],
+                                     self.pooled)
+
 
 # --- PSROIPooling -------------------------------------------------------------------
 def _fused(step, bin_size, start):
@@ -309,3 +359,22 @@ class PSROIPooling(Layer):
             share = np.zeros(1, bottom[0].diff.dtype)
             psroi_pool_backward(np.ascontiguousarray(top[0].diff), *self._geometry(bottom), self.group, share,
                                 bottom[0].diff)
+
+    # --- on a device: the bins from the host's numpy (the ROIs read there)
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top)
+
+    def _device_bins(self, device, bottom):
+        return upload_table(self, device, "bins", roi_device_bins(*self._geometry(bottom)))
+
+    def forward_on(self, device, bottom, top):
+        device.psroi_pool_forward(bottom[0].device_data(device), self._device_bins(device, bottom),
+                                  top[0].mutable_device_data(device), bottom[0].shape, top[0].shape[0], self.group)
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        if propagate_down[1]:
+            device.fill(bottom[1].mutable_device_diff(device), 0.0, bottom[1].count)
+        if propagate_down[0]:
+            device.psroi_pool_backward(top[0].device_diff(device), self._device_bins(device, bottom),
+                                       bottom[0].mutable_device_diff(device), bottom[0].shape, top[0].shape[0],
+                                       self.group)

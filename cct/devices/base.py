@@ -24,7 +24,8 @@ The primitives, by kind:
                  products, Scale/Bias's broadcast, strided block copies
                  (Concat, Slice); the forks' strided copies (Permute, Reorg,
                  Upsample), Normalize's division and gradient, Interp's
-                 bilinear resize and unpooling
+                 bilinear resize and unpooling, ROI max and position-
+                 sensitive average pooling
 """
 from typing import Any, Optional, Protocol, Sequence
 
@@ -409,6 +410,51 @@ class Device:
     def unpool_backward(self, dy: Buffer, mask: Buffer, dx: Buffer, planes: int, pixels: int,
                         out_pixels: int) -> None:
         """dx[p, i] = dy[p, mask[p, i]], 0 where the cell is outside [0, out_pixels)."""
+        raise NotImplementedError
+
+    # Pooling over regions of interest (layers/roi.py): features x (N, C, H, W),
+    # shape (N, C, H, W); R ROIs, each cut in (PH, PW) bins whose bounds the
+    # layer computes on the host as its fork does and hands over as `bins`
+    # (float32, integers exact; layers/roi.py builds it: roi_device_bins):
+    # entries [0, R) each ROI's image, then (R, PH) each bin's first row and
+    # (R, PH) one past its last, then (R, PW) its first column and (R, PW) one
+    # past its last, clipped to the map. A bin whose end is not past its start
+    # is empty.
+    def roi_max_pool_forward(self, x: Buffer, bins: Buffer, y: Buffer, argmax: Buffer, shape: Sequence[int],
+                             rois: int, pooled: Sequence[int]) -> None:
+        """y (R, C, PH, PW) = each bin's maximum over its ROI's image of x,
+        argmax (R, C, PH, PW) its flat index h*W + w as a float: rows, then
+        columns, from -FLT_MAX, a strictly greater value wins (the first
+        maximum stays; NaN never wins). An empty bin gives 0 and -1; one with
+        no value above -FLT_MAX, -FLT_MAX and -1 (Fast R-CNN's ROIPoolForward)."""
+        raise NotImplementedError
+
+    def roi_max_pool_backward(self, dy: Buffer, argmax: Buffer, bins: Buffer, feasible: Buffer, dx: Buffer,
+                              shape: Sequence[int], rois: int, pooled: Sequence[int]) -> None:
+        """dx (N, C, H, W) = for each pixel, the sum of dy (R, C, PH, PW) over
+        the bins whose argmax is that pixel, among the bins `feasible` names
+        for it: (R, H) whether the ROI's rows hold row h (0 or 1), (R, H) the
+        first bin row that may hold it and (R, H) one past the last, then the
+        same three (R, W) for columns (layers/roi.py: roi_feasible). Terms
+        added from 0 in ROI order, then bin rows, then bin columns (Fast
+        R-CNN's ROIPoolBackward)."""
+        raise NotImplementedError
+
+    def psroi_pool_forward(self, x: Buffer, bins: Buffer, y: Buffer, shape: Sequence[int], rois: int,
+                           group: int) -> None:
+        """y (R, D, G, G), D = C / G^2, bins (PH, PW) = (G, G): bin (ph, pw)
+        of output channel d is the sum of channel (d*G + ph)*G + pw of its
+        ROI's image of x over the bin, from 0 in scan order, divided by the
+        bin's area (a float32 quotient rounded once); 0 for an empty bin
+        (R-FCN's PSROIPoolingForward)."""
+        raise NotImplementedError
+
+    def psroi_pool_backward(self, dy: Buffer, bins: Buffer, dx: Buffer, shape: Sequence[int], rois: int,
+                            group: int) -> None:
+        """dx (N, C, H, W) = for each pixel of channel c = (d*G + ph)*G + pw,
+        the sum over the ROIs of its image whose bin (ph, pw) holds it, in ROI
+        order from 0, of dy[r, d, ph, pw] / the bin's area (each quotient a
+        float32 rounded once: R-FCN's PSROIPoolingBackward, gathered)."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

@@ -434,6 +434,94 @@ class CPUDevice(Device):
         dx[:planes * pixels] = np.where(valid, dy[flat], np.float32(0))
 
     @staticmethod
+    def _roi_bins(bins, rois, pooled):
+        """(image (R,), first rows, row ends (R, PH), first columns, column ends (R, PW)) of a bins table."""
+        ph, pw = pooled
+        bounds = np.split(bins[:rois * (1 + 2 * ph + 2 * pw)].astype(np.int64),
+                          np.cumsum([rois, rois * ph, rois * ph, rois * pw]))
+        return (bounds[0], bounds[1].reshape(rois, ph), bounds[2].reshape(rois, ph),
+                bounds[3].reshape(rois, pw), bounds[4].reshape(rois, pw))
+
+    def roi_max_pool_forward(self, x, bins, y, argmax, shape, rois, pooled):
+        n, c, h, w = shape
+        images = x[:n * c * h * w].reshape(n, c, h, w)
+        image, h0, h1, w0, w1 = self._roi_bins(bins, rois, pooled)
+        top = np.zeros((rois, c) + tuple(pooled), np.float32)
+        where = np.full(top.shape, -1.0, np.float32)
+        for r in range(rois):
+            for ph in range(pooled[0]):
+                for pw in range(pooled[1]):
+                    if h1[r, ph] <= h0[r, ph] or w1[r, pw] <= w0[r, pw]:
+                        continue                                         # empty: 0 and -1
+                    cells = images[image[r], :, h0[r, ph]:h1[r, ph], w0[r, pw]:w1[r, pw]]
+                    flat = cells.reshape(c, -1)                          # (C, cells) in scan order
+                    above = flat > -np.finfo(np.float32).max             # NaN and -FLT_MAX never win
+                    first = np.argmax(np.where(above, flat, -np.inf), axis=1)    # the first maximum
+                    found = above.any(axis=1)
+                    span = w1[r, pw] - w0[r, pw]
+                    cell = (h0[r, ph] + first // span) * w + w0[r, pw] + first % span
+                    top[r, :, ph, pw] = np.where(found, flat[np.arange(c), first], -np.finfo(np.float32).max)
+                    where[r, :, ph, pw] = np.where(found, cell, -1)
+        y[:top.size] = top.reshape(-1)
+        argmax[:top.size] = where.reshape(-1)
+
+    def roi_max_pool_backward(self, dy, argmax, bins, feasible, dx, shape, rois, pooled):
+        n, c, h, w = shape
+        image = self._roi_bins(bins, rois, pooled)[0]
+        tables = feasible[:3 * rois * (h + w)].astype(np.int64)
+        inside_h, ph_lo, ph_hi = tables[:3 * rois * h].reshape(3, rois, h)
+        inside_w, pw_lo, pw_hi = tables[3 * rois * h:].reshape(3, rois, w)
+        size = rois * c * pooled[0] * pooled[1]
+        grad = dy[:size].reshape(rois, c, *pooled)
+        winner = argmax[:size].reshape(rois, c, *pooled).astype(np.int64)
+        total = np.zeros((n, c, h * w), np.float32)
+        channels = np.arange(c)
+        for r in range(rois):                   # each pixel's terms in ROI, then bin order
+            for ph in range(pooled[0]):
+                for pw in range(pooled[1]):
+                    cell = winner[r, :, ph, pw]
+                    row, col = cell // w, cell % w
+                    taken = ((cell >= 0) & (inside_h[r, row] > 0) & (inside_w[r, col] > 0)
+                             & (ph_lo[r, row] <= ph) & (ph < ph_hi[r, row])
+                             & (pw_lo[r, col] <= pw) & (pw < pw_hi[r, col]))
+                    total[image[r], channels[taken], cell[taken]] += grad[r, taken, ph, pw]
+        dx[:total.size] = total.reshape(-1)
+
+    def psroi_pool_forward(self, x, bins, y, shape, rois, group):
+        n, c, h, w = shape
+        dims = c // (group * group)
+        images = x[:n * c * h * w].reshape(n, dims, group, group, h, w)
+        image, h0, h1, w0, w1 = self._roi_bins(bins, rois, (group, group))
+        top = np.zeros((rois, dims, group, group), np.float32)
+        for r in range(rois):
+            for ph in range(group):
+                for pw in range(group):
+                    total = np.zeros(dims, np.float32)
+                    for row in range(h0[r, ph], h1[r, ph]):            # from 0 in scan order
+                        for col in range(w0[r, pw], w1[r, pw]):
+                            total += images[image[r], :, ph, pw, row, col]
+                    area = (h1[r, ph] - h0[r, ph]) * (w1[r, pw] - w0[r, pw])
+                    if area > 0:
+                        top[r, :, ph, pw] = total / np.float32(area)
+        y[:top.size] = top.reshape(-1)
+
+    def psroi_pool_backward(self, dy, bins, dx, shape, rois, group):
+        n, c, h, w = shape
+        dims = c // (group * group)
+        image, h0, h1, w0, w1 = self._roi_bins(bins, rois, (group, group))
+        grad = dy[:rois * c].reshape(rois, dims, group, group)
+        total = np.zeros((n, dims, group, group, h, w), np.float32)
+        for r in range(rois):                   # a pixel's terms in ROI order (one bin per channel)
+            for ph in range(group):
+                for pw in range(group):
+                    area = (h1[r, ph] - h0[r, ph]) * (w1[r, pw] - w0[r, pw])
+                    if area > 0:
+                        share = grad[r, :, ph, pw] / np.float32(area)
+                        total[image[r], :, ph, pw, h0[r, ph]:h1[r, ph], w0[r, pw]:w1[r, pw]] += \
+                            share[:, None, None]
+        dx[:total.size] = total.reshape(-1)
+
+    @staticmethod
     def _blocks(buffer, offset, blocks, size, stride):
         """The (blocks, size) view of buffer whose rows start at offset + b * stride."""
         if offset + (blocks - 1) * stride + size > buffer.size:

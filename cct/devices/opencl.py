@@ -352,6 +352,23 @@ class OpenCLDevice(Device):
         total = planes * pixels
         self.launch("forks.cl", "unpool_backward", total, total, dy, mask, dx, pixels, out_pixels)
 
+    def roi_max_pool_forward(self, x, bins, y, argmax, shape, rois, pooled):
+        total = rois * shape[1] * pooled[0] * pooled[1]
+        self.launch("forks.cl", "roi_max_pool_forward", total, total, x, bins, y, argmax, *shape[1:], rois, *pooled)
+
+    def roi_max_pool_backward(self, dy, argmax, bins, feasible, dx, shape, rois, pooled):
+        total = shape[0] * shape[1] * shape[2] * shape[3]
+        self.launch("forks.cl", "roi_max_pool_backward", total, total, dy, argmax, bins, feasible, dx, *shape[1:],
+                    rois, *pooled)
+
+    def psroi_pool_forward(self, x, bins, y, shape, rois, group):
+        total = rois * shape[1]
+        self.launch("forks.cl", "psroi_pool_forward", total, total, x, bins, y, *shape[1:], rois, group)
+
+    def psroi_pool_backward(self, dy, bins, dx, shape, rois, group):
+        total = shape[0] * shape[1] * shape[2] * shape[3]
+        self.launch("forks.cl", "psroi_pool_backward", total, total, dy, bins, dx, *shape[1:], rois, group)
+
 
 def _int8(values, pad):
     """An OpenCL int8 of up to 8 ints, the rest `pad`."""

@@ -1,6 +1,7 @@
 """The forks' layers' device paths against their host forward and backward,
 on the numpy CPU device and on OpenCL: SSD's Normalize, Permute and PriorBox,
-the segmentation forks' BN, Interp and Upsample, the YOLOv2 port's Reorg.
+the segmentation forks' BN, Interp and Upsample, the YOLOv2 port's Reorg,
+Fast R-CNN's ROIPooling and R-FCN's PSROIPooling.
 Bit for bit where the device computes in the host's order; within 1e-6 of the
 largest value where a sum runs in another order (Normalize's norms, BN's batch
 statistics) or a square root or power is the device's (BN's); parameter
@@ -193,3 +194,77 @@ def test_unpooling_on_device_matches_the_host(device, fields, out):
     results = run_both_ways(device, f'type: "Upsample" upsample_param {{ {fields} }}', [values, mask])
     assert_close_both_ways(results, 0)
     assert not results["bottom1.diff"][0].any()
+
+
+# --- ROIPooling, PSROIPooling -----------------------------------------------------------
+def roi_rows(batch, width, height):
+    """ROIs in image pixels: random ones (some malformed, x2 < x1), one clipped
+    by every edge, one wholly outside the map (its bins all empty), one a
+    single pixel, one along the map's last row (bins past it empty), and
+    repeats (a pixel's gradient summed over several ROIs)."""
+    rows = []
+    for _ in range(6):
+        x1, y1 = RNG.uniform(-8, width), RNG.uniform(-8, height)
+        rows.append([RNG.integers(batch), x1, y1, x1 + RNG.uniform(-10, width), y1 + RNG.uniform(-10, height)])
+    rows += [[0, -20, -15, width + 30, height + 25], [batch - 1, width + 40, height + 40, width + 90, height + 70],
+             [0, 3, 2, 3, 2], [batch - 1, 0, height - 1, width - 1, height + 40]]
+    rows += rows[:3]
+    return np.array(rows, np.float32)
+
+
+ROI_CASES = [((2, 3), 0.25), ((3, 3), 0.0625), ((4, 2), 0.5), ((7, 7), 1.0)]
+
+
+@pytest.mark.parametrize("pooled, scale", ROI_CASES)
+def test_roi_pooling_on_device_matches_the_host(device, pooled, scale):
+    x = rand(2, 3, 9, 11)
+    rois = roi_rows(2, 11 / scale, 9 / scale)
+    text = (f'type: "ROIPooling" roi_pooling_param {{ pooled_h: {pooled[0]} pooled_w: {pooled[1]} '
+            f'spatial_scale: {scale} }}')
+    results = run_both_ways(device, text, [x, rois])
+    assert_close_both_ways(results, 0)
+    assert not results["bottom1.diff"][0].any()
+    assert (results["top0"][0] == 0).any()                   # empty bins were pooled
+
+
+def test_roi_pooling_on_device_ties_and_nan(device):
+    """Tied maxima (the first in scan order wins, and gets the gradient), NaN
+    cells (never win) and a bin of NaN alone (-FLT_MAX, no gradient)."""
+    x = RNG.integers(0, 3, (1, 2, 6, 6)).astype(np.float32)
+    x[0, 0, 2:4, 1:3] = np.nan
+    x[0, 1, :3, :3] = np.nan
+    rois = np.array([[0, 0, 0, 5, 5], [0, 1, 1, 4, 5], [0, 0, 0, 1, 1], [0, 0, 0, 5, 5]], np.float32)
+    text = 'type: "ROIPooling" roi_pooling_param { pooled_h: 3 pooled_w: 3 spatial_scale: 1 }'
+    results = run_both_ways(device, text, [x, rois], propagate_down=[True, False])
+    assert_close_both_ways(results, 0)
+    assert (results["top0"][0] == -np.finfo(np.float32).max).any()
+
+
+@pytest.mark.parametrize("scale, dims, group", [(0.25, 2, 3), (0.0625, 3, 2), (0.5, 1, 7), (1.0, 2, 1)])
+def test_psroi_pooling_on_device_matches_the_host(device, scale, dims, group):
+    x = rand(2, dims * group * group, 9, 11)
+    rois = roi_rows(2, 11 / scale, 9 / scale)
+    text = f'type: "PSROIPooling" psroi_pooling_param {{ spatial_scale: {scale} output_dim: {dims} group_size: {group} }}'
+    results = run_both_ways(device, text, [x, rois])
+    assert_close_both_ways(results, 0)
+    assert not results["bottom1.diff"][0].any()
+    assert (results["top0"][0] == 0).any()                   # empty bins were pooled
+
+
+@pytest.mark.parametrize("kind, fields", [
+    ("ROIPooling", "roi_pooling_param { pooled_h: 2 pooled_w: 2 }"),
+    ("PSROIPooling", "psroi_pooling_param { spatial_scale: 1 output_dim: 1 group_size: 2 }")])
+def test_roi_layers_on_device_without_rois(device, kind, fields):
+    """No ROI: an empty top, a zero gradient."""
+    results = run_both_ways(device, f'type: "{kind}" {fields}', [rand(1, 4, 5, 5), np.zeros((0, 5))])
+    assert results["top0"][0].shape == (0, 4 if kind == "ROIPooling" else 1, 2, 2)
+    assert not results["bottom0.diff"][0].any()
+
+
+def test_roi_layers_on_device_refuse_a_bad_image_index(device):
+    layer = make_layer('type: "ROIPooling" roi_pooling_param { pooled_h: 2 pooled_w: 2 }')
+    features, rois, top = Blob((2, 1, 4, 4), np.float32), Blob((1, 5), np.float32), Blob(dtype=np.float32)
+    rois.data[...] = [[2, 0, 0, 3, 3]]
+    layer.set_up([features, rois], [top])
+    with pytest.raises(cct.ShapeError, match=r"\(ROIPooling\): ROI 0 names image 2; the features"):
+        layer.forward_on(device, [features, rois], [top])

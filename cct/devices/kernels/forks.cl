@@ -1,6 +1,7 @@
-// Kernels of the forks' layers (layers/ssd.py, segmentation.py, shape.py):
+// Kernels of the forks' layers (layers/ssd.py, segmentation.py, shape.py, roi.py):
 // strided copies, Normalize's division and gradient, Interp's bilinear resize
-// and its adjoint, unpooling. One work item per output element (per plane for
+// and its adjoint, unpooling, ROI max and position-sensitive average pooling
+// and their gradients. One work item per output element (per plane for
 // unpooling, whose later values win), so results do not depend on scheduling.
 // The numpy reference of each is the same-named method of cct.devices.cpu.
 
@@ -114,4 +115,125 @@ __kernel void unpool_backward(const int total, __global const float* dy, __globa
     const float cell = mask[index];
     const bool inside = cell > -1.0f && cell < (float)out_pixels;
     dx[index] = inside ? dy[index / pixels * out_pixels + (int)cell] : 0.0f;
+}
+
+// --- pooling over regions of interest (layers/roi.py) ----------------------------------
+// A bins table (cct.devices.base): [0, R) each ROI's image, then (R, PH) first
+// rows, (R, PH) row ends, (R, PW) first columns, (R, PW) column ends.
+#define ROI_IMAGE(t, r) ((int)(t)[r])
+#define BIN_TOP(t, rois, ph_n, r, ph) ((int)(t)[(rois) + (r) * (ph_n) + (ph)])
+#define BIN_BOTTOM(t, rois, ph_n, r, ph) ((int)(t)[(rois) * (1 + (ph_n)) + (r) * (ph_n) + (ph)])
+#define BIN_LEFT(t, rois, ph_n, pw_n, r, pw) ((int)(t)[(rois) * (1 + 2 * (ph_n)) + (r) * (pw_n) + (pw)])
+#define BIN_RIGHT(t, rois, ph_n, pw_n, r, pw) ((int)(t)[(rois) * (1 + 2 * (ph_n) + (pw_n)) + (r) * (pw_n) + (pw)])
+
+// sum / area rounded once to float: in double where the device has it (a double
+// quotient of floats rounds to float as the float quotient does), else the
+// float division (correctly rounded where the device's is, as pocl's)
+#ifdef cl_khr_fp64
+#pragma OPENCL EXTENSION cl_khr_fp64 : enable
+inline float quotient(const float sum, const int area) { return (float)((double)sum / (double)area); }
+#else
+inline float quotient(const float sum, const int area) { return sum / (float)area; }
+#endif
+
+// y, argmax (R, C, PH, PW): each bin's first maximum and its index h*W + w
+__kernel void roi_max_pool_forward(const int total, __global const float* x, __global const float* bins,
+                                   __global float* y, __global float* argmax, const int channels, const int height,
+                                   const int width, const int rois, const int pooled_h, const int pooled_w) {
+    const int index = get_global_id(0);
+    if (index >= total) return;
+    const int pw = index % pooled_w, ph = (index / pooled_w) % pooled_h;
+    const int c = (index / (pooled_w * pooled_h)) % channels, r = index / (pooled_w * pooled_h * channels);
+    const int h0 = BIN_TOP(bins, rois, pooled_h, r, ph), h1 = BIN_BOTTOM(bins, rois, pooled_h, r, ph);
+    const int w0 = BIN_LEFT(bins, rois, pooled_h, pooled_w, r, pw);
+    const int w1 = BIN_RIGHT(bins, rois, pooled_h, pooled_w, r, pw);
+    if (h1 <= h0 || w1 <= w0) {             // an empty bin
+        y[index] = 0.0f;
+        argmax[index] = -1.0f;
+        return;
+    }
+    __global const float* plane = x + (ROI_IMAGE(bins, r) * channels + c) * height * width;
+    float best = -FLT_MAX;
+    int where = -1;
+    for (int h = h0; h < h1; ++h) {
+        for (int w = w0; w < w1; ++w) {
+            if (plane[h * width + w] > best) {    // strict: the first maximum stays; NaN never wins
+                best = plane[h * width + w];
+                where = h * width + w;
+            }
+        }
+    }
+    y[index] = best;
+    argmax[index] = (float)where;
+}
+
+// dx (N, C, H, W): per pixel, the dy of the bins whose argmax it is, among the
+// bins its feasible entries name ((R, H) inside, first, end; then (R, W) alike)
+__kernel void roi_max_pool_backward(const int total, __global const float* dy, __global const float* argmax,
+                                    __global const float* bins, __global const float* feasible, __global float* dx,
+                                    const int channels, const int height, const int width, const int rois,
+                                    const int pooled_h, const int pooled_w) {
+    const int index = get_global_id(0);
+    if (index >= total) return;
+    const int w = index % width, h = (index / width) % height;
+    const int c = (index / (width * height)) % channels, n = index / (width * height * channels);
+    const float cell = (float)(h * width + w);
+    __global const float* rows = feasible;                     // inside, first, end: each (R, H)
+    __global const float* cols = feasible + 3 * rois * height;  // each (R, W)
+    float sum = 0.0f;
+    for (int r = 0; r < rois; ++r) {
+        const int at_h = r * height + h, at_w = r * width + w;
+        if (ROI_IMAGE(bins, r) != n || rows[at_h] == 0.0f || cols[at_w] == 0.0f) continue;
+        const int first_ph = (int)rows[rois * height + at_h], end_ph = (int)rows[2 * rois * height + at_h];
+        const int first_pw = (int)cols[rois * width + at_w], end_pw = (int)cols[2 * rois * width + at_w];
+        const int plane = (r * channels + c) * pooled_h * pooled_w;
+        for (int ph = first_ph; ph < end_ph; ++ph) {
+            for (int pw = first_pw; pw < end_pw; ++pw) {
+                if (argmax[plane + ph * pooled_w + pw] == cell) sum += dy[plane + ph * pooled_w + pw];
+            }
+        }
+    }
+    dx[index] = sum;
+}
+
+// y (R, D, G, G): bin (ph, pw) of channel d averages channel (d*G + ph)*G + pw
+__kernel void psroi_pool_forward(const int total, __global const float* x, __global const float* bins,
+                                 __global float* y, const int channels, const int height, const int width,
+                                 const int rois, const int group) {
+    const int index = get_global_id(0);
+    if (index >= total) return;
+    const int dims = channels / (group * group);
+    const int pw = index % group, ph = (index / group) % group;
+    const int d = (index / (group * group)) % dims, r = index / (group * group * dims);
+    const int h0 = BIN_TOP(bins, rois, group, r, ph), h1 = BIN_BOTTOM(bins, rois, group, r, ph);
+    const int w0 = BIN_LEFT(bins, rois, group, group, r, pw), w1 = BIN_RIGHT(bins, rois, group, group, r, pw);
+    __global const float* plane = x + (ROI_IMAGE(bins, r) * channels + (d * group + ph) * group + pw)
+                                      * height * width;
+    float sum = 0.0f;
+    for (int h = h0; h < h1; ++h) {
+        for (int w = w0; w < w1; ++w) sum += plane[h * width + w];
+    }
+    const int area = (h1 - h0) * (w1 - w0);
+    y[index] = area > 0 ? quotient(sum, area) : 0.0f;
+}
+
+// dx (N, C, H, W): per pixel, its channel's bin's dy / area for every ROI of its image holding it
+__kernel void psroi_pool_backward(const int total, __global const float* dy, __global const float* bins,
+                                  __global float* dx, const int channels, const int height, const int width,
+                                  const int rois, const int group) {
+    const int index = get_global_id(0);
+    if (index >= total) return;
+    const int w = index % width, h = (index / width) % height;
+    const int c = (index / (width * height)) % channels, n = index / (width * height * channels);
+    const int pw = c % group, ph = (c / group) % group, d = c / (group * group);
+    const int dims = channels / (group * group);
+    float sum = 0.0f;
+    for (int r = 0; r < rois; ++r) {
+        if (ROI_IMAGE(bins, r) != n) continue;
+        const int h0 = BIN_TOP(bins, rois, group, r, ph), h1 = BIN_BOTTOM(bins, rois, group, r, ph);
+        const int w0 = BIN_LEFT(bins, rois, group, group, r, pw), w1 = BIN_RIGHT(bins, rois, group, group, r, pw);
+        if (h < h0 || h >= h1 || w < w0 || w >= w1) continue;
+        sum += quotient(dy[((r * dims + d) * group + ph) * group + pw], (h1 - h0) * (w1 - w0));
+    }
+    dx[index] = sum;
 }
