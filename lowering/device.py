@@ -10,6 +10,12 @@ and chunk, the product lifted to the output. The matrices are type 1's
 Backward: the top gradient lowered channels-first (dY, O x n*OH*OW), then
 dK += dY_g @ D_g^T and dD_g = K_g^T @ dY_g, folded back by col2im.
 
+A depthwise geometry (group == channels == num_output > 1, MobileNets'
+3 x 3 layers: cct.lowering.depthwise.applies) lowers nothing: the device's
+direct kernels (depthwise_forward, depthwise_backward_data and _weights)
+run it, as the host runs cct.lowering.depthwise, instead of C GEMMs of one
+output row each.
+
 Buffers are device buffers; the layer (cct.layers.conv) passes its blobs'.
 The lowered matrix of a chunk stays within `budget` elements (64 MB of
 float32 by default), as the host's lowering budget bounds its workspace.
@@ -19,6 +25,7 @@ from typing import List, Optional, Tuple
 
 from cct.devices.base import Buffer, Device
 
+from .depthwise import applies as depthwise_applies
 from .geometry import ConvGeometry
 
 DEFAULT_BUDGET = 16 << 20         # float32 elements of one chunk's lowered matrix (64 MB)
@@ -44,6 +51,9 @@ def forward(device: Device, x: Buffer, w: Buffer, geom: ConvGeometry, batch: int
     rows, outputs, pixels = _sizes(geom)
     if not (batch and pixels):
         return
+    if depthwise_applies(geom):
+        device.depthwise_forward(x, w, geom, batch, y, bias)
+        return
     for first, count in chunks(geom, batch, budget):
         lowered = device.scratch("lowered", rows * count * pixels)
         product = device.scratch("product", geom.num_output * count * pixels)
@@ -62,6 +72,12 @@ def backward(device: Device, x: Buffer, dy: Buffer, w: Buffer, geom: ConvGeometr
     if not (batch and pixels) or (dx is None and dw is None):
         if dx is not None:
             device.fill(dx, 0.0, batch * geom.channels * geom.in_h * geom.in_w)
+        return
+    if depthwise_applies(geom):
+        if dw is not None:
+            device.depthwise_backward_weights(x, dy, geom, batch, dw)
+        if dx is not None:
+            device.depthwise_backward_data(dy, w, geom, batch, dx)
         return
     for first, count in chunks(geom, batch, budget):
         lowered = device.scratch("lowered", rows * count * pixels)

@@ -17,7 +17,8 @@ The primitives, by kind:
     reductions   sum_axis (over the middle axis of an (outer, axis, inner) view)
     lowering     im2col, col2im (lowering type 1 over the whole batch) and the
                  transposes between (N, C, P) and channels-first (C, N*P)
-                 that lower a gradient and lift a product
+                 that lower a gradient and lift a product; depthwise
+                 convolution computed directly, forward and both gradients
     layers       the kernels hot nets need, each documented with its op:
                  max and average pooling, LRN, BatchNorm's channel statistics
                  and normalization, softmax and its loss, Eltwise's max and
@@ -185,6 +186,29 @@ class Device:
                             bias: Optional[Buffer] = None, first: int = 0) -> None:
         """Images first, ..., first + N - 1 of y (., C, P) = product (C, N*P)
         transposed, plus bias (C,) when given: a GEMM's product lifted."""
+        raise NotImplementedError
+
+    # --- depthwise convolution (cct.lowering.depthwise; kernels/depthwise.cl) ---
+    # A geometry with group == channels == num_output: x (N, C, H, W), w (C, 1,
+    # KH, KW), y (N, C, OH, OW); window cell (i, j) of output (oh, ow) reads
+    # input (oh*SH - PH + i*DH, ow*SW - PW + j*DW), 0 outside the image.
+    def depthwise_forward(self, x: Buffer, w: Buffer, geom: ConvShape, batch: int, y: Buffer,
+                          bias: Optional[Buffer] = None) -> None:
+        """y = the sum over each window's cells, in row-major order from 0, of
+        w[c, i, j] * the cell (one outside the image multiplied as 0), plus
+        bias[c] when given: cct.lowering.depthwise's order, bit for bit."""
+        raise NotImplementedError
+
+    def depthwise_backward_data(self, dy: Buffer, w: Buffer, geom: ConvShape, batch: int, dx: Buffer) -> None:
+        """dx (N, C, H, W), set: for each pixel, the sum over the window cells
+        (i, j) in row-major order from 0 of w[c, i, j] * dy at the output
+        whose cell (i, j) the pixel is (0 where none is)."""
+        raise NotImplementedError
+
+    def depthwise_backward_weights(self, x: Buffer, dy: Buffer, geom: ConvShape, batch: int, dw: Buffer) -> None:
+        """dw (C, 1, KH, KW) += the sum over the images and outputs of the
+        window cell (i, j) of x times dy: per output row, then over the rows,
+        then over the images (a sum in another order than the host's)."""
         raise NotImplementedError
 
     # --- pooling, LRN, BatchNorm (layers/pooling.py, layers/normalization.py) ---

@@ -120,6 +120,57 @@ class CPUDevice(Device):
         target[...] = source if bias is None else source + bias[:channels].reshape(1, channels, 1)
 
 
+    # --- depthwise convolution ---------------------------------------------------
+    def _depthwise_cells(self, geom, i, j):
+        """Index arrays of window cell (i, j) of every output into the padded planes: (OH, 1), (1, OW)."""
+        rows, cols = self._window_cells(geom, i, j)
+        return rows[:, None], cols[None, :]
+
+    def _padded_planes(self, x, geom, batch):
+        images = x[:batch * geom.channels * geom.in_h * geom.in_w].reshape(batch, geom.channels, geom.in_h,
+                                                                           geom.in_w)
+        padded = np.zeros((batch, geom.channels) + self._padded_shape(geom, batch), np.float32)
+        padded[:, :, geom.pad_h:geom.pad_h + geom.in_h, geom.pad_w:geom.pad_w + geom.in_w] = images
+        return padded
+
+    def depthwise_forward(self, x, w, geom, batch, y, bias=None):
+        padded = self._padded_planes(x, geom, batch)
+        kernel = w[:geom.channels * geom.kernel_h * geom.kernel_w].reshape(1, geom.channels, geom.kernel_h,
+                                                                           geom.kernel_w, 1, 1)
+        total = np.zeros((batch, geom.channels, geom.out_h, geom.out_w), np.float32)
+        for i in range(geom.kernel_h):
+            for j in range(geom.kernel_w):
+                total += kernel[:, :, i, j] * padded[:, :, self._depthwise_cells(geom, i, j)[0],
+                                                     self._depthwise_cells(geom, i, j)[1]]
+        if bias is not None:
+            total += bias[:geom.channels].reshape(1, -1, 1, 1)
+        y[:total.size] = total.reshape(-1)
+
+    def depthwise_backward_data(self, dy, w, geom, batch, dx):
+        padded = np.zeros((batch, geom.channels) + self._padded_shape(geom, batch), np.float32)
+        grad = dy[:batch * geom.channels * geom.out_h * geom.out_w].reshape(batch, geom.channels, geom.out_h,
+                                                                            geom.out_w)
+        kernel = w[:geom.channels * geom.kernel_h * geom.kernel_w].reshape(1, geom.channels, geom.kernel_h,
+                                                                           geom.kernel_w, 1, 1)
+        for i in range(geom.kernel_h):                 # each pixel's terms in window order
+            for j in range(geom.kernel_w):
+                rows, cols = self._depthwise_cells(geom, i, j)
+                padded[:, :, rows, cols] += kernel[:, :, i, j] * grad
+        interior = padded[:, :, geom.pad_h:geom.pad_h + geom.in_h, geom.pad_w:geom.pad_w + geom.in_w]
+        dx[:interior.size] = interior.reshape(-1)
+
+    def depthwise_backward_weights(self, x, dy, geom, batch, dw):
+        padded = self._padded_planes(x, geom, batch)
+        grad = dy[:batch * geom.channels * geom.out_h * geom.out_w].reshape(batch, geom.channels, geom.out_h,
+                                                                            geom.out_w)
+        total = np.empty((geom.channels, geom.kernel_h, geom.kernel_w), np.float32)
+        for i in range(geom.kernel_h):
+            for j in range(geom.kernel_w):
+                rows, cols = self._depthwise_cells(geom, i, j)
+                # per output row, then over the rows, then over the images: the kernels' stages
+                total[:, i, j] = (padded[:, :, rows, cols] * grad).sum(axis=3).sum(axis=2).sum(axis=0)
+        dw[:total.size] += total.reshape(-1)
+
     # --- pooling, LRN, BatchNorm (layers/pooling.py, layers/normalization.py) ---
     @staticmethod
     def _pool_layout(shape, pooled, kernel, stride, pad):

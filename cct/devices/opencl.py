@@ -211,6 +211,34 @@ class OpenCLDevice(Device):
         self.launch("core.cl", "from_channels_first", batch * channels * pixels, first, batch, channels, pixels,
                     product, y, product if bias is None else bias, int(bias is not None))
 
+    # --- depthwise convolution ---------------------------------------------------
+    @staticmethod
+    def _depthwise_args(geom):
+        """The kernels' DEPTHWISE_GEOMETRY (kernels/depthwise.cl)."""
+        return (geom.channels, geom.in_h, geom.in_w, geom.kernel_h, geom.kernel_w, geom.stride_h, geom.stride_w,
+                geom.pad_h, geom.pad_w, geom.dilation_h, geom.dilation_w, geom.out_h, geom.out_w)
+
+    def depthwise_forward(self, x, w, geom, batch, y, bias=None):
+        total = batch * geom.channels * geom.out_h * geom.out_w
+        self.launch("depthwise.cl", "depthwise_forward", total, total, x, w, y, w if bias is None else bias,
+                    int(bias is not None), *self._depthwise_args(geom))
+
+    def depthwise_backward_data(self, dy, w, geom, batch, dx):
+        total = batch * geom.channels * geom.in_h * geom.in_w
+        self.launch("depthwise.cl", "depthwise_backward_data", total, total, dy, w, dx, *self._depthwise_args(geom))
+
+    def depthwise_backward_weights(self, x, dy, geom, batch, dw):
+        taps = geom.channels * geom.kernel_h * geom.kernel_w
+        if not batch:
+            return
+        # per output row, then over the rows, then over the images
+        rows = self.scratch("depthwise_rows", batch * taps * geom.out_h)       # (N, C*KH*KW, OH)
+        per_image = self.scratch("depthwise_images", batch * taps)             # (N, C*KH*KW)
+        items = batch * taps * geom.out_h
+        self.launch("depthwise.cl", "depthwise_weight_rows", items, items, x, dy, rows, *self._depthwise_args(geom))
+        self.sum_axis(rows, batch * taps, geom.out_h, 1, per_image)
+        self.sum_axis(per_image, 1, batch, taps, dw, beta=1.0)
+
 
     # --- pooling, LRN, BatchNorm (layers/pooling.py, layers/normalization.py) ---
     @staticmethod

@@ -1,6 +1,7 @@
 """Convolution, Deconvolution and InnerProduct on a device (lowering type 1,
-cct.lowering.device) against their host paths, on the numpy CPU device and
-on OpenCL: forward, data and parameter gradients (accumulated)."""
+cct.lowering.device; depthwise geometries by the direct depthwise kernels)
+against their host paths, on the numpy CPU device and on OpenCL: forward,
+data and parameter gradients (accumulated)."""
 import numpy as np
 import pytest
 
@@ -66,3 +67,51 @@ def test_inner_product_on_device_matches_the_host(device, fields):
     x = np.random.default_rng(4).standard_normal((3, 4, 2, 5))
     text = f'type: "InnerProduct" inner_product_param {{ {fields} {FILLERS} }}'
     assert_close_both_ways(run_both_ways(device, text, [x]), 1e-5)
+
+
+# --- depthwise: group == channels == num_output, the direct kernels ------------------
+DEPTHWISE = [
+    "kernel_size: 3 pad: 1",
+    "kernel_size: 3 stride: 2 pad: 1",
+    "kernel_h: 2 kernel_w: 3 stride_h: 1 stride_w: 2 pad_h: 0 pad_w: 1 bias_term: false",
+    "kernel_size: 3 dilation: 2 pad: 2",
+    "kernel_size: 3 stride: 2",                                # the last window overruns a 7-wide input
+    "kernel_size: 5 stride: 3 pad: 2",
+    "kernel_size: 1",
+]
+
+
+def depthwise_text(kind, fields, channels=4):
+    group = "" if kind == "ConvolutionDepthwise" else f"num_output: {channels} group: {channels}"
+    return f'type: "{kind}" convolution_param {{ {group} {fields} {FILLERS} }}'
+
+
+@pytest.mark.parametrize("kind", ["Convolution", "Deconvolution", "ConvolutionDepthwise", "DepthwiseConvolution"])
+@pytest.mark.parametrize("fields", DEPTHWISE)
+def test_depthwise_on_device_matches_the_host(device, kind, fields):
+    """Outputs and data gradients bit for bit (the host's order: window cells
+    in row-major order, for planes whose outputs the host sums in one pass);
+    the weight gradient, summed in another order, within 1e-5."""
+    x = np.random.default_rng(5).standard_normal((3, 4, 6, 7))
+    results = run_both_ways(device, depthwise_text(kind, fields), [x])
+    assert_close_both_ways({name: results[name] for name in ("top0", "bottom0.diff")}, 0)
+    assert_close_both_ways(results, 1e-5)
+
+
+def test_depthwise_on_device_large_planes(device):
+    """Planes past the host's pass of 1,024 outputs (its data gradient then
+    adds a pixel's terms pass by pass): within float32 rounding."""
+    x = np.random.default_rng(6).standard_normal((2, 3, 40, 36))
+    results = run_both_ways(device, depthwise_text("Convolution", "kernel_size: 3 pad: 1", 3), [x])
+    assert_close_both_ways({"top0": results["top0"]}, 0)
+    assert_close_both_ways(results, 1e-5)
+
+
+def test_depthwise_on_device_runs_no_gemm(device, monkeypatch):
+    """A depthwise geometry lowers nothing: no GEMM, no im2col, forward or backward."""
+    def refused(*args, **kwargs):
+        raise AssertionError("a depthwise convolution was lowered")
+    for op in ("gemm", "im2col", "col2im"):
+        monkeypatch.setattr(device, op, refused)
+    x = np.random.default_rng(7).standard_normal((2, 4, 5, 5))
+    assert_close_both_ways(run_both_ways(device, depthwise_text("Convolution", "kernel_size: 3 pad: 1"), [x]), 1e-5)
