@@ -581,9 +581,8 @@ class DetectionOutput(NoBackward, Layer):
                 decoded[label] = decode_boxes(boxes, variances, loc[:, c], self.code_type, self.variance_in_target)
         return decoded
 
-    def _detect(self, loc, conf, priors):
-        """{label: kept prior indices, best first} of one image, and its decoded boxes."""
-        decoded = self._decoded(loc, priors)
+    def _detect(self, decoded, conf):
+        """{label: kept prior indices, best first} of one image from its decoded boxes."""
         scores = conf.reshape(self.num_priors, self.num_classes)
         found = {}
         for c in range(self.num_classes):
@@ -594,7 +593,7 @@ class DetectionOutput(NoBackward, Layer):
                            self.nms_threshold, self.eta, self.top_k)
         if -1 < self.keep_top_k < sum(kept.size for kept in found.values()):
             found = self._keep_best(found, scores)
-        return found, decoded
+        return found
 
     def _keep_best(self, found, scores):
         """The keep_top_k best of every label's kept boxes, regrouped by label."""
@@ -603,6 +602,20 @@ class DetectionOutput(NoBackward, Layer):
         best = np.argsort(-scores[indices, labels], kind="stable")[:self.keep_top_k]
         return {c: indices[best[labels[best] == c]] for c in sorted(set(labels[best].tolist()))}
 
+    def _rows(self, image, decoded, conf):
+        """[(K, 7) rows of one label], by label, of image `image` from its
+        decoded boxes and its conf (P * num_classes)."""
+        found = self._detect(decoded, conf)
+        scores = conf.reshape(self.num_priors, self.num_classes)
+        rows = []
+        for c in sorted(found):
+            kept = found[c]
+            boxes = decoded[-1 if self.share_location else c][kept]
+            block = np.empty((kept.size, 7), _F32)
+            block[:, 0], block[:, 1], block[:, 2], block[:, 3:] = image, c, scores[kept, c], boxes
+            rows.append(block)
+        return rows
+
     def forward(self, bottom, top):
         num = bottom[0].shape[0]
         loc = bottom[0].data.reshape(num, -1).astype(_F32)
@@ -610,15 +623,32 @@ class DetectionOutput(NoBackward, Layer):
         priors = bottom[2].data.reshape(-1).astype(_F32)
         rows = []
         for i in range(num):
-            found, decoded = self._detect(loc[i], conf[i], priors)
-            scores = conf[i].reshape(self.num_priors, self.num_classes)
-            for c in sorted(found):
-                kept = found[c]
-                boxes = decoded[-1 if self.share_location else c][kept]
-                block = np.empty((kept.size, 7), _F32)
-                block[:, 0], block[:, 1], block[:, 2], block[:, 3:] = i, c, scores[kept, c], boxes
-                rows.append(block)
+            rows += self._rows(i, self._decoded(loc[i], priors), conf[i])
         self._write(top[0], rows, num)
+
+    # --- on a device: as the fork's Forward_gpu, the boxes decoded there (all
+    # location classes, the background's too), NMS and keep_top_k on the host
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom[:3], top)
+
+    def forward_on(self, device, bottom, top):
+        num, p, classes = bottom[0].shape[0], self.num_priors, self.loc_classes
+        count = num * p * classes * 4
+        boxes = device.scratch("detection_boxes", count)
+        device.decode_boxes(bottom[0].device_data(device), bottom[2].device_data(device), boxes, num, p, classes,
+                            int(self.code_type), self.variance_in_target)
+        decoded = np.empty((num, p, classes, 4), _F32)
+        device.download(boxes, decoded)
+        conf = bottom[1].data.reshape(num, -1)
+        rows = []
+        for i in range(num):
+            labels = {-1: decoded[i, :, 0]} if self.share_location else \
+                {c: decoded[i, :, c] for c in range(classes) if c != self.background}
+            rows += self._rows(i, labels, conf[i])
+        self._write(top[0], rows, num)
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        self.backward(top, propagate_down, bottom)          # NoBackward's: a requested gradient is refused
 
     @staticmethod
     def _write(blob, rows, num):

@@ -26,7 +26,7 @@ The primitives, by kind:
                  (Concat, Slice); the forks' strided copies (Permute, Reorg,
                  Upsample), Normalize's division and gradient, Interp's
                  bilinear resize and unpooling, ROI max and position-
-                 sensitive average pooling
+                 sensitive average pooling, SSD's box decoding
 """
 from typing import Any, Optional, Protocol, Sequence
 
@@ -434,6 +434,23 @@ class Device:
     def unpool_backward(self, dy: Buffer, mask: Buffer, dx: Buffer, planes: int, pixels: int,
                         out_pixels: int) -> None:
         """dx[p, i] = dy[p, mask[p, i]], 0 where the cell is outside [0, out_pixels)."""
+        raise NotImplementedError
+
+    # SSD's DetectionOutput (layers/ssd.py): its boxes decoded as the fork's
+    # DecodeBBoxesGPU, its NMS on the host. code_type is PriorBoxParameter's:
+    # 1 CORNER, 2 CENTER_SIZE, 3 CORNER_SIZE.
+    def decode_boxes(self, loc: Buffer, priors: Buffer, boxes: Buffer, batch: int, num_priors: int,
+                     loc_classes: int, code_type: int, variance_in_target: bool) -> None:
+        """boxes (N, P, L, 4) = the predicted offsets loc (N, P, L, 4) decoded
+        against the priors (2, P * 4: the boxes (xmin, ymin, xmax, ymax), then
+        their variances), float32 in SSD's DecodeBBox order, no fused
+        multiply-add: CORNER prior + var * loc; CORNER_SIZE prior + var * loc
+        * (prior width or height); CENTER_SIZE centre var * loc * prior size
+        + prior centre, size exp(var * loc) * prior size, corners centre -+
+        size / 2. With variance_in_target var is left out (not taken as 1).
+        exp rounded to the nearest float where the device has doubles
+        (numpy's float32 exp, which the host layer calls, is 1 ulp off for
+        about 4 arguments in 10)."""
         raise NotImplementedError
 
     # Pooling over regions of interest (layers/roi.py): features x (N, C, H, W),

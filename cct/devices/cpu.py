@@ -484,6 +484,27 @@ class CPUDevice(Device):
         flat, valid = self._unpool_cells(mask, planes, pixels, out_pixels)
         dx[:planes * pixels] = np.where(valid, dy[flat], np.float32(0))
 
+    def decode_boxes(self, loc, priors, boxes, batch, num_priors, loc_classes, code_type, variance_in_target):
+        count = batch * num_priors * loc_classes * 4
+        offsets = loc[:count].reshape(batch, num_priors, loc_classes, 4)
+        prior = priors[:num_priors * 4].reshape(1, num_priors, 1, 4)
+        var = priors[num_priors * 4:num_priors * 8].reshape(1, num_priors, 1, 4)
+        scaled = offsets if variance_in_target else var * offsets
+        width, height = prior[..., 2] - prior[..., 0], prior[..., 3] - prior[..., 1]
+        if code_type == 1:                                          # CORNER
+            out = prior + scaled
+        elif code_type == 3:                                        # CORNER_SIZE
+            out = prior + scaled * np.stack([width, height, width, height], axis=-1)
+        else:                                                       # CENTER_SIZE
+            two = np.float32(2)
+            cx = scaled[..., 0] * width + (prior[..., 0] + prior[..., 2]) / two
+            cy = scaled[..., 1] * height + (prior[..., 1] + prior[..., 3]) / two
+            # exp rounded to the nearest float (numpy's float32 exp is not, in places)
+            w = np.exp(scaled[..., 2].astype(np.float64)).astype(np.float32) * width
+            h = np.exp(scaled[..., 3].astype(np.float64)).astype(np.float32) * height
+            out = np.stack([cx - w / two, cy - h / two, cx + w / two, cy + h / two], axis=-1)
+        boxes[:count] = out.reshape(-1)
+
     @staticmethod
     def _roi_bins(bins, rois, pooled):
         """(image (R,), first rows, row ends (R, PH), first columns, column ends (R, PW)) of a bins table."""

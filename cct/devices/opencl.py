@@ -380,6 +380,11 @@ class OpenCLDevice(Device):
         total = planes * pixels
         self.launch("forks.cl", "unpool_backward", total, total, dy, mask, dx, pixels, out_pixels)
 
+    def decode_boxes(self, loc, priors, boxes, batch, num_priors, loc_classes, code_type, variance_in_target):
+        total = batch * num_priors * loc_classes
+        self.launch("forks.cl", "decode_boxes", total, total, loc, priors, boxes, num_priors, loc_classes,
+                    int(code_type), int(bool(variance_in_target)))
+
     def roi_max_pool_forward(self, x, bins, y, argmax, shape, rois, pooled):
         total = rois * shape[1] * pooled[0] * pooled[1]
         self.launch("forks.cl", "roi_max_pool_forward", total, total, x, bins, y, argmax, *shape[1:], rois, *pooled)

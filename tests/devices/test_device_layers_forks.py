@@ -1,7 +1,9 @@
 """The forks' layers' device paths against their host forward and backward,
 on the numpy CPU device and on OpenCL: SSD's Normalize, Permute and PriorBox,
 the segmentation forks' BN, Interp and Upsample, the YOLOv2 port's Reorg,
-Fast R-CNN's ROIPooling and R-FCN's PSROIPooling.
+Fast R-CNN's ROIPooling and R-FCN's PSROIPooling; SSD's DetectionOutput
+(boxes decoded on the device, NMS on the host: the same rows, CENTER_SIZE's
+boxes within float32 rounding of exp).
 Bit for bit where the device computes in the host's order; within 1e-6 of the
 largest value where a sum runs in another order (Normalize's norms, BN's batch
 statistics) or a square root or power is the device's (BN's); parameter
@@ -97,6 +99,79 @@ def test_prior_box_on_device_follows_the_shapes(device):
         on_device = top.data.copy()
         layer.forward([feature, image], [top])
         np.testing.assert_array_equal(on_device, top.data)
+
+
+def detection_inputs(num, classes, share, grid=3):
+    """loc, softmax conf and PriorBox priors for a grid x grid map of a 30 x 30 image."""
+    layer = make_layer('type: "PriorBox" prior_box_param { min_size: 8 max_size: 16 aspect_ratio: 2 '
+                       'variance: 0.1 variance: 0.1 variance: 0.2 variance: 0.2 }')
+    feature, image, top = Blob((1, 1, grid, grid), np.float32), Blob((1, 3, 30, 30), np.float32), Blob()
+    layer.set_up([feature, image], [top])
+    layer.forward([feature, image], [top])
+    priors = top.data.copy()
+    count = priors.shape[2] // 4
+    loc = rand(num, count * (1 if share else classes) * 4) * 0.5
+    logits = rand(num, count, classes) * 2
+    conf = (np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)).reshape(num, -1)
+    return loc, conf, priors
+
+
+def detection_text(classes, share=True, background=0, code="CENTER_SIZE", threshold=0.05, keep_top_k=20,
+                   eta=1.0, in_target=False):
+    return (f'type: "DetectionOutput" detection_output_param {{ num_classes: {classes} '
+            f'share_location: {str(share).lower()} background_label_id: {background} '
+            f'nms_param {{ nms_threshold: 0.45 top_k: 40 eta: {eta} }} code_type: {code} '
+            f'variance_encoded_in_target: {str(in_target).lower()} keep_top_k: {keep_top_k} '
+            f'confidence_threshold: {threshold} }}')
+
+
+def assert_same_detections(ours, host, exact):
+    """The same rows: image, label and score bit for bit; the boxes too where
+    `exact`, else within 1e-6 (CENTER_SIZE's exp: numpy's float32 exp, on
+    the host, is 1 ulp off where the device's rounds to nearest)."""
+    assert ours.shape == host.shape
+    np.testing.assert_array_equal(ours[..., :3], host[..., :3])
+    np.testing.assert_allclose(ours[..., 3:], host[..., 3:], rtol=0, atol=0 if exact else 1e-6)
+
+
+DETECTIONS = [  # (classes, share, background, code, keep_top_k, eta, variance in target)
+    (2, True, 0, "CENTER_SIZE", 20, 1.0, False), (4, True, 0, "CENTER_SIZE", 12, 1.0, True),
+    (3, False, -1, "CORNER", -1, 1.0, False), (3, True, 1, "CENTER_SIZE", 30, 0.9, False),
+    (3, False, 2, "CENTER_SIZE", 8, 1.0, False), (3, True, 0, "CORNER_SIZE", 10, 1.0, False),
+    (2, False, 0, "CORNER_SIZE", -1, 1.0, True), (2, True, 0, "CORNER", 15, 1.0, True)]
+
+
+@pytest.mark.parametrize("case", DETECTIONS)
+def test_detection_output_on_device_matches_the_host(device, case):
+    classes, share, background, code, keep, eta, in_target = case
+    inputs = detection_inputs(2, classes, share)
+    text = detection_text(classes, share, background, code, keep_top_k=keep, eta=eta, in_target=in_target)
+    results = run_both_ways(device, text, inputs, propagate_down=[False] * 3)
+    assert set(results) == {"top0"}
+    ours, host = results["top0"]
+    assert_same_detections(ours, host, exact=code != "CENTER_SIZE")
+    assert (host[0, 0, :, 1] >= 0).any()                     # something was found
+
+
+def test_detection_output_on_device_finds_nothing(device):
+    """No score above the threshold (a softmax score is at most 1): the fork's row of -1 per image."""
+    results = run_both_ways(device, detection_text(2, threshold=1), detection_inputs(3, 2, True),
+                            propagate_down=[False] * 3)
+    assert_close_both_ways(results, 0)
+    assert (results["top0"][0][0, 0, :, 1:] == -1).all()
+
+
+def test_detection_output_on_device_refuses_a_gradient(device):
+    layer = make_layer(detection_text(2))
+    bottoms = []
+    for array in detection_inputs(1, 2, True):
+        bottoms.append(Blob(array.shape, np.float32))
+        bottoms[-1].data[...] = array
+    top = Blob(dtype=np.float32)
+    layer.set_up(bottoms, [top])
+    layer.forward_on(device, bottoms, [top])
+    with pytest.raises(NotImplementedError, match=r"\(DetectionOutput\).*has no backward"):
+        layer.backward_on(device, [top], [True, False, False], bottoms)
 
 
 # --- Reorg ----------------------------------------------------------------------------

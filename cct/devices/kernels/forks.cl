@@ -1,12 +1,25 @@
 // Kernels of the forks' layers (layers/ssd.py, segmentation.py, shape.py, roi.py):
 // strided copies, Normalize's division and gradient, Interp's bilinear resize
-// and its adjoint, unpooling, ROI max and position-sensitive average pooling
-// and their gradients. One work item per output element (per plane for
+// and its adjoint, unpooling, SSD's box decoding, ROI max and position-sensitive
+// average pooling and their gradients. One work item per output element (per plane for
 // unpooling, whose later values win), so results do not depend on scheduling.
 // The numpy reference of each is the same-named method of cct.devices.cpu.
 
 // Round every product before a sum, as numpy does: no fused multiply-add.
 #pragma OPENCL FP_CONTRACT OFF
+
+// Results rounded once to float: in double where the device has it (a double
+// quotient of floats rounds to float as the float quotient does; a double exp
+// to the nearest float), else in float (a division correctly
+// rounded where the device's is, as pocl's; OpenCL's float exp within 3 ulps)
+#ifdef cl_khr_fp64
+#pragma OPENCL EXTENSION cl_khr_fp64 : enable
+inline float quotient(const float sum, const int area) { return (float)((double)sum / (double)area); }
+inline float rounded_exp(const float x) { return (float)exp((double)x); }
+#else
+inline float quotient(const float sum, const int area) { return sum / (float)area; }
+inline float rounded_exp(const float x) { return exp(x); }
+#endif
 
 // For every index of shape (axes 0 .. axes-1, at most 8, row-major):
 // dst[dst_offset + sum i_k dst_strides_k] (+)= src[src_offset + sum i_k src_strides_k]
@@ -117,6 +130,41 @@ __kernel void unpool_backward(const int total, __global const float* dy, __globa
     dx[index] = inside ? dy[index / pixels * out_pixels + (int)cell] : 0.0f;
 }
 
+// --- SSD's DetectionOutput (layers/ssd.py) ---------------------------------------------
+// boxes (N, P, L, 4): one box per item, loc (N, P, L, 4) decoded against the
+// priors (2, P * 4: boxes, then variances); code_type 1 CORNER, 2 CENTER_SIZE,
+// 3 CORNER_SIZE; with variance_in_target the variances are left out
+__kernel void decode_boxes(const int total, __global const float* loc, __global const float* priors,
+                           __global float* boxes, const int num_priors, const int loc_classes,
+                           const int code_type, const int variance_in_target) {
+    const int index = get_global_id(0);
+    if (index >= total) return;
+    const int p = (index / loc_classes) % num_priors;
+    __global const float* prior = priors + 4 * p;
+    __global const float* var = priors + 4 * (num_priors + p);
+    __global const float* offset = loc + 4 * index;
+    __global float* box = boxes + 4 * index;
+    float s[4];
+    for (int k = 0; k < 4; ++k) s[k] = variance_in_target ? offset[k] : var[k] * offset[k];
+    const float width = prior[2] - prior[0], height = prior[3] - prior[1];
+    if (code_type == 1) {
+        for (int k = 0; k < 4; ++k) box[k] = prior[k] + s[k];
+    } else if (code_type == 3) {
+        box[0] = prior[0] + s[0] * width;
+        box[1] = prior[1] + s[1] * height;
+        box[2] = prior[2] + s[2] * width;
+        box[3] = prior[3] + s[3] * height;
+    } else {
+        const float cx = s[0] * width + (prior[0] + prior[2]) / 2.0f;
+        const float cy = s[1] * height + (prior[1] + prior[3]) / 2.0f;
+        const float w = rounded_exp(s[2]) * width, h = rounded_exp(s[3]) * height;
+        box[0] = cx - w / 2.0f;
+        box[1] = cy - h / 2.0f;
+        box[2] = cx + w / 2.0f;
+        box[3] = cy + h / 2.0f;
+    }
+}
+
 // --- pooling over regions of interest (layers/roi.py) ----------------------------------
 // A bins table (cct.devices.base): [0, R) each ROI's image, then (R, PH) first
 // rows, (R, PH) row ends, (R, PW) first columns, (R, PW) column ends.
@@ -125,16 +173,6 @@ __kernel void unpool_backward(const int total, __global const float* dy, __globa
 #define BIN_BOTTOM(t, rois, ph_n, r, ph) ((int)(t)[(rois) * (1 + (ph_n)) + (r) * (ph_n) + (ph)])
 #define BIN_LEFT(t, rois, ph_n, pw_n, r, pw) ((int)(t)[(rois) * (1 + 2 * (ph_n)) + (r) * (pw_n) + (pw)])
 #define BIN_RIGHT(t, rois, ph_n, pw_n, r, pw) ((int)(t)[(rois) * (1 + 2 * (ph_n) + (pw_n)) + (r) * (pw_n) + (pw)])
-
-// sum / area rounded once to float: in double where the device has it (a double
-// quotient of floats rounds to float as the float quotient does), else the
-// float division (correctly rounded where the device's is, as pocl's)
-#ifdef cl_khr_fp64
-#pragma OPENCL EXTENSION cl_khr_fp64 : enable
-inline float quotient(const float sum, const int area) { return (float)((double)sum / (double)area); }
-#else
-inline float quotient(const float sum, const int area) { return sum / (float)area; }
-#endif
 
 // y, argmax (R, C, PH, PW): each bin's first maximum and its index h*W + w
 __kernel void roi_max_pool_forward(const int total, __global const float* x, __global const float* bins,
