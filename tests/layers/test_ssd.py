@@ -317,8 +317,9 @@ def test_detection_output_forward(index):
 
 
 def test_detection_output_nothing_found():
+    """No score above the threshold (a softmax score is at most 1): the fork's row of -1 per image."""
     loc, conf, priors = ssd_inputs(3, 2, True)
-    _, _, tops = run_layer(detection_text(2, threshold=0.9999), [loc, conf, priors])
+    _, _, tops = run_layer(detection_text(2, threshold=1), [loc, conf, priors])
     want = np.full((1, 1, 3, 7), -1.0)
     want[0, 0, :, 0] = [0, 1, 2]
     np.testing.assert_array_equal(tops[0].data, want)
