@@ -134,38 +134,76 @@ class ReLU(Neuron):
 @register("ReLU6")
 class ReLU6(Neuron):
     """MobileNet-YOLO's ReLU6 (eric612/Caffe-YOLOv3-Windows's relu6_layer.cpp):
-    y = min(max(x, 0), 6). No parameters (the fork's relu6_param, a
-    ReLUParameter at field 211 whose negative_slope the class reads, is not
-    in cct's schema; the fork's layer factory builds its plain ReLU under this
-    type name, while its ReLU6 class, OpenCV and ncnn clip at 6, as cct does).
-    Shapes: top = bottom. Backward: dy where 0 < x < 6, else 0. In place, y
-    stands in for x: it is strictly between 0 and 6 exactly where x is.
+    y = min(max(x, 0) + negative_slope * min(x, 0), 6).
+    Fields: relu6_param.negative_slope (0): the fork's relu6_param, a
+    ReLUParameter at LayerParameter field 211, which its ReLU6 class reads
+    (its engine is not read). With the default slope, min(max(x, 0), 6), as
+    OpenCV and ncnn compute ReLU6. (The fork's layer factory builds its plain
+    ReLU under this type name, with relu_param and no clip; cct follows the
+    fork's ReLU6 class.) Shapes: top = bottom.
+    Backward, the fork's: dx = dy * (x > 0 ? 1 : negative_slope) where x < 6,
+    else 0. In place, y stands in for x (strictly between 0 and 6 exactly
+    where x is, for a slope >= 0), as in the fork; with a negative slope the
+    input is kept aside, as ReLU's.
     """
     LOW, HIGH = 0.0, 6.0
 
+    def setup(self, bottom, top):
+        self.slope = float(self.layer_param.relu6_param.negative_slope)
+        self.needs_input = self.slope < 0          # y's sign is x's unless the slope flips it
+        self._device_input = None
+
     def forward(self, bottom, top):
-        x = bottom[0].data
+        x = self.keep_input(bottom, top)
         dtype = x.dtype.type
-        np.minimum(np.maximum(x, dtype(self.LOW), out=top[0].data), dtype(self.HIGH), out=top[0].data)
+        if self.slope == 0:
+            np.minimum(np.maximum(x, dtype(self.LOW), out=top[0].data), dtype(self.HIGH), out=top[0].data)
+        else:                                      # the fork's Forward_cpu
+            leaky = np.maximum(x, dtype(0)) + dtype(self.slope) * np.minimum(x, dtype(0))
+            np.minimum(leaky, dtype(self.HIGH), out=top[0].data)
 
     def backward(self, top, propagate_down, bottom):
         if propagate_down[0]:
-            x = bottom[0].data
+            x = self.input_of(bottom, top)
             dtype = x.dtype.type
-            inside = (x > dtype(self.LOW)) & (x < dtype(self.HIGH))
-            np.multiply(top[0].diff, inside, out=bottom[0].diff)
+            if self.slope == 0:
+                inside = (x > dtype(self.LOW)) & (x < dtype(self.HIGH))
+                np.multiply(top[0].diff, inside, out=bottom[0].diff)
+            else:                                  # the fork's Backward_cpu
+                factor = np.where(x > 0, dtype(1), dtype(self.slope)) * (x < dtype(self.HIGH))
+                np.multiply(top[0].diff, factor, out=bottom[0].diff)
 
+    # --- on a device: a clip; with a slope, ReLU's leaky map, then the clip at 6
+    # (an input of -inf then gets no gradient, where the fork's gets slope * dy)
     def runs_on(self, device, bottom, top):
         return self.all_float32(bottom, top)
 
     def forward_on(self, device, bottom, top):
-        device.clip_forward(bottom[0].device_data(device), top[0].mutable_device_data(device), bottom[0].count,
-                            self.LOW, self.HIGH)
+        x, count = bottom[0].device_data(device), bottom[0].count
+        if self.slope == 0:
+            device.clip_forward(x, top[0].mutable_device_data(device), count, self.LOW, self.HIGH)
+            return
+        self._device_input = None
+        if top[0] is bottom[0] and self.needs_input:
+            self._device_input = self.device_scratch(device, "relu6_input", count)
+            device.copy(self._device_input, x, count)
+            x = self._device_input
+        y = top[0].mutable_device_data(device)
+        device.relu_forward(x, y, count, self.slope)
+        device.clip_forward(y, y, count, -math.inf, self.HIGH)
 
     def backward_on(self, device, top, propagate_down, bottom):
-        if propagate_down[0]:
+        if not propagate_down[0]:
+            return
+        count = bottom[0].count
+        if self.slope == 0:
             device.clip_backward(bottom[0].device_data(device), top[0].device_diff(device),
-                                 bottom[0].mutable_device_diff(device), bottom[0].count, self.LOW, self.HIGH)
+                                 bottom[0].mutable_device_diff(device), count, self.LOW, self.HIGH)
+            return
+        x = self._device_input if self._device_input is not None else bottom[0].device_data(device)
+        dx = bottom[0].mutable_device_diff(device)
+        device.relu_backward(x, top[0].device_diff(device), dx, count, self.slope)
+        device.clip_backward(x, dx, dx, count, -math.inf, self.HIGH)
 
 
 @register("PReLU")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from google.protobuf import text_format
 
 import cct
 from cct.core.errors import ConfigError, ShapeError
@@ -245,6 +246,70 @@ def test_relu6_against_opencv(tmp_path):
 @pytest.mark.parametrize("in_place", [False, True])
 def test_relu6_on_device_matches_the_host(device, in_place):
     results = run_both_ways(device, 'type: "ReLU6"', [away_from_kinks(2, 3, 4, 5)], in_place=in_place)
+    assert_close_both_ways(results, 0)
+
+
+def naive_relu6(x, slope):
+    """The fork's ReLU6Layer::Forward_cpu and Backward_cpu, element by element
+    (the slope read from the proto's float)."""
+    slope = float(np.float32(slope))
+    y, factor = np.empty_like(x), np.empty_like(x)
+    for i, value in np.ndenumerate(x):
+        y[i] = min(max(value, 0.0) + slope * min(value, 0.0), 6.0)
+        factor[i] = ((value > 0) + slope * (value <= 0)) * (value < 6.0)
+    return y, factor
+
+
+@pytest.mark.parametrize("slope", [0.1, -0.5])
+def test_relu6_negative_slope(slope):
+    """relu6_param (the fork's ReLUParameter, field 211): its negative_slope, as the fork's ReLU6 class."""
+    text = f'type: "ReLU6" relu6_param {{ negative_slope: {slope} }}'
+    x = away_from_kinks(2, 3, 4, 5)
+    layer, bottoms, tops = run_layer(text, [x])
+    want, factor = naive_relu6(x, slope)
+    np.testing.assert_array_equal(tops[0].data, want)
+    dy = rand(*x.shape)
+    tops[0].diff[...] = dy
+    layer.backward(tops, [True], bottoms)
+    np.testing.assert_array_equal(bottoms[0].diff, dy * factor)
+    check_layer_gradient(make_layer(text), [x])
+
+
+@pytest.mark.parametrize("slope", [0.1, -0.5])
+def test_relu6_negative_slope_in_place(slope):
+    """In place: with a positive slope y stands in for x (the same signs, the
+    same side of 6), with a negative one the layer keeps x aside."""
+    x = away_from_kinks(3, 7)
+    blob = cct.Blob(x.shape, np.float64)
+    blob.data[...] = x
+    layer = make_layer(f'type: "ReLU6" relu6_param {{ negative_slope: {slope} }}')
+    layer.set_up([blob], [blob])
+    layer.forward([blob], [blob])
+    want, factor = naive_relu6(x, slope)
+    np.testing.assert_array_equal(blob.data, want)
+    blob.diff[...] = 1
+    layer.backward([blob], [True], [blob])
+    np.testing.assert_array_equal(blob.diff, factor)
+
+
+def test_relu6_param_reads_from_a_binary_net(tmp_path):
+    """Field 211 is free in BVLC's schema: a binary net keeps it as the fork wrote it."""
+    from cct.proto import caffe_pb2
+    net = caffe_pb2.NetParameter()
+    text_format.Merge('layer { name: "r" type: "ReLU6" bottom: "x" top: "x" relu6_param { negative_slope: 0.25 } }',
+                      net)
+    data = net.SerializeToString()
+    assert b"\x9a\x0d" in data                       # field 211, length-delimited: the fork's tag
+    back = caffe_pb2.NetParameter()
+    back.ParseFromString(data)
+    assert back.layer[0].relu6_param.negative_slope == 0.25
+
+
+@pytest.mark.parametrize("slope", [0.1, -0.5])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_relu6_negative_slope_on_device_matches_the_host(device, slope, in_place):
+    results = run_both_ways(device, f'type: "ReLU6" relu6_param {{ negative_slope: {slope} }}',
+                            [away_from_kinks(2, 3, 4, 5)], in_place=in_place)
     assert_close_both_ways(results, 0)
 
 
