@@ -242,10 +242,10 @@ def main():
           f"{100 * overhead / (10000 * medians['sequential'] / 1e3):.4f}% of 10,000 sequential iterations); "
           f"sub-tasks at once per start/finish {concurrency(spans):.2f}; threads per sub-task "
           f"{dict(sorted(collections.Counter(span.threads for span in spans).items()))}")
-        most, streams, shared = at_once(spans)
+        widest, on, together = at_once(spans)
         window = max(span.end for span in spans) - min(span.start for span in spans)
-        p(f"  one tuned window: at most {most} sub-tasks at once (streams {', '.join(map(str, streams))}), "
-          f"two or more running for {shared * 1e3:.2f} ms of its {window * 1e3:.2f} ms")
+        p(f"  one tuned window: at most {widest} sub-tasks at once (streams {', '.join(map(str, on))}), "
+          f"two or more running for {together * 1e3:.2f} ms of its {window * 1e3:.2f} ms")
     if args.whole:
         seq, streams = (statistics.median(times[mode, True]) * 1e3 for mode in ("sequential", "streams"))
         p(f"  every layer whole: sequential {seq:.2f} ms, streams {streams:.2f} ms; "
