@@ -77,6 +77,19 @@ def one_lowering_type(monkeypatch):
 
 
 @pytest.fixture
+def one_arithmetic(monkeypatch):
+    """Every convolution on lowering type 1 and none on Winograd: for a whole
+    detector compared with OpenCV 4 on an image whose priors tie within
+    rounding (res10 on a flat image), where the rounding decides which of two
+    overlapping boxes NMS keeps. Under a loaded CI host the chooser once put
+    res10's layers on type 3 or Winograd F(4, 3), and NMS kept another box
+    (with either forced, the flat image fails here too)."""
+    from cct.runtime.settings import LOWERING_ENV, WINOGRAD_ENV
+    monkeypatch.setenv(LOWERING_ENV, "1")
+    monkeypatch.setenv(WINOGRAD_ENV, "0")
+
+
+@pytest.fixture
 def memory_limit():
     """cct.core.blob.set_memory_limit, the process's own limit restored after
     the test: `memory_limit(16 << 30)` refuses any one array above 16 GiB,

@@ -454,7 +454,7 @@ NEAR_TIES = {"stripes_gray.png"}
 
 
 @pytest.mark.slow
-def test_res10_face_detector_against_opencv(tmp_path):
+def test_res10_face_detector_against_opencv(tmp_path, one_arithmetic):
     require_opencv4()
     files = res10_files(tmp_path)
     images = shared_images()
