@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from cct.core.layer import Layer, NoBackward, register
+from cct.devices.jit import kernel
 from cct.layers.elementwise import sum_outer_inner
 from cct.layers.shape import copy_view_on, fits_copy_view
 from cct.proto import caffe_pb2
@@ -456,7 +457,8 @@ def decode_boxes(priors, variances, loc, code_type, variance_in_target):
 
 
 def overlaps(boxes, sizes):
-    """(K, K) float32 Jaccard overlaps of boxes (K, 4) with areas `sizes` (JaccardOverlap)."""
+    """(K, K) float32 Jaccard overlaps of boxes (K, 4) with areas `sizes`
+    (JaccardOverlap), for nms_reference; _kept_by_nms computes one pair at a time."""
     a, b = boxes[:, None, :], boxes[None, :, :]
     apart = (b[..., 0] > a[..., 2]) | (b[..., 2] < a[..., 0]) | (b[..., 1] > a[..., 3]) | (b[..., 3] < a[..., 1])
     width = np.minimum(a[..., 2], b[..., 2]) - np.maximum(a[..., 0], b[..., 0])
@@ -468,15 +470,63 @@ def overlaps(boxes, sizes):
     return np.where(meet, ratio, _F32(0))
 
 
-def nms(boxes, sizes, scores, score_threshold, nms_threshold, eta, top_k):
-    """Indices kept by the fork's ApplyNMSFast, best first: the boxes scoring
-    above score_threshold, stably sorted by descending score, the first top_k
-    (-1: all); each kept unless it overlaps a kept one by more than the
-    threshold, which shrinks by eta after each kept box while above 0.5."""
+@kernel
+def _kept_by_nms(boxes, sizes, threshold, eta, kept):
+    """ApplyNMSFast's loop over boxes (K, 4) with areas `sizes` (K,), sorted
+    best first: writes the rows kept into `kept` and returns their count.
+    Each pair's overlap is overlaps()'s, in float32, computed only where the
+    loop asks: the (K, K) matrix and a numpy call per box took 12 ms of
+    res10's 14 ms DetectionOutput at batch 1 (BENCHMARKS.md, "The forks'
+    models against OpenCV 4")."""
+    count = 0
+    zero, half = np.float32(0), np.float32(0.5)
+    for row in range(boxes.shape[0]):
+        a0, a1, a2, a3 = boxes[row, 0], boxes[row, 1], boxes[row, 2], boxes[row, 3]
+        keep = True
+        for k in range(count):
+            other = kept[k]
+            b0, b1, b2, b3 = boxes[other, 0], boxes[other, 1], boxes[other, 2], boxes[other, 3]
+            if b0 > a2 or b2 < a0 or b1 > a3 or b3 < a1:
+                continue
+            width = np.minimum(a2, b2) - np.maximum(a0, b0)
+            height = np.minimum(a3, b3) - np.maximum(a1, b1)
+            if not (width > zero and height > zero):
+                continue
+            inter = width * height
+            if inter / (sizes[row] + sizes[other] - inter) > threshold:
+                keep = False
+                break
+        if keep:
+            kept[count] = row
+            count += 1
+            if eta < 1 and threshold > half:
+                threshold = np.float32(threshold * eta)
+    return count
+
+
+def _candidates(scores, score_threshold, top_k):
+    """The boxes scoring above score_threshold, stably sorted by descending
+    score, the first top_k (-1: all)."""
     candidates = np.flatnonzero(scores > score_threshold)
     candidates = candidates[np.argsort(-scores[candidates], kind="stable")]
-    if top_k > -1:
-        candidates = candidates[:top_k]
+    return candidates[:top_k] if top_k > -1 else candidates
+
+
+def nms(boxes, sizes, scores, score_threshold, nms_threshold, eta, top_k):
+    """Indices kept by the fork's ApplyNMSFast, best first: of _candidates,
+    each kept unless it overlaps a kept one by more than the threshold, which
+    shrinks by eta after each kept box while above 0.5."""
+    candidates = _candidates(scores, score_threshold, top_k)
+    kept = np.empty(candidates.size, np.int64)
+    count = _kept_by_nms(np.ascontiguousarray(boxes[candidates], _F32), np.ascontiguousarray(sizes[candidates], _F32),
+                         _F32(nms_threshold), _F32(eta), kept)
+    return candidates[kept[:count]]
+
+
+def nms_reference(boxes, sizes, scores, score_threshold, nms_threshold, eta, top_k):
+    """nms() on the whole overlap matrix, a numpy call per box: the plain
+    version the tests check the kernel against."""
+    candidates = _candidates(scores, score_threshold, top_k)
     iou = overlaps(boxes[candidates], sizes[candidates])
     kept, threshold = [], _F32(nms_threshold)
     for row in range(candidates.size):

@@ -477,3 +477,27 @@ def test_res10_face_detector_against_opencv(tmp_path, one_arithmetic):
             continue
         count, worst = assert_same_detections(found, reference["detection_out"])
         print(f"{Path(path).name}: {count} detections, boxes within {worst:.2g} of OpenCV 4's")
+
+
+@pytest.mark.parametrize("eta, top_k", [(1.0, -1), (0.7, -1), (1.0, 50), (0.9, 5)])
+def test_compiled_nms_keeps_the_reference_boxes(eta, top_k):
+    """The compiled NMS (one pair's overlap at a time) keeps exactly what the
+    plain one on the whole overlap matrix keeps: overlapping clusters, tied
+    scores, boxes inverted or of zero area, NaN coordinates and scores."""
+    from cct.layers import ssd
+    rng = np.random.default_rng(11)
+    for trial in range(20):
+        count = 300
+        centers = rng.uniform(0, 1, (count // 10, 2)).repeat(10, axis=0) + rng.normal(0, 0.02, (count, 2))
+        sides = rng.uniform(0.01, 0.3, (count, 2))
+        boxes = np.concatenate([centers - sides / 2, centers + sides / 2], axis=1).astype(np.float32)
+        boxes[::37] = boxes[::37, [2, 3, 0, 1]]              # inverted: area 0, never overlapping
+        boxes[::53, 2] = boxes[::53, 0]                     # zero width
+        boxes[::61, 1] = np.nan
+        scores = rng.choice(rng.uniform(0, 1, 40), count).astype(np.float32)     # many ties
+        scores[::71] = np.nan
+        sizes = ssd.box_sizes(boxes)
+        for threshold in (0.3, 0.45, 0.8, 0.0):      # above 0.5, eta shrinks it
+            got = ssd.nms(boxes, sizes, scores, np.float32(0.05), threshold, eta, top_k)
+            expected = ssd.nms_reference(boxes, sizes, scores, np.float32(0.05), threshold, eta, top_k)
+            np.testing.assert_array_equal(got, expected)
