@@ -10,11 +10,12 @@ sub-task runs its units on the workers it leased (`leased`) instead.
 import os
 import threading
 from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence
 
 from cct.devices.blas import BlasThreads, blas, blas_limited  # noqa: F401  (the runtime's names for them)
 
 _lock = threading.Lock()
-_workers = []
+_workers: List["Worker"] = []
 _lease = threading.local()     # .workers: the workers a stream's sub-task holds (leased), or None
 
 
@@ -26,18 +27,20 @@ class Worker:
     hand-off takes 16 us there, and LeNet's batch partitions make dozens of
     runs an iteration."""
 
-    def __init__(self, name):
+    def __init__(self, name: str) -> None:
         self._start = threading.Lock()
         self._start.acquire()
         self._finished = threading.Lock()
         self._finished.acquire()
-        self._call = self._error = None
+        self._call: Optional[tuple] = None
+        self._error: Optional[BaseException] = None
         self._pending = False         # a call submitted and not yet joined
         threading.Thread(target=self._serve, name=name, daemon=True).start()
 
-    def _serve(self):
+    def _serve(self) -> None:
         while True:
             self._start.acquire()
+            assert self._call is not None
             function, args = self._call
             self._call = None
             try:
@@ -46,7 +49,7 @@ class Worker:
                 self._error = error
             self._finished.release()
 
-    def submit(self, function, *args):
+    def submit(self, function: Callable[..., Any], *args: Any) -> "Worker":
         """Start function(*args) on this worker; join() waits for it. One call
         at a time: a call whose join was interrupted (Ctrl-C in the waiting
         thread) is waited for first, and its exception dropped."""
@@ -58,7 +61,7 @@ class Worker:
         self._start.release()
         return self
 
-    def join(self):
+    def join(self) -> None:
         """Wait for the submitted call to end; re-raise its exception."""
         self._finished.acquire()
         self._pending = False
@@ -67,7 +70,7 @@ class Worker:
             raise error
 
 
-def _after_fork_in_child():
+def _after_fork_in_child() -> None:
     """A forked child has only the thread that forked: the parent's workers
     are gone, and a run handed to one would wait for ever (a net run in a
     multiprocessing worker forked from a process that had run it). Start the
@@ -83,7 +86,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def workers(count):
+def workers(count: int) -> List[Worker]:
     """The persistent worker threads for `count` units run at once (the caller
     runs unit 0 itself): worker k - 1 runs unit k. The list may be longer.
     On a thread that holds a lease (a stream's sub-task), the leased workers."""
@@ -99,7 +102,7 @@ def workers(count):
 
 
 @contextmanager
-def leased(lease):
+def leased(lease: List[Worker]) -> Iterator[None]:
     """Parallel runs started on this thread inside the block use the workers of
     `lease` only. Sub-tasks running at once on several streams each lease
     their own, so their batch partitions never queue behind each other's on
@@ -118,19 +121,19 @@ class Spread:
     most pieces worth making now, `count` or, on a stream's sub-task, the
     workers it leased and itself."""
 
-    def __init__(self, count):
+    def __init__(self, count: int) -> None:
         self.count = count
 
     @property
-    def parts(self):
+    def parts(self) -> int:
         lease = getattr(_lease, "workers", None)
         return self.count if lease is None else min(self.count, len(lease) + 1)
 
-    def __call__(self, function, pieces):
+    def __call__(self, function: Callable[..., Any], pieces: Sequence[Sequence[Any]]) -> None:
         run_all(workers(len(pieces)), function, pieces)
 
 
-def run_all(workers, function, work):
+def run_all(workers: Sequence[Worker], function: Callable[..., Any], work: Iterable[Sequence[Any]]) -> None:
     """Unit k on workers[k - 1], unit 0 on this thread; waits for all of them
     and re-raises the first exception (in unit order)."""
     work = list(work)
