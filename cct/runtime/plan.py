@@ -144,17 +144,19 @@ class Plan:
                 if blas[index] != count:
                     count = blas[index]
                     set_blas(count)
-                last = index
                 run = runs.get(index)
                 if run is not None and run[0] <= end:
-                    last = run[0]
                     run[1]()
-                elif step() is False:         # a fused run without a kept pass
+                    for ran in range(index, run[0] + 1):
+                        if ran in losses:
+                            loss += layers[ran].weighted_loss(tops[ran])
+                    index = run[0] + 1
+                    continue
+                if step() is False:           # a fused run without a kept pass
                     return loss, index
-                for ran in range(index, last + 1):
-                    if ran in losses:
-                        loss += layers[ran].weighted_loss(tops[ran])
-                index = last + 1
+                if index in losses:
+                    loss += layers[index].weighted_loss(tops[index])
+                index += 1
         except MemoryLimitError as error:
             raise self._named(error, index) from None
         return loss, index
