@@ -4,7 +4,7 @@ import importlib
 
 _FAMILIES = ("data_input", "neuron", "conv", "pooling", "inner_product",
              "normalization", "loss", "metrics", "shape", "elementwise", "recurrent", "data", "python_layer",
-             "ssd", "segmentation", "roi", "depthwise")
+             "ssd", "yolo", "segmentation", "roi", "depthwise")
 
 for _family in _FAMILIES:
     importlib.import_module(f"{__name__}.{_family}")

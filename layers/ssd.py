@@ -1,7 +1,8 @@
 """SSD's layers (weiliu89/caffe, branch ssd): Normalize, Permute, PriorBox and
 DetectionOutput, each as that fork's CPU code computes it (its
 normalize_layer.cpp, permute_layer.cpp, prior_box_layer.cpp,
-detection_output_layer.cpp and util/bbox_util.cpp).
+detection_output_layer.cpp and util/bbox_util.cpp). A DetectionOutput with the
+YOLOv2 port's fields is that port's layer (layers/yolo.py).
 
 Boxes are (xmin, ymin, xmax, ymax), normalized to the image, in float32 as the
 fork's NormalizedBBox keeps them; every arithmetic step on them is a float32
@@ -11,7 +12,7 @@ import math
 
 import numpy as np
 
-from cct.core.layer import Layer, NoBackward, register
+from cct.core.layer import TRAIN, Layer, NoBackward, register
 from cct.devices.jit import kernel
 from cct.layers.elementwise import sum_outer_inner
 from cct.layers.shape import copy_view_on, fits_copy_view
@@ -562,6 +563,15 @@ class DetectionOutput(NoBackward, Layer):
     min_bottoms = 3
     max_bottoms = 4
     exact_tops = 1
+
+    def __new__(cls, layer_param=None, phase=TRAIN, source=None):
+        """The YOLOv2 port's DetectionOutput (layers/yolo.py) where the fields
+        are its own (is_yolo_flavour); copy and pickle pass no layer_param."""
+        if cls is DetectionOutput and layer_param is not None:
+            from cct.layers import yolo                 # imported after this module (it imports it)
+            if yolo.is_yolo_flavour(layer_param, source):
+                return yolo.YoloDetectionOutput(layer_param, phase, source)
+        return super().__new__(cls)
 
     def setup(self, bottom, top):
         p = self.layer_param.detection_output_param
