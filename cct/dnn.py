@@ -22,6 +22,7 @@ import numpy as np
 from cct.core.errors import ConfigError, ShapeError
 from cct.core.layer import TEST
 from cct.core.net import Net as _CaffeNet
+from cct.layers.yolo import YoloDetectionOutput
 
 # --- OpenCV's constants, with OpenCV 4.14's values ----------------------------------
 DNN_BACKEND_DEFAULT, DNN_BACKEND_HALIDE, DNN_BACKEND_INFERENCE_ENGINE, DNN_BACKEND_OPENCV = 0, 1, 2, 3
@@ -203,8 +204,8 @@ class Net:
 
     def _as_opencv(self, index, values):
         layer = self.net.layers[index]
-        if layer.type != "DetectionOutput":
-            return values
+        if layer.type != "DetectionOutput" or isinstance(layer, YoloDetectionOutput):
+            return values           # OpenCV has SSD's flavour only; the YOLOv2 port's top as cct computes it
         keep = int(layer.layer_param.detection_output_param.keep_top_k)
         return _opencv_detections(values, keep, self.net.bottom_vecs[index][0].shape[0])
 

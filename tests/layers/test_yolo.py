@@ -229,3 +229,18 @@ def test_yolo_detection_output_errors():
     with pytest.raises(NotImplementedError, match="no backward"):
         layer, bottoms, tops = run_layer(yolo_text(3, 2, 2, BIASES[:4]), [yolo_bottom(0, 3, 2, 2)])
         layer.backward(tops, [True], bottoms)
+
+
+def test_cct_dnn_gives_the_yolo_flavours_own_top(tmp_path):
+    """cct.dnn reformats SSD's DetectionOutput as OpenCV does; OpenCV has no
+    YOLO flavour, so that one's top comes as the layer wrote it."""
+    import cct.dnn
+    path = tmp_path / "yolo.prototxt"
+    path.write_text('input: "data" input_shape { dim: 1 dim: 14 dim: 3 dim: 3 }\n'
+                    'layer { name: "det" type: "DetectionOutput" bottom: "data" top: "det" detection_output_param { '
+                    'num_classes: 2 side: 3 num_box: 2 biases: 0.74 biases: 0.87 biases: 2.42 biases: 2.66 } }\n')
+    net = cct.dnn.readNetFromCaffe(str(path))
+    bottom = yolo_bottom(4, 3, 2, 2)
+    net.setInput(bottom)
+    np.testing.assert_allclose(net.forward(), ref_yolo_detection_output(bottom, 3, 2, 2, BIASES[:4], 0.01, 0.45),
+                               rtol=1e-6, atol=1e-7)
