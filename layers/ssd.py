@@ -14,6 +14,7 @@ import numpy as np
 
 from cct.core.layer import TRAIN, Layer, NoBackward, register
 from cct.devices.jit import kernel
+from cct.layers.boxes import box_sizes, overlaps
 from cct.layers.elementwise import sum_outer_inner
 from cct.layers.shape import copy_view_on, fits_copy_view
 from cct.proto import caffe_pb2
@@ -422,14 +423,6 @@ class PriorBox(Layer):
 
 
 # --- DetectionOutput ----------------------------------------------------------------
-def box_sizes(boxes):
-    """Area of each (.., 4) float32 box; 0 where xmax < xmin or ymax < ymin (BBoxSize)."""
-    width = boxes[..., 2] - boxes[..., 0]
-    height = boxes[..., 3] - boxes[..., 1]
-    valid = (width >= 0) & (height >= 0)
-    return np.where(valid, width * height, _F32(0))
-
-
 def decode_boxes(priors, variances, loc, code_type, variance_in_target):
     """Boxes (P, 4) from the priors (P, 4), their variances (P, 4) and the
     predicted offsets loc (P, 4), float32 in the fork's order (DecodeBBox)."""
@@ -455,20 +448,6 @@ def decode_boxes(priors, variances, loc, code_type, variance_in_target):
         w = np.exp(var[:, 2] * loc[:, 2]) * prior_w
         h = np.exp(var[:, 3] * loc[:, 3]) * prior_h
     return np.stack([cx - w / two, cy - h / two, cx + w / two, cy + h / two], axis=1)
-
-
-def overlaps(boxes, sizes):
-    """(K, K) float32 Jaccard overlaps of boxes (K, 4) with areas `sizes`
-    (JaccardOverlap), for nms_reference; _kept_by_nms computes one pair at a time."""
-    a, b = boxes[:, None, :], boxes[None, :, :]
-    apart = (b[..., 0] > a[..., 2]) | (b[..., 2] < a[..., 0]) | (b[..., 1] > a[..., 3]) | (b[..., 3] < a[..., 1])
-    width = np.minimum(a[..., 2], b[..., 2]) - np.maximum(a[..., 0], b[..., 0])
-    height = np.minimum(a[..., 3], b[..., 3]) - np.maximum(a[..., 1], b[..., 1])
-    meet = ~apart & (width > 0) & (height > 0)
-    inter = width * height
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = inter / (sizes[:, None] + sizes[None, :] - inter)
-    return np.where(meet, ratio, _F32(0))
 
 
 @kernel

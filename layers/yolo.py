@@ -12,7 +12,7 @@ import numpy as np
 
 from cct.core.errors import ConfigError, layer_where
 from cct.core.layer import Layer, NoBackward
-from cct.layers.ssd import box_sizes, overlaps
+from cct.layers.boxes import box_sizes, overlaps
 
 _F32 = np.float32
 # fields only the port's message has / only SSD's has (cct's schema holds both)

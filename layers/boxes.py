@@ -1,0 +1,30 @@
+"""Box arithmetic the detection layers share (SSD's layers/ssd.py and the
+YOLOv2 port's layers/yolo.py): boxes (.., 4) as (xmin, ymin, xmax, ymax) in
+float32, each step in the forks' order (util/bbox_util.cpp's BBoxSize and
+JaccardOverlap)."""
+import numpy as np
+
+_F32 = np.float32
+
+
+def box_sizes(boxes):
+    """Area of each (.., 4) float32 box; 0 where xmax < xmin or ymax < ymin (BBoxSize)."""
+    width = boxes[..., 2] - boxes[..., 0]
+    height = boxes[..., 3] - boxes[..., 1]
+    valid = (width >= 0) & (height >= 0)
+    return np.where(valid, width * height, _F32(0))
+
+
+def overlaps(boxes, sizes):
+    """(K, K) float32 Jaccard overlaps of boxes (K, 4) with areas `sizes`
+    (JaccardOverlap), every pair (SSD's compiled NMS computes one pair at a
+    time, as it needs them: ssd._kept_by_nms)."""
+    a, b = boxes[:, None, :], boxes[None, :, :]
+    apart = (b[..., 0] > a[..., 2]) | (b[..., 2] < a[..., 0]) | (b[..., 1] > a[..., 3]) | (b[..., 3] < a[..., 1])
+    width = np.minimum(a[..., 2], b[..., 2]) - np.maximum(a[..., 0], b[..., 0])
+    height = np.minimum(a[..., 3], b[..., 3]) - np.maximum(a[..., 1], b[..., 1])
+    meet = ~apart & (width > 0) & (height > 0)
+    inter = width * height
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = inter / (sizes[:, None] + sizes[None, :] - inter)
+    return np.where(meet, ratio, _F32(0))
