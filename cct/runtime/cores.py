@@ -119,16 +119,22 @@ class Watch:
         self._tick = tick_seconds or 1.0 / os.sysconf("SC_CLK_TCK")
         self._lock = threading.Lock()
         self.last: Optional[Reading] = None
-        self.history: List[Reading] = []        # the windows that changed the count (cct time lists them)
+        self.history: List[Reading] = []        # the windows that changed the count
         self._start: Optional[Tuple[float, float, int]] = None
         self._begin()
 
     def _begin(self) -> None:
+        self._pid = os.getpid()
         ticks = self._ticks()
         self._start = None if ticks is None else (self._clock(), self._own(), ticks)
 
     def free(self) -> int:
         """The cores free as the last closed window measured them."""
+        if self._pid != os.getpid():
+            # a forked child: its own CPU time starts from zero, so a window the
+            # parent opened would count the parent's seconds as others'
+            self._lock = threading.Lock()
+            self._begin()
         start = self._start
         if start is not None and self._clock() - start[0] >= WINDOW_SECONDS:
             self._close()
@@ -164,6 +170,16 @@ def watch() -> Watch:
         if _watch is None:
             _watch = Watch()
         return _watch
+
+
+def _after_fork_in_child() -> None:
+    """A lock another thread held at a fork stays held in the child."""
+    global _watch_lock
+    _watch_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextmanager

@@ -2,6 +2,7 @@
 clock and tick counter the test drives, the parsing of /proc/stat, a real
 busy process seen, and a net whose thread count nobody gave following the
 cores free, with a new plan at each change."""
+import os
 import subprocess
 import sys
 import time
@@ -137,3 +138,25 @@ def test_a_count_given_is_not_fitted(given, two_blas_threads, monkeypatch):
         machine.run(WINDOW_SECONDS, own_cores=0, other_cores=1)
         net.forward()
         assert net.executor.threads == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_opens_its_own_window():
+    """The child's CPU time starts from zero: the parent's window would count
+    the parent's own seconds as other processes'."""
+    machine = Machine()
+    watch = machine.watch()
+    machine.run(WINDOW_SECONDS / 2, own_cores=2, other_cores=0)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:                              # the child: its own seconds from zero, nobody else running
+        machine.own = 0.0
+        machine.run(WINDOW_SECONDS, own_cores=2, other_cores=0)
+        first = watch.free()
+        machine.run(WINDOW_SECONDS, own_cores=2, other_cores=0)
+        os.write(write, f"{first} {watch.free()}".encode())
+        os._exit(0)
+    os.close(write)
+    got = os.read(read, 16)
+    os.waitpid(pid, 0)
+    assert got == b"2 2"                       # the parent's 0.25 s of its own were not taken for others'
