@@ -9,8 +9,10 @@ numbers (proto/caffe.proto); after a binary NetParameter is parsed,
 resolve_fork_fields re-parses, for each layer of a fork's type, the bytes of
 the fork's field, taken from the file, into cct's field, and clears the BVLC
 field. SegNet's BN (field 45, its own numbering) lands in cct's
-segnet_bn_param and moves into bn_param's SegNet fields. Text prototxts match
-fields by name and need none of this.
+segnet_bn_param and moves into bn_param's SegNet fields. The YOLOv2 port's
+DetectionOutput keeps SSD's field 204 with its own numbers inside: told by
+their wire types, they are renumbered into cct's (YOLO_NUMBERS). Text
+prototxts match fields by name and need none of this.
 """
 from cct.formats import wire
 from cct.proto import caffe_pb2
@@ -24,43 +26,81 @@ FORK_FIELDS = {
     "BN": (45, "segnet_bn_param", "bn_param"),               # SegNet
 }
 _LAYER = 100                                                 # NetParameter.layer
+# The YOLOv2 port's DetectionOutputParameter has SSD's name and LayerParameter
+# number (204) and numbers of its own inside; cct's message holds both, the
+# port's fields at other numbers: the port's number -> cct's.
+YOLO_DETECTION = 204
+YOLO_NUMBERS = {1: 101, 2: 1, 3: 102, 4: 103, 5: 9, 6: 104, 7: 105, 8: 106}
+# The wire types SSD's fields 4-8 have (nms_param, save_output_param, code_type,
+# keep_top_k, variance_encoded_in_target): another there is the port's field.
+_SSD_WIRE = {4: 2, 5: 2, 6: 0, 7: 0, 8: 0}
 
 
 def resolve_fork_fields(net_param, data):
     """Move the fork fields of `net_param`'s layers, parsed from the bytes
     `data`, into cct's fields (see the module's docstring); returns the names
     of the layers changed."""
-    landed = [index for index, layer in enumerate(net_param.layer)
-              if layer.type in FORK_FIELDS and layer.HasField(FORK_FIELDS[layer.type][1])]
-    if not landed:
+    landed = {index: FORK_FIELDS[layer.type] for index, layer in enumerate(net_param.layer)
+              if layer.type in FORK_FIELDS and layer.HasField(FORK_FIELDS[layer.type][1])}
+    detections = {index: (YOLO_DETECTION, "detection_output_param", "detection_output_param")
+                  for index, layer in enumerate(net_param.layer)
+                  if layer.type == "DetectionOutput" and layer.HasField("detection_output_param")}
+    if not landed and not detections:
         return []
-    payloads = _fork_payloads(data, landed, net_param)
+    payloads = _fork_payloads(data, {**landed, **detections}, net_param)
     for index in landed:
         _move(net_param.layer[index], payloads[index])
-    return [net_param.layer[index].name for index in landed]
+    moved = list(landed)
+    for index in detections:
+        if _yolo_numbered(payloads[index]):
+            net_param.layer[index].ClearField("detection_output_param")
+            net_param.layer[index].detection_output_param.MergeFromString(_renumbered(payloads[index]))
+            moved.append(index)
+    return [net_param.layer[index].name for index in sorted(moved)]
 
 
-def _fork_payloads(data, indices, net_param):
-    """{layer index: the bytes of its fork field} for the layers at `indices`,
-    each field's occurrences joined (protobuf merges them so). Where the bytes
-    take a form the walk leaves to protobuf, the parsed field serialized again
-    (unknown fields included; exact but for values read as a BVLC bool)."""
-    wanted = set(indices)
+def _fork_payloads(data, fields, net_param):
+    """{layer index: the bytes of its fork field} for the layers of `fields`
+    ({index: (fork number, field it lands in, cct's field)}), each field's
+    occurrences joined (protobuf merges them so). Where the bytes take a form
+    the walk leaves to protobuf, the parsed field serialized again (unknown
+    fields included; exact but for values read as a BVLC bool)."""
     try:
         payloads, index = {}, 0
         for number, wire_type, _, start, end in wire.fields(data, 0, len(data)):
             if number != _LAYER or wire_type != 2:
                 continue
-            if index in wanted:
-                fork_number = FORK_FIELDS[net_param.layer[index].type][0]
+            if index in fields:
+                fork_number = fields[index][0]
                 payloads[index] = b"".join(bytes(data[value_start:value_end]) for field, kind, _, value_start,
                                            value_end in wire.fields(data, start, end)
                                            if field == fork_number and kind == 2)
             index += 1
         return payloads
     except wire.Unexpected:
-        return {i: getattr(net_param.layer[i], FORK_FIELDS[net_param.layer[i].type][1]).SerializeToString()
-                for i in indices}
+        return {i: getattr(net_param.layer[i], landed).SerializeToString() for i, (_, landed, _) in fields.items()}
+
+
+def _yolo_numbered(payload):
+    """Whether a DetectionOutputParameter's bytes are the YOLOv2 port's: one of
+    fields 4-8 has a wire type SSD's field of that number cannot have (the
+    port's coords, confidence_threshold, nms_threshold, biases, label_map_file;
+    its forward needs biases, so every net of it has one)."""
+    try:
+        return any(_SSD_WIRE.get(number, wire_type) != wire_type
+                   for number, wire_type, _, _, _ in wire.fields(payload, 0, len(payload)))
+    except wire.Unexpected:
+        return False
+
+
+def _renumbered(payload):
+    """The port's DetectionOutputParameter bytes with cct's field numbers (YOLO_NUMBERS)."""
+    out = []
+    for number, wire_type, start, _, end in wire.fields(payload, 0, len(payload)):
+        key = wire.varint((number << 3) | wire_type)
+        new = YOLO_NUMBERS.get(number, number)
+        out.append(wire.varint((new << 3) | wire_type) + bytes(payload[start + len(key):end]))
+    return b"".join(out)
 
 
 def _move(layer, payload):

@@ -116,3 +116,46 @@ def test_text_prototxts_match_by_name():
                   'layer { name: "bn" type: "BN" bottom: "x" top: "x" bn_param { frozen: true momentum: 0.95 } }'
                   'layer { name: "z" type: "Interp" bottom: "x" top: "z" interp_param { zoom_factor: 2 } }', cct.TEST)
     assert not psp.layer_dict["bn"].segnet and psp.blobs["z"].shape == (1, 2, 5, 5)
+
+
+def yolo_detection_bytes(biases):
+    """The YOLOv2 port's DetectionOutputParameter as it writes it: side = 1,
+    num_classes = 2, num_box = 3, coords = 4, confidence_threshold = 5,
+    nms_threshold = 6, biases = 7 (unpacked floats), label_map_file = 8."""
+    def key(number, kind):
+        return wire.varint((number << 3) | kind)
+    out = key(1, 0) + wire.varint(7) + key(2, 0) + wire.varint(3) + key(3, 0) + wire.varint(2)
+    out += key(4, 0) + wire.varint(4)
+    out += key(5, 5) + np.float32(0.25).tobytes() + key(6, 5) + np.float32(0.4).tobytes()
+    out += b"".join(key(7, 5) + np.float32(b).tobytes() for b in biases)
+    out += key(8, 2) + wire.varint(len(b"labels.txt")) + b"labels.txt"
+    return out
+
+
+def detection_net(param_bytes):
+    data_layer = caffe_pb2.LayerParameter(name="data", type="Input", top=["data"])
+    data_layer.input_param.shape.add(dim=[1, 2 * (4 + 1 + 3), 7, 7])
+    layers = [data_layer.SerializeToString(),
+              fork_layer("det", "DetectionOutput", ["data"], ["det"], 204, param_bytes)]
+    return b"".join(piece for layer in layers for piece in wire.field_pieces(100, [layer]))
+
+
+def test_the_yolo_ports_binary_detection_output_reads_into_its_fields(tmp_path):
+    """Inside SSD's field 204 the port numbers its own fields 1-8: told by
+    their wire types and renumbered, they land in cct's YOLO fields, and the
+    net builds the port's layer; an SSD DetectionOutput is left as it is."""
+    biases = [1.5, 2.0, 3.25, 4.0]
+    path = tmp_path / "yolo.binaryproto"
+    path.write_bytes(detection_net(yolo_detection_bytes(biases)))
+    p = prototxt.read_net(str(path)).layer[1].detection_output_param
+    assert (p.side, p.num_classes, p.num_box, p.coords) == (7, 3, 2, 4)
+    assert p.confidence_threshold == np.float32(0.25) and p.nms_threshold == np.float32(0.4)
+    assert list(p.biases) == biases and p.label_map_file == "labels.txt"
+    assert not p.HasField("share_location") and not p.HasField("background_label_id")
+    net = cct.Net(str(path), cct.TEST)
+    assert type(net.layers[1]).__name__ == "YoloDetectionOutput"
+    ssd = caffe_pb2.DetectionOutputParameter(num_classes=21, share_location=True, background_label_id=0,
+                                             keep_top_k=200, confidence_threshold=0.01, code_type=2)
+    ssd.nms_param.nms_threshold = 0.45
+    path.write_bytes(detection_net(ssd.SerializeToString()))
+    assert prototxt.read_net(str(path)).layer[1].detection_output_param == ssd
