@@ -26,6 +26,9 @@ so only the first run on a machine pays the compile time. numba itself is
 imported on a kernel's first call (it was a quarter of `import cct`'s time):
 `cct --help`, or a script that only reads weights, needs none of it. The first
 call compiles under a lock, so partitions starting at once compile a kernel once.
+numba's own start-up on the first kernel (its typing and lowering registries,
+about a second) begins in a thread when a net is built (warm_up), beside the
+net's construction and its weights' loading.
 """
 import functools
 import os
@@ -78,3 +81,31 @@ def _compile(function):
         # No writable cache place (a read-only install and no usable home or
         # NUMBA_CACHE_DIR): compile in memory, every process anew.
         return numba.njit(nogil=True, error_model="numpy")(function)
+
+
+_warming = None
+
+
+def warm_up():
+    """Start numba's one-time start-up on a daemon thread, once per process:
+    the first kernel a net calls then finds it done or under way. A failure
+    here is left for that call to raise, where it names its kernel."""
+    global _warming
+    with _compile_lock:
+        if _warming is not None:
+            return
+        _warming = threading.Thread(target=_warm, name="cct-numba-warm-up", daemon=True)
+    _warming.start()
+
+
+def _warm():
+    try:
+        _touch(0)
+    except Exception:        # noqa: BLE001  (the first real kernel call reports it)
+        pass
+
+
+@kernel
+def _touch(value):
+    """A kernel that does nothing: compiling it starts numba."""
+    return value

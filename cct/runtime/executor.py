@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from cct.core.blob import Blob, Layout
 from cct.core.layer import Layer
 from cct.core.progress import Progress
+from cct.devices import jit
 from cct.runtime import fusion as fusion_module
 from cct.runtime import hybrid as hybrid_module
 from cct.runtime import memory_plan, scheduler
@@ -127,6 +128,7 @@ class Executor:
         self._forward_device = _ASK   # the device of the Net.forward under way, looked up once for its layers
         # Refused now, before the first forward touches the blobs setup mapped.
         self.memory_plan = memory_plan.net_plan(net, self)
+        jit.warm_up()                          # numba's start-up beside the rest of Net() and its weights
         self.memory_plan.check(f"net '{net.name}' ({net.source})")
 
     @property

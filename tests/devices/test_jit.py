@@ -54,3 +54,22 @@ def test_a_kernel_calls_another_kernel_of_its_module():
     assert wrapper(np.arange(4.0)) == 14.0
     assert module.square is not None and not hasattr(module.square, "python_function")   # compiled in place
     assert wrapper(np.arange(3.0)) == 5.0 and module.sum_of_squares(np.arange(2.0)) == 1.0
+
+
+def test_building_a_net_starts_numba_once_on_a_thread():
+    """Net() starts numba's start-up on a daemon thread (jit.warm_up), once per
+    process; kernels called after it, or while it runs, compute."""
+    import numpy as np
+    import cct
+    from cct.devices import jit
+    net = cct.Net('name: "w" input: "data" input_shape { dim: 1 dim: 1 dim: 4 dim: 4 }\n'
+                  'layer { name: "pool" type: "Pooling" bottom: "data" top: "pool" '
+                  'pooling_param { pool: MAX kernel_size: 2 stride: 2 } }', cct.TEST)
+    first = jit._warming
+    assert first is not None and first.daemon
+    cct.Net('name: "v" input: "data" input_shape { dim: 1 dim: 1 dim: 2 dim: 2 }', cct.TEST)
+    assert jit._warming is first                       # started once
+    net.blobs["data"].data[...] = np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4)
+    np.testing.assert_array_equal(net.forward()["pool"].ravel(), [5, 7, 13, 15])
+    first.join(timeout=60)
+    assert not first.is_alive() and not hasattr(jit._touch, "python_function")    # compiled: the wrapper replaced
