@@ -98,6 +98,19 @@ def warm_up():
     _warming.start()
 
 
+def _finish_warm_up_before_fork():
+    """A fork while the thread compiles would leave it holding numba's and
+    cct's compile locks in a child that has no such thread (the child's first
+    kernel would wait for ever): the fork waits for it first."""
+    thread = _warming
+    if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+        thread.join()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_finish_warm_up_before_fork)
+
+
 def _warm():
     try:
         _touch(0)

@@ -73,3 +73,29 @@ def test_building_a_net_starts_numba_once_on_a_thread():
     np.testing.assert_array_equal(net.forward()["pool"].ravel(), [5, 7, 13, 15])
     first.join(timeout=60)
     assert not first.is_alive() and not hasattr(jit._touch, "python_function")    # compiled: the wrapper replaced
+
+
+def test_a_fork_while_numba_starts_leaves_the_child_able_to_compile():
+    """A fork right after Net() (numba starting on its thread) waits for it,
+    so the child's kernels compile instead of waiting on a lock no thread
+    of the child holds."""
+    import os
+    import numpy as np
+    import cct
+    from cct.devices import jit
+    jit._warming = None                                 # as in a fresh process: the next Net starts it again
+    cct.Net('name: "f" input: "data" input_shape { dim: 1 dim: 1 dim: 2 dim: 2 }', cct.TEST)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            @jit.kernel
+            def doubled(values):
+                return values * 2
+
+            os.write(write, str(float(doubled(np.float64(21.0)))).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    assert os.read(read, 32) == b"42.0" and status == 0
