@@ -90,11 +90,10 @@ class PartitionedLayer:
 
     def _views(self, bottoms, tops):
         batch = bottoms[0].shape[0]
+        self.follow()
         for (start, stop), clone in zip(self._bounds(batch), self.clones):
             if start == stop:
                 continue                  # an empty partition (more partitions than samples): nothing to run
-            for view, blob in zip(clone.blobs, self.layer.blobs):
-                view.follow(blob)
             bottom_views = [BlobSlice(b, start, stop) for b in bottoms]
             # An in-place top gets the very view of its bottom, so the clone sees in-place.
             top_views = [next((v for b, v in zip(bottoms, bottom_views) if b is t), None)
