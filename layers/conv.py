@@ -31,7 +31,7 @@ import numpy as np
 
 from cct.core.blob import Layout
 from cct.core.layer import TRAIN, Layer, register
-from cct.lowering import (ConvGeometry, bind_pointwise, chooser, conv_backward, conv_backward_data, conv_backward_weights,
+from cct.lowering import (ConvGeometry, bind_conv_forward, chooser, conv_backward, conv_backward_data, conv_backward_weights,
                           conv_forward, depthwise, lowering, pointwise, type1, winograd)
 from cct.lowering import device as device_lowering
 from cct.core.workspace import thread_arena
@@ -479,10 +479,9 @@ class Convolution(_ConvolutionBase):
             return None if output_relu is not None else super().bind_forward(bottom, top)
         b, t, blobs, geom, bias_term = bottom[0], top[0], self.blobs, self.geom, self.bias_term
         chunk, keep = self._chunk(kind, b.data), self._kept(0, kind, b.data)
-        if keep is None and b.shape[0] and not geom.empty and pointwise(geom, b.shape[0]):
-            product = bind_pointwise(b.data, blobs[0].data, t.data, geom)
-            if product is not None:
-                return lambda: product(blobs[1].data if bias_term else None, output_relu)
+        bound = None if keep is not None else bind_conv_forward(b.data, blobs[0].data, geom, kind, t.data, chunk)
+        if bound is not None:
+            return lambda: bound(blobs[1].data if bias_term else None, output_relu)
 
         def forward():
             conv_forward(b.data, blobs[0].data, geom, kind, out=t.data, ws=thread_arena(), chunk=chunk,

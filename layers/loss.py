@@ -23,10 +23,30 @@ def softmax(x3, out):
     """Softmax over axis 1 of x3 (outer, channels, inner) into `out` (may be x3)."""
     if not x3.size:
         return out                    # no values (an empty batch or no channels): nothing to normalize
+    if x3.shape[2] == 1 and x3.shape[1] < 8:
+        _softmax_few_channels(x3[:, :, 0], out[:, :, 0])
+        return out
     np.subtract(x3, x3.max(axis=1, keepdims=True), out=out)
     np.exp(out, out=out)
     out /= out.sum(axis=1, keepdims=True)
     return out
+
+
+def _softmax_few_channels(x2, out):
+    """softmax over axis 1 of (outer, C < 8): a reduction over so short an
+    axis runs numpy's slow loop per row (SSD's 8,732 x 2 scores: 0.8 ms),
+    so the channels are taken a column at a time; the same numbers, as
+    numpy sums fewer than 8 values from the left."""
+    columns = range(1, x2.shape[1])
+    largest = x2[:, 0].copy()
+    for c in columns:
+        np.maximum(largest, x2[:, c], out=largest)
+    np.subtract(x2, largest[:, None], out=out)
+    np.exp(out, out=out)
+    total = out[:, 0].copy()
+    for c in columns:
+        total += out[:, c]
+    out /= total[:, None]
 
 
 def normalizer(mode, outer, inner, valid_count):

@@ -300,6 +300,7 @@ class PriorBox(Layer):
         self.img_h, self.img_w = self._pair(p, "img_size", "img_h", "img_w")
         self.step_h, self.step_w = self._pair(p, "step", "step_h", "step_w")
         self.offset = _F32(p.offset)
+        self._priors_key = self._priors = None                     # the priors of the last shapes seen
         self._device_priors_key = self._device_priors = None       # what forward_on last uploaded
 
     def _setup_sizes(self, p):
@@ -393,8 +394,16 @@ class PriorBox(Layer):
             np.clip(boxes, 0, 1, out=boxes)
         return np.stack([boxes.reshape(-1), np.resize(self.variance, boxes.size)])
 
+    def kept_priors(self, bottom):
+        """priors(bottom), made once per pair of bottom shapes: they depend
+        on the shapes alone, and making them took 0.2-1.5 ms a layer at batch 1."""
+        key = (bottom[0].height, bottom[0].width, bottom[1].height, bottom[1].width)
+        if self._priors_key != key:
+            self._priors, self._priors_key = self.priors(bottom), key
+        return self._priors
+
     def forward(self, bottom, top):
-        top[0].data[0] = self.priors(bottom)
+        top[0].data[0] = self.kept_priors(bottom)
 
     def backward(self, top, propagate_down, bottom):
         # the fork's Backward_cpu writes nothing: its bottoms' diffs stay at Caffe's zeros
@@ -412,7 +421,7 @@ class PriorBox(Layer):
         count = top[0].count
         kept = self.device_scratch(device, "priors", count)
         if self._device_priors_key != key or self._device_priors is not kept:
-            device.upload(kept, self.priors(bottom))
+            device.upload(kept, self.kept_priors(bottom))
             self._device_priors_key, self._device_priors = key, kept
         device.copy(top[0].mutable_device_data(device), kept, count)
 

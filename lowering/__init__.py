@@ -115,6 +115,22 @@ def bind_pointwise(x: FloatArray, w: FloatArray, out: FloatArray,
     return forward
 
 
+def bind_conv_forward(x: FloatArray, w: FloatArray, geom: ConvGeometry, lowering_type: int, out: FloatArray,
+                      chunk: Optional[int]) -> Optional[Callable[[Optional[FloatArray], Optional[float]], None]]:
+    """conv_forward's numbers for these arrays, with nothing kept for a
+    backward, as one call of (bias, relu) bound now, where conv_forward would
+    take a path that has a bound form: the pointwise product, or type 1's
+    one-image lowering of a small image (type1.bind_one_image); else None."""
+    n = x.shape[0]
+    if n == 0 or geom.empty or not _whole(n, chunk):
+        return None
+    if pointwise(geom, n):
+        return bind_pointwise(x, w, out, geom)
+    if depthwise.applies(geom) or lowering(lowering_type) is not type1:
+        return None
+    return type1.bind_one_image(x, w, geom, out)
+
+
 def _zeros(shape: Shape4, dtype: npt.DTypeLike, out: Optional[FloatArray]) -> FloatArray:
     if out is None:
         return np.zeros(shape, dtype)
@@ -218,5 +234,5 @@ def conv_backward_weights(x: FloatArray, dy: FloatArray, geom: ConvGeometry, low
     return out
 
 
-__all__ = ["ConvGeometry", "LOWERINGS", "lowering", "conv_forward", "bind_pointwise", "conv_backward_data",
+__all__ = ["ConvGeometry", "LOWERINGS", "lowering", "conv_forward", "bind_pointwise", "bind_conv_forward", "conv_backward_data",
            "conv_backward_weights", "conv_backward"]

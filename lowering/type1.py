@@ -39,7 +39,7 @@ Workspace slots (see cct.lowering.chunking): "padded" (C, N, Hp, Wp),
 (C, Hp, Wp, N) or (N, C, Hp, Wp), "lowered" D1, "product" Y (image-major:
 the per-image weight gradients, Kg <= OH*OW), "output" dY channels first.
 """
-from typing import Optional, Tuple, cast
+from typing import Callable, Optional, Tuple, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -404,6 +404,46 @@ def forward_in_bands(x: FloatArray, w: FloatArray, geom: ConvGeometry, rows: int
         np.copyto(band.reshape(view.shape[:4] + (stop - top, width)), view[..., top:stop, :])
         np.matmul(kernel, band.reshape(geom.group, -1, band.shape[1]), out=product[..., top * width:stop * width])
     return finish(out, bias, relu)
+
+
+# A bound one-image forward keeps buffers of its own up to this size: below
+# it the call's Python (workspace, padding, checks) cost more than the GEMM.
+BOUND_LOWERED_BYTES = 256 * 1024
+
+
+def bind_one_image(x: FloatArray, w: FloatArray, geom: ConvGeometry,
+                   out: FloatArray) -> Optional[Callable[[Optional[FloatArray], Optional[float]], None]]:
+    """forward(x, w, geom, out)'s numbers for one image as one call of (bias,
+    relu), its padded input and lowered matrix kept here and its views made
+    now; None where forward would take another path (several images, bands,
+    the image-major or batch-inner orders, strides along the width or
+    dilation, strided arrays, another dtype) or the lowered matrix is over
+    BOUND_LOWERED_BYTES. For an execution plan, whose arrays stay while its
+    layout does."""
+    m = geom.out_h * geom.out_w
+    rows = geom.channels * geom.kernel_h * geom.kernel_w
+    if (x.shape[0] != 1 or image_major(geom, 1) or batch_inner(geom, 1) or band_rows(geom, 1, x.dtype.itemsize)
+            or geom.stride_w != 1 or geom.dilation_h != 1 or geom.dilation_w != 1 or w.dtype != x.dtype
+            or rows * m * x.dtype.itemsize > BOUND_LOWERED_BYTES
+            or not (x.flags.c_contiguous and w.flags.c_contiguous and out.flags.c_contiguous)):
+        return None
+    padded = np.zeros((geom.channels, 1, geom.padded_h, geom.padded_w), x.dtype) if geom.has_border else None
+    xp = x.transpose(1, 0, 2, 3) if padded is None else padded
+    inside = None if padded is None else padded[:, 0, geom.pad_h:geom.pad_h + geom.in_h,
+                                                geom.pad_w:geom.pad_w + geom.in_w]
+    image = x[0]
+    cols = np.empty((rows, m), x.dtype)
+    weights, lowered = _kernel_matrix(w, geom, x.dtype), cols.reshape(geom.group, -1, m)
+    product = out.reshape(geom.group, -1, m)
+    sizes = (geom.kernel_h, geom.kernel_w, geom.stride_h, geom.out_h, geom.out_w)
+
+    def forward(bias: Optional[FloatArray], relu: Optional[float]) -> None:
+        if inside is not None:
+            inside[...] = image                     # the border stays the zeros it was made with
+        _lower_one_image(xp, *sizes, cols)
+        np.matmul(weights, lowered, out=product)
+        finish(out, bias, relu)
+    return forward
 
 
 def _lowered(x: FloatArray, geom: ConvGeometry, ws: Workspace, inner: bool) -> FloatArray:

@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from cct.lowering import (LOWERINGS, ConvGeometry, conv_backward, conv_backward_data, conv_backward_weights,
+from cct.lowering import (LOWERINGS, ConvGeometry, bind_conv_forward, conv_backward, conv_backward_data, conv_backward_weights,
                           conv_forward, lowering, pointwise, reference, type1)
 from cct.lowering.chunking import band_slot_bytes, slot_bytes
 
@@ -637,3 +637,26 @@ def test_finish_writes_through_a_view_it_cannot_flatten():
             want = np.maximum(want, 0) if relu == 0 else np.where(want > 0, want, want * np.float32(relu))
         assert finish(out, bias, relu) is out
         assert out.tobytes() == np.ascontiguousarray(want).tobytes()
+
+
+@pytest.mark.parametrize("geom", [ConvGeometry(256, 8, 1, 1, 3, 3, pad_h=1, pad_w=1),      # res10's last heads
+                                  ConvGeometry(128, 256, 3, 3, 3, 3),
+                                  ConvGeometry(8, 12, 9, 7, 3, 2, stride_h=2, pad_h=1, pad_w=2, group=2),
+                                  ConvGeometry(6, 4, 5, 6, 2, 2)])                           # no border
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("relu", [None, 0.0, 0.1])
+def test_bound_one_image_forward_gives_the_per_call_bits(geom, dtype, relu):
+    """A plan's bound one-image lowering (type1.bind_one_image) against
+    conv_forward's per-call path, bias and output ReLU included, called twice
+    (the kept padded frame's border must stay zero)."""
+    x, w, _ = arrays(geom, batch=1, dtype=dtype)
+    bias = np.random.default_rng(3).standard_normal(geom.num_output).astype(dtype)
+    expected = conv_forward(x, w, geom, 1, out=np.empty(geom.output_shape(1), dtype), bias=bias, relu=relu)
+    out = np.full(geom.output_shape(1), np.nan, dtype)
+    bound = bind_conv_forward(x, w, geom, 1, out, None)
+    assert bound is not None
+    for _ in range(2):
+        bound(bias, relu)
+        assert np.array_equal(out, expected)
+    assert bind_conv_forward(np.concatenate([x, x]), w, geom, 1, np.empty(geom.output_shape(2), dtype), None) is None
+    assert bind_conv_forward(x, w, geom, 3, out, None) is None
