@@ -94,7 +94,7 @@ def graph_on_this_thread(solver, count):
     from cct.runtime import graph
     from cct.training.windows import SolverUpdates
     schedule = solver._stream_schedule(count)
-    runner = graph.Runner(solver.net, SolverUpdates(solver))
+    runner = graph.Runner(solver.net, solver.net.executor.steps(), SolverUpdates(solver))
     first = solver.iter
     for task in graph.topological_order(graph.Graph(schedule.tasks, schedule.edges), lambda ready: ready[0]):
         runner.alone(task, schedule.widths[task])
@@ -178,7 +178,7 @@ def trace_figures(solver):
     schedule = solver.net.executor.stream_schedule()
     solver.net.forward()
     from cct.runtime import scheduler
-    scheduler.run_on_streams(solver.net, schedule)
+    scheduler.run_on_streams(schedule)
     spans = schedule.trace
     span = max(s.end for s in spans) - min(s.ready for s in spans)
     busy = sum(s.end - s.start for s in spans)

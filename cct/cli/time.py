@@ -183,7 +183,7 @@ def _time_streams(net, trace_path, tuned=False):
         if tuned:
             schedule.tune(_tuned_counts(net, schedule))
         net._forward()
-        scheduler.run_on_streams(net, schedule)
+        scheduler.run_on_streams(schedule)
     finally:                               # the executor's streams schedule, shared with "streams"
         schedule.tuner = None
         schedule.times, schedule.priority = alone
@@ -220,7 +220,7 @@ def _tuned_counts(net, schedule):
     """The backward's sub-tasks profiled at each thread count (a forward, then
     one backward per profiling step), their times and counts logged."""
     from cct.runtime import tuner as tuner_module
-    tuner = tuner_module.Tuner(schedule, cache=tuner_module.cache_path(net, scope="backward"))
+    tuner = tuner_module.Tuner(schedule, cache=tuner_module.cache_path(net, schedule.steps, scope="backward"))
     while not tuner.done:
         net._forward()
         tuner.profile_step()

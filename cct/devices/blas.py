@@ -59,6 +59,11 @@ class BlasThreads:
         library): a call into each, not threadpoolctl's scan of the process."""
         return max([lib.get_num_threads() for lib in self._libraries] or [1])
 
+    def identity(self):
+        """(internal API, version, architecture) of each library: what a
+        timing measured through them depends on."""
+        return [(lib.internal_api, lib.version, getattr(lib, "architecture", None)) for lib in self._libraries]
+
     def restore(self):
         """Back to the process's default count, in every library."""
         self.set(self.default)

@@ -25,6 +25,7 @@ Events: `subscribe(kind, callback)` with kind before_forward, after_forward,
 before_backward or after_backward calls callback(layer_index) around every
 layer forward(i) or backward(i) runs (pycaffe's Net.before_forward & co.).
 """
+import functools
 import logging
 import time
 import weakref
@@ -641,7 +642,7 @@ class Executor:
 
     def _backward_in(self, mode: str) -> None:
         if mode in ("streams", "tuned"):       # a backward alone is not tuned: streams
-            scheduler.run_on_streams(self.net, self.stream_schedule())
+            scheduler.run_on_streams(self.stream_schedule())
             return
         last = len(self.net.layers) - 1
         plan = self._backward_plan()
@@ -666,8 +667,14 @@ class Executor:
         partitions (built once for each)."""
         key = self.shape_key()
         if self._streams is None or self._streams[0] != key:
-            self._streams = (key, scheduler.Schedule(self.net, **self.settings.priorities))
+            self._streams = (key, scheduler.Schedule(self.net, self.steps(), **self.settings.priorities))
         return self._streams[1]
+
+    def steps(self) -> "Steps":
+        """The net's sub-tasks as this executor runs them at its current
+        shapes (cct.runtime.graph.Steps): what the schedules and the tuner
+        are handed, so that they never call the executor by name."""
+        return Steps(self)
 
     # --- choosing p per layer by measurement ---------------------------------------
     def tune(self, candidates: Optional[List[int]] = None, repeats: int = 2) -> Dict[str, int]:
@@ -714,3 +721,20 @@ class Executor:
             if needs_backward:
                 self.backward(index)
         return (time.perf_counter() - start) / repeats
+
+
+class Steps:
+    """cct.runtime.graph.Steps for an executor at the shapes, partitions and
+    thread count it had when made: a sub-task's layer forward, backward or
+    split gradient in the layer's batch partitions, the BLAS count left to
+    the schedule that runs it."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.threads, self.blas, self.config = executor.threads, executor.blas, executor.settings.config
+        self.identity = executor.shape_key()
+        self.partitions = executor.partitions
+        self.forward = functools.partial(executor.forward, set_blas=False)
+        self.backward = executor.layer_backward
+        self.backward_data = executor.layer_backward_data
+        self.backward_param = executor.layer_backward_param
+        self.finish = executor.finish

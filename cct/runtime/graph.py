@@ -45,7 +45,7 @@ from typing import Protocol
 
 import numpy as np
 
-from cct.runtime.threads import run_all
+from cct.runtime.threads import run_all, workers
 
 CLEAR, FORWARD, BACKWARD_PARAM, BACKWARD_DATA, BACKWARD, SUM, RATE, UPDATE = (
     "clear", "forward", "backward_param", "backward_data", "backward", "sum", "rate", "update")
@@ -212,6 +212,40 @@ def build(net, iterations=1, update=True, drop=(), splits=None, clip=False, pass
     return Graph(tasks, edges)
 
 
+class Blas(Protocol):
+    """The process's BLAS thread count, as the sub-tasks that call BLAS at once share it."""
+    current: int
+
+    def set(self, count: int) -> None: ...
+
+    def identity(self) -> list: ...                          # the libraries a timing ran through
+
+
+class Steps(Protocol):
+    """What the sub-tasks of a net run, and what sizes them, for its current
+    shapes: the one way the graph's runner, the schedules and the tuner reach
+    the net's execution (cct.runtime.executor.Executor.steps hands it down;
+    they never name the executor). `threads`: the cores the net runs on;
+    `blas`: the process's BLAS count; `config`: the run configuration, or
+    None; `identity`: the shapes, partitions and count the steps are for."""
+    threads: int
+    blas: Blas
+    config: object
+    identity: tuple
+
+    def partitions(self, layer: int) -> int: ...             # the layer's batch partitions
+
+    def forward(self, layer: int) -> float: ...              # its weighted loss; the BLAS count left as it is
+
+    def backward(self, layer: int) -> None: ...
+
+    def backward_data(self, layer: int) -> None: ...
+
+    def backward_param(self, layer: int, param: int) -> None: ...
+
+    def finish(self) -> None: ...                            # after the last sub-task: every BLAS thread again
+
+
 class Updates(Protocol):
     """What whole-iteration sub-tasks ask of a training loop: the one way the
     runtime reaches it (cct.training.windows.SolverUpdates gives a solver's).
@@ -242,8 +276,8 @@ class Runner:
     many iterations ran. `losses`: each forward's weighted loss, by
     (iteration, pass, layer)."""
 
-    def __init__(self, net, updates=None):
-        self.net = net
+    def __init__(self, net, steps, updates=None):
+        self.net, self.steps = net, steps
         self.updates = updates
         if updates is not None:
             updates.start()
@@ -253,11 +287,11 @@ class Runner:
     def __call__(self, task, threads=1):
         """Run `task`; a clear or an update on `threads` threads at once (the
         caller's and the workers it holds)."""
-        net = self.net
+        steps = self.steps
         if task.kind == CLEAR:
-            clear(net.learnable_params[task.param].diff, net.executor, threads)
+            clear(self.net.learnable_params[task.param].diff, threads)
         elif task.kind == FORWARD:
-            self.losses[task.iteration, task.pass_, task.layer] = net.executor.forward(task.layer, set_blas=False)
+            self.losses[task.iteration, task.pass_, task.layer] = steps.forward(task.layer)
         elif task.kind == SUM:
             self.updates.sum_gradients(task.param)
         elif task.kind == RATE:
@@ -267,11 +301,11 @@ class Runner:
             self.updates.update(task.param, threads)
         else:
             if task.kind == BACKWARD_PARAM:
-                net.executor.layer_backward_param(task.layer, task.param)
+                steps.backward_param(task.layer, task.param)
             elif task.kind == BACKWARD_DATA:
-                net.executor.layer_backward_data(task.layer)
+                steps.backward_data(task.layer)
             else:
-                net.executor.layer_backward(task.layer)
+                steps.backward(task.layer)
 
     def alone(self, task, width):
         """Run `task` on this thread at `width`, (cores, BLAS count) as a
@@ -280,7 +314,7 @@ class Runner:
         its plan's)."""
         cores, blas = width
         if blas is not None:
-            self.net.executor.blas.set(blas)
+            self.steps.blas.set(blas)
         self(task, cores if task.layer < 0 else 1)
 
     def finish(self):
@@ -298,7 +332,7 @@ class Runner:
         return total / len(passes)
 
 
-def clear(diff, executor, threads=1):
+def clear(diff, threads=1):
     """Zero `diff` in `threads` contiguous pieces at once (a memset: the
     bandwidth of one core does not fill the memory's)."""
     if threads == 1 or not diff.flags.c_contiguous:
@@ -309,7 +343,7 @@ def clear(diff, executor, threads=1):
 
     def zero(start, stop):
         flat[start:stop] = 0
-    run_all(executor.workers(threads), zero, zip(edges[:-1], edges[1:]))
+    run_all(workers(threads), zero, zip(edges[:-1], edges[1:]))
 
 
 def topological_order(graph, choose):

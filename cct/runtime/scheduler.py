@@ -158,8 +158,8 @@ class Schedule:
     gradients of one iteration deferred past the next one's forward as far as
     the derived edges allow. Built for the net's current shapes and needs."""
 
-    def __init__(self, net, alpha=ALPHA, beta=BETA, times=None, updates=None, iterations=1):
-        self.net, self.updates = net, updates
+    def __init__(self, net, steps, alpha=ALPHA, beta=BETA, times=None, updates=None, iterations=1):
+        self.net, self.steps, self.updates = net, steps, updates
         self.sums = ()              # per unit of the MPI gradient sums, its parameters
         self.alpha, self.beta = alpha, beta
         if updates is None:
@@ -183,7 +183,7 @@ class Schedule:
         self.widths = self._widths(clip=updates is not None and updates.clips)
         # the budget the widths share: the executor's threads, or more where
         # a layer was asked for more batch partitions than that
-        self.cores = max([net.executor.threads] + [cores for cores, _ in self.widths.values()])
+        self.cores = max([steps.threads] + [cores for cores, _ in self.widths.values()])
         self.tuner = None                   # a done cct.runtime.tuner.Tuner: the "tuned" schedule's counts (tune())
         self.trace = []                     # Span per sub-task of the last run
 
@@ -196,13 +196,13 @@ class Schedule:
         core, so they fill in beside each other and before the next forward;
         the rate too, unless it clips the gradients (a dot product over all
         of them, in BLAS); a gradient sum on none."""
-        executor, widths = self.net.executor, {}
-        total = executor.threads
+        steps, widths = self.steps, {}
+        total = steps.threads
         for task in self.tasks:
             if task.kind == graph_module.SUM:
                 widths[task] = (0, None)
             elif task.layer >= 0:
-                partitions = executor.partitions(task.layer)
+                partitions = steps.partitions(task.layer)
                 widths[task] = (partitions, max(1, total // partitions)) if partitions > 1 else (total, total)
             elif task.kind == graph_module.RATE and clip:
                 widths[task] = (total, total)
@@ -255,7 +255,7 @@ class Schedule:
     def profile(self, runs=2):
         """Measure each sub-task's time (sequentially, `runs` times, keeping the
         fastest) and recompute the priorities from the measurements."""
-        run = graph_module.Runner(self.net)
+        run = graph_module.Runner(self.net, self.steps)
         best = {}
         for _ in range(runs):
             for task in self.tasks:
@@ -316,15 +316,14 @@ class _RunState:
 
     def __init__(self, schedule, stream_count, delay):
         self.schedule, self.delay = schedule, delay
-        self.runner = graph_module.Runner(schedule.net, schedule.updates)
+        self.runner = graph_module.Runner(schedule.net, schedule.steps, schedule.updates)
         self.waiting = {task: len(schedule.edges[task]) for task in schedule.tasks}
         self.order = {task: index for index, task in enumerate(schedule.tasks)}
         self.ready = [[] for _ in range(stream_count)]    # per stream: heap of (iteration, pass, -priority, order, task)
         self.became_ready, self.spans = {}, {}
         self.left, self.failure = len(schedule.tasks), None
         self.condition = threading.Condition()
-        executor = schedule.net.executor
-        self.blas = executor.blas
+        self.blas = schedule.steps.blas
         self.idle = schedule.cores
         self.pool = list(threads_module.workers(schedule.cores))     # leased to sub-tasks, a part each
         # one arena per sub-task that may run at once: the calling thread's
@@ -512,9 +511,9 @@ def dispatch_costs(trace):
     return costs
 
 
-def run_on_streams(net, schedule):
+def run_on_streams(schedule):
     """schedule.run(), every BLAS thread given back after; returns its graph.Runner."""
     try:
         return schedule.run()
     finally:
-        net.executor.finish()
+        schedule.steps.finish()

@@ -67,10 +67,9 @@ class Tuner:
         self.fixed = {}                  # key -> seconds at its fixed width (the fastest seen)
         self.climbing = set()
         self.pinned = {}                 # key -> the count the run configuration fixes ("threads")
-        net = schedule.net
-        config = net.executor.settings.config
+        net, config = schedule.net, schedule.steps.config
         for task in schedule.tasks:
-            if not self.tunable(net, task):
+            if not self.tunable(schedule, task):
                 continue
             count = config.value(net.layers[task.layer].name, "threads") if config else None
             if count is not None:
@@ -84,9 +83,9 @@ class Tuner:
             self._load()
 
     @staticmethod
-    def tunable(net, task):
-        return (task.layer >= 0 and net.executor.partitions(task.layer) == 1
-                and bool(net.bottom_vecs[task.layer]))
+    def tunable(schedule, task):
+        return (task.layer >= 0 and schedule.steps.partitions(task.layer) == 1
+                and bool(schedule.net.bottom_vecs[task.layer]))
 
     @property
     def done(self):
@@ -104,7 +103,7 @@ class Tuner:
         timed at its count; returns the graph.Runner that ran it."""
         schedule, net = self.schedule, self.schedule.net
         began = time.perf_counter()
-        runner = graph_module.Runner(net, schedule.updates)
+        runner = graph_module.Runner(net, schedule.steps, schedule.updates)
         for task in schedule.tasks:
             key = key_of(task)
             if key in self.tried:
@@ -120,7 +119,7 @@ class Tuner:
             else:
                 self.fixed[key] = min(seconds, self.fixed.get(key, seconds))
         runner.finish()
-        net.executor.finish()
+        schedule.steps.finish()
         self.steps += 1
         self.seconds += time.perf_counter() - began
         if not self.climbing or self.steps >= len(self.counts):
@@ -231,16 +230,13 @@ def op_type(net, key):
     return net.layers[layer].type, kind, param
 
 
-def cache_path(net, scope="iteration"):
-    """Where the profile of `net` at its current shapes, partitions and thread
+def cache_path(net, steps, scope="iteration"):
+    """Where the profile of `net` at its steps' shapes, partitions and thread
     count on this machine is kept: of whole training iterations, or of the
     backward alone (scope "backward": `cct time`)."""
-    executor = net.executor
-    libraries = [(lib.internal_api, lib.version, getattr(lib, "architecture", None))
-                 for lib in executor.blas._libraries]
+    shapes, partitions, threads = steps.identity
     identity = json.dumps([net.net_param.SerializeToString(deterministic=True).hex(),
-                           [list(shape) for shape in executor.shape_key()[0]], list(executor.shape_key()[1]),
-                           executor.threads, platform.node(), platform.machine(), os.cpu_count(), libraries,
-                           scope],
+                           [list(shape) for shape in shapes], list(partitions), threads, platform.node(),
+                           platform.machine(), os.cpu_count(), steps.blas.identity(), scope],
                           default=str)
     return settings.cache_dir() / "tuned" / (hashlib.sha256(identity.encode()).hexdigest()[:24] + ".json")

@@ -125,7 +125,7 @@ class ScheduleWindows:
         first = self.iter
         if self.gradient_sum is not None:
             self.gradient_sum.on_window()
-        runner = scheduler.run_on_streams(self.net, self._stream_schedule(count))
+        runner = scheduler.run_on_streams(self._stream_schedule(count))
         self._count_iterations([runner.loss(k) for k in range(count)], first)
 
     def _count_iterations(self, losses, first):
@@ -159,7 +159,7 @@ class ScheduleWindows:
             schedule = self._stream_schedule(count, tuned=True)
             if schedule.tuner is not tuner:
                 schedule.tune(tuner)
-            runner = scheduler.run_on_streams(self.net, schedule)
+            runner = scheduler.run_on_streams(schedule)
             losses += [runner.loss(k) for k in range(count)]
         self._count_iterations(losses, first)
 
@@ -167,8 +167,8 @@ class ScheduleWindows:
         """The profile of the net's current shapes and partitions."""
         key = self.net.executor.shape_key()
         if key not in self._tuners:
-            self._tuners[key] = tuner_module.Tuner(self._stream_schedule(1),
-                                                   cache=tuner_module.cache_path(self.net))
+            schedule = self._stream_schedule(1)
+            self._tuners[key] = tuner_module.Tuner(schedule, cache=tuner_module.cache_path(self.net, schedule.steps))
         return self._tuners[key]
 
     def _stream_schedule(self, count, tuned=False):
@@ -178,6 +178,6 @@ class ScheduleWindows:
         key = (count, tuned) + self.net.executor.shape_key()
         if key not in self._stream_schedules:
             self._stream_schedules[key] = scheduler.Schedule(
-                net, updates=SolverUpdates(self), iterations=count, **run_config.priorities())
+                net, net.executor.steps(), updates=SolverUpdates(self), iterations=count, **run_config.priorities())
         return self._stream_schedules[key]
 

@@ -36,6 +36,15 @@ def test_the_plan_and_fusion_never_call_the_executor(module):
                    any("executor" in alias.name for alias in node.names) for node in imports)
 
 
+@pytest.mark.parametrize("module", ["scheduler.py", "graph.py", "tuner.py"])
+def test_the_schedules_reach_the_net_through_its_steps(module):
+    """The streams, their runner and the tuner get a graph.Steps from the
+    executor (Executor.steps) and call that, never the executor by name."""
+    used = [(name, line) for name, line in names(tree(RUNTIME / module))
+            if "executor" in name.lower() and name != "ThreadPoolExecutor"]    # (a stream's own thread)
+    assert not used, f"{module} reaches the executor at {used}"
+
+
 def test_the_executor_hands_the_plan_and_fusion_no_self():
     """A callee given the executor could call it back: it gets values."""
     passed = []

@@ -24,9 +24,9 @@ def layer(net, name):
 
 def priorities(net, times=None):
     """{(kind, layer name, param): priority}, each sub-task timed 1 s unless `times` says."""
-    base = scheduler.Schedule(net)
+    base = scheduler.Schedule(net, net.executor.steps())
     given = {task: (times or {}).get(net.layer_names[task.layer], 1.0) for task in base.tasks}
-    schedule = scheduler.Schedule(net, alpha=0.25, beta=0.5, times=given)
+    schedule = scheduler.Schedule(net, net.executor.steps(), alpha=0.25, beta=0.5, times=given)
     return {(task.kind, net.layer_names[task.layer], task.param): schedule.priority[task]
             for task in schedule.tasks}, schedule
 

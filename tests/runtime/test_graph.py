@@ -62,7 +62,7 @@ def weights(solver):
 def run_in_random_order(solver, seed, drop=()):
     unrolled = graph.build(solver.net, ITERATIONS, drop=drop)
     chooser = random.Random(seed)
-    run = graph.Runner(solver.net, SolverUpdates(solver))
+    run = graph.Runner(solver.net, solver.net.executor.steps(), SolverUpdates(solver))
     for task in graph.topological_order(unrolled, lambda ready: chooser.choice(ready)):
         run(task)
     return weights(solver)
@@ -84,7 +84,7 @@ def assert_same(ours, theirs):
 def test_the_sequential_order_is_the_solvers(source, sequential):
     solver = make_solver(source)
     unrolled = graph.build(solver.net, ITERATIONS)
-    run = graph.Runner(solver.net, SolverUpdates(solver))
+    run = graph.Runner(solver.net, solver.net.executor.steps(), SolverUpdates(solver))
     for task in unrolled.tasks:
         run(task)
     assert_same(weights(solver), sequential)
@@ -241,8 +241,8 @@ def test_any_order_with_the_sums_gives_the_same_weights_and_sums(source, sequent
     in_order = make_solver(source)
     in_order.gradient_sum = RecordedSums(in_order.net, units)
     chooser = random.Random(seed)
-    run = graph.Runner(solver.net, SolverUpdates(solver))
-    reference = graph.Runner(in_order.net, SolverUpdates(in_order))
+    run = graph.Runner(solver.net, solver.net.executor.steps(), SolverUpdates(solver))
+    reference = graph.Runner(in_order.net, in_order.net.executor.steps(), SolverUpdates(in_order))
     for task in graph.topological_order(unrolled, lambda ready: chooser.choice(ready)):
         run(task)
     for task in unrolled.tasks:
@@ -261,9 +261,10 @@ def test_the_streams_run_the_sums_on_a_stream_of_their_own(source, sequential, s
     solver = make_solver(source)
     units = [(p,) for p in reversed(range(len(solver.net.learnable_params)))]
     solver.gradient_sum = RecordedSums(solver.net, units)
-    schedule = scheduler.Schedule(solver.net, updates=SolverUpdates(solver), iterations=ITERATIONS)
+    schedule = scheduler.Schedule(solver.net, solver.net.executor.steps(), updates=SolverUpdates(solver),
+                                  iterations=ITERATIONS)
     shaker = random.Random(seed)
-    scheduler.run_on_streams(solver.net, schedule) if seed == 0 else schedule.run(
+    scheduler.run_on_streams(schedule) if seed == 0 else schedule.run(
         delay=lambda task: shaker.random() * 2e-4)
     assert_same(weights(solver), sequential)
     sums = [span for span in schedule.trace if span.task.kind == graph.SUM]

@@ -59,7 +59,7 @@ def assert_bitwise(ours, theirs):
 
 def test_streams_give_the_sequential_gradients(sequential):
     net = make_net()
-    scheduler.run_on_streams(net, scheduler.Schedule(net))
+    scheduler.run_on_streams(scheduler.Schedule(net, net.executor.steps()))
     assert_bitwise(gradients(net), sequential)
 
 
@@ -67,7 +67,7 @@ def test_streams_give_the_sequential_gradients(sequential):
 def test_random_delays_on_every_stream_change_nothing(sequential, seed):
     net = make_net()
     shaker = random.Random(seed)
-    loose(scheduler.Schedule(net)).run(delay=lambda task: shaker.random() * 2e-4)
+    loose(scheduler.Schedule(net, net.executor.steps())).run(delay=lambda task: shaker.random() * 2e-4)
     assert_bitwise(gradients(net), sequential)
 
 
@@ -76,7 +76,7 @@ def test_without_one_derived_edge_some_timing_differs(sequential):
     the top diff before its data gradient overwrites it; without that edge,
     delaying the bias gradient changes it."""
     net = make_net()
-    schedule = loose(scheduler.Schedule(net))
+    schedule = loose(scheduler.Schedule(net, net.executor.steps()))
     scale = net.layer_names.index("scale")
     bias_gradient = next(task for task in schedule.tasks if (task.kind, task.layer, task.param)
                          == (graph.BACKWARD_PARAM, scale, 1))
@@ -90,7 +90,7 @@ def test_without_one_derived_edge_some_timing_differs(sequential):
 
 def test_one_stream_per_sub_task_type_whatever_the_depth():
     net = make_net()
-    schedule = scheduler.Schedule(net)
+    schedule = scheduler.Schedule(net, net.executor.steps())
     used = {scheduler.stream_of(task) for task in schedule.tasks}
     assert used == {scheduler.DATA_STREAM, scheduler.WEIGHT_STREAM, scheduler.OTHER_STREAM}
     assert all(scheduler.stream_of(task) == scheduler.WEIGHT_STREAM
@@ -100,9 +100,9 @@ def test_one_stream_per_sub_task_type_whatever_the_depth():
 def test_priorities_follow_the_critical_path():
     net = make_net()
     index = {name: i for i, name in enumerate(net.layer_names)}
-    base = scheduler.Schedule(net)
+    base = scheduler.Schedule(net, net.executor.steps())
     times = {task: 1.0 for task in base.tasks}              # every sub-task 1 s: paths count layers
-    schedule = scheduler.Schedule(net, alpha=0.25, beta=0.5, times=times)
+    schedule = scheduler.Schedule(net, net.executor.steps(), alpha=0.25, beta=0.5, times=times)
 
     def priority(kind, name, param=-1):
         return next(schedule.priority[t] for t in schedule.tasks if (t.kind, t.layer, t.param) == (kind, index[name], param))
@@ -121,7 +121,7 @@ def test_a_ready_sub_task_never_waits_behind_a_lower_priority_one():
     """From the trace: a sub-task handed to its stream while a higher-priority
     sub-task of the same stream was already ready is an inversion; there are none."""
     net = make_net()
-    schedule = loose(scheduler.Schedule(net))
+    schedule = loose(scheduler.Schedule(net, net.executor.steps()))
     shaker = random.Random(3)
     schedule.run(delay=lambda task: shaker.random() * 3e-4)
     inversions = [(span.task, other.task) for span in schedule.trace for other in schedule.trace
@@ -138,7 +138,7 @@ def test_sub_tasks_at_once_never_hold_more_cores_than_the_budget(monkeypatch):
     monkeypatch.setattr(blas_module, "_blas", None)
     with threadpool_limits(limits=2, user_api="blas"):
         net = make_net()
-        schedule = scheduler.Schedule(net)
+        schedule = scheduler.Schedule(net, net.executor.steps())
         assert schedule.cores == 2
         shaker = random.Random(4)
         schedule.run(delay=lambda task: shaker.random() * 2e-4)

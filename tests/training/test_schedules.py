@@ -249,7 +249,7 @@ def test_the_next_iterations_forward_does_not_wait_for_the_whole_update():
     conv1 = net.layers[net.layer_names.index("conv1")]
     bias = next(p for p, blob in enumerate(net.learnable_params) if blob is conv1.blobs[1])
     late = graph.Task(graph.UPDATE, param=bias, iteration=0)
-    schedule = loose(scheduler.Schedule(net, updates=SolverUpdates(solver), iterations=3))
+    schedule = loose(scheduler.Schedule(net, net.executor.steps(), updates=SolverUpdates(solver), iterations=3))
     schedule.run(delay=lambda task: 0.05 if task == late else 0.0)
     spans = {span.task: span for span in schedule.trace}
     assert spans[graph.Task(graph.FORWARD, net.layer_names.index("data"), iteration=1)].start < spans[late].end
