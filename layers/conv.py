@@ -32,7 +32,7 @@ import numpy as np
 from cct.core.blob import Layout
 from cct.core.layer import TRAIN, Layer, register
 from cct.lowering import (ConvGeometry, bind_conv_forward, chooser, conv_backward, conv_backward_data, conv_backward_weights,
-                          conv_forward, depthwise, lowering, pointwise, type1, winograd)
+                          conv_forward, depthwise, lowering, pointwise, type1, type3, winograd)
 from cct.lowering import device as device_lowering
 from cct.core.workspace import thread_arena
 from cct.lowering.chunking import DEFAULT_BUDGET_MB, band_slot_bytes, cache_chunk, chunk_size, slot_bytes
@@ -524,11 +524,18 @@ class Convolution(_ConvolutionBase):
         if len(bottom) != 1 or self._owner is not self:
             return super().bind_backward(top, propagate_down, bottom)
         t, down, b, chunk = top[0], propagate_down[0], bottom[0], self._chunk(kind, bottom[0].data)
+        pointwise_backward = None if kind != 3 or self.geom.empty else type3.bind_pointwise_backward(
+            b.data, t.diff, self.blobs[0].data, self.geom, b.diff)
 
         def backward():
             if self.bias_term and self.param_propagate_down[1]:
                 self._bias_gradient(top)
-            self._backward_bottom(0, t, down, b, kind, chunk)
+            if pointwise_backward is None:
+                self._backward_bottom(0, t, down, b, kind, chunk)
+                return
+            dw = pointwise_backward(down, self.param_propagate_down[0])
+            if dw is not None:
+                self.blobs[0].diff[...] += dw
         return backward
 
     def _weight_gradient(self, top, bottom, kind, arena):

@@ -15,7 +15,7 @@ dD3 = K3^T @ dZ (into D3's buffer, then crop the padding).
 Workspace slots (see cct.lowering.chunking): "padded" D3, "product" Z,
 "output" y or dy channels first.
 """
-from typing import Optional, Tuple, cast
+from typing import Callable, Optional, Tuple, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -62,6 +62,35 @@ def unlift(dy: FloatArray, geom: ConvGeometry, ws: Workspace = FRESH) -> FloatAr
         for j in range(geom.kernel_w):
             dz[:, i, j, :, geom.rows(i), geom.cols(j)] = dy_cf
     return dz.reshape(geom.group, geom.outputs_per_group * geom.kernel_h * geom.kernel_w, -1)
+
+
+def bind_pointwise_backward(x: FloatArray, dy: FloatArray, w: FloatArray, geom: ConvGeometry,
+                            dx: FloatArray) -> Optional[Callable[[bool, bool], Optional[FloatArray]]]:
+    """backward(x, dy, w, geom, data, weights, dx_out=dx)'s numbers for a
+    pointwise geometry (cct.lowering.pointwise) and one image, as one call of
+    (data, weights) returning dw or None: the padded input and the unlifted
+    dZ are then x and dy themselves, so the same two products read and write
+    the blobs with no copy; None for other shapes, strided arrays or another
+    dtype. For an execution plan, whose arrays stay while its layout does."""
+    if (x.shape[0] != 1 or geom.kernel_h != 1 or geom.kernel_w != 1 or geom.stride_h != 1 or geom.stride_w != 1
+            or geom.has_border or geom.group != 1 or w.dtype != x.dtype or dy.dtype != x.dtype
+            or not all(a.flags.c_contiguous for a in (x, dy, w, dx))):
+        return None
+    pixels = geom.in_h * geom.in_w
+    lowered = x.reshape(1, geom.channels, pixels)
+    dz = dy.reshape(1, geom.num_output, pixels)
+    kernel_t = _kernel_matrix(w, geom, x.dtype).transpose(0, 2, 1)
+    dxp = dx.reshape(1, geom.channels, pixels)
+
+    def backward(data: bool, weights: bool) -> Optional[FloatArray]:
+        dw = None
+        if weights:
+            dk = matmul_nt(dz, lowered).reshape(geom.num_output, 1, 1, geom.channels)
+            dw = np.ascontiguousarray(dk.transpose(0, 3, 1, 2))
+        if data:
+            np.matmul(kernel_t, dz, out=dxp)
+        return dw
+    return backward
 
 
 def forward(x: FloatArray, w: FloatArray, geom: ConvGeometry, out: Optional[FloatArray] = None, ws: Workspace = FRESH,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cct.lowering import (LOWERINGS, ConvGeometry, bind_conv_forward, conv_backward, conv_backward_data, conv_backward_weights,
-                          conv_forward, lowering, pointwise, reference, type1)
+                          conv_forward, lowering, pointwise, reference, type1, type3)
 from cct.lowering.chunking import band_slot_bytes, slot_bytes
 
 RNG = np.random.default_rng(11)
@@ -660,3 +660,21 @@ def test_bound_one_image_forward_gives_the_per_call_bits(geom, dtype, relu):
         assert np.array_equal(out, expected)
     assert bind_conv_forward(np.concatenate([x, x]), w, geom, 1, np.empty(geom.output_shape(2), dtype), None) is None
     assert bind_conv_forward(x, w, geom, 3, out, None) is None
+
+
+@pytest.mark.parametrize("geom", [ConvGeometry(4, 4, 2, 2, 1, 1), ConvGeometry(16, 8, 5, 3, 1, 1),
+                                  ConvGeometry(8, 32, 7, 7, 1, 1)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_bound_pointwise_backward_gives_type3s_bits(geom, dtype):
+    """A plan's bound pointwise backward (type3.bind_pointwise_backward)
+    against type 3's per-call backward of one image, both gradients and each alone."""
+    x, w, dy = arrays(geom, batch=1, dtype=dtype)
+    dx_expected, dw_expected = type3.backward(x, dy, w, geom, dx_out=np.empty_like(x))
+    dx = np.full_like(x, np.nan)
+    bound = type3.bind_pointwise_backward(x, dy, w, geom, dx)
+    assert np.array_equal(bound(True, True), dw_expected) and np.array_equal(dx, dx_expected)
+    dx[...] = np.nan
+    assert bound(False, True) is not None and np.isnan(dx).all()
+    assert bound(True, False) is None and np.array_equal(dx, dx_expected)
+    wider = ConvGeometry(geom.channels, geom.num_output, geom.in_h, geom.in_w, 1, 1, pad_h=1)
+    assert type3.bind_pointwise_backward(x, dy, w, wider, dx) is None

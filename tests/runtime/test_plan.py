@@ -11,6 +11,7 @@ import pytest
 import cct
 from cct.core import settings as table
 from cct.core.blob import Layout
+from cct.lowering import type1, type3
 from cct.runtime import settings
 
 NET = """
@@ -81,6 +82,76 @@ def test_a_steady_net_runs_its_plan_and_gets_the_per_layer_numbers(fused):
     np.testing.assert_array_equal(got[1], expected[1])
     for a, b in zip(got[2], expected[2]):
         np.testing.assert_array_equal(a, b)
+
+
+def counting_binds(monkeypatch):
+    """How many bound convolution paths the plans made, by kind."""
+    bound = {"one image": 0, "pointwise backward": 0}
+
+    def counted(name, bind):
+        def binder(*args):
+            made = bind(*args)
+            bound[name] += made is not None
+            return made
+        return binder
+    monkeypatch.setattr(type1, "bind_one_image", counted("one image", type1.bind_one_image))
+    monkeypatch.setattr(type3, "bind_pointwise_backward", counted("pointwise backward", type3.bind_pointwise_backward))
+    return bound
+
+
+def lowered_by(kind, *nets):
+    for net in nets:
+        for name in ("conv1", "conv2"):
+            net.layer_dict[name].lowering_type = kind
+
+
+@pytest.mark.parametrize("kind", [1, 2, 3])
+def test_one_images_bound_backward_gets_the_per_layer_numbers(kind, monkeypatch):
+    """At batch 1 the plan binds type 3's pointwise backward
+    (type3.bind_pointwise_backward): the per-layer path's bits."""
+    bound = counting_binds(monkeypatch)
+    rng = np.random.default_rng(7)
+    x, target = rng.normal(size=(1, 3, 8, 8)).astype(np.float32), rng.normal(size=(1, 5)).astype(np.float32)
+    net, reference = make_net(), make_net()
+    lowered_by(kind, net, reference)
+    for _ in range(3):
+        run(net, x, target)
+    assert net.executor._plan is not None
+    # a training forward keeps its lowering for the backward: no bound forward
+    assert (bound["one image"], bool(bound["pointwise backward"])) == (0, kind == 3)
+    got, expected = run(net, x, target), per_layer(reference, x, target)
+    np.testing.assert_array_equal(got[0], expected[0])
+    np.testing.assert_array_equal(got[1], expected[1])
+    for a, b in zip(got[2], expected[2]):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kind", [1, 2, 3])
+def test_one_images_bound_forward_gets_the_per_layer_numbers(kind, monkeypatch):
+    """At batch 1 a deploy net's plan binds type 1's lowering of a small
+    image (type1.bind_one_image): the per-layer path's bits."""
+    bound = counting_binds(monkeypatch)
+    text = "\n".join(line for line in NET.splitlines() if '"loss"' not in line and '"target"' not in line)
+    nets = [cct.Net('name: "deploy"\n' + text, cct.TEST) for _ in range(2)]
+    rng = np.random.default_rng(8)
+    for layers in zip(*(net.layers for net in nets)):
+        for blobs in zip(*(layer.blobs for layer in layers)):
+            values = rng.normal(0, 0.3, blobs[0].shape)
+            for blob in blobs:
+                blob.data[...] = values
+    lowered_by(kind, *nets)
+    net, reference = nets
+    reference.before_forward(lambda index: None)           # the per-layer path
+    x = rng.normal(size=(1, 3, 8, 8)).astype(np.float32)
+    for _ in range(4):
+        for each in nets:
+            each.blobs["data"].reshape(x.shape)
+            each.blobs["data"].data[...] = x
+            each.forward()
+    assert net.executor._plan is not None
+    assert (bool(bound["one image"]), bound["pointwise backward"]) == (kind == 1, 0)
+    for name in net.blobs:
+        np.testing.assert_array_equal(net.blobs[name].data, reference.blobs[name].data)
 
 
 def test_a_reshape_by_the_user_makes_a_new_plan():
