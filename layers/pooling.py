@@ -373,25 +373,47 @@ class Pooling(Layer):
             # Caffe routes by the mask top when there is one.
             bottom[0].diff[...] = self._route(dy, top[1].data.astype(np.int64), bottom[0].shape)
         elif self.pool == MAX:
-            if self.winner.shape != dy.shape:
-                raise self.shape_error(f"backward needs a forward at the current shape: the kept maxima "
-                                       f"are for {self.winner.shape}, the top is {dy.shape}")
-            if self._tiles_2x2(bottom[0].data):
-                self._run(kernels.max_backward_2x2, [_planes(dy), _planes(self.winner)], [],
-                          [_planes(bottom[0].diff, True)])
-                return
-            # a whole-image window's winner is the flat index h*W + w: decode it by the image width
-            width = self.in_hw[1] if self.whole_image else self.kernel[1]
-            self._run(kernels.max_backward, [_planes(dy), _planes(self.winner)], [width, *self.stride, *self.pad],
-                      [_planes(bottom[0].diff, True)])
+            self._check_winner(dy)
+            self._run(*self._backward_call(dy, bottom[0]))
         elif self.pool == AVE and not self.whole_image:
-            self._run(kernels.ave_backward, [_planes(dy)], [*self.kernel, *self.stride, *self.pad, kernels.BLOCK_CELLS,
-                                                    self.pool_size.astype(dy.dtype)],
-                      [_planes(bottom[0].diff, True)])
+            self._run(*self._backward_call(dy, bottom[0]))
         elif self.pool == AVE:                 # one window, the whole image: each cell gets its share
             bottom[0].diff[...] = dy / self.pool_size.astype(dy.dtype)
         else:
             bottom[0].diff[...] = self._spread_to_sample(dy, bottom[0].shape)
+
+    def _check_winner(self, dy):
+        if self.winner.shape != dy.shape:
+            raise self.shape_error(f"backward needs a forward at the current shape: the kept maxima "
+                                   f"are for {self.winner.shape}, the top is {dy.shape}")
+
+    def _backward_call(self, dy, bottom):
+        """The MAX (no mask top) or windowed AVE backward's kernel for these
+        arrays: (function, planes, settings, outputs), as _run takes them."""
+        dx = [_planes(bottom.diff, True)]
+        if self.pool == AVE:
+            return (kernels.ave_backward, [_planes(dy)], [*self.kernel, *self.stride, *self.pad, kernels.BLOCK_CELLS,
+                                                          self.pool_size.astype(dy.dtype)], dx)
+        if self._tiles_2x2(bottom.data):
+            return kernels.max_backward_2x2, [_planes(dy), _planes(self.winner)], [], dx
+        # a whole-image window's winner is the flat index h*W + w: decode it by the image width
+        width = self.in_hw[1] if self.whole_image else self.kernel[1]
+        return kernels.max_backward, [_planes(dy), _planes(self.winner)], [width, *self.stride, *self.pad], dx
+
+    def bind_backward(self, top, propagate_down, bottom):
+        """A MAX (no mask top) or windowed AVE backward as one kernel call on
+        the arrays the plan's layout holds (bind_forward's terms); the maxima
+        are the ones the forward keeps (bind_forward's `winner`)."""
+        dy = top[0].diff
+        if (not propagate_down[0] or len(top) > 1 or not dy.size or self.pool not in (MAX, AVE)
+                or (self.pool == AVE and self.whole_image) or not self._serial([dy, bottom[0].diff])
+                or (self.pool == MAX and getattr(self, "winner", None) is None)):
+            return super().bind_backward(top, propagate_down, bottom)
+        if self.pool == MAX:
+            self._check_winner(dy)
+        function, planes, settings, outputs = self._backward_call(dy, bottom[0])
+        arguments = [*planes, *settings, *outputs]
+        return lambda: function(*arguments)
 
     @staticmethod
     def _route(dy, mask, shape):
