@@ -4,7 +4,9 @@ cores (OpenBLAS threads busy-wait, and a preempted one stalls the whole GEMM).
 The lowering chooser's cache goes to a temporary folder. This folder is put on
 sys.path so that test files can import the shared code in tests/helpers
 (`from helpers.linreg import make_solver`); test files never import each other."""
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
@@ -14,8 +16,11 @@ import pytest
 from threadpoolctl import threadpool_limits
 
 threadpool_limits(limits=1, user_api="blas")
-# The lowering chooser caches machine constants; keep tests off ~/.cache.
-os.environ.setdefault("CCT_CACHE_DIR", tempfile.mkdtemp(prefix="cct-cache-"))
+# The lowering chooser caches machine constants; keep tests off ~/.cache, in a
+# folder the process that made it removes at its end (xdist's workers inherit it).
+if "CCT_CACHE_DIR" not in os.environ:
+    os.environ["CCT_CACHE_DIR"] = tempfile.mkdtemp(prefix="cct-cache-")
+    atexit.register(shutil.rmtree, os.environ["CCT_CACHE_DIR"], ignore_errors=True)
 # The two workers are each other's "other process": a net's thread count must not
 # follow them (cct.runtime.cores); tests/runtime/test_cores.py turns it on.
 os.environ.setdefault("CCT_FIT_CORES", "0")
