@@ -16,6 +16,7 @@ order is a function of the runs counted only, so every MPI rank, recording
 the ranks' slowest times, makes the same choices at the same runs."""
 import logging
 import statistics
+from typing import Dict, Iterable, List, Optional, Set
 
 log = logging.getLogger("cct.runtime.choice")
 
@@ -27,18 +28,18 @@ CLEARLY_SLOWER = 1.25   # a fastest run this many times the best median: measure
 
 
 class FasterOf:
-    def __init__(self, candidates, what, runs=RUNS, recheck=RECHECK):
+    def __init__(self, candidates: Iterable[str], what: str, runs: int = RUNS, recheck: int = RECHECK) -> None:
         self.what = what                       # names the choice in the log line
         self.runs, self.recheck = runs, recheck
-        self.times = {candidate: [] for candidate in candidates}
-        self.warmed = set()
-        self.chosen = None
-        self._recent = []                      # the chosen's last RECENT times
+        self.times: Dict[str, List[float]] = {candidate: [] for candidate in candidates}
+        self.warmed: Set[str] = set()
+        self.chosen: Optional[str] = None
+        self._recent: List[float] = []         # the chosen's last RECENT times
         self._since = 0                        # the chosen's runs since the last check
-        self._checking = []                    # the others still to run once in this check
-        self._challengers = {}                 # their times in this check
+        self._checking: List[str] = []         # the others still to run once in this check
+        self._challengers: Dict[str, float] = {}   # their times in this check
 
-    def next(self):
+    def next(self) -> str:
         """The candidate to run now: while measuring, a cold one, else the
         least measured; once chosen, the chosen one, but during a check
         each other one once."""
@@ -46,7 +47,7 @@ class FasterOf:
             return self._checking[0] if self._checking else self.chosen
         return min(self._contenders(), key=lambda candidate: (candidate in self.warmed, len(self.times[candidate])))
 
-    def _contenders(self):
+    def _contenders(self) -> List[str]:
         """The candidates still measured: all until each has a counted run,
         then those whose fastest run is within CLEARLY_SLOWER of the best
         median (the best one always is). A choice a busy moment got wrong
@@ -56,7 +57,7 @@ class FasterOf:
         best = min(statistics.median(runs) for runs in self.times.values())
         return [name for name, runs in self.times.items() if min(runs) <= CLEARLY_SLOWER * best]
 
-    def record(self, candidate, seconds):
+    def record(self, candidate: str, seconds: float) -> None:
         """One run of `candidate` took `seconds` (per unit of work)."""
         if self.chosen is not None:
             self._record_chosen(candidate, seconds)
@@ -70,12 +71,12 @@ class FasterOf:
         contenders = self._contenders()
         if min(len(self.times[name]) for name in contenders) >= self.runs:
             medians = {name: statistics.median(runs) for name, runs in self.times.items()}
-            self.chosen = min(contenders, key=medians.get)
+            self.chosen = min(contenders, key=medians.__getitem__)
             self._recent = [medians[self.chosen]]
             log.info("%s: %s (%s)", self.what, self.chosen,
                      ", ".join(f"{name} {1e3 * value:.2f} ms" for name, value in medians.items()))
 
-    def _record_chosen(self, candidate, seconds):
+    def _record_chosen(self, candidate: str, seconds: float) -> None:
         if self._checking and candidate == self._checking[0]:
             self._challengers[self._checking.pop(0)] = seconds
             if not self._checking:
@@ -90,11 +91,11 @@ class FasterOf:
             self._checking = [name for name in self.times if name != self.chosen]
             self._challengers = {}
 
-    def _judge(self):
+    def _judge(self) -> None:
         """End of a check: measure every candidate afresh if one ran faster
         than the chosen's recent median by the margin."""
         typical = statistics.median(self._recent)
-        fastest = min(self._challengers, key=self._challengers.get)
+        fastest = min(self._challengers, key=self._challengers.__getitem__)
         if self._challengers[fastest] < RECHECK_MARGIN * typical:
             log.info("%s: %s ran in %.2f ms against %s's %.2f ms: measuring again", self.what, fastest,
                      1e3 * self._challengers[fastest], self.chosen, 1e3 * typical)
