@@ -32,9 +32,18 @@ accumulate). An op's limit is the larger of its FLOPs at the GEMM peak and
 its bytes at the memory bandwidth (the roofline), both measured by `cct time`
 on this machine (gemm_peak, memory_bandwidth); `x limit` is its time over it.
 """
+from typing import TYPE_CHECKING, Iterable, List, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:                 # for annotations only: no import of the core at run time
+    from cct.core.blob import Blob
+    from cct.core.layer import Layer
+    from cct.core.net import Net
+
+Counts = Tuple[int, int]          # (forward, backward)
 
 
-def layer_flops(layer, bottoms, tops, bottom_needs_backward=None):
+def layer_flops(layer: "Layer", bottoms: Sequence["Blob"], tops: Sequence["Blob"],
+                bottom_needs_backward: Optional[Sequence[bool]] = None) -> Counts:
     """(forward FLOPs, backward FLOPs) of one layer at its blobs' current shapes,
     from the layer's own count (Layer.flops).
 
@@ -49,7 +58,7 @@ def layer_flops(layer, bottoms, tops, bottom_needs_backward=None):
     return forward, backward_data * int(need_data_grad) + backward_params * int(learns)
 
 
-def net_flops(net, every_backward=False):
+def net_flops(net: "Net", every_backward: bool = False) -> List[Counts]:
     """[(forward, backward)] per layer of a built net, at its current shapes;
     backward counts 0 for a layer the net runs no backward for, unless
     `every_backward` (`cct time` runs every layer's backward, as Caffe's does)."""
@@ -61,9 +70,10 @@ def net_flops(net, every_backward=False):
     return counts
 
 
-def layer_bytes(layer, bottoms, tops, bottom_needs_backward=None):
+def layer_bytes(layer: "Layer", bottoms: Sequence["Blob"], tops: Sequence["Blob"],
+                bottom_needs_backward: Optional[Sequence[bool]] = None) -> Counts:
     """(forward bytes, backward bytes) a layer must move at least (module docstring)."""
-    def size(blobs):
+    def size(blobs: Iterable["Blob"]) -> int:
         return sum(blob.count * blob.dtype.itemsize for blob in blobs)
     needs = bottom_needs_backward if bottom_needs_backward is not None else [True] * len(bottoms)
     distinct_tops = [top for top in tops if not any(top is bottom for bottom in bottoms)]
@@ -76,13 +86,13 @@ def layer_bytes(layer, bottoms, tops, bottom_needs_backward=None):
     return forward, backward
 
 
-def net_bytes(net):
+def net_bytes(net: "Net") -> List[Counts]:
     """[(forward, backward)] bytes per layer of a built net (every backward, as `cct time` runs it)."""
     return [layer_bytes(layer, net.bottom_vecs[i], net.top_vecs[i], net.bottom_need_backward[i])
             for i, layer in enumerate(net.layers)]
 
 
-def memory_bandwidth(threads=1, megabytes=64, repeats=5):
+def memory_bandwidth(threads: int = 1, megabytes: int = 64, repeats: int = 5) -> float:
     """Best copy rate (GB/s, bytes read plus bytes written) of `threads`
     threads at once, each copying its own `megabytes` array: the rate an
     element-wise op can reach. Best of `repeats` after a warm-up copy."""
@@ -94,7 +104,7 @@ def memory_bandwidth(threads=1, megabytes=64, repeats=5):
     targets = [np.empty_like(source) for source in sources]
     pool = workers(count)
 
-    def copy_all():
+    def copy_all() -> None:
         run_all(pool, np.copyto, zip(targets, sources))
     copy_all()
     best = float("inf")
@@ -105,13 +115,13 @@ def memory_bandwidth(threads=1, megabytes=64, repeats=5):
     return 2.0 * count * sources[0].nbytes / best / 1e9
 
 
-def limit_ms(flops, nbytes, peak, bandwidth):
+def limit_ms(flops: float, nbytes: float, peak: float, bandwidth: float) -> float:
     """An op's least time on this machine (ms): its FLOPs at the GEMM peak
     (GFLOP/s) or its bytes at the bandwidth (GB/s), whichever takes longer."""
     return max(flops / peak if peak else 0.0, nbytes / bandwidth if bandwidth else 0.0) / 1e6
 
 
-def gemm_peak(size=2048, repeats=5):
+def gemm_peak(size: int = 2048, repeats: int = 5) -> float:
     """Best single-precision GEMM rate (GFLOP/s) of numpy's BLAS with its current
     thread count: C = A @ B with square float32 matrices of `size`, best of
     `repeats` after one warm-up call."""
