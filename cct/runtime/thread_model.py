@@ -35,6 +35,11 @@ process-wide) is measured by bench/bench_threads.py.
 """
 import math
 from dataclasses import dataclass, field
+from typing import (Any, Callable, Dict, Hashable, Iterable, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union,
+                    cast)
+
+OpType = TypeVar("OpType", bound=Hashable)    # per_type_counts's: a name, or tuner's (type, kind, param)
+Count = Tuple[int, float]                      # (threads, seconds)
 
 # Strategy 3 keeps a candidate count only within this many threads of the
 # op's Strategy-2 count (the paper's rule: changing counts costs).
@@ -53,33 +58,33 @@ class Curve:
     runs it took (len(tried))."""
     cores: int
     step: int
-    times: tuple
-    tried: dict = field(compare=False)
+    times: Tuple[float, ...]
+    tried: Dict[int, float] = field(compare=False)
 
     @property
-    def steps(self):
+    def steps(self) -> int:
         return len(self.tried)
 
-    def time(self, threads):
+    def time(self, threads: int) -> float:
         """Predicted seconds at `threads` (1..cores)."""
         if not 1 <= threads <= self.cores:
             raise ValueError(f"thread count {threads} outside 1..{self.cores}")
         return self.times[threads - 1]
 
-    def best(self):
+    def best(self) -> int:
         """The count with the least predicted time (the fewest threads on a
         tie). Linear pieces have their minimum at an end, so this is always a
         count that was tried."""
         return min(range(1, self.cores + 1), key=lambda n: (self.times[n - 1], n))
 
-    def candidates(self, count=CANDIDATES):
+    def candidates(self, count: int = CANDIDATES) -> List[Count]:
         """The `count` best (threads, seconds) on the curve, fastest first
         (Strategy 3's candidates)."""
         ranked = sorted(range(1, self.cores + 1), key=lambda n: (self.times[n - 1], n))
         return [(n, self.times[n - 1]) for n in ranked[:count]]
 
 
-def profiled_counts(cores, step):
+def profiled_counts(cores: int, step: int) -> List[int]:
     """The counts hill climbing may try, in order: 1, 1 + step, 1 + 2 step,
     ... while they fit the cores, then `cores` itself if the grid missed it
     (cct's addition: the paper's grid on 68 cores with x = 4 ends at 65 and
@@ -92,7 +97,7 @@ def profiled_counts(cores, step):
     return counts
 
 
-def hill_climb(measure, cores, step):
+def hill_climb(measure: Callable[[int], float], cores: int, step: int) -> Curve:
     """Model B: run `measure(threads) -> seconds` at 1, 1 + step, 1 + 2 step,
     ... (profiled_counts), stopping at the first count whose time is above
     the previous one's or when the cores run out, and interpolate the rest.
@@ -109,8 +114,8 @@ def hill_climb(measure, cores, step):
     best tried count is the grid's best. On a curve with a local bump the
     climb stops at the bump and never sees a better count beyond it: model B
     assumes convexity (tests/runtime/test_thread_model.py shows both)."""
-    tried = {}
-    previous = None
+    tried: Dict[int, float] = {}
+    previous: Optional[float] = None
     for threads in profiled_counts(cores, step):
         seconds = float(measure(threads))
         tried[threads] = seconds
@@ -136,19 +141,19 @@ def hill_climb(measure, cores, step):
     return Curve(cores, step, tuple(times), tried)
 
 
-def per_type_counts(instances):
+def per_type_counts(instances: Iterable[Tuple[OpType, float, Curve]]) -> Dict[OpType, int]:
     """Strategy 2: one count per op type, the best count of the type's
     largest instance. `instances`: (op type, size, Curve) triples, size by
     FLOPs or by measured time (size_by_time gives the latter); the first of
     equally large instances wins. Returns {op type: threads}."""
-    largest = {}
+    largest: Dict[OpType, Tuple[float, Curve]] = {}
     for op_type, size, curve in instances:
         if op_type not in largest or size > largest[op_type][0]:
             largest[op_type] = (size, curve)
     return {op_type: curve.best() for op_type, (_, curve) in largest.items()}
 
 
-def size_by_time(curve):
+def size_by_time(curve: Curve) -> float:
     """An instance's size as its measured time at 1 thread (when FLOPs say
     nothing, as for memory-bound ops)."""
     return curve.tried[1]
@@ -160,14 +165,14 @@ class Ready:
     seconds) counts (Curve.candidates), and its Strategy-2 `count` with the
     seconds predicted there (`count_time`), or None where it has none;
     `curve`, where known, predicts the counts that are neither."""
-    op: object
-    candidates: tuple
-    count: int = None
-    count_time: float = None
-    curve: Curve = None
+    op: Hashable
+    candidates: Tuple[Count, ...]
+    count: Optional[int] = None
+    count_time: Optional[float] = None     # set with count
+    curve: Optional[Curve] = None
 
     @classmethod
-    def of(cls, op, curve, count=None):
+    def of(cls, op: Hashable, curve: Curve, count: Optional[int] = None) -> "Ready":
         """From a Curve and the op type's Strategy-2 count."""
         return cls(op, tuple(curve.candidates()), count, None if count is None else curve.time(count), curve)
 
@@ -177,13 +182,14 @@ class Choice:
     """What Strategy 3 starts: `op` on `threads`, predicted to take
     `seconds`; `rule` says which rule chose it (fits, alone, longest) and
     whether the Strategy-2 fallback changed the count (+fallback)."""
-    op: object
+    op: Hashable
     threads: int
     seconds: float
     rule: str
 
 
-def pick(idle, remaining, ready, priority=None, fewest_first=False):
+def pick(idle: int, remaining: Union[float, Iterable[float], None], ready: Sequence[Ready],
+         priority: Optional[Mapping[Any, float]] = None, fewest_first: bool = False) -> Optional[Choice]:
     """Strategy 3: which ready op to start on `idle` cores, and on how many.
 
     `remaining`: the seconds the running ops still need (one number, or one
@@ -221,7 +227,7 @@ def pick(idle, remaining, ready, priority=None, fewest_first=False):
         first = ordered[0]
         if first.count is not None:
             threads = min(first.count, idle)
-            seconds = first.count_time if threads == first.count else _predicted(first, threads)
+            seconds = cast(float, first.count_time) if threads == first.count else _predicted(first, threads)
         else:
             threads, seconds = min(first.candidates, key=lambda c: (c[0] > idle, c[1], c[0]))
             if threads > idle:
@@ -245,16 +251,16 @@ def pick(idle, remaining, ready, priority=None, fewest_first=False):
     return _fallback(Choice(item.op, threads, seconds, "longest"), item, idle)
 
 
-def _fallback(choice, item, idle):
+def _fallback(choice: Choice, item: Ready, idle: int) -> Choice:
     """The Strategy-2 count in place of a count more than FALLBACK_DISTANCE
     away from it, when it fits the idle cores."""
     if (item.count is not None and abs(choice.threads - item.count) > FALLBACK_DISTANCE
             and item.count <= idle):
-        return Choice(choice.op, item.count, item.count_time, choice.rule + "+fallback")
+        return Choice(choice.op, item.count, cast(float, item.count_time), choice.rule + "+fallback")
     return choice
 
 
-def _predicted(item, threads):
+def _predicted(item: Ready, threads: int) -> float:
     """Seconds at a count that may be no candidate: the curve's where the op
     has one, else the Strategy-2 count's or a candidate's, else unknown (nan)."""
     if item.curve is not None and threads <= item.curve.cores:
