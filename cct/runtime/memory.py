@@ -37,48 +37,55 @@ share_diffs(net) again to share them anew.
 import threading
 import weakref
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Set, Tuple
 
 import numpy as np
 
+if TYPE_CHECKING:                 # for annotations only: no import of the net at run time
+    from cct.core.net import Net
 
-_summaries = weakref.WeakKeyDictionary()      # net -> its ShareSummary, for a later call
+Interval = Tuple[int, int]        # a diff's (first, last) layer index
+
+_summaries: "weakref.WeakKeyDictionary[Net, ShareSummary]" = weakref.WeakKeyDictionary()   # for a later call
 _lock = threading.Lock()
 
 
 @dataclass
 class ShareSummary:
     """What share_diffs did: arenas[k] lists the blob names sharing arena k."""
-    arenas: list = field(default_factory=list)
+    arenas: List[List[str]] = field(default_factory=list)
     arena_bytes: int = 0                      # the arenas' memory
     unshared_bytes: int = 0                   # the same blobs' diffs, one store each
-    excluded: dict = field(default_factory=dict)   # blob name -> why it keeps its own diff
-    intervals: dict = field(default_factory=dict)  # shared blob name -> (first, last) layer index
+    excluded: Dict[str, str] = field(default_factory=dict)         # blob name -> why it keeps its own diff
+    intervals: Dict[str, Interval] = field(default_factory=dict)   # shared blob name -> (first, last) layer index
 
     @property
-    def saved_bytes(self):
+    def saved_bytes(self) -> int:
         return self.unshared_bytes - self.arena_bytes
 
-    def as_dict(self):
+    def as_dict(self) -> Dict[str, Any]:
         return {"arenas": self.arenas, "arena_bytes": self.arena_bytes,
                 "unshared_bytes": self.unshared_bytes, "saved_bytes": self.saved_bytes,
                 "excluded": self.excluded}
 
-    def __str__(self):
+    def __str__(self) -> str:
         return (f"{sum(len(a) for a in self.arenas)} blob diffs in {len(self.arenas)} arenas: "
                 f"{self.arena_bytes / 2**20:.1f} MiB instead of {self.unshared_bytes / 2**20:.1f} MiB "
                 f"({self.saved_bytes / 2**20:.1f} MiB saved)")
 
 
-def summary(net):
+def summary(net: "Net") -> Optional[ShareSummary]:
     """The ShareSummary of the last share_diffs(net), or None."""
     return _summaries.get(net)
 
 
-def diff_intervals(net):
+def diff_intervals(net: "Net") -> Tuple[Dict[str, Interval], Dict[str, str]]:
     """({blob name: (first, last) layer index} for the blobs that may share,
     {blob name: reason} for the others). Call after the net is reshaped."""
     names = {id(blob): name for name, blob in net.blobs.items()}
-    first, last, unset = {}, {}, {}
+    first: Dict[int, int] = {}
+    last: Dict[int, int] = {}
+    unset: Dict[int, str] = {}
     for index, (bottoms, tops) in enumerate(zip(net.bottom_vecs, net.top_vecs)):
         for blob in tops:
             first.setdefault(id(blob), index)
@@ -92,7 +99,8 @@ def diff_intervals(net):
             for blob, weight in zip(tops, layer.loss_weights) if weight}
     aliased = _aliased(net)
     inputs, outputs = set(net.inputs), set(net.outputs)
-    intervals, excluded = {}, {}
+    intervals: Dict[str, Interval] = {}
+    excluded: Dict[str, str] = {}
     for name, blob in net.blobs.items():
         key = id(blob)
         if names.get(key) != name:
@@ -114,15 +122,15 @@ def diff_intervals(net):
     return intervals, excluded
 
 
-def _aliased(net):
+def _aliased(net: "Net") -> Dict[int, Set[str]]:
     """{id(blob): names of the other blobs in its group} for blobs whose diff
     storage another blob shares (checked over each layer's top/bottom pairs),
     groups merged transitively. Looks at allocated stores only: a diff that is
     not made yet is aliased with nothing."""
     names = {id(blob): name for name, blob in net.blobs.items()}
-    parent = {}
+    parent: Dict[int, int] = {}
 
-    def root(key):
+    def root(key: int) -> int:
         while parent.setdefault(key, key) != key:
             key = parent[key]
         return key
@@ -134,21 +142,22 @@ def _aliased(net):
                     continue
                 if np.shares_memory(top._diff_store, bottom._diff_store):
                     parent[root(id(top))] = root(id(bottom))
-    groups = {}
+    groups: Dict[int, List[int]] = {}
     for key in list(parent):
         groups.setdefault(root(key), []).append(key)
-    aliased = {}
+    aliased: Dict[int, Set[str]] = {}
     for members in groups.values():
         for key in members:
             aliased[key] = {names.get(other, "?") for other in members if other != key}
     return aliased
 
 
-def colour(intervals, sizes, dtypes):
+def colour(intervals: Mapping[str, Interval], sizes: Mapping[str, int],
+           dtypes: Mapping[str, np.dtype]) -> List[List[str]]:
     """Greedy interval colouring: blobs by first layer index, each into the
     first arena of its dtype none of whose members' intervals overlap its own
     (endpoints included). Returns [[blob name, ...], ...]."""
-    arenas = []                               # (dtype, [(first, last)], [names])
+    arenas: List[Tuple[np.dtype, List[Interval], List[str]]] = []   # (dtype, [(first, last)], [names])
     for name in sorted(intervals, key=lambda n: (intervals[n], -sizes[n])):
         start, end = intervals[name]
         for dtype, spans, members in arenas:
@@ -161,7 +170,7 @@ def colour(intervals, sizes, dtypes):
     return [members for _, _, members in arenas]
 
 
-def share_diffs(net):
+def share_diffs(net: "Net") -> ShareSummary:
     """Give the blobs of `net` whose gradients are never live together shared
     diff arenas (see the module docstring). Safe to call again, after a reshape.
     Returns a ShareSummary."""
