@@ -44,13 +44,30 @@ fit, in well under a second, naming that layer and top. The executor checks
 a net's plan when the net is built, the solver its whole plan before the
 first iteration.
 """
+from typing import (Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Protocol, Sequence, Set, Tuple,
+                    Union)
+
 import numpy as np
 
+from cct.core.arrays import Array, FloatArray
 from cct.core.blob import Blob
 from cct.core.allocation import available, format_bytes, peak_resident_bytes, resident_bytes
 from cct.core.errors import MemoryLimitError
-from cct.core.layer import TRAIN
+from cct.core.layer import TRAIN, Layer
 from cct.devices.jit import kernel
+
+Net = Any                         # cct.core.net.Net, whose executor imports this module: not imported back
+Thread = Union[int, str]          # an arena's thread: a partition's index, or "spare k"
+
+
+class Partitions(Protocol):
+    """What a plan asks of a net's executor (cct.runtime.executor.Executor,
+    which imports this module): its batch partitions, schedule and threads."""
+    schedule: str
+    threads: int
+
+    def partitions(self, index: int) -> int: ...
+
 
 KINDS = ("process", "runtime", "blobs", "diffs", "workspace", "kept lowerings", "prefetch", "solver history")
 
@@ -59,19 +76,21 @@ class MemoryPlan:
     """Planned bytes by kind, and by owner ("layer 'conv1' (Convolution): top 'conv1'"),
     each array counted once (Plan.add ignores a store seen before)."""
 
-    def __init__(self, baseline):
-        self.bytes = dict.fromkeys(KINDS, 0)
+    def __init__(self, baseline: int) -> None:
+        self.bytes: Dict[str, int] = dict.fromkeys(KINDS, 0)
         self.bytes["process"] = int(baseline)
-        self.owners = {}             # (kind, owner) -> bytes
-        self._seen = set()           # ids of the root arrays counted
-        self._keep = []              # ... kept alive, so that an id is not reused
-        self._slots = {}             # (thread, arena slot) -> (largest request, its layer)
+        self.owners: Dict[Tuple[str, str], int] = {}       # (kind, owner) -> bytes
+        self._seen: Set[Hashable] = set()                   # ids of the root arrays counted
+        self._keep: List[Optional[Array]] = []              # ... kept alive, so that an id is not reused
+        # (thread, arena slot) -> (largest request, its layer)
+        self._slots: Dict[Tuple[Thread, str], Tuple[int, str]] = {}
 
     @property
-    def total(self):
+    def total(self) -> int:
         return sum(self.bytes.values())
 
-    def add(self, kind, owner, nbytes, array=None, key=None):
+    def add(self, kind: str, owner: str, nbytes: int, array: Optional[Array] = None,
+            key: Optional[Hashable] = None) -> None:
         """Add `nbytes` of `kind` for `owner`; given an `array`, its whole
         memory (the array it views) instead, unless that was added before.
         `key` names memory still to come, to count once (a lazy diff)."""
@@ -87,7 +106,7 @@ class MemoryPlan:
             self.bytes[kind] += int(nbytes)
             self.owners[(kind, owner)] = self.owners.get((kind, owner), 0) + int(nbytes)
 
-    def add_workspace(self, owner, thread, slot, nbytes):
+    def add_workspace(self, owner: str, thread: Thread, slot: str, nbytes: int) -> None:
         """A layer's request for `slot` of worker `thread`'s arena: an arena
         keeps each slot's largest request (cct.core.workspace)."""
         largest = self._slots.get((thread, slot), (0, None))
@@ -95,21 +114,21 @@ class MemoryPlan:
             self._slots[(thread, slot)] = (int(nbytes), owner)
             self.bytes["workspace"] = sum(size for size, _ in self._slots.values())
 
-    def largest(self, count=5):
+    def largest(self, count: int = 5) -> List[Tuple[int, str, str]]:
         """The `count` largest planned arrays or workspaces: [(bytes, kind, owner)]."""
         entries = [(nbytes, kind, owner) for (kind, owner), nbytes in self.owners.items()]
         entries += [(nbytes, "workspace", f"{owner} ({slot}, thread {thread})")
                     for (thread, slot), (nbytes, owner) in self._slots.items()]
         return sorted(entries, key=lambda entry: -entry[0])[:count]
 
-    def __str__(self):
+    def __str__(self) -> str:
         parts = ", ".join(f"{kind} {format_bytes(nbytes)}" for kind, nbytes in self.bytes.items() if nbytes)
         return f"planned peak {format_bytes(self.total)} ({parts})"
 
-    def fits(self):
+    def fits(self) -> bool:
         return self.total <= available()[0]
 
-    def check(self, source):
+    def check(self, source: str) -> None:
         """Raise MemoryLimitError when the plan does not fit, naming the largest arrays."""
         limit, what = available()
         if self.total <= limit:
@@ -119,13 +138,14 @@ class MemoryPlan:
                                named=True)
 
 
-def _root(array):
+def _root(array: Array) -> Array:
     while isinstance(array.base, np.ndarray):
         array = array.base
     return array
 
 
-def plan_net(net, plan, backward=None, executor=None):
+def plan_net(net: Net, plan: MemoryPlan, backward: Optional[bool] = None,
+             executor: Optional[Partitions] = None) -> None:
     """Add a net's blobs, its diffs (when it runs backward: by default, a TRAIN
     net), its layers' workspaces and prefetch buffers to `plan`; `executor`
     says the partitions (the net's own, by default)."""
@@ -156,19 +176,19 @@ def plan_net(net, plan, backward=None, executor=None):
             _plan_diffs(net, index, partitions, plan)
 
 
-def _threads(executor, partitions, backward):
+def _threads(executor: Partitions, partitions: int, backward: bool) -> List[Thread]:
     """The arenas a layer's work arrays may end up in: one per partition's
     thread, and in training under streams (or "auto", which times them) the
     spare arenas the streams lend to sub-tasks running beside another (a
     sub-task's first partition may run on one; the calling thread's own is
     partition 0's)."""
-    threads = list(range(max(1, partitions)))
+    threads: List[Thread] = list(range(max(1, partitions)))
     if backward and executor.schedule != "sequential":
         threads += [f"spare {index}" for index in range(1, executor.threads)]
     return threads
 
 
-def _plan_diffs(net, index, partitions, plan):
+def _plan_diffs(net: Net, index: int, partitions: int, plan: MemoryPlan) -> None:
     layer, where = net.layers[index], net.layers[index].where()
     blobs = [(f"top '{name}'", blob) for name, blob in zip(net._top_names[index], net.top_vecs[index])]
     blobs += [(f"bottom '{name}'", blob)
@@ -182,7 +202,7 @@ def _plan_diffs(net, index, partitions, plan):
         plan.add("diffs", f"{where}: partition twins' parameter diffs", (partitions - 1) * twin_bytes)
 
 
-def _plan_diff(plan, owner, blob):
+def _plan_diff(plan: MemoryPlan, owner: str, blob: Blob) -> None:
     if blob._diff_store is not None:
         plan.add("diffs", owner, 0, blob._diff_store)
     else:       # made on first use, as large as the data's store
@@ -190,7 +210,7 @@ def _plan_diff(plan, owner, blob):
         plan._keep.append(blob._data_store)
 
 
-def _own_arrays(layer):
+def _own_arrays(layer: Layer) -> Iterator[Tuple[str, Array]]:
     """(attribute, array) for the numpy arrays and Blobs a layer keeps besides
     its parameters: masks, scales, winner indices sized at reshape."""
     for attribute, value in vars(layer).items():
@@ -201,16 +221,16 @@ def _own_arrays(layer):
                 yield attribute, item._data_store
 
 
-def net_plan(net, executor):
+def net_plan(net: Net, executor: Partitions) -> MemoryPlan:
     """The plan of a net alone, from the process's memory before it was built."""
-    def make():
+    def make() -> MemoryPlan:
         plan = MemoryPlan(net.memory_baseline)
         plan_net(net, plan, executor=executor)
         return plan
     return _fitted(make, [net])
 
 
-def _fitted(make, nets):
+def _fitted(make: Callable[[], MemoryPlan], nets: Sequence[Net]) -> MemoryPlan:
     """The plan make() gives; if it does not fit only with kept lowerings,
     the plan after the nets' layers give them up (their backwards lower again)."""
     plan = make()
@@ -223,13 +243,13 @@ def _fitted(make, nets):
     return plan
 
 
-def training_plan(train_net, test_nets, history, baseline):
+def training_plan(train_net: Net, test_nets: Iterable[Net], history: Iterable[Array], baseline: int) -> MemoryPlan:
     """The plan of a training run: its train net (with diffs), test nets
     (forward only; parameters shared with the train net count once), the
     update's history arrays, and the runtime a training run loads."""
     runtime = runtime_bytes()
 
-    def make():
+    def make() -> MemoryPlan:
         plan = MemoryPlan(baseline)
         plan.add("runtime", "numba and OpenBLAS buffers", runtime)
         plan_net(train_net, plan, backward=True)
@@ -241,7 +261,7 @@ def training_plan(train_net, test_nets, history, baseline):
     return _fitted(make, [train_net])
 
 
-def runtime_bytes():
+def runtime_bytes() -> int:
     """The resident memory that starting numba (the first compiled kernel a
     run calls imports numba and starts LLVM: about 120 MiB) and a GEMM on
     every BLAS thread add, measured now by doing both."""
@@ -253,11 +273,11 @@ def runtime_bytes():
 
 
 @kernel
-def _first_kernel(values):
+def _first_kernel(values: FloatArray) -> None:
     values[0] += 1.0
 
 
-def measured_line(plan):
+def measured_line(plan: MemoryPlan) -> str:
     """`Peak memory: 2.61 GiB measured, 2.55 GiB planned (-2.3%)`."""
     measured = peak_resident_bytes()
     change = 100.0 * (plan.total - measured) / measured
