@@ -88,15 +88,19 @@ copy or sum alone rounds the same. Reference cases stay within their 1e-4.
 `describe(net)` gives printable lines of what a net fuses (`cct time`).
 """
 import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 
-from cct.core.blob import Layout
+from cct.core.arrays import Array, FloatArray, Shape
+from cct.core.blob import Blob, Layout
 from cct.core.errors import ConfigError
-from cct.core.layer import TEST
+from cct.core.layer import TEST, Epilogue
 from cct.devices.jit import kernel
 from cct.lowering.geometry import relu_value
 from cct.runtime import threads as threads_module
+
+Net = Any                         # cct.core.net.Net, whose executor imports this module: not imported back
 
 # Elements per thread below which a pass runs on one thread: at 1 << 17,
 # ResNet-50's passes at batch 1 took 3x longer split in two (the hand-off
@@ -112,35 +116,42 @@ PARALLEL_ELEMENTS = 1 << 21
 # many values (16 KiB: in L1 beside the rows it reads and writes).
 PASS_CHUNK = 4096
 
+# Run.prepare's pass: its arrays (source, shift, scale, bias, value, other, out) and its flags (affine,
+# slope1, relu1, store_value, self_coeff, other_coeff, summed, slope2, relu2, in place, kept sum)
+Prepared = Tuple[List[FloatArray], Tuple[bool, float, bool, bool, float, float, bool, float, bool, bool, bool]]
+# ParamWatch's per word width: the arrays (a numba typed List), their snapshots end to end, the offsets
+Watched = Tuple[Any, Array, Array]
+
 
 @kernel
-def _affine_into(source, shift, scale, bias, scratch, count):
+def _affine_into(source: FloatArray, shift: float, scale: float, bias: float, scratch: FloatArray, count: int) -> None:
     for s in range(count):
         scratch[s] = (source[s] + shift) * scale + bias
 
 
 @kernel
-def _copy_into(source, target, count):
+def _copy_into(source: FloatArray, target: FloatArray, count: int) -> None:
     for s in range(count):
         target[s] = source[s]
 
 
 @kernel
-def _relu_in_place(values, slope, count):
+def _relu_in_place(values: FloatArray, slope: float, count: int) -> None:
     """ReLU as cct's layer (relu_value: -0.0 and NaN as np.maximum)."""
     for s in range(count):
         values[s] = relu_value(values[s], slope)
 
 
 @kernel
-def _sum_in_place(values, self_coeff, other, other_coeff, count):
+def _sum_in_place(values: FloatArray, self_coeff: float, other: FloatArray, other_coeff: float, count: int) -> None:
     for s in range(count):
         values[s] = values[s] * self_coeff + other[s] * other_coeff
 
 
 @kernel
-def _fused_pass(source, shift, scale, bias, affine, slope1, relu1, value, store_value, other, self_coeff,
-                other_coeff, summed, slope2, relu2, out):
+def _fused_pass(source: FloatArray, shift: FloatArray, scale: FloatArray, bias: FloatArray, affine: bool, slope1: float,
+                relu1: bool, value: FloatArray, store_value: bool, other: FloatArray, self_coeff: float,
+                other_coeff: float, summed: bool, slope2: float, relu2: bool, out: FloatArray) -> None:
     """One pass over source (N, C, S), element by element:
         v = (x + shift[c]) * scale[c] + bias[c]    if affine
         v = ReLU(v, slope1)                        if relu1
@@ -178,12 +189,14 @@ def _fused_pass(source, shift, scale, bias, affine, slope1, relu1, value, store_
                 _copy_into(scratch, out[n, c, start:stop], count)
 
 
-def _relu(v, slope):
+def _relu(v: FloatArray, slope: float) -> FloatArray:
     return np.maximum(v, 0) if slope == 0 else np.where(v > 0, v, v * v.dtype.type(slope))
 
 
-def reference_pass(source, shift, scale, bias, affine, slope1, relu1, value, store_value, other, self_coeff,
-                   other_coeff, summed, slope2, relu2, out):
+def reference_pass(source: FloatArray, shift: FloatArray, scale: FloatArray, bias: FloatArray, affine: bool,
+                   slope1: float, relu1: bool, value: FloatArray, store_value: bool, other: FloatArray,
+                   self_coeff: float, other_coeff: float, summed: bool, slope2: float, relu2: bool,
+                   out: FloatArray) -> None:
     """_fused_pass in whole-array numpy steps (the tests' reference)."""
     v = source.astype(source.dtype, copy=True)
     if affine:
@@ -212,18 +225,25 @@ class Run:
     out, relu2      the blob the sum writes, and the negative slope of a ReLU on it
     """
 
-    def __init__(self):
-        self.members = []
-        self.source = self.value = self.other = self.out = None
-        self.shift = self.scale = self.bias = None
-        self.relu1 = self.relu2 = self.coeffs = None
+    def __init__(self) -> None:
+        self.members: List[int] = []
+        self.source: Optional[Blob] = None
+        self.value: Optional[Blob] = None
+        self.other: Optional[Blob] = None
+        self.out: Optional[Blob] = None
+        self.shift: Optional[FloatArray] = None
+        self.scale: Optional[FloatArray] = None
+        self.bias: Optional[FloatArray] = None
+        self.relu1: Optional[float] = None
+        self.relu2: Optional[float] = None
+        self.coeffs: Optional[Tuple[float, ...]] = None
 
     @property
-    def latest(self):
+    def latest(self) -> Optional[Blob]:
         """The blob holding the run's latest value."""
         return self.out if self.other is not None else self.value
 
-    def add(self, index, op, bottom, top):
+    def add(self, index: int, op: Epilogue, bottom: Sequence[Blob], top: Sequence[Blob]) -> bool:
         """Take layer `index` (its epilogue `op` and blobs) into the run, if it
         chains (module docstring, rule 1); whether it did."""
         kind, args, _ = op
@@ -259,7 +279,7 @@ class Run:
         self.members.append(index)
         return True
 
-    def _apply(self, kind, args):
+    def _apply(self, kind: str, args: Any) -> bool:
         if kind == "copy":
             return True
         if self.relu1 is not None:
@@ -283,14 +303,15 @@ class Run:
         self.bias = carried
         return True
 
-    def run(self, threads=1):
+    def run(self, threads: int = 1) -> None:
         """The pass, on up to `threads` threads (pieces of the batch, or of
         the channels for a batch of one)."""
         _execute(self.prepare(), threads)
 
-    def prepare(self):
+    def prepare(self) -> Prepared:
         """(the pass's arrays, its flags): what run() hands the kernel, kept
         by a Replay for the forwards that change nothing."""
+        assert self.source is not None    # (set by the first add)
         source = self.source.data
         affine = not (self.shift is None and self.scale is None and self.bias is None)
         batch = source.shape[0] if source.ndim else 1
@@ -303,16 +324,17 @@ class Run:
         shape = (batch, channels, source.size // max(1, batch * channels))
         dtype = source.dtype
 
-        def per_channel(values, default):
+        def per_channel(values: Optional[FloatArray], default: float) -> FloatArray:
             return np.full(channels, default, dtype) if values is None else np.array(values, dtype)
 
         nothing = np.zeros((0, 0, 0), dtype)
         summed = self.other is not None
         out = self.out if summed else self.value
+        assert out is not None            # the sum's top, or the first layer's
         store_value = summed and self.value is not None and self.value is not self.out
         arrays = [source.reshape(shape), per_channel(self.shift, 0), per_channel(self.scale, 1),
-                  per_channel(self.bias, 0), self.value.data.reshape(shape) if store_value else nothing,
-                  self.other.data.reshape(shape) if summed else nothing, out.data.reshape(shape)]
+                  per_channel(self.bias, 0), cast(Blob, self.value).data.reshape(shape) if store_value else nothing,
+                  self.other.data.reshape(shape) if self.other is not None else nothing, out.data.reshape(shape)]
         coeffs = self.coeffs or (1, 1)
         in_place = not summed and out is self.source      # (store_value needs a sum)
         kept_sum = store_value and self.value is self.source
@@ -323,7 +345,7 @@ class Run:
 
 
 @kernel
-def _mapped(v, shift, scale, bias, affine, slope, relu):
+def _mapped(v: float, shift: float, scale: float, bias: float, affine: bool, slope: float, relu: bool) -> float:
     """One value through a pass's first steps: the affine map, then relu1."""
     if affine:
         v = (v + shift) * scale + bias
@@ -331,7 +353,8 @@ def _mapped(v, shift, scale, bias, affine, slope, relu):
 
 
 @kernel
-def _in_place_pass(values, shift, scale, bias, affine, slope1, relu1, slope2, relu2):
+def _in_place_pass(values: FloatArray, shift: FloatArray, scale: FloatArray, bias: FloatArray, affine: bool,
+                   slope1: float, relu1: bool, slope2: float, relu2: bool) -> None:
     """_fused_pass's steps, in the same order, for a pass that writes its
     source and neither sums nor keeps a value (a BatchNorm + Scale + ReLU run
     in place): one array argument, so the loop vectorises with no overlap
@@ -348,8 +371,9 @@ def _in_place_pass(values, shift, scale, bias, affine, slope1, relu1, slope2, re
 
 
 @kernel
-def _kept_sum_pass(values, shift, scale, bias, affine, slope1, relu1, other, self_coeff, other_coeff, slope2, relu2,
-                   out):
+def _kept_sum_pass(values: FloatArray, shift: FloatArray, scale: FloatArray, bias: FloatArray, affine: bool,
+                   slope1: float, relu1: bool, other: FloatArray, self_coeff: float, other_coeff: float,
+                   slope2: float, relu2: bool, out: FloatArray) -> None:
     """_fused_pass's steps, in the same order, for a pass whose kept value is
     its source (in place) and which then sums into another blob (ResNet's
     BatchNorm + Scale on a convolution's top, then the Eltwise sum and its
@@ -369,11 +393,11 @@ def _kept_sum_pass(values, shift, scale, bias, affine, slope1, relu1, other, sel
                 out[n, c, s] = relu_value(v, slope2) if relu2 else v
 
 
-def _execute(prepared, threads):
+def _execute(prepared: Prepared, threads: int) -> None:
     """Run.prepare's pass on up to `threads` threads."""
     arrays, flags = prepared
 
-    def piece(part):
+    def piece(part: Sequence[FloatArray]) -> None:
         s, shift, scale, bias, value, other, o = part
         if flags[9]:                      # in place, nothing summed or kept
             _in_place_pass(o, shift, scale, bias, flags[0], flags[1], flags[2], flags[7], flags[8])
@@ -396,7 +420,7 @@ def _execute(prepared, threads):
     threads_module.run_all(threads_module.workers(parts), piece, pieces)
 
 
-def _piece(arrays, along, start, stop):
+def _piece(arrays: Sequence[FloatArray], along: int, start: int, stop: int) -> List[FloatArray]:
     """Every array's slice [start, stop) along the batch (0) or channel (1)
     axis; the per-channel vectors follow a channel slice, empty arrays stay."""
     sliced = []
@@ -412,7 +436,7 @@ def _piece(arrays, along, start, stop):
 
 # --- a run's pass again ----------------------------------------------------------------------------
 @kernel
-def _same_bits(current, snapshot):
+def _same_bits(current: Array, snapshot: Array) -> bool:
     """Whether the flat arrays (unsigned-integer views of the values) hold
     the same bits: -0.0 against 0.0 differs, a NaN left alone does not."""
     if current.shape[0] != snapshot.shape[0]:
@@ -424,7 +448,7 @@ def _same_bits(current, snapshot):
 
 
 @kernel
-def _first_changed(currents, snapshot, offsets):
+def _first_changed(currents: Sequence[Array], snapshot: Array, offsets: Array) -> int:
     """The index of the first of `currents` (flat unsigned views) whose bits
     are not its piece of `snapshot` (offsets[i] to offsets[i + 1]), else -1."""
     for i in range(len(currents)):
@@ -445,8 +469,8 @@ class ParamWatch:
     changed since the passes were kept. Arrays of a whole number of 8-byte
     words are compared by those, the others by 4-byte ones."""
 
-    def __init__(self, fusion):
-        pieces = {np.uint64: ([], []), np.uint32: ([], [])}
+    def __init__(self, fusion: "Fusion") -> None:
+        pieces: Dict[type, Tuple[List[Array], List[Array]]] = {np.uint64: ([], []), np.uint32: ([], [])}
         for replay in fusion._replays.values():
             for _, _, data, _, snapshot in replay.params:
                 word = np.uint64 if data.nbytes % 8 == 0 else np.uint32
@@ -454,17 +478,17 @@ class ParamWatch:
                 pieces[word][1].append(snapshot.view(word))
         self.groups = [_watched(arrays, snapshots) for arrays, snapshots in pieces.values() if arrays]
 
-    def changed(self):
+    def changed(self) -> bool:
         return any(_first_changed(*group) >= 0 for group in self.groups)
 
 
-def _watched(arrays, snapshots):
+def _watched(arrays: List[Array], snapshots: List[Array]) -> Watched:
     from numba.typed import List
     offsets = np.cumsum([0] + [piece.size for piece in snapshots]).astype(np.uint64)
     return List(arrays), np.concatenate(snapshots), offsets
 
 
-def _bits(values):
+def _bits(values: Array) -> Array:
     """A blob's values as a flat view of unsigned integers of their width."""
     return values.reshape(-1).view(f"u{values.dtype.itemsize}")
 
@@ -480,9 +504,9 @@ class Replay:
     numpy views, which nothing else sees); otherwise the run is composed
     again and replaces it."""
 
-    def __init__(self, net, members, prepared):
+    def __init__(self, net: Net, members: Sequence[int], prepared: Prepared) -> None:
         self.prepared = prepared
-        self.blobs = []
+        self.blobs: List[Tuple[Blob, Shape, Array]] = []
         for index in members:
             for blob in net.bottom_vecs[index] + net.top_vecs[index]:
                 if all(blob is not known for known, _, _ in self.blobs):
@@ -493,7 +517,7 @@ class Replay:
         self.params = [(layer.blobs, k, blob.data, _bits(blob.data), _bits(blob.data).copy())
                        for layer in (net.layers[index] for index in members) for k, blob in enumerate(layer.blobs)]
 
-    def still_valid(self):
+    def still_valid(self) -> bool:
         for blob, shape, data in self.blobs:
             if blob.shape != shape or blob.data is not data:
                 return False
@@ -502,7 +526,7 @@ class Replay:
                 return False
         return True
 
-    def run(self, threads):
+    def run(self, threads: int) -> None:
         _execute(self.prepared, threads)
 
 
@@ -513,11 +537,11 @@ class Fusion:
     of the Split layers whose tops alias their bottom; `forward_only`: the
     runs were planned for a net that never runs backward (forward_only())."""
 
-    def __init__(self, net, threads):
+    def __init__(self, net: Net, threads: int) -> None:
         self._net = weakref.ref(net)  # the net owns its executor, which owns this: no cycle
         self.threads = threads        # the passes' threads: the executor's
         self.forward_only = False
-        self.applied = None           # the ReLU whose convolution applied it in this forward
+        self.applied: Optional[int] = None   # the ReLU whose convolution applied it in this forward
         self.plan_runs(net)
         self.aliases = _plan_aliases(net)
         for index in self.aliases:
@@ -529,13 +553,13 @@ class Fusion:
             layer = net.layers[index]
             layer.views = True
             layer.reshape(net.bottom_vecs[index], net.top_vecs[index])   # the bottoms placed now
-        self.pending = None           # the Run being gathered
-        self._pending_run = None      # its number in runs, and the index expected next
-        self._expected = None
-        self._replays = {}            # run number -> its Replay
-        self._replaying = None        # the number of the run being replayed in this forward
+        self.pending: Optional[Run] = None     # the Run being gathered
+        self._pending_run: Optional[int] = None   # its number in runs, and the index expected next
+        self._expected: Optional[int] = None
+        self._replays: Dict[int, Replay] = {}   # run number -> its Replay
+        self._replaying: Optional[int] = None  # the number of the run being replayed in this forward
 
-    def plan_runs(self, net):
+    def plan_runs(self, net: Net) -> None:
         """(Re)plan the runs and output ReLUs: at construction, and when
         forward_only() says so."""
         self.runs = _plan_runs(net, self.forward_only)
@@ -544,17 +568,17 @@ class Fusion:
         self.run_of = {index: number for number, run in enumerate(self.runs) for index in run}
         self.output_relus = _plan_output_relus(net, self.run_of, self.forward_only)
 
-    def output_relu(self, index, end):
+    def output_relu(self, index: int, end: Optional[int]) -> Optional[Tuple[int, float]]:
         """(the ReLU's index, its negative slope) for the convolution `index`
         to apply in a forward that runs through layer `end`, else None."""
         entry = self.output_relus.get(index)
         return entry if entry is not None and end is not None and entry[0] <= end else None
 
     @property
-    def net(self):
+    def net(self) -> Net:
         return self._net()
 
-    def before_backward(self):
+    def before_backward(self) -> None:
         """Run a pass still pending; refuse a backward of a forward-only plan."""
         self.flush()
         if self.forward_only:
@@ -562,7 +586,7 @@ class Fusion:
                               "(cct.runtime.fusion.forward_only), so a fused layer's backward would read "
                               "an input its pass did not keep; build the net again to run backward")
 
-    def forward(self, index, end):
+    def forward(self, index: int, end: Optional[int]) -> bool:
         """Take layer `index` of a forward through layer `end` into the
         current run (True) or, when it is no run's, run the pending pass first
         and leave the layer to the caller (False)."""
@@ -575,15 +599,17 @@ class Fusion:
             self.flush()
         net = self.net
         applied, self.applied = self.applied, None
-        if index != applied and number is None:
-            return False
-        if index != applied and self._replay_start(number, index, end):
-            return True
+        if index != applied:
+            if number is None:
+                return False
+            if self._replay_start(number, index, end):
+                return True
         layer, bottom, top = net.layers[index], net.bottom_vecs[index], net.top_vecs[index]
         with layer.naming_allocations(top):
             layer.reshape_if_changed(bottom, top)
         if index == applied:              # its convolution's store ran it
             return True
+        assert number is not None         # a run's layer (the applied ReLU returned above)
         op = layer.epilogue(bottom, top)
         if op is None:                    # the shapes no longer allow it
             self.flush()
@@ -598,7 +624,7 @@ class Fusion:
             self.flush()
         return True
 
-    def replay(self, number, threads):
+    def replay(self, number: int, threads: int) -> bool:
         """Run `number`'s kept pass (an execution plan's step for the whole
         run: the plan's layout vouches for the blobs, its ParamWatch for the
         parameters); whether there was one."""
@@ -608,7 +634,7 @@ class Fusion:
         replay.run(threads)
         return True
 
-    def _replay_start(self, number, index, end):
+    def _replay_start(self, number: int, index: int, end: Optional[int]) -> bool:
         """At the first layer of run `number`: replay its kept pass when the
         forward goes through the whole run (to `end`) and nothing it read has
         changed (the run's layers are then neither reshaped nor asked again)."""
@@ -619,14 +645,16 @@ class Fusion:
         self._replaying, self._expected = number, index
         return self._replay_member(index)
 
-    def _replay_member(self, index):
+    def _replay_member(self, index: int) -> bool:
         self._expected = index + 1
-        if index == self.runs[self._replaying][-1]:
-            replay, self._replaying = self._replays[self._replaying], None
+        number = self._replaying
+        assert number is not None         # called while a run replays
+        if index == self.runs[number][-1]:
+            replay, self._replaying = self._replays[number], None
             replay.run(self.threads)
         return True
 
-    def flush(self):
+    def flush(self) -> None:
         """Run the pending pass, if any: a run of one layer runs that layer's
         own forward (reshaped as it joined; element-wise, so whole). A whole
         run's pass is kept for its next forwards (Replay)."""
@@ -648,7 +676,7 @@ class Fusion:
         _execute(prepared, self.threads)
 
 
-def _op(net, index, forward_only=False):
+def _op(net: Net, index: int, forward_only: bool = False) -> Optional[Epilogue]:
     """Layer `index`'s epilogue when it may join a run: it has one, no loss
     weight, and a backward the net runs reads no input the pass drops
     (unless the net never runs backward)."""
@@ -661,9 +689,10 @@ def _op(net, index, forward_only=False):
     return op
 
 
-def _plan_runs(net, forward_only=False):
+def _plan_runs(net: Net, forward_only: bool = False) -> List[List[int]]:
     """[[layer index, ...]] of the runs of two or more consecutive layers that chain."""
-    runs, current = [], None
+    runs: List[List[int]] = []
+    current: Optional[Run] = None
     for index in range(len(net.layers)):
         op = _op(net, index, forward_only)
         if op is not None and current is not None and current.add(index, op, net.bottom_vecs[index],
@@ -680,9 +709,9 @@ def _plan_runs(net, forward_only=False):
     return runs
 
 
-def _plan_output_relus(net, run_of, forward_only):
+def _plan_output_relus(net: Net, run_of: Dict[int, int], forward_only: bool) -> Dict[int, Tuple[int, float]]:
     """{convolution index: (ReLU index, negative slope)} (module docstring, rule 2)."""
-    relus = {}
+    relus: Dict[int, Tuple[int, float]] = {}
     for index in range(len(net.layers) - 1):
         layer, after = net.layers[index], index + 1
         if not layer.output_relu or len(net.top_vecs[index]) != 1 or after in run_of:
@@ -695,7 +724,7 @@ def _plan_output_relus(net, run_of, forward_only):
     return relus
 
 
-def _plan_aliases(net):
+def _plan_aliases(net: Net) -> List[int]:
     """Indices of the Split layers (layers with `aliases`) no later layer
     writes the bottom or a top of."""
     chosen = []
@@ -709,7 +738,7 @@ def _plan_aliases(net):
     return chosen
 
 
-def _plan_concat_views(net):
+def _plan_concat_views(net: Net) -> List[int]:
     """Indices of the Concat layers (layers with `views`) whose bottoms may
     live in the top's store (module docstring, rule 4)."""
     chosen = []
@@ -723,7 +752,7 @@ def _plan_concat_views(net):
     return chosen
 
 
-def _may_view(net, index, blob, blobs):
+def _may_view(net: Net, index: int, blob: Blob, blobs: Sequence[Blob]) -> bool:
     """Whether `blob`, bottom of the Concat `index`, may live in its top: an
     earlier layer computes it (not a net input: the user writes those), no
     other layer reads it but in place before the Concat, no later layer
@@ -737,16 +766,16 @@ def _may_view(net, index, blob, blobs):
             and not any(other is not blob and other.shares_data_with(blob) for other in blobs))
 
 
-def _written_after(net, index, blob):
+def _written_after(net: Net, index: int, blob: Blob) -> bool:
     return any(top is blob for tops in net.top_vecs[index + 1:] for top in tops)
 
 
-def plan(net, threads):
+def plan(net: Net, threads: int) -> Fusion:
     """The net's Fusion, its passes on `threads` threads (it sets the aliases at once)."""
     return Fusion(net, threads)
 
 
-def forward_only(net):
+def forward_only(net: Net) -> Optional[Fusion]:
     """Tell a fused net it will never run backward (`cct test`, a
     classifier): its runs are planned again with every layer that may join
     one, in-place Scales whose parameters learn included (a TEST net built
@@ -761,7 +790,7 @@ def forward_only(net):
 
 
 # --- what a net fuses, for cct time ------------------------------------------------------------------------
-def describe(net):
+def describe(net: Net) -> List[str]:
     """Printable lines: whether the net fuses, each run (the layer whose output
     it follows, its layers, the blobs its one pass writes) and the aliased
     Splits. Timed layer by layer, a run's pass counts as its last layer's
@@ -781,7 +810,7 @@ def describe(net):
         source = net.bottom_vecs[first][0]
         producer = next((net.layers[i].name for i in range(first - 1, -1, -1)
                          if any(top is source for top in net.top_vecs[i])), None)
-        written = []
+        written: List[Blob] = []
         for index in run:
             for top in net.top_vecs[index]:
                 if all(top is not blob for blob in written):
