@@ -41,16 +41,24 @@ below overwrites (a write-after-read edge), and the next forward of a layer
 reads parameters the update writes.
 """
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional, Protocol, Sequence, Set, Tuple
 
 import numpy as np
 
+from cct.core.arrays import Array, FloatArray
+from cct.core.blob import Blob
+from cct.core.settings import RunConfig
 from cct.runtime.threads import run_all, workers
+
+Net = Any                         # cct.core.net.Net, whose executor imports this module: not imported back
+Resource = Tuple[Hashable, ...]   # a piece of memory ("memory", id), a layer's ("state", i), LOOP, ...
+Sums = Sequence[Sequence[int]]    # per unit of the MPI gradient sums, the learnable parameters it holds
+Width = Tuple[int, Optional[int]]     # (cores, BLAS count) a sub-task runs at; None: the count as it is
 
 CLEAR, FORWARD, BACKWARD_PARAM, BACKWARD_DATA, BACKWARD, SUM, RATE, UPDATE = (
     "clear", "forward", "backward_param", "backward_data", "backward", "sum", "rate", "update")
-LOOP = ("loop",)            # the training loop's learning rate, iteration count and clipping state (Updates)
-COMMUNICATOR = ("communicator",)    # the gradient sums' MPI communicator
+LOOP: Resource = ("loop",)            # the training loop's learning rate, iteration count and clipping state (Updates)
+COMMUNICATOR: Resource = ("communicator",)    # the gradient sums' MPI communicator
 
 
 @dataclass(frozen=True)
@@ -65,7 +73,7 @@ class Task:
     iteration: int = 0
     pass_: int = 0
 
-    def __str__(self):
+    def __str__(self) -> str:
         where = {CLEAR: f"param {self.param}", UPDATE: f"param {self.param}", SUM: f"unit {self.param}",
                  RATE: ""}.get(self.kind, f"layer {self.layer}")
         extra = f".{self.param}" if self.kind == BACKWARD_PARAM else ""
@@ -75,40 +83,40 @@ class Task:
 
 @dataclass
 class Access:
-    reads: set = field(default_factory=set)
-    writes: set = field(default_factory=set)
+    reads: Set[Resource] = field(default_factory=set)
+    writes: Set[Resource] = field(default_factory=set)
 
 
 @dataclass
 class Graph:
     """tasks in the sequential order; edges[task] = the tasks it waits for."""
-    tasks: list
-    edges: dict
+    tasks: List[Task]
+    edges: Dict[Task, Set[Task]]
 
-    def successors(self):
-        following = {task: [] for task in self.tasks}
+    def successors(self) -> Dict[Task, List[Task]]:
+        following: Dict[Task, List[Task]] = {task: [] for task in self.tasks}
         for task, before in self.edges.items():
             for earlier in before:
                 following[earlier].append(task)
         return following
 
 
-def _memory(array):
+def _memory(array: Array) -> Resource:
     """The resource an ndarray is a view of: its base array's identity."""
     while isinstance(array.base, np.ndarray):
         array = array.base
     return ("memory", id(array))
 
 
-def _data(blob):
+def _data(blob: Blob) -> Resource:
     return _memory(blob.data)
 
 
-def _diff(blob):
+def _diff(blob: Blob) -> Resource:
     return _memory(blob.diff)
 
 
-def accesses(net, task, clip=False, sums=()):
+def accesses(net: Net, task: Task, clip: bool = False, sums: Sums = ()) -> Access:
     """The resources `task` reads and writes (see the module docstring);
     `clip`: the solver clips gradients, so its rate task touches every diff;
     `sums`: per unit of the gradient sums, the learnable parameters it holds."""
@@ -148,7 +156,8 @@ def accesses(net, task, clip=False, sums=()):
     return Access(reads=reads | gradients, writes=data_writes | gradients | {state})
 
 
-def iteration_tasks(net, iteration=0, update=True, splits=None, passes=1, sums=()):
+def iteration_tasks(net: Net, iteration: int = 0, update: bool = True, splits: Optional[Callable[[int], bool]] = None,
+                    passes: int = 1, sums: Sums = ()) -> List[Task]:
     """The sub-tasks of one iteration in the sequential reference order:
     `passes` forward and backward passes (the solver's iter_size) adding into
     the parameter gradients, then a sum per unit of `sums` (as in accesses)
@@ -168,8 +177,8 @@ def iteration_tasks(net, iteration=0, update=True, splits=None, passes=1, sums=(
     return tasks
 
 
-def _backward_tasks(net, iteration, pass_, splits):
-    tasks = []
+def _backward_tasks(net: Net, iteration: int, pass_: int, splits: Callable[[int], bool]) -> List[Task]:
+    tasks: List[Task] = []
     for i in reversed(range(len(net.layers))):
         if not net.layer_need_backward[i]:
             continue
@@ -184,14 +193,16 @@ def _backward_tasks(net, iteration, pass_, splits):
     return tasks
 
 
-def build(net, iterations=1, update=True, drop=(), splits=None, clip=False, passes=1, sums=()):
+def build(net: Net, iterations: int = 1, update: bool = True, drop: Iterable[Tuple[Task, Task]] = (),
+          splits: Optional[Callable[[int], bool]] = None, clip: bool = False, passes: int = 1, sums: Sums = ()) -> Graph:
     """The graph of `iterations` unrolled training iterations (update=False:
     forward and backward only). `drop`: (earlier, later) edges to leave out,
     for tests that show an edge matters; `splits`, `passes` and `sums` as in
     iteration_tasks; `clip` as in accesses."""
     tasks = [task for k in range(iterations) for task in iteration_tasks(net, k, update, splits, passes, sums)]
-    last_writer, readers = {}, {}
-    edges = {task: set() for task in tasks}
+    last_writer: Dict[Resource, Task] = {}
+    readers: Dict[Resource, Set[Task]] = {}
+    edges: Dict[Task, Set[Task]] = {task: set() for task in tasks}
     for task in tasks:
         access = accesses(net, task, clip, sums)
         for resource in access.reads:
@@ -230,7 +241,7 @@ class Steps(Protocol):
     None; `identity`: the shapes, partitions and count the steps are for."""
     threads: int
     blas: Blas
-    config: object
+    config: Optional[RunConfig]
     identity: tuple
 
     def partitions(self, layer: int) -> int: ...             # the layer's batch partitions
@@ -254,7 +265,7 @@ class Updates(Protocol):
     per unit of the MPI gradient sums, its parameters."""
     clips: bool
     passes: int
-    sums: tuple
+    sums: Sums
 
     def start(self) -> None: ...                             # a window of iterations starts
 
@@ -276,15 +287,15 @@ class Runner:
     many iterations ran. `losses`: each forward's weighted loss, by
     (iteration, pass, layer)."""
 
-    def __init__(self, net, steps, updates=None):
+    def __init__(self, net: Net, steps: Steps, updates: Optional[Updates] = None) -> None:
         self.net, self.steps = net, steps
         self.updates = updates
         if updates is not None:
             updates.start()
         self.last_iteration = -1
-        self.losses = {}
+        self.losses: Dict[Tuple[int, int, int], float] = {}
 
-    def __call__(self, task, threads=1):
+    def __call__(self, task: Task, threads: int = 1) -> None:
         """Run `task`; a clear or an update on `threads` threads at once (the
         caller's and the workers it holds)."""
         steps = self.steps
@@ -293,11 +304,14 @@ class Runner:
         elif task.kind == FORWARD:
             self.losses[task.iteration, task.pass_, task.layer] = steps.forward(task.layer)
         elif task.kind == SUM:
+            assert self.updates is not None         # sums, rates and updates come with a loop's updates
             self.updates.sum_gradients(task.param)
         elif task.kind == RATE:
             self.last_iteration = max(self.last_iteration, task.iteration)
+            assert self.updates is not None
             self.updates.begin(task.iteration)
         elif task.kind == UPDATE:
+            assert self.updates is not None
             self.updates.update(task.param, threads)
         else:
             if task.kind == BACKWARD_PARAM:
@@ -307,7 +321,7 @@ class Runner:
             else:
                 steps.backward(task.layer)
 
-    def alone(self, task, width):
+    def alone(self, task: Task, width: Width) -> None:
         """Run `task` on this thread at `width`, (cores, BLAS count) as a
         scheduler gives it: the BLAS count set first (None: left as it is),
         the cores a clear's or an update's stripes (a layer's partitions are
@@ -317,12 +331,12 @@ class Runner:
             self.steps.blas.set(blas)
         self(task, cores if task.layer < 0 else 1)
 
-    def finish(self):
+    def finish(self) -> None:
         """After the last task: the loop counts the iterations run."""
         if self.updates is not None and self.last_iteration >= 0:
             self.updates.finish(self.last_iteration + 1)
 
-    def loss(self, iteration):
+    def loss(self, iteration: int) -> float:
         """The iteration's loss, as the solver's loop sums it: each pass's
         layers in order (Net.forward), the passes in order, over their count."""
         passes = sorted({key[1] for key in self.losses if key[0] == iteration})
@@ -332,7 +346,7 @@ class Runner:
         return total / len(passes)
 
 
-def clear(diff, threads=1):
+def clear(diff: FloatArray, threads: int = 1) -> None:
     """Zero `diff` in `threads` contiguous pieces at once (a memset: the
     bandwidth of one core does not fill the memory's)."""
     if threads == 1 or not diff.flags.c_contiguous:
@@ -341,12 +355,12 @@ def clear(diff, threads=1):
     flat = diff.reshape(-1)
     edges = [flat.size * k // threads for k in range(threads + 1)]
 
-    def zero(start, stop):
+    def zero(start: int, stop: int) -> None:
         flat[start:stop] = 0
     run_all(workers(threads), zero, zip(edges[:-1], edges[1:]))
 
 
-def topological_order(graph, choose):
+def topological_order(graph: Graph, choose: Callable[[List[Task]], Task]) -> List[Task]:
     """The tasks in an order that keeps every edge, `choose(ready)` picking the
     next among the ready ones (a list, in the sequential order)."""
     following = graph.successors()
@@ -362,7 +376,7 @@ def topological_order(graph, choose):
             waiting[later] -= 1
             if not waiting[later]:
                 ready.append(later)
-        ready.sort(key=position.get)
+        ready.sort(key=position.__getitem__)
     if len(order) != len(graph.tasks):
         raise RuntimeError("the sub-task graph has a cycle")
     return order
