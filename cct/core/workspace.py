@@ -24,7 +24,7 @@ never share a buffer.
 import contextlib
 import math
 import threading
-from typing import Dict, Iterator, Mapping, Protocol, Sequence, Tuple
+from typing import Dict, Iterator, Mapping, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 import numpy.typing as npt
@@ -135,11 +135,12 @@ def thread_arena() -> Arena:
 
 
 @contextlib.contextmanager
-def lent(arena: Arena) -> Iterator[None]:
+def lent(arena: Optional[Arena]) -> Iterator[None]:
     """thread_arena() on this thread is `arena` inside the block: a stream
     thread runs each sub-task on an arena of a pool shared by the streams
     (cct.runtime.scheduler), so the streams hold one arena per sub-task that
-    may run at once, not one per thread."""
+    may run at once, not one per thread (None: the thread's own, for a
+    sub-task that holds no cores)."""
     _local.lent = arena
     try:
         yield
