@@ -41,14 +41,32 @@ import logging
 import os
 import platform
 import time
+from pathlib import Path
+from typing import Dict, List, Optional, Protocol, Set, Tuple
 
 from cct.formats.prototxt import atomic_write
 from cct.runtime import graph as graph_module, settings, thread_model
+from cct.runtime.graph import Net, Task, Width
 
 log = logging.getLogger("cct.runtime.tuner")
 CACHE_VERSION = 1
 
 STEP = 1        # hill climbing's step x: every count on a few cores
+
+Key = Tuple[str, int, int]        # a sub-task across iterations and windows: (kind, layer, param)
+OpType = Tuple[str, str, int]     # Strategy 2's op type: (layer type, kind, param)
+
+
+class Schedule(Protocol):
+    """What the tuner reads of a cct.runtime.scheduler.Schedule (the scheduler
+    imports this module: not imported back): its net, steps and loop's
+    updates, its sub-tasks, their widths and the cores they share."""
+    net: Net
+    steps: graph_module.Steps
+    updates: Optional[graph_module.Updates]
+    tasks: List[Task]
+    widths: Dict[Task, Width]
+    cores: int
 
 
 class Tuner:
@@ -58,15 +76,15 @@ class Tuner:
     iteration 0 key the profile; a window's sub-tasks look theirs up by
     (kind, layer, param))."""
 
-    def __init__(self, schedule, step=STEP, cache=None):
+    def __init__(self, schedule: Schedule, step: int = STEP, cache: Optional[Path] = None) -> None:
         """cache: the profile's file (cache_path), read now if it holds one, written when done."""
         self.schedule, self.step, self.cache = schedule, step, cache
         self.cores = schedule.cores
         self.counts = thread_model.profiled_counts(self.cores, step)
-        self.tried = {}                  # key -> {count: seconds}
-        self.fixed = {}                  # key -> seconds at its fixed width (the fastest seen)
-        self.climbing = set()
-        self.pinned = {}                 # key -> the count the run configuration fixes ("threads")
+        self.tried: Dict[Key, Dict[int, float]] = {}     # key -> {count: seconds}
+        self.fixed: Dict[Key, float] = {}                # key -> seconds at its fixed width (the fastest seen)
+        self.climbing: Set[Key] = set()
+        self.pinned: Dict[Key, int] = {}                 # key -> the count the run configuration fixes ("threads")
         net, config = schedule.net, schedule.steps.config
         for task in schedule.tasks:
             if not self.tunable(schedule, task):
@@ -78,27 +96,28 @@ class Tuner:
                 self.tried[key_of(task)] = {}
                 self.climbing.add(key_of(task))
         self.steps, self.seconds = 0, 0.0       # profiling iterations run, and their wall time
-        self.curves, self.type_counts = None, None
+        self.curves: Optional[Dict[Key, thread_model.Curve]] = None
+        self.type_counts: Optional[Dict[OpType, int]] = None
         if cache is not None:
             self._load()
 
     @staticmethod
-    def tunable(schedule, task):
+    def tunable(schedule: Schedule, task: Task) -> bool:
         return (task.layer >= 0 and schedule.steps.partitions(task.layer) == 1
                 and bool(schedule.net.bottom_vecs[task.layer]))
 
     @property
-    def done(self):
+    def done(self) -> bool:
         return self.curves is not None
 
-    def next_count(self, key):
+    def next_count(self, key: Key) -> int:
         """The count a climbing sub-task runs at in the coming step, else its best so far."""
         tried = self.tried[key]
         if key in self.climbing:
             return self.counts[len(tried)]
         return min(tried, key=lambda count: (tried[count], count))
 
-    def profile_step(self):
+    def profile_step(self) -> graph_module.Runner:
         """One training iteration, sub-task after sub-task on this thread, each
         timed at its count; returns the graph.Runner that ran it."""
         schedule, net = self.schedule, self.schedule.net
@@ -106,6 +125,7 @@ class Tuner:
         runner = graph_module.Runner(net, schedule.steps, schedule.updates)
         for task in schedule.tasks:
             key = key_of(task)
+            width: Width
             if key in self.tried:
                 count = self.next_count(key)
                 width = (count, count)
@@ -126,7 +146,7 @@ class Tuner:
             self._finish()
         return runner
 
-    def _record(self, key, count, seconds):
+    def _record(self, key: Key, count: int, seconds: float) -> None:
         tried = self.tried[key]
         if key not in self.climbing:
             tried[count] = min(seconds, tried.get(count, seconds))
@@ -136,7 +156,8 @@ class Tuner:
         if (previous is not None and seconds > previous) or len(tried) == len(self.counts):
             self.climbing.discard(key)
 
-    def _load(self):
+    def _load(self) -> None:
+        assert self.cache is not None               # (called where there is one)
         try:
             contents = json.loads(self.cache.read_text())
             if contents.get("version") != CACHE_VERSION or contents.get("step") != self.step:
@@ -157,7 +178,8 @@ class Tuner:
         self._finish(save=False)
         log.info("Tuned thread counts from %s: %s", self.cache, self.summary())
 
-    def _save(self):
+    def _save(self) -> None:
+        assert self.cache is not None               # (called where there is one)
         contents = {"version": CACHE_VERSION, "step": self.step, "cores": self.cores,
                     "tried": [[list(key), {str(count): seconds for count, seconds in counts.items()}]
                               for key, counts in self.tried.items()],
@@ -168,16 +190,17 @@ class Tuner:
         except OSError as error:                  # a read-only cache only loses the caching
             log.warning("%s: could not save the tuned profile (%s)", self.cache, error)
 
-    def summary(self):
+    def summary(self) -> str:
         """The Strategy-2 count per op type, one line."""
+        assert self.type_counts is not None         # (once done)
         return ", ".join(f"{layer_type} {kind}{'' if param < 0 else f'.{param}'}: {count}"
                          for (layer_type, kind, param), count in sorted(self.type_counts.items()))
 
-    def _finish(self, save=True):
+    def _finish(self, save: bool = True) -> None:
         net = self.schedule.net
         self.curves = {}
         for key, tried in self.tried.items():
-            self.curves[key] = thread_model.hill_climb(lambda count, tried=tried: tried[count], self.cores, self.step)
+            self.curves[key] = thread_model.hill_climb(tried.__getitem__, self.cores, self.step)
         self.type_counts = thread_model.per_type_counts(
             (op_type(net, key), thread_model.size_by_time(curve), curve) for key, curve in self.curves.items())
         if save:
@@ -185,11 +208,12 @@ class Tuner:
             if self.cache is not None:
                 self._save()
 
-    def count(self, key):
+    def count(self, key: Key) -> int:
         """The Strategy-2 count of a tunable sub-task's type."""
+        assert self.type_counts is not None         # (once done)
         return self.type_counts[op_type(self.schedule.net, key)]
 
-    def width(self, task, schedule=None):
+    def width(self, task: Task, schedule: Optional[Schedule] = None) -> Width:
         """(cores, BLAS count) of a sub-task the tuner does not choose for:
         the count the configuration fixes, else its width in `schedule` (the
         tuner's own by default)."""
@@ -198,39 +222,41 @@ class Tuner:
             return count, count
         return (schedule or self.schedule).widths[task]
 
-    def times_for(self, schedule):
+    def times_for(self, schedule: Schedule) -> Dict[Task, float]:
         """Seconds per sub-task of `schedule` (a window of the same net) at its
         type's Strategy-2 count, or its fixed width: the profile the
         critical-path priorities are computed from too."""
+        assert self.curves is not None              # (once done)
         return {task: self.predicted(task, self.count(key_of(task)) if key_of(task) in self.curves
                                      else self.width(task, schedule)[0]) for task in schedule.tasks}
 
-    def predicted(self, task, cores):
+    def predicted(self, task: Task, cores: int) -> float:
         """Seconds a sub-task is predicted to take on `cores` (tunable), or at
         its fixed width."""
         key = key_of(task)
+        assert self.curves is not None              # (once done)
         if key in self.curves:
             return self.curves[key].time(cores)
         return self.fixed.get(key, 0.0)
 
-    def report(self):
+    def report(self) -> List[Tuple[Key, OpType, Dict[int, float], int]]:
         """(sub-task key, op type, {count: seconds tried}, Strategy-2 count) per tunable sub-task."""
         net = self.schedule.net
         return [(key, op_type(net, key), dict(sorted(self.tried[key].items())), self.count(key))
                 for key in self.tried]
 
 
-def key_of(task):
+def key_of(task: Task) -> Key:
     """What identifies a sub-task across iterations and windows."""
     return task.kind, task.layer, task.param
 
 
-def op_type(net, key):
+def op_type(net: Net, key: Key) -> OpType:
     kind, layer, param = key
     return net.layers[layer].type, kind, param
 
 
-def cache_path(net, steps, scope="iteration"):
+def cache_path(net: Net, steps: graph_module.Steps, scope: str = "iteration") -> Path:
     """Where the profile of `net` at its steps' shapes, partitions and thread
     count on this machine is kept: of whole training iterations, or of the
     backward alone (scope "backward": `cct time`)."""
