@@ -63,10 +63,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import AbstractSet, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
 from cct.core import workspace
 from cct.runtime import critical_path, graph as graph_module, thread_model, threads as threads_module
 from cct.runtime import tuner as tuner_module
+from cct.runtime.graph import Net, Task, Width
+
+Entry = Tuple[int, int, float, int, Task]    # a ready heap's: (iteration, pass, -priority, order, task)
 
 DATA_STREAM, WEIGHT_STREAM, OTHER_STREAM, COMM_STREAM = 0, 1, 2, 3
 
@@ -76,7 +80,7 @@ class Span:
     """One sub-task of a run, perf_counter seconds: when it became ready, when
     its stream's worker took it, and when it started and ended there; and
     the threads (cores) it held."""
-    task: object
+    task: Task
     stream: int
     ready: float
     dispatched: float
@@ -91,7 +95,7 @@ ALPHA = 0.25
 BETA = 0.5
 
 
-def stream_of(task, weights=frozenset()):
+def stream_of(task: Task, weights: AbstractSet[int] = frozenset()) -> int:
     """The stream a sub-task runs on. Whole iterations (Schedule with updates):
     forward on the data stream, a parameter's clear and update on its
     gradient's stream (`weights`: the learnable parameters that are some
@@ -115,24 +119,24 @@ class CpuStream:
     run a batch-partitioned layer, which waits on those. (An OpenCL device's
     queue will be another kind of stream.)"""
 
-    def __init__(self, index):
+    def __init__(self, index: int) -> None:
         self.index = index
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"cct-stream-{index}")
 
-    def submit(self, function):
+    def submit(self, function: Callable[[], None]) -> None:
         """Run function() on the stream's thread."""
         self._worker.submit(function)
 
 
 CPU_STREAMS = 3          # a chain's sub-task types: data gradients, weight gradients, the rest (critical_path)
-_streams = []
+_streams: List[CpuStream] = []
 _streams_lock = threading.Lock()
 
 
-_spare_arenas = []
+_spare_arenas: List[workspace.Arena] = []
 
 
-def spare_arenas(count):
+def spare_arenas(count: int) -> List[workspace.Arena]:
     """`count` arenas the streams lend to sub-tasks beside the calling thread's
     (made on first use, kept for every run: their stores stay grown)."""
     with _streams_lock:
@@ -141,7 +145,7 @@ def spare_arenas(count):
         return _spare_arenas[:count]
 
 
-def cpu_streams(count):
+def cpu_streams(count: int) -> List[CpuStream]:
     """The process's CPU streams (made on first use, kept for every net)."""
     with _streams_lock:
         while len(_streams) < count:
@@ -158,9 +162,11 @@ class Schedule:
     gradients of one iteration deferred past the next one's forward as far as
     the derived edges allow. Built for the net's current shapes and needs."""
 
-    def __init__(self, net, steps, alpha=ALPHA, beta=BETA, times=None, updates=None, iterations=1):
+    def __init__(self, net: Net, steps: graph_module.Steps, alpha: float = ALPHA, beta: float = BETA,
+                 times: Optional[Mapping[Task, float]] = None, updates: Optional[graph_module.Updates] = None,
+                 iterations: int = 1) -> None:
         self.net, self.steps, self.updates = net, steps, updates
-        self.sums = ()              # per unit of the MPI gradient sums, its parameters
+        self.sums: graph_module.Sums = ()        # per unit of the MPI gradient sums, its parameters
         self.alpha, self.beta = alpha, beta
         if updates is None:
             built = graph_module.build(net, iterations=1, update=False)
@@ -184,10 +190,10 @@ class Schedule:
         # the budget the widths share: the executor's threads, or more where
         # a layer was asked for more batch partitions than that
         self.cores = max([steps.threads] + [cores for cores, _ in self.widths.values()])
-        self.tuner = None                   # a done cct.runtime.tuner.Tuner: the "tuned" schedule's counts (tune())
-        self.trace = []                     # Span per sub-task of the last run
+        self.tuner: Optional[tuner_module.Tuner] = None    # a done one: the "tuned" schedule's counts (tune())
+        self.trace: List[Span] = []         # Span per sub-task of the last run
 
-    def _widths(self, clip):
+    def _widths(self, clip: bool) -> Dict[Task, Width]:
         """(cores, BLAS count) per sub-task, as the sequential schedule runs
         it, so both give the same numbers whatever the timing: a layer's
         sub-task on all the executor's threads, as its batch partitions (one
@@ -196,7 +202,8 @@ class Schedule:
         core, so they fill in beside each other and before the next forward;
         the rate too, unless it clips the gradients (a dot product over all
         of them, in BLAS); a gradient sum on none."""
-        steps, widths = self.steps, {}
+        steps = self.steps
+        widths: Dict[Task, Width] = {}
         total = steps.threads
         for task in self.tasks:
             if task.kind == graph_module.SUM:
@@ -211,10 +218,11 @@ class Schedule:
         return widths
 
     # --- priorities -----------------------------------------------------------------
-    def _estimated_times(self):
+    def _estimated_times(self) -> Dict[Task, float]:
         """Seconds per sub-task from FLOP counts at 50 GFLOP/s, plus a floor for
         the memory-bound ones: only their ratios matter, until measured."""
-        net, times = self.net, {}
+        net = self.net
+        times: Dict[Task, float] = {}
         for task in self.tasks:
             if task.layer < 0:                          # clear, sum, rate, update: memory-bound
                 params = self.sums[task.param] if task.kind == graph_module.SUM else (
@@ -228,13 +236,13 @@ class Schedule:
             times[task] = 1e-5 + flops / 50e9
         return times
 
-    def _priorities(self):
+    def _priorities(self) -> Dict[Task, float]:
         """Algorithm 1's layer priorities from the data-gradient times, less
         alpha / beta for parameter gradients."""
         data_times = {task.layer: self.times[task] for task in self.tasks
                       if task.kind in (graph_module.BACKWARD_DATA, graph_module.BACKWARD)}
         layer_priority = critical_path.layer_priorities(self.net, data_times)
-        priority = {}
+        priority: Dict[Task, float] = {}
         for task in self.tasks:
             offset = 0.0
             if task.kind == graph_module.BACKWARD_PARAM:
@@ -244,7 +252,7 @@ class Schedule:
             priority[task] = layer_priority.get(task.layer, 0.0) - offset
         return priority
 
-    def tune(self, tuner):
+    def tune(self, tuner: tuner_module.Tuner) -> None:
         """Run by `tuner`'s thread counts and co-running (the tuned schedule),
         with its measured times as the critical-path distances: one profile
         for both."""
@@ -252,11 +260,11 @@ class Schedule:
         self.times = tuner.times_for(self)
         self.priority = self._priorities()
 
-    def profile(self, runs=2):
+    def profile(self, runs: int = 2) -> Dict[Task, float]:
         """Measure each sub-task's time (sequentially, `runs` times, keeping the
         fastest) and recompute the priorities from the measurements."""
         run = graph_module.Runner(self.net, self.steps)
-        best = {}
+        best: Dict[Task, float] = {}
         for _ in range(runs):
             for task in self.tasks:
                 start = time.perf_counter()
@@ -268,7 +276,8 @@ class Schedule:
         return best
 
     # --- running --------------------------------------------------------------------
-    def run(self, streams=None, delay=None):
+    def run(self, streams: Optional[Sequence[CpuStream]] = None,
+            delay: Optional[Callable[[Task], float]] = None) -> graph_module.Runner:
         """The sub-tasks on the streams (one backward, or the iterations);
         returns the graph.Runner that ran them once every one is done.
         `delay(task)`: seconds to sleep before a sub-task (tests shake timing).
@@ -282,7 +291,7 @@ class Schedule:
         state = _RunState(self, len(streams), delay)
         done = threading.Barrier(len(streams) + 1)
 
-        def serve():
+        def serve() -> None:
             try:
                 state.serve()
             except BaseException as error:        # the bookkeeping's own: the other workers stop too
@@ -314,14 +323,16 @@ class _RunState:
     own estimated time ends before the running sub-tasks' (Liu et al.'s
     Strategy 3: it cannot delay the waiting one)."""
 
-    def __init__(self, schedule, stream_count, delay):
+    def __init__(self, schedule: Schedule, stream_count: int, delay: Optional[Callable[[Task], float]]) -> None:
         self.schedule, self.delay = schedule, delay
         self.runner = graph_module.Runner(schedule.net, schedule.steps, schedule.updates)
         self.waiting = {task: len(schedule.edges[task]) for task in schedule.tasks}
         self.order = {task: index for index, task in enumerate(schedule.tasks)}
-        self.ready = [[] for _ in range(stream_count)]    # per stream: heap of (iteration, pass, -priority, order, task)
-        self.became_ready, self.spans = {}, {}
-        self.left, self.failure = len(schedule.tasks), None
+        self.ready: List[List[Entry]] = [[] for _ in range(stream_count)]    # per stream: a heap
+        self.became_ready: Dict[Task, float] = {}
+        self.spans: Dict[Task, Span] = {}
+        self.left = len(schedule.tasks)
+        self.failure: Optional[BaseException] = None
         self.condition = threading.Condition()
         self.blas = schedule.steps.blas
         self.idle = schedule.cores
@@ -331,29 +342,30 @@ class _RunState:
         # start, last given back first: the calling thread's, grown already,
         # serves every sub-task while they run one at a time
         self.arenas = spare_arenas(schedule.cores - 1) + [workspace.thread_arena()]
-        self.blas_users, self.running = 0, {}          # running: task -> estimated end (perf_counter)
-        self.granted = {}                               # running: task -> (cores, BLAS count) it holds
+        self.blas_users = 0
+        self.running: Dict[Task, float] = {}            # running: task -> estimated end (perf_counter)
+        self.granted: Dict[Task, Width] = {}            # running: task -> (cores, BLAS count) it holds
         self.busy = [False] * stream_count              # per stream: a sub-task of it runs
         for task in schedule.tasks:
             if not self.waiting[task]:
                 self._make_ready(task)
 
-    def _make_ready(self, task):
+    def _make_ready(self, task: Task) -> None:
         self.became_ready[task] = time.perf_counter()
         # an earlier iteration's (and pass's) sub-tasks first, then by priority
         heapq.heappush(self.ready[self.schedule.stream[task]],
                        (task.iteration, task.pass_, -self.schedule.priority[task], self.order[task], task))
 
-    def _fits(self, task, width=None):
+    def _fits(self, task: Task, width: Optional[Width] = None) -> bool:
         cores, blas = width or self.schedule.widths[task]
         return cores <= self.idle and (blas is None or not self.blas_users or blas == self.blas.current)
 
-    def _candidates(self):
+    def _candidates(self) -> List[Entry]:
         """The most urgent ready sub-task of each stream with none running,
         most urgent first (their heap entries)."""
         return sorted(heap[0] for stream, heap in enumerate(self.ready) if heap and not self.busy[stream])
 
-    def _next(self):
+    def _next(self) -> Optional[Tuple[Task, Width]]:
         """The sub-task to start now and its width, taken off its stream's
         heap (under the lock), or None: the most urgent one that fits the
         idle cores, except that a sub-task may not take cores ahead of a more
@@ -376,7 +388,7 @@ class _RunState:
             return task, self.schedule.widths[task]
         return None
 
-    def _coreless(self):
+    def _coreless(self) -> Optional[Tuple[Task, Width]]:
         """A ready sub-task that holds no cores (a gradient sum), taken off its
         heap, with its width; else None. It starts at once: it delays no one."""
         for stream, heap in enumerate(self.ready):
@@ -385,12 +397,13 @@ class _RunState:
                 return task, self.schedule.widths[task]
         return None
 
-    def _chosen(self):
+    def _chosen(self) -> Optional[Tuple[Task, Width]]:
         """The tuned schedule: Strategy 3 (thread_model.pick) over the
         candidates, each with its counts that fit the idle cores and the BLAS
         count in force (its 3 best, its type's Strategy-2 count as the
         fallback), or its fixed width; the critical-path order ranks them."""
         tuner, now = self.schedule.tuner, time.perf_counter()
+        assert tuner is not None and tuner.curves is not None     # (the tuned schedule's: a done tuner)
         if self.idle < 1:
             return None
         items = []
@@ -405,13 +418,13 @@ class _RunState:
                 if fitting:
                     items.append(thread_model.Ready(task, fitting, count, curve.time(count), curve))
             elif self._fits(task, tuner.width(task, self.schedule)):
-                width = tuner.width(task, self.schedule)[0]
-                items.append(thread_model.Ready(task, ((width, tuner.predicted(task, width)),)))
+                cores = tuner.width(task, self.schedule)[0]
+                items.append(thread_model.Ready(task, ((cores, tuner.predicted(task, cores)),)))
         remaining = [end - now for end in self.running.values()]
         choice = thread_model.pick(self.idle, remaining, items, {item.op: -n for n, item in enumerate(items)})
         if choice is None:
             return None
-        task = choice.op
+        task = cast(Task, choice.op)
         tuned = tuner_module.key_of(task) in tuner.curves
         width = (choice.threads, choice.threads) if tuned else tuner.width(task, self.schedule)
         if not self._fits(task, width):              # a fallback count the BLAS count in force rules out
@@ -421,7 +434,7 @@ class _RunState:
         heapq.heappop(heap)
         return task, width
 
-    def _take(self, task, width):
+    def _take(self, task: Task, width: Width) -> List[threads_module.Worker]:
         """Its cores, leased workers and BLAS count (under the lock)."""
         cores, blas = width
         self.granted[task] = width
@@ -436,20 +449,20 @@ class _RunState:
         self.running[task] = time.perf_counter() + seconds
         return lease
 
-    def _give_back(self, task, lease):
+    def _give_back(self, task: Task, lease: List[threads_module.Worker]) -> None:
         cores, blas = self.granted.pop(task)
         self.idle += cores
         self.pool.extend(lease)
         self.blas_users -= blas is not None
         del self.running[task]
 
-    def fail(self, error):
+    def fail(self, error: BaseException) -> None:
         """Record the first failure and wake every worker to stop."""
         with self.condition:
             self.failure = self.failure or error
             self.condition.notify_all()
 
-    def serve(self):
+    def serve(self) -> None:
         """One stream thread's loop: start the next sub-task (_next) of any
         stream with none running, run it, count its successors' inputs down,
         and go on. The thread that ends a sub-task starts the next one
@@ -497,7 +510,7 @@ class _RunState:
                     condition.notify_all()
 
 
-def dispatch_costs(trace):
+def dispatch_costs(trace: Sequence[Span]) -> List[float]:
     """Per Span of a trace, the scheduler's own cost: the time from the last
     event that could have let the sub-task start (it became ready, or the
     latest sub-task before it ended and gave back its cores) to its start,
@@ -511,7 +524,7 @@ def dispatch_costs(trace):
     return costs
 
 
-def run_on_streams(schedule):
+def run_on_streams(schedule: Schedule) -> graph_module.Runner:
     """schedule.run(), every BLAS thread given back after; returns its graph.Runner."""
     try:
         return schedule.run()
