@@ -3,6 +3,7 @@
 Fan sizes follow Caffe: fan_in = count / shape[0], fan_out = count / shape[1]
 (for a conv weight o x c x k x k: c*k*k and o*k*k).
 """
+import math
 from typing import Callable, Dict, Sequence
 
 import numpy as np
@@ -25,6 +26,11 @@ def fill(blob: Blob, filler_param: caffe_pb2.FillerParameter, where: str = "fill
                           "no values (Caffe refuses it too)")
     filler(blob.data, filler_param, where)
     return blob
+
+
+def fills_zeros(filler_param: caffe_pb2.FillerParameter) -> bool:
+    """Whether the filler writes +0.0 everywhere: Caffe's default, a constant 0."""
+    return filler_param.type == "constant" and filler_param.value == 0 and math.copysign(1.0, filler_param.value) > 0
 
 
 # Random values are drawn in float32, and straight into a float32 blob: a

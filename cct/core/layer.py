@@ -398,6 +398,8 @@ class Layer:
             blob = Blob(shape)
         except MemoryLimitError as error:
             raise error.renamed(f"{self.where()}: parameter blob ({field})") from None
+        if blob.count and fillers.fills_zeros(filler_param):
+            return blob               # a new blob holds +0.0 already: no pass over its pages (ResNet-50's 100 MB)
         return fillers.fill(blob, filler_param, where=f"{self.where()}: {field}")
 
     def naming_allocations(self, top: Sequence[Blob]) -> "_NamingAllocations":

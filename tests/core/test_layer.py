@@ -2,13 +2,16 @@
 named by its layer and top, at setup and at forward, before it is allocated;
 a layer run in place that would change its bottom's shape (issue 15); the
 reshape at forward a layer skips while its blobs are unchanged."""
+import math
 import time
 
 import numpy as np
 import pytest
+from google.protobuf import text_format
 
 import cct
 from cct.core.errors import MemoryLimitError, ShapeError
+from cct.proto import caffe_pb2
 from cct.runtime import settings
 
 HUGE_INPUT = """
@@ -165,3 +168,19 @@ def test_a_blob_given_another_store_of_the_same_shape_is_reshaped_for():
     net.layer_dict["pool"].reshape_again()
     outputs_of(net, x)
     assert counts["pool"] == 1
+
+
+@pytest.mark.parametrize("filler, expected", [('type: "constant"', 0.0), ('type: "constant" value: 0', 0.0),
+                                              ('type: "constant" value: -0.0', -0.0),
+                                              ('type: "constant" value: 2.5', 2.5)])
+def test_a_parameter_filled_with_constants_holds_the_fillers_bits(filler, expected):
+    """A zero constant (Caffe's default filler) is left to the new blob's +0.0
+    (no pass over its pages, fillers.fills_zeros); -0.0 and other constants are written."""
+    from cct.core import fillers
+    param = text_format.Parse(filler, caffe_pb2.FillerParameter())
+    assert fillers.fills_zeros(param) == (expected == 0 and math.copysign(1, expected) > 0)
+    net = cct.Net('layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 1 dim: 3 } } }\n'
+                  'layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y" inner_product_param { '
+                  f'num_output: 4 weight_filler {{ {filler} }} }} }}', cct.TEST)
+    weights = net.params["ip"][0].data
+    np.testing.assert_array_equal(weights.view(np.uint32), np.full(weights.shape, expected, np.float32).view(np.uint32))
