@@ -1,8 +1,10 @@
 """Box arithmetic the detection layers share (SSD's layers/ssd.py and the
-YOLOv2 port's layers/yolo.py): boxes (.., 4) as (xmin, ymin, xmax, ymax) in
+YOLO ports' layers/yolo.py): boxes (.., 4) as (xmin, ymin, xmax, ymax) in
 float32, each step in the forks' order (util/bbox_util.cpp's BBoxSize and
-JaccardOverlap)."""
+JaccardOverlap); darknet's centre-box overlap, which MobileNet-YOLO uses."""
 import numpy as np
+
+from cct.devices.jit import kernel
 
 _F32 = np.float32
 
@@ -28,3 +30,23 @@ def overlaps(boxes, sizes):
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = inter / (sizes[:, None] + sizes[None, :] - inter)
     return np.where(meet, ratio, _F32(0))
+
+
+@kernel
+def centre_iou(ax, ay, aw, ah, bx, by, bw, bh):
+    """darknet's box_iou of two (x, y, w, h) centre boxes, float32 scalars, as
+    MobileNet-YOLO's detection outputs compute it: no clipping, the
+    intersection 0 where either side is negative, NaN where both areas are 0."""
+    width = _centre_overlap(ax, aw, bx, bw)
+    height = _centre_overlap(ay, ah, by, bh)
+    inter = np.float32(0) if width < 0 or height < 0 else width * height
+    return inter / (aw * ah + bw * bh - inter)
+
+
+@kernel
+def _centre_overlap(a, a_size, b, b_size):
+    """darknet's overlap() on one axis, its comparisons as written (NaN picks the second)."""
+    two = np.float32(2)
+    low_a, low_b = a - a_size / two, b - b_size / two
+    high_a, high_b = a + a_size / two, b + b_size / two
+    return (high_a if high_a < high_b else high_b) - (low_a if low_a > low_b else low_b)

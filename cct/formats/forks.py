@@ -8,7 +8,9 @@ embed_param's bias_term, a bool). cct's schema gives those fork fields other
 numbers (proto/caffe.proto); after a binary NetParameter is parsed,
 resolve_fork_fields re-parses, for each layer of a fork's type, the bytes of
 the fork's field, taken from the file, into cct's field, and clears the BVLC
-field. SegNet's BN (field 45, its own numbering) lands in cct's
+field. MobileNet-YOLO numbers reorg_param 149 and upsample_param 150, free
+in BVLC's schema: they land in cct's mobilenet_yolo_* fields and move the same
+way. SegNet's BN (field 45, its own numbering) lands in cct's
 segnet_bn_param and moves into bn_param's SegNet fields. The YOLOv2 port's
 DetectionOutput keeps SSD's field 204 with its own numbers inside: told by
 their wire types, they are renumbered into cct's (YOLO_NUMBERS). Text
@@ -17,13 +19,16 @@ prototxts match fields by name and need none of this.
 from cct.formats import wire
 from cct.proto import caffe_pb2
 
-# layer type -> (the fork's LayerParameter field number, the field its bytes
-# land in when protobuf parses them with cct's schema, cct's field for them)
+# layer type -> for each fork that numbers its field otherwise: (the fork's
+# LayerParameter field number, the field its bytes land in when protobuf
+# parses them with cct's schema, cct's field for them)
 FORK_FIELDS = {
-    "Interp": (143, "input_param", "interp_param"),          # DeepLab v2, PSPNet
-    "Upsample": (137, "embed_param", "upsample_param"),      # SegNet
-    "Reorg": (147, "swish_param", "reorg_param"),            # the YOLOv2 port
-    "BN": (45, "segnet_bn_param", "bn_param"),               # SegNet
+    "Interp": ((143, "input_param", "interp_param"),),                      # DeepLab v2, PSPNet
+    "Upsample": ((137, "embed_param", "upsample_param"),                    # SegNet
+                 (150, "mobilenet_yolo_upsample_param", "upsample_param")),  # MobileNet-YOLO
+    "Reorg": ((147, "swish_param", "reorg_param"),                          # the YOLOv2 port
+              (149, "mobilenet_yolo_reorg_param", "reorg_param")),          # MobileNet-YOLO
+    "BN": ((45, "segnet_bn_param", "bn_param"),),                           # SegNet
 }
 _LAYER = 100                                                 # NetParameter.layer
 # The YOLOv2 port's DetectionOutputParameter has SSD's name and LayerParameter
@@ -40,16 +45,16 @@ def resolve_fork_fields(net_param, data):
     """Move the fork fields of `net_param`'s layers, parsed from the bytes
     `data`, into cct's fields (see the module's docstring); returns the names
     of the layers changed."""
-    landed = {index: FORK_FIELDS[layer.type] for index, layer in enumerate(net_param.layer)
-              if layer.type in FORK_FIELDS and layer.HasField(FORK_FIELDS[layer.type][1])}
+    landed = {index: fork for index, layer in enumerate(net_param.layer)
+              for fork in FORK_FIELDS.get(layer.type, ()) if layer.HasField(fork[1])}
     detections = {index: (YOLO_DETECTION, "detection_output_param", "detection_output_param")
                   for index, layer in enumerate(net_param.layer)
                   if layer.type == "DetectionOutput" and layer.HasField("detection_output_param")}
     if not landed and not detections:
         return []
     payloads = _fork_payloads(data, {**landed, **detections}, net_param)
-    for index in landed:
-        _move(net_param.layer[index], payloads[index])
+    for index, fork in landed.items():
+        _move(net_param.layer[index], fork, payloads[index])
     moved = list(landed)
     for index in detections:
         if _yolo_numbered(payloads[index]):
@@ -103,8 +108,8 @@ def _renumbered(payload):
     return b"".join(out)
 
 
-def _move(layer, payload):
-    _, landed, ours = FORK_FIELDS[layer.type]
+def _move(layer, fork, payload):
+    _, landed, ours = fork
     layer.ClearField(landed)
     if landed == "segnet_bn_param":
         segnet = caffe_pb2.SegNetBNParameter.FromString(payload)

@@ -102,10 +102,11 @@ def test_a_fork_caffemodel_loads_params_and_weights(tmp_path, monkeypatch, path_
 
 
 def test_the_table_names_each_clash():
-    assert forks.FORK_FIELDS["Interp"] == (143, "input_param", "interp_param")
-    for number, landed, ours in forks.FORK_FIELDS.values():
-        field = caffe_pb2.LayerParameter.DESCRIPTOR.fields_by_name[landed]
-        assert field.number == number and ours in caffe_pb2.LayerParameter.DESCRIPTOR.fields_by_name
+    assert forks.FORK_FIELDS["Interp"] == ((143, "input_param", "interp_param"),)
+    for entries in forks.FORK_FIELDS.values():
+        for number, landed, ours in entries:
+            field = caffe_pb2.LayerParameter.DESCRIPTOR.fields_by_name[landed]
+            assert field.number == number and ours in caffe_pb2.LayerParameter.DESCRIPTOR.fields_by_name
 
 
 def test_text_prototxts_match_by_name():

@@ -167,6 +167,12 @@ TYPES = {
     "ShuffleChannel": Case("shuffle_channel_param { group: 3 }", ((1, 6, 2, 2),), ((1, 6, 2, 2),)),
     "Reorg": Case("reorg_param { stride: 2 }", ((1, 4, 2, 2),), ((1, 16, 1, 1),)),
     "ReLU6": NEURON,
+    # yolo.py (MobileNet-YOLO): every score below its threshold, one row of -1 for the image
+    "YoloDetectionOutput": Case("yolo_detection_output_param { num_classes: 1 num_box: 1 biases: 1 biases: 1 "
+                                "confidence_threshold: 1 }", ((1, 6, 2, 2),), ((1, 1, 1, 7),)),
+    "Yolov3DetectionOutput": Case("yolov3_detection_output_param { num_classes: 1 num_box: 1 biases: 1 biases: 1 "
+                                  "anchors_scale: 8 mask_group_num: 1 mask: 0 confidence_threshold: 1 }",
+                                  ((1, 6, 2, 2),), ((1, 1, 1, 7),)),
     "ConvolutionDepthwise": Case("convolution_param { kernel_size: 3 }", ((1, 2, 4, 4),), ((1, 2, 2, 2),)),
     "DepthwiseConvolution": Case("convolution_param { num_output: 2 group: 2 kernel_size: 3 }", ((1, 2, 4, 4),),
                                  ((1, 2, 2, 2),)),
@@ -188,10 +194,11 @@ CAFFE_LAYER_TYPES = [
 
 
 # The forks' types cct registers beside BVLC's (layers/ssd.py: weiliu89/caffe, branch ssd;
-# layers/segmentation.py; layers/roi.py; layers/depthwise.py; the small ones in the family modules).
+# layers/segmentation.py; layers/roi.py; layers/depthwise.py; layers/yolo.py; the small ones in the family
+# modules).
 FORK_LAYER_TYPES = ["Axpy", "BN", "ConvolutionDepthwise", "DepthwiseConvolution", "DetectionOutput", "Interp",
                     "Normalize", "PSROIPooling", "Permute", "PriorBox", "ROIPooling", "ReLU6", "Reorg",
-                    "ShuffleChannel", "Upsample"]
+                    "ShuffleChannel", "Upsample", "YoloDetectionOutput", "Yolov3DetectionOutput"]
 
 
 def test_the_types_are_caffes():

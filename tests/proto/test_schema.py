@@ -166,7 +166,10 @@ LAYER_PARAMS = {
 # The forks' parameters cct reads, at their forks' numbers (SSD's: weiliu89/caffe, branch ssd).
 FORK_PARAMS = {"permute_param": 202, "prior_box_param": 203, "detection_output_param": 204, "norm_param": 206,
                "bn_param": 152, "segnet_bn_param": 45, "shuffle_channel_param": 164, "roi_pooling_param": 8266711,
-               "smooth_l1_loss_param": 8266712, "psroi_pooling_param": 10001, "relu6_param": 211}
+               "smooth_l1_loss_param": 8266712, "psroi_pooling_param": 10001, "relu6_param": 211,
+               "yolo_detection_output_param": 601, "yolov3_detection_output_param": 602,
+               # MobileNet-YOLO's numbers for reorg_param and upsample_param (cct.formats.forks moves them)
+               "mobilenet_yolo_reorg_param": 149, "mobilenet_yolo_upsample_param": 150}
 # A fork number that is BVLC's too (FORKS.md) is numbered 10000 higher in cct's schema.
 CLASHING_FORK_PARAMS = {"interp_param": 143, "upsample_param": 137, "reorg_param": 147}
 
