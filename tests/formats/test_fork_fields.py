@@ -4,9 +4,12 @@ SegNet's upsample_param at 137 (embed_param, whose bool bias_term would
 swallow scale_w) and its BN at 45, built here byte by byte as the forks
 write them, load with their parameters in cct's fields and their weights
 by layer name, through the wire's fast path and protobuf's full parse; and
-the same nets as text prototxts."""
+the same nets as text prototxts. Likewise the YOLOv2 port's DetectionOutput
+(its own numbers inside SSD's 204) and MobileNet-YOLO's net (reorg_param 149,
+upsample_param 150, its detection outputs at 601 and 602)."""
 import numpy as np
 import pytest
+from google.protobuf import text_format
 
 import cct
 from cct.formats import forks, prototxt, wire
@@ -160,3 +163,76 @@ def test_the_yolo_ports_binary_detection_output_reads_into_its_fields(tmp_path):
     ssd.nms_param.nms_threshold = 0.45
     path.write_bytes(detection_net(ssd.SerializeToString()))
     assert prototxt.read_net(str(path)).layer[1].detection_output_param == ssd
+
+
+def key(number, kind):
+    return wire.varint((number << 3) | kind)
+
+
+def mobilenet_yolo_net():
+    """A net as MobileNet-YOLO (eric612/MobileNet-YOLO@69b4441cb3ec, its caffe.proto)
+    writes it, byte by byte: upsample_param 150 { scale = 1 }, reorg_param 149
+    { stride = 1 }, yolov3_detection_output_param 602 { num_classes = 1,
+    num_box = 2, confidence_threshold = 3, nms_threshold = 4, biases = 5,
+    anchors_scale = 6, mask_group_num = 7, mask = 8 } (repeated fields
+    unpacked, as proto2 writes them), yolo_detection_output_param 601 { side =
+    1, num_classes = 2, num_box = 3, coords = 4, confidence_threshold = 5,
+    nms_threshold = 6, biases = 7 }."""
+    v3 = key(1, 0) + wire.varint(2) + key(2, 0) + wire.varint(2)
+    v3 += key(3, 5) + np.float32(0.3).tobytes() + key(4, 5) + np.float32(0.4).tobytes()
+    v3 += b"".join(key(5, 5) + np.float32(b).tobytes() for b in (10, 14, 23, 27, 37, 58, 81, 82))
+    v3 += key(6, 0) + wire.varint(8) + key(6, 0) + wire.varint(4) + key(7, 0) + wire.varint(2)
+    v3 += b"".join(key(8, 0) + wire.varint(m) for m in (2, 3, 0, 1))
+    v2 = key(1, 0) + wire.varint(9) + key(2, 0) + wire.varint(2) + key(3, 0) + wire.varint(2)
+    v2 += key(4, 0) + wire.varint(4) + key(5, 5) + np.float32(0.2).tobytes() + key(6, 5) + np.float32(0.5).tobytes()
+    v2 += b"".join(key(7, 5) + np.float32(b).tobytes() for b in (1.5, 2.0, 3.25, 4.0))
+    data_layer = caffe_pb2.LayerParameter(name="data", type="Input", top=["data"])
+    data_layer.input_param.shape.add(dim=[1, 14, 2, 2])
+    feat_layer = caffe_pb2.LayerParameter(name="feat", type="Input", top=["feat"])
+    feat_layer.input_param.shape.add(dim=[1, 4, 4, 4])
+    layers = [data_layer.SerializeToString(),
+              fork_layer("up", "Upsample", ["data"], ["up"], 150, key(1, 0) + wire.varint(2)),
+              feat_layer.SerializeToString(),
+              fork_layer("reorg", "Reorg", ["feat"], ["reorg"], 149, key(1, 0) + wire.varint(2)),
+              fork_layer("det", "Yolov3DetectionOutput", ["data", "up"], ["det"], 602, v3),
+              fork_layer("det2", "YoloDetectionOutput", ["up"], ["det2"], 601, v2)]
+    return b"".join(piece for layer in layers for piece in wire.field_pieces(100, [layer]))
+
+
+MOBILENET_YOLO_TEXT = """
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 14 dim: 2 dim: 2 } } }
+layer { name: "up" type: "Upsample" bottom: "data" top: "up" upsample_param { scale: 2 } }
+layer { name: "feat" type: "Input" top: "feat" input_param { shape { dim: 1 dim: 4 dim: 4 dim: 4 } } }
+layer { name: "reorg" type: "Reorg" bottom: "feat" top: "reorg" reorg_param { stride: 2 } }
+layer { name: "det" type: "Yolov3DetectionOutput" bottom: "data" bottom: "up" top: "det"
+        yolov3_detection_output_param { num_classes: 2 num_box: 2 confidence_threshold: 0.3 nms_threshold: 0.4
+        biases: 10 biases: 14 biases: 23 biases: 27 biases: 37 biases: 58 biases: 81 biases: 82
+        anchors_scale: 8 anchors_scale: 4 mask_group_num: 2 mask: 2 mask: 3 mask: 0 mask: 1 } }
+layer { name: "det2" type: "YoloDetectionOutput" bottom: "up" top: "det2"
+        yolo_detection_output_param { side: 9 num_classes: 2 num_box: 2 coords: 4 confidence_threshold: 0.2
+        nms_threshold: 0.5 biases: 1.5 biases: 2.0 biases: 3.25 biases: 4.0 } }
+"""
+
+
+def test_mobilenet_yolos_binary_fields_read_into_ccts(tmp_path):
+    """Its Upsample and Reorg fields (149 and 150: free in BVLC's schema, so
+    protobuf puts them in cct's placeholders for them) move into
+    upsample_param and reorg_param; its detection outputs' fields are read
+    at their own numbers; the binary net runs as the same net in text."""
+    landed = caffe_pb2.NetParameter.FromString(mobilenet_yolo_net())
+    assert landed.layer[1].mobilenet_yolo_upsample_param.scale == 2 and not landed.layer[1].HasField("upsample_param")
+    assert landed.layer[3].mobilenet_yolo_reorg_param.stride == 2 and not landed.layer[3].HasField("reorg_param")
+    path = tmp_path / "mobilenet_yolo.binaryproto"
+    path.write_bytes(mobilenet_yolo_net())
+    read = prototxt.read_net(str(path))
+    assert read == text_format.Parse(MOBILENET_YOLO_TEXT, caffe_pb2.NetParameter())
+    text = cct.Net(MOBILENET_YOLO_TEXT, cct.TEST)
+    binary = cct.Net(str(path), cct.TEST)
+    x, feat = RNG.normal(0, 1.5, (1, 14, 2, 2)), RNG.normal(size=(1, 4, 4, 4))
+    for net in (binary, text):
+        net.blobs["data"].data[...] = x
+        net.blobs["feat"].data[...] = feat
+        net.forward()
+    for name in ("reorg", "det", "det2"):
+        np.testing.assert_array_equal(binary.blobs[name].data, text.blobs[name].data)
+    assert binary.blobs["reorg"].shape == (1, 16, 2, 2) and binary.blobs["det"].shape[2] > 1

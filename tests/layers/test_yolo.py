@@ -539,3 +539,63 @@ def test_mobilenet_yolo_detection_output_errors():
         run_layer(mn_text(2, 2, BIASES[:4]), [bottom[:, :, :2]])
     with pytest.raises(ConfigError, match=where + r"bottom: takes at most 2 bottom blob\(s\), got 3"):
         run_layer(mn_text(2, 2, BIASES[:4]), [bottom] * 3)
+
+
+def conv(name, bottom, outputs, kernel=1, stride=1, kind="Convolution", group=1, relu="ReLU6"):
+    pad = kernel // 2
+    text = (f'layer {{ name: "{name}" type: "{kind}" bottom: "{bottom}" top: "{name}" convolution_param {{ '
+            f'num_output: {outputs} kernel_size: {kernel} stride: {stride} pad: {pad} group: {group} }} }}\n')
+    return text + (f'layer {{ name: "{name}/relu" type: "{relu}" bottom: "{name}" top: "{name}" }}\n' if relu else "")
+
+
+# MobileNet-YOLO's lite deploy in small: depthwise-separable blocks, a head
+# on the 4 x 4 map, the 4 x 4 features upsampled (nearest) and concatenated
+# with the 8 x 8 ones for a second head, both into Yolov3DetectionOutput.
+MOBILENET_YOLO = ('name: "mobilenet_yolo" input: "data" input_shape { dim: 1 dim: 3 dim: 32 dim: 32 }\n'
+                  + conv("conv0", "data", 8, 3, 2)
+                  + conv("conv1/dw", "conv0", 8, 3, 2, "DepthwiseConvolution", 8) + conv("conv1", "conv1/dw", 16)
+                  + conv("conv2/dw", "conv1", 16, 3, 2, "DepthwiseConvolution", 16)
+                  + conv("conv2", "conv2/dw", 32, relu="ReLU")
+                  + conv("head1", "conv2", 24, relu=None)
+                  + conv("conv3", "conv2", 8)
+                  + 'layer { name: "up" type: "Upsample" bottom: "conv3" top: "up" upsample_param { scale: 2 } }\n'
+                  'layer { name: "cat" type: "Concat" bottom: "up" bottom: "conv1" top: "cat" }\n'
+                  + conv("head2", "cat", 24, relu=None)
+                  + 'layer { name: "detection_out" type: "Yolov3DetectionOutput" bottom: "head1" bottom: "head2" '
+                  'top: "detection_out" include { phase: TEST } yolov3_detection_output_param { num_classes: 3 '
+                  'confidence_threshold: 0.3 nms_threshold: 0.45 biases: 2 biases: 3 biases: 4 biases: 6 biases: 6 '
+                  'biases: 5 biases: 8 biases: 12 biases: 14 biases: 10 biases: 20 biases: 24 anchors_scale: 8 '
+                  'anchors_scale: 4 mask_group_num: 2 mask: 3 mask: 4 mask: 5 mask: 0 mask: 1 mask: 2 } }\n')
+
+
+def test_a_mobilenet_yolo_shaped_net():
+    """The net's detections are the fork's loops on its two heads (seeded
+    weights); its Upsample repeats each value 2 x 2."""
+    net = cct.Net(MOBILENET_YOLO, cct.TEST)
+    rng = np.random.default_rng(38)
+    for blobs in net.params.values():
+        for blob in blobs:
+            blob.data[...] = rng.normal(0, 0.5, blob.shape)
+    net.blobs["data"].data[...] = rng.uniform(-1, 1, (1, 3, 32, 32))
+    det = net.forward()["detection_out"]
+    heads = [net.blobs[name].data.astype(F32) for name in ("head1", "head2")]
+    assert [h.shape for h in heads] == [(1, 24, 4, 4), (1, 24, 8, 8)]
+    want = ref_yolov3_detection_output(heads, 3, 3, [2, 3, 4, 6, 6, 5, 8, 12, 14, 10, 20, 24], [8, 4], 2,
+                                       [3, 4, 5, 0, 1, 2], 0.3, 0.45)
+    assert want.shape[2] > 3
+    assert_same_rows(det, want)
+    np.testing.assert_array_equal(net.blobs["up"].data, net.blobs["conv3"].data.repeat(2, 2).repeat(2, 3))
+
+
+def test_cct_dnn_gives_mobilenet_yolos_own_top(tmp_path):
+    """OpenCV 4.14 has no Yolov3DetectionOutput: cct.dnn passes its top on as the layer wrote it."""
+    import cct.dnn
+    bottoms, text, reference, thresholds = v3_case(0, 1)
+    path = tmp_path / "yolov3.prototxt"
+    path.write_text('input: "a" input_shape { dim: 1 dim: 24 dim: 3 dim: 3 }\n'
+                    'input: "b" input_shape { dim: 1 dim: 24 dim: 6 dim: 6 }\n'
+                    f'layer {{ {text} bottom: "a" bottom: "b" top: "det" }}\n')
+    net = cct.dnn.readNetFromCaffe(str(path))
+    net.setInput(bottoms[0], "a")
+    net.setInput(bottoms[1], "b")
+    assert_same_rows(net.forward(), ref_yolov3_detection_output(bottoms, **reference, **thresholds))
