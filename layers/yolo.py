@@ -238,14 +238,6 @@ def darknet_rows(centre, labels, confidence, threshold, images):
     return rows
 
 
-def _same_images(layer, bottom):
-    for index, blob in enumerate(bottom):
-        if len(blob.shape) != 4:
-            raise layer.shape_error(f"bottom[{index}] must be (N, C, H, W), got {blob.shape}")
-        if blob.shape[0] != bottom[0].shape[0]:
-            raise layer.shape_error(f"bottom[{index}] {blob.shape} must have bottom[0]'s num {bottom[0].shape[0]}")
-
-
 class _DarknetOutput(NoBackward, Layer):
     """What MobileNet-YOLO's two detection outputs share: (1, 1, 1, 7) before
     forward, then the rows of darknet_rows."""
@@ -261,8 +253,14 @@ class _DarknetOutput(NoBackward, Layer):
                 raise self.config_error(f"{field}.{name}", f"must be >= 1, got {value}")
         self.confidence_threshold, self.nms_threshold = _F32(p.confidence_threshold), _F32(p.nms_threshold)
 
-    def _channels(self, bottom, per_box, field):
+    def _check_bottoms(self, bottom, field):
+        """Each bottom (N, C, H, W) with bottom[0]'s N and C = num_box * (4 + 1 + num_classes)."""
+        per_box = 4 + 1 + self.num_classes
         for index, blob in enumerate(bottom):
+            if len(blob.shape) != 4:
+                raise self.shape_error(f"bottom[{index}] must be (N, C, H, W), got {blob.shape}")
+            if blob.shape[0] != bottom[0].shape[0]:
+                raise self.shape_error(f"bottom[{index}] {blob.shape} must have bottom[0]'s num {bottom[0].shape[0]}")
             if blob.shape[1] != self.num_box * per_box:
                 raise self.shape_error(f"bottom[{index}] {blob.shape} must have {field}.num_box * (4 + 1 + "
                                        f"num_classes) = {self.num_box} * {per_box} = {self.num_box * per_box} "
@@ -308,8 +306,7 @@ class MobileNetYoloDetectionOutput(_DarknetOutput):
         self.biases = np.asarray(p.biases, _F32).reshape(self.num_box, 2)
 
     def reshape(self, bottom, top):
-        _same_images(self, bottom)
-        self._channels(bottom, 4 + 1 + self.num_classes, "yolo_detection_output_param")
+        self._check_bottoms(bottom, "yolo_detection_output_param")
         for index, blob in enumerate(bottom):
             if blob.shape[2] < blob.shape[3]:
                 raise self.shape_error(f"bottom[{index}] {blob.shape}: the fork reads a width x width map "
@@ -393,8 +390,7 @@ class Yolov3DetectionOutput(_DarknetOutput):
         return anchors
 
     def reshape(self, bottom, top):
-        _same_images(self, bottom)
-        self._channels(bottom, 4 + 1 + self.num_classes, "yolov3_detection_output_param")
+        self._check_bottoms(bottom, "yolov3_detection_output_param")
         top[0].reshape((1, 1, 1, 7))
 
     def forward(self, bottom, top):
