@@ -10,7 +10,7 @@ resolve_fork_fields re-parses, for each layer of a fork's type, the bytes of
 the fork's field, taken from the file, into cct's field, and clears the BVLC
 field. MobileNet-YOLO numbers reorg_param 149 and upsample_param 150, free
 in BVLC's schema: they land in cct's mobilenet_yolo_* fields and move the same
-way. SegNet's BN (field 45, its own numbering) lands in cct's
+way, an Upsample scale it leaves unset taking its default (FORK_DEFAULTS). SegNet's BN (field 45, its own numbering) lands in cct's
 segnet_bn_param and moves into bn_param's SegNet fields. The YOLOv2 port's
 DetectionOutput keeps SSD's field 204 with its own numbers inside: told by
 their wire types, they are renumbered into cct's (YOLO_NUMBERS). Text
@@ -30,6 +30,9 @@ FORK_FIELDS = {
               (149, "mobilenet_yolo_reorg_param", "reorg_param")),          # MobileNet-YOLO
     "BN": ((45, "segnet_bn_param", "bn_param"),),                           # SegNet
 }
+# A fork's defaults where its message's differ from cct's, by its field number:
+# MobileNet-YOLO's UpsampleParameter.scale defaults to 1 (SegNet's and cct's to 2).
+FORK_DEFAULTS = {150: {"scale": 1}}
 _LAYER = 100                                                 # NetParameter.layer
 # The YOLOv2 port's DetectionOutputParameter has SSD's name and LayerParameter
 # number (204) and numbers of its own inside; cct's message holds both, the
@@ -109,7 +112,7 @@ def _renumbered(payload):
 
 
 def _move(layer, fork, payload):
-    _, landed, ours = fork
+    number, landed, ours = fork
     layer.ClearField(landed)
     if landed == "segnet_bn_param":
         segnet = caffe_pb2.SegNetBNParameter.FromString(payload)
@@ -120,4 +123,8 @@ def _move(layer, fork, payload):
             else:
                 setattr(target, field.name, value)
         return
-    getattr(layer, ours).MergeFromString(payload)
+    target = getattr(layer, ours)
+    target.MergeFromString(payload)
+    for name, value in FORK_DEFAULTS.get(number, {}).items():
+        if not target.HasField(name):
+            setattr(target, name, value)

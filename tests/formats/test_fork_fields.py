@@ -236,3 +236,15 @@ def test_mobilenet_yolos_binary_fields_read_into_ccts(tmp_path):
     for name in ("reorg", "det", "det2"):
         np.testing.assert_array_equal(binary.blobs[name].data, text.blobs[name].data)
     assert binary.blobs["reorg"].shape == (1, 16, 2, 2) and binary.blobs["det"].shape[2] > 1
+
+
+def test_mobilenet_yolos_upsample_keeps_its_default_scale(tmp_path):
+    """MobileNet-YOLO's UpsampleParameter.scale defaults to 1 (cct's, for SegNet, to 2):
+    its binary Upsample with no scale written stays 1, as the fork runs it."""
+    data_layer = caffe_pb2.LayerParameter(name="data", type="Input", top=["data"])
+    data_layer.input_param.shape.add(dim=[1, 2, 3, 3])
+    layers = [data_layer.SerializeToString(), fork_layer("up", "Upsample", ["data"], ["up"], 150, b"")]
+    path = tmp_path / "up.binaryproto"
+    path.write_bytes(b"".join(piece for layer in layers for piece in wire.field_pieces(100, [layer])))
+    assert prototxt.read_net(str(path)).layer[1].upsample_param.scale == 1
+    assert cct.Net(str(path), cct.TEST).blobs["up"].shape == (1, 2, 3, 3)
