@@ -289,7 +289,8 @@ class MobileNetYoloDetectionOutput(_DarknetOutput):
     W), the same N and biases: region_boxes with side = W, kept where the
     confidence >= confidence_threshold.
     Top: (1, 1, D, 7), darknet_rows: [0, label + 1, confidence, xmin, ymin,
-    xmax, ymax] (corners, not clipped), best first; (1, 1, 1, 7) before forward.
+    xmax, ymax] (corners, not clipped), best first, the batch's images pooled
+    as image 0 as the fork does; (1, 1, 1, 7) before forward.
     """
     min_bottoms = 1
     max_bottoms = 2

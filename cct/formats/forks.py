@@ -9,8 +9,9 @@ numbers (proto/caffe.proto); after a binary NetParameter is parsed,
 resolve_fork_fields re-parses, for each layer of a fork's type, the bytes of
 the fork's field, taken from the file, into cct's field, and clears the BVLC
 field. MobileNet-YOLO numbers reorg_param 149 and upsample_param 150, free
-in BVLC's schema: they land in cct's mobilenet_yolo_* fields and move the same
-way, an Upsample scale it leaves unset taking its default (FORK_DEFAULTS). SegNet's BN (field 45, its own numbering) lands in cct's
+in BVLC's schema: they land in cct's mobilenet_yolo_* fields and move the
+same way, an Upsample scale it leaves unset taking its default
+(FORK_DEFAULTS). SegNet's BN (field 45, its own numbering) lands in cct's
 segnet_bn_param and moves into bn_param's SegNet fields. The YOLOv2 port's
 DetectionOutput keeps SSD's field 204 with its own numbers inside: told by
 their wire types, they are renumbered into cct's (YOLO_NUMBERS). Text
