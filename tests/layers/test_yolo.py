@@ -1,7 +1,11 @@
-"""The YOLOv2 port's DetectionOutput (layers/yolo.py) against a plain
-transcription of the port's C++ loops (gklz1982/caffe-yolov2@ebb27029db4d,
-src/caffe/layers/detection_output_layer.cpp Forward_cpu and
-include/caffe/util/bbox_util.hpp), and the choice between it and SSD's."""
+"""The YOLO ports' detection outputs (layers/yolo.py) against plain
+transcriptions of their C++ loops: the YOLOv2 port's DetectionOutput
+(gklz1982/caffe-yolov2@ebb27029db4d, src/caffe/layers/detection_output_layer.cpp
+Forward_cpu and include/caffe/util/bbox_util.hpp) and the choice between it
+and SSD's; MobileNet-YOLO's Yolov3DetectionOutput and YoloDetectionOutput
+(eric612/MobileNet-YOLO@69b4441cb3ec), which OpenCV 4.14 cannot create ("Can't
+create layer"), so the fork's loops are the reference, also under a small
+MobileNet-YOLO-shaped net."""
 import math
 
 import numpy as np
