@@ -31,13 +31,16 @@ from cct.proto import caffe_pb2
 
 def param_name_dict():
     """{layer type: parameter field prefix}, from the LayerParameter's *_param
-    fields and their message names: {"Convolution": "convolution", "ReLU": "relu", ...}."""
+    fields and their message names: {"Convolution": "convolution", "ReLU": "relu", ...}.
+    Where fields share a message, the first declared names it: BVLC's and the
+    forks' own come before the fork fields that reuse their messages
+    (relu6_param's ReLUParameter, MobileNet-YOLO's reorg and upsample numbers)."""
     names = {}
     for field in caffe_pb2.LayerParameter.DESCRIPTOR.fields:
         if field.name.endswith("_param") and field.message_type is not None:
             message_name = field.message_type.name
             if message_name.endswith("Parameter"):
-                names[message_name[:-len("Parameter")]] = field.name[:-len("_param")]
+                names.setdefault(message_name[:-len("Parameter")], field.name[:-len("_param")])
     return names
 
 

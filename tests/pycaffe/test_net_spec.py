@@ -201,6 +201,22 @@ def test_type_param_wins_over_layer_field_as_in_pycaffe():
     assert (proto.layer[1].python_param.module, proto.layer[1].python_param.layer) == ("m", "C")
 
 
+def test_a_types_fields_go_to_its_own_message_where_forks_reuse_it():
+    """ReLUParameter is relu6_param's message too, ReorgParameter and
+    UpsampleParameter MobileNet-YOLO's placeholders': a type's keywords still
+    go to its own field."""
+    n = NetSpec()
+    n.data = L.Input(shape=dict(dim=[1, 4, 4, 4]))
+    n.relu = L.ReLU(n.data, negative_slope=0.1)
+    n.reorg = L.Reorg(n.relu, stride=2)
+    n.up = L.Upsample(n.relu, scale=2)
+    n.det = L.Yolov3DetectionOutput(n.up, num_classes=1, mask_group_num=1)
+    relu, reorg, up, det = n.to_proto().layer[1:]
+    assert relu.relu_param.negative_slope == pytest.approx(0.1) and not relu.HasField("relu6_param")
+    assert reorg.reorg_param.stride == 2 and up.upsample_param.scale == 2
+    assert det.yolov3_detection_output_param.mask_group_num == 1
+
+
 def test_update_keys_vals_and_item_access():
     n = NetSpec()
     n["data"] = L.Input(shape=dict(dim=[2, 4]))
