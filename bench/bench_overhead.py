@@ -98,6 +98,9 @@ def per_forward(net, repeats, backward=False):
     run = net.forward_backward if backward else net.forward
     for _ in range(20):
         run()
+    from cct.devices import jit
+    if hasattr(jit, "warmed_up"):        # (an install from before it times with numba's start-up beside)
+        jit.warmed_up()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -98,17 +98,20 @@ def warm_up():
     _warming.start()
 
 
-def _finish_warm_up_before_fork():
-    """A fork while the thread compiles would leave it holding numba's and
-    cct's compile locks in a child that has no such thread (the child's first
-    kernel would wait for ever): the fork waits for it first."""
+def warmed_up():
+    """Wait until numba's start-up thread is done: before a fork (below), and
+    for a benchmark of the steady state (while it runs it takes the GIL
+    whenever a kernel lets go of it)."""
     thread = _warming
     if thread is not None and thread.is_alive() and thread is not threading.current_thread():
         thread.join()
 
 
+# A fork while the thread compiles would leave it holding numba's and cct's
+# compile locks in a child that has no such thread (the child's first kernel
+# would wait for ever): the fork waits for it first.
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_finish_warm_up_before_fork)
+    os.register_at_fork(before=warmed_up)
 
 
 def _warm():
