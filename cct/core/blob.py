@@ -14,8 +14,12 @@ buffer and a head that says which side is current, as Caffe's SyncedMemory.
 the host was written since; `mutable_device_data(device)` also marks the
 device as the only current side. `data` and `diff` copy back when the device
 is ahead and, since numpy views are writable, make the host the current side
-(pycaffe's `blob.data` is Caffe's mutable_cpu_data too). A device that shares
-host memory (the numpy CPU device) gets the host store itself.
+(pycaffe's `blob.data` is Caffe's mutable_cpu_data too); `read_data()` and
+`read_diff()` are Caffe's cpu_data: read-only views, the device's copy kept
+current. A layer that overwrites a whole buffer asks for it with
+upload=False (nothing stale copied up first). A copy down happens once
+however many threads ask at the same time. A device that shares host memory
+(the numpy CPU device) gets the host store itself.
 """
 import math
 import threading
@@ -31,6 +35,10 @@ from cct.core.allocation import charge_store, check_allocation
 # Batch partitions (cct.runtime.executor) may ask for one blob's diff from several
 # threads at once: it must be made once, not once per thread.
 _ALLOCATION_LOCK = threading.Lock()
+# Threads (a striped update, batch partitions) may ask for one store a device
+# is ahead with at once: one copies it down, the others wait and see the host
+# current (two downloads would overwrite what the first had begun to update).
+_SYNC_LOCK = threading.Lock()
 
 # Which side of a Mirror is current: the host, the device's buffer, both, or
 # (SPLIT) the host except one range of elements, current only in a shard on a
@@ -49,6 +57,7 @@ class DeviceMemory(Protocol):
     def empty(self, count: int) -> Buffer: ...
     def upload(self, buffer: Buffer, host: Array) -> None: ...
     def download(self, buffer: Buffer, host: Array) -> None: ...
+    def fill(self, buffer: Buffer, value: float, count: int) -> None: ...
 
 
 # A hybrid split's shard: (device, start, stop, buffer), elements [start, stop) of the store.
@@ -256,8 +265,7 @@ class Blob:
     @property
     def data(self) -> Array:
         if self._data_mirror.head != HOST:
-            self._data_mirror.to_host()
-            self._data_mirror.head = HOST
+            _host_current(self._data_mirror)
         return self._data
 
     @data.setter
@@ -271,22 +279,42 @@ class Blob:
             return self._allocate_diff()
         assert self._diff_mirror is not None             # made with the diff store
         if self._diff_mirror.head != HOST:
-            self._diff_mirror.to_host()
-            self._diff_mirror.head = HOST
+            _host_current(self._diff_mirror)
         return diff
 
     @diff.setter
     def diff(self, value: npt.ArrayLike) -> None:
         self.diff[...] = value
 
+    def host_current(self) -> None:
+        """Make the host the only current side of the data and of a diff made
+        (a host writer is about to start): copied down here, once, where a
+        device is ahead, not lazily by whichever of its threads reads first."""
+        for mirror in (self._data_mirror, self._diff_mirror):
+            if mirror is not None and mirror.head != HOST:
+                _host_current(mirror)
+
+    def read_data(self) -> Array:
+        """The data as a read-only host view (Caffe's cpu_data): copied down
+        when a device is ahead, whose copy stays current (the loss, the
+        display, a snapshot read it; nothing is uploaded again after)."""
+        return _read_only(self._data_mirror, self._data)
+
+    def read_diff(self) -> Array:
+        """The diff as a read-only host view (see read_data)."""
+        diff = self._diff if self._diff is not None else self._allocate_diff()
+        assert self._diff_mirror is not None             # made with the diff store
+        return _read_only(self._diff_mirror, diff)
+
     # --- on a device (cct.devices) -----------------------------------------------------
     def device_data(self, device: DeviceMemory) -> Buffer:
         """The data in `device`'s flat buffer (of the store's capacity), to read."""
         return self._data_mirror.on(device)
 
-    def mutable_device_data(self, device: DeviceMemory) -> Buffer:
-        """The data's device buffer, to write: the host copy is stale from now on."""
-        return self._data_mirror.written_on(device)
+    def mutable_device_data(self, device: DeviceMemory, upload: bool = True) -> Buffer:
+        """The data's device buffer, to write: the host copy is stale from now
+        on. upload=False: the caller overwrites it all (nothing stale copied up)."""
+        return self._data_mirror.written_on(device, upload)
 
     def device_diff(self, device: DeviceMemory) -> Buffer:
         if self._diff is None:
@@ -294,11 +322,17 @@ class Blob:
         assert self._diff_mirror is not None             # made with the diff store
         return self._diff_mirror.on(device)
 
-    def mutable_device_diff(self, device: DeviceMemory) -> Buffer:
+    def mutable_device_diff(self, device: DeviceMemory, upload: bool = True) -> Buffer:
         if self._diff is None:
             self._allocate_diff()
         assert self._diff_mirror is not None             # made with the diff store
-        return self._diff_mirror.written_on(device)
+        return self._diff_mirror.written_on(device, upload)
+
+    def fill_device_diff(self, device: DeviceMemory, value: float) -> None:
+        """Set the whole diff to `value` by a fill on `device`: nothing is
+        copied up, and the device holds the only current copy."""
+        buffer = self.mutable_device_diff(device, upload=False)
+        device.fill(buffer, value, buffer.size)
 
     def sync_to_host(self) -> None:
         """Copy down what a device wrote, leaving both sides current (a host
@@ -408,6 +442,25 @@ class Blob:
 
     def __repr__(self) -> str:
         return f"Blob(shape={self._shape})"
+
+
+def _host_current(mirror: Mirror) -> None:
+    """Make the host the only current side of `mirror`, copying down at most
+    once however many threads ask at the same time."""
+    with _SYNC_LOCK:
+        if mirror.head != HOST:
+            mirror.to_host()
+            mirror.head = HOST
+
+
+def _read_only(mirror: Mirror, view: Array) -> Array:
+    """`view` made current on the host, the device's copy kept current too, as a view no one can write."""
+    if mirror.head not in (HOST, SYNCED):
+        with _SYNC_LOCK:
+            mirror.to_host()
+    readable = view.view()
+    readable.flags.writeable = False
+    return readable
 
 
 def _grown(store: Array, count: int) -> Array:

@@ -249,6 +249,17 @@ class Layer:
                 loss += weight * float(blob.data.sum(dtype=np.float64))
         return loss
 
+    def weighted_loss_on(self, device: Device, top: Sequence[Blob]) -> float:
+        """weighted_loss in a device run: the diffs set by a fill on `device`
+        and the loss read through a read-only view, so neither the loss nor
+        its diff changes sides (nothing is uploaded again for the backward)."""
+        loss = 0.0
+        for blob, weight in zip(top, self.loss_weights):
+            if weight:
+                blob.fill_device_diff(device, weight)
+                loss += weight * float(blob.read_data().sum(dtype=np.float64))
+        return loss
+
     # --- bound for an execution plan (cct.runtime.plan) ---------------------------------
     def bind_forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> Callable[[], None]:
         """Forward on these blobs as one call, with whatever the layer decides

@@ -431,8 +431,14 @@ class Net:
         self.close()
 
     def clear_param_diffs(self) -> None:
+        """Zero the parameter gradients: in a device run by a fill on the
+        device, where the backward accumulates them (no host zeros uploaded)."""
+        device = self.executor.device()
         for blob in self.learnable_params:
-            blob.diff[...] = 0
+            if device is None:
+                blob.diff[...] = 0
+            else:
+                blob.fill_device_diff(device, 0.0)
 
     # --- pycaffe's views ---------------------------------------------------------
     @property

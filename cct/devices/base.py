@@ -15,6 +15,8 @@ The primitives, by kind:
     GEMM         gemm (row-major, as numpy's matmul on the flat buffers)
     elementwise  axpby, relu_forward, relu_backward, clip_forward, clip_backward
     reductions   sum_axis (over the middle axis of an (outer, axis, inner) view)
+    training     solver_step (one parameter's update, the six solver rules),
+                 sum_of_squares (clip_gradients' norm, one scalar read)
     lowering     im2col, col2im (lowering type 1 over the whole batch) and the
                  transposes between (N, C, P) and channels-first (C, N*P)
                  that lower a gradient and lift a product; depthwise
@@ -28,7 +30,7 @@ The primitives, by kind:
                  bilinear resize and unpooling, ROI max and position-
                  sensitive average pooling, SSD's box decoding
 """
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence, Tuple
 
 from cct.core.arrays import Array
 
@@ -162,6 +164,24 @@ class Device:
     def clip_backward(self, x, dy, dx, count, low, high):
         """dx = dy where low < x < high, else 0: x the forward's input, or its
         output (strictly inside the bounds exactly where the input is)."""
+        raise NotImplementedError
+
+    # --- the solver's update (cct.training.updates; OpenCL kernels in kernels/update.cl) ---
+    def solver_step(self, rule: str, count: int, data: Buffer, diff: Buffer, first: Buffer, second: Optional[Buffer],
+                    clip: float, normalize: float, regularization: int, decay: float, rate: float,
+                    coefficients: Sequence[float]) -> None:
+        """One update of a parameter in place, the host solver's passes in
+        their order and precision (each scalar its float32 cast): g = diff *
+        clip * normalize, plus decay * data (regularization 1, L2) or decay *
+        sign(data) (2, L1); the `rule`'s step (SGD, Nesterov, AdaGrad,
+        RMSProp, AdaDelta, Adam) from g, `rate` and `coefficients` (per rule:
+        kernels/update.cl), updating the histories `first` and `second`
+        (AdaDelta's and Adam's); then diff = step and data -= step."""
+        raise NotImplementedError
+
+    def sum_of_squares(self, buffers: Sequence[Tuple[Buffer, int]]) -> float:
+        """The sum of the squares of the first `count` elements of every
+        (buffer, count), summed on the device and read as one scalar."""
         raise NotImplementedError
 
     # --- lowering type 1 ---------------------------------------------------------

@@ -22,6 +22,9 @@ from cct.devices.base import Device, DeviceError
 
 KERNELS = Path(__file__).with_name("kernels")
 WORK_GROUP = 256              # items per work group, rounded up to: one size fits every kernel here
+# The update's sqrt and division rounded as numpy's are: its numbers are the host's bit for bit
+BUILD_OPTIONS = {"update.cl": ["-cl-fp32-correctly-rounded-divide-sqrt"]}
+SQUARE_PARTS = 4096           # partial sums of clip_gradients' squares: work items enough to fill a GPU
 
 
 def _pyopencl():
@@ -106,12 +109,12 @@ class OpenCLDevice(Device):
             built = self._programs.get(filename)
             if built is None:
                 source = (KERNELS / filename).read_text()
-                built = self._programs[filename] = self.build(source, filename)
+                built = self._programs[filename] = self.build(source, filename, BUILD_OPTIONS.get(filename, []))
             return built
 
-    def build(self, source, name="<source>"):
+    def build(self, source, name="<source>", options=()):
         try:
-            return self._cl.Program(self.context, source).build()
+            return self._cl.Program(self.context, source).build(options=list(options))
         except self._cl.RuntimeError as error:             # its text carries the build log
             raise DeviceError(f"OpenCL kernel {name} does not build on {self.name}:\n{error}") from None
 
@@ -188,6 +191,26 @@ class OpenCLDevice(Device):
 
     def clip_backward(self, x, dy, dx, count, low, high):
         self.launch("core.cl", "clip_backward", count, count, x, dy, dx, float(low), float(high))
+
+    # --- the solver's update (cct.training.updates; kernels/update.cl) ---------------
+    def solver_step(self, rule, count, data, diff, first, second, clip, normalize, regularization, decay, rate,
+                    coefficients):
+        coefficients = [float(c) for c in coefficients] + [0.0] * (5 - len(coefficients))
+        self.launch("update.cl", f"update_{rule.lower()}", count, count, data, diff, first,
+                    first if second is None else second, float(clip), float(normalize), int(regularization),
+                    float(decay), float(rate), *coefficients)
+
+    def sum_of_squares(self, buffers):
+        partial = self.scratch("squares", SQUARE_PARTS)
+        for index, (buffer, count) in enumerate(buffers):
+            self.launch("update.cl", "sum_squares", SQUARE_PARTS, count, buffer, SQUARE_PARTS, partial, int(index > 0))
+        if not buffers:
+            return 0.0
+        total = self.scratch("squares_total", 1)
+        self.sum_axis(partial, 1, SQUARE_PARTS, 1, total)
+        value = np.empty(1, np.float32)
+        self.download(total, value)
+        return float(value[0])
 
     # --- lowering type 1 ---------------------------------------------------------
     def _geometry_args(self, geom, batch, group):

@@ -321,7 +321,7 @@ class Executor:
             self.run_on(device, index)
             if index == len(self.net.layers) - 1:
                 self._forwarded = self.shape_key()
-            loss = self._loss(index)
+            loss = self._loss(index, device)
             if self._listeners:
                 self._emit("after_forward", index)
             return loss
@@ -434,8 +434,10 @@ class Executor:
             self.fusion.before_backward()
         return plan
 
-    def _loss(self, index: int) -> float:
+    def _loss(self, index: int, device: Any = None) -> float:
         net = self.net
+        if device is not None:
+            return net.layers[index].weighted_loss_on(device, net.top_vecs[index])
         return net.layers[index].weighted_loss(net.top_vecs[index])
 
     def begin_forward(self, end: Optional[int]) -> None:

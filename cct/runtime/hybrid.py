@@ -81,8 +81,8 @@ class _RowsMirror:
     def on(self, device):
         return self._mirror().rows_on(device, self.start, self.stop)
 
-    def written_on(self, device):
-        return self._mirror().rows_on(device, self.start, self.stop, upload=self.upload)
+    def written_on(self, device, upload=True):
+        return self._mirror().rows_on(device, self.start, self.stop, upload=self.upload and upload)
 
     def to_host(self):
         mirror = self._mirror()        # a host read of a device part (labels): the whole blob, host-writable
@@ -117,8 +117,8 @@ class Rows(Blob):
     def device_diff(self, device):
         return self._diff_mirror.on(device)
 
-    def mutable_device_diff(self, device):
-        return self._diff_mirror.written_on(device)
+    def mutable_device_diff(self, device, upload=True):
+        return self._diff_mirror.written_on(device, upload)
 
     def reshape(self, *shape):
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):

@@ -21,11 +21,21 @@ sub-tasks: the learning rate and clipping once per iteration (begin_update),
 then normalize -> regularize -> compute_update_value -> apply per parameter
 (update_param), several iterations at once, to the same numbers.
 
-Subclasses override only compute_update_value. Histories are float32 arrays
+Subclasses override only compute_update_value. Histories are float32 blobs
 laid out as Caffe's history_ (AdaDelta and Adam append a second set), so a
 .solverstate written here restores in Caffe and the other way around.
+
+In a device run (cct.runtime.settings: gpu mode) the update runs on the
+device, as Caffe's GPU mode does (update_on): the gradients are cleared by a
+device fill, each parameter's whole step is one kernel (Device.solver_step,
+the host's passes in their order: the same numbers), clip_gradients' norm is
+summed there and read as one scalar, so parameters, gradients and history
+stay on the device and no byte of them crosses after the first iteration.
+Host runs, MPI runs and solvers with a rule or pass of their own keep the
+host update.
 """
 import logging
+import math
 import os
 import threading
 import time
@@ -33,6 +43,7 @@ import time
 import numpy as np
 
 from cct.core.allocation import charging
+from cct.core.blob import Blob
 from cct.core.errors import ConfigError
 from cct.core.rng import set_random_seed
 from cct.formats.prototxt import read_solver
@@ -108,6 +119,8 @@ class Solver(ScheduleWindows):
     SolverParameter)`; pycaffe's caffe.SGDSolver(path) etc. are the subclasses."""
 
     type = None
+    device_rule = None               # the rule's name for Device.solver_step (the six rules set it)
+    device_update = True             # False: a device run's update on the host (tests compare the two)
 
     def __init__(self, solver, source=None, share_diffs=False):
         param, source = _solver_param(solver, source)
@@ -143,7 +156,7 @@ class Solver(ScheduleWindows):
         for net in self.test_nets:       # as every test does: their own parameter stores are freed now
             self.share_weights(net)
         self._images_per_iter = nets.batch_size(self.net) * param.iter_size * self.size
-        self.history = [np.zeros(p.shape, p.dtype) for p in self.net.learnable_params]
+        self.history_blobs = [Blob(p.shape, p.dtype) for p in self.net.learnable_params]
         self._stream_schedules = {}  # (iterations, tuned, shapes, partitions) -> scheduler.Schedule
         self._tuners = {}            # (shapes, partitions) -> tuner.Tuner, the "tuned" schedule's profile
         self._auto = {}              # (shapes, partitions) -> FasterOf, the "auto" schedule's choice
@@ -190,6 +203,16 @@ class Solver(ScheduleWindows):
 
     def pre_solve(self):
         """Subclass hook: check the solver's own fields, add history entries."""
+
+    @property
+    def history(self):
+        """The history as host arrays (writable views: the host is current
+        after; snapshot, restore and the host update read them)."""
+        return [blob.data for blob in self.history_blobs]
+
+    def history_data(self, index):
+        """History entry `index` as a writable host array."""
+        return self.history_blobs[index].data
 
     @property
     def rank(self):
@@ -365,7 +388,7 @@ class Solver(ScheduleWindows):
         log.info("Iteration %d (%s iter/s, %s images/s, %ss/%d iters%s), loss = %s",
                  self.iter, _fmt(per_s), _fmt(per_s * self._images_per_iter), _fmt(lapse),
                  param.display, eta, _fmt(self.smoothed_loss))
-        self._log_outputs(self.net, "Train", [self.net.blobs[n].data.ravel() for n in self.net.outputs])
+        self._log_outputs(self.net, "Train", [self.net.blobs[n].read_data().ravel() for n in self.net.outputs])
 
     @staticmethod
     def _log_outputs(net, kind, values_per_output):
@@ -383,10 +406,10 @@ class Solver(ScheduleWindows):
         for layer, tops, top_names in zip(net.layers, net.top_vecs, net.top_names.values()):
             for blob, name in zip(tops, top_names):
                 log.info("    [Forward] Layer %s, top blob %s data: %s", layer.name, name,
-                         _fmt(float(np.abs(blob.data).mean()) if blob.count else 0.0))
+                         _fmt(float(np.abs(blob.read_data()).mean()) if blob.count else 0.0))
             for index, blob in enumerate(layer.blobs):
                 log.info("    [Backward] Layer %s, param blob %d diff: %s", layer.name, index,
-                         _fmt(float(np.abs(blob.diff).mean()) if blob.count else 0.0))
+                         _fmt(float(np.abs(blob.read_diff()).mean()) if blob.count else 0.0))
 
     # --- testing -----------------------------------------------------------------
     def test_all(self):
@@ -417,7 +440,7 @@ class Solver(ScheduleWindows):
             batch_loss = net._forward()
             if param.test_compute_loss:
                 loss += batch_loss
-            values = np.concatenate([net.blobs[n].data.ravel() for n in net.outputs]
+            values = np.concatenate([net.blobs[n].read_data().ravel() for n in net.outputs]
                                     or [np.zeros(0)]).astype(np.float64)
             scores = values if scores is None else scores + values
         if param.test_compute_loss and iterations:
@@ -434,10 +457,82 @@ class Solver(ScheduleWindows):
         return rate
 
     def apply_update(self):
-        """One parameter update from the gradients in the net's param diffs."""
+        """One parameter update from the gradients in the net's param diffs:
+        on the device that holds them in a device run (update_on), else on the host."""
+        device = self._update_device()
+        if device is not None:
+            self.update_on(device)
+            return
+        self._params_to_host()
         self.begin_update()
         elements = sum(blob.count for blob in self.net.learnable_params)
         self._striped(self._update_params, self._rate, stripes=None if elements >= STRIPED_UPDATE_ELEMENTS else 1)
+
+    def _params_to_host(self):
+        """Make the host current for every parameter, gradient and history
+        entry here, on the calling thread, before the update's threads read
+        them: each copied down once (where a device is ahead), none by two
+        threads at once."""
+        for blob in self.net.learnable_params + self.history_blobs:
+            blob.host_current()
+
+    def _update_device(self):
+        """The device the update runs on: a device run's, unless
+        device_update is off, the solver's rule is its own (no device_rule,
+        or a subclass overrides a pass) or MPI sums the gradients on the host."""
+        if not self.device_update or self.gradient_sum is not None or self._device_rule() is None:
+            return None
+        return self.net.executor.device()
+
+    def _device_rule(self):
+        """The registered rule's name where this solver runs that rule's passes unchanged, else None."""
+        cls = type(self)
+        registered = SOLVER_TYPES.get(cls.type)
+        if registered is None or registered.device_rule is None:
+            return None
+        passes = ("compute_update_value", "normalize", "regularize", "clip_gradients", "_apply_step",
+                  "_update_param")
+        if any(getattr(cls, name) is not getattr(registered, name) for name in passes):
+            return None
+        return registered.device_rule
+
+    def update_on(self, device):
+        """The update on `device`, one kernel per parameter (Device.solver_step)."""
+        self._rate = self.get_learning_rate()
+        if self._displays_now():
+            self._log_rate()
+        clip = self._clip_scale_on(device)
+        params, rule = self.net.learnable_params, self._device_rule()
+        for index, blob in enumerate(params):
+            decay = self.param.weight_decay * self.net.params_weight_decay[index]
+            regularization = 0 if not decay else 1 if self.param.regularization_type == "L2" else 2
+            histories = [h.mutable_device_data(device) for h in self.history_blobs[index::len(params)]]
+            rate, coefficients = self.step_scalars(index, self._rate)
+            device.solver_step(rule, blob.count, blob.mutable_device_data(device), blob.mutable_device_diff(device),
+                               histories[0], histories[1] if len(histories) > 1 else None, clip,
+                               1.0 / self.param.iter_size, regularization, decay, rate, coefficients)
+
+    def step_scalars(self, index, rate):
+        """(rate, coefficients) of parameter `index`'s Device.solver_step (kernels/update.cl)."""
+        raise NotImplementedError
+
+    def _clip_scale_on(self, device):
+        """clip_gradients' scale on a device: the norm summed there, one scalar read."""
+        clip = self.param.clip_gradients
+        if clip < 0:
+            return 1.0
+        params = self.net.learnable_params
+        norm = math.sqrt(device.sum_of_squares([(p.device_diff(device), p.count) for p in params]))
+        return self._clip_scale(norm, clip)
+
+    def _clip_scale(self, norm, clip):
+        """The factor clip_gradients scales the gradients by (1: none; a NaN norm clips nothing, as Caffe's)."""
+        if not norm > clip:
+            return 1.0
+        scale = clip / norm
+        log.info("Gradient clipping: scaling down gradients (L2 norm %s > %s) by scale factor %s",
+                 _fmt(norm), _fmt(clip), _fmt(scale))
+        return scale
 
     def begin_update(self, log_rate=True):
         """What the update does once before any parameter's: the learning rate
@@ -522,10 +617,8 @@ class Solver(ScheduleWindows):
             self.gradient_sum.wait()
         params = self.net.learnable_params
         norm = float(np.sqrt(sum(float(np.dot(p.diff.ravel(), p.diff.ravel())) for p in params)))
-        if norm > clip:
-            scale = clip / norm
-            log.info("Gradient clipping: scaling down gradients (L2 norm %s > %s) by scale factor %s",
-                     _fmt(norm), _fmt(clip), _fmt(scale))
+        scale = self._clip_scale(norm, clip)
+        if scale != 1.0:
             for p in params:
                 p.diff[...] *= scale
 

@@ -5,6 +5,7 @@ parameter (Solver._pieces): element-wise, so the numbers are those of
 whole-array passes, and striped over the worker threads."""
 import numpy as np
 
+from cct.core.blob import Blob
 from cct.core.errors import ConfigError
 from cct.devices.jit import kernel
 from cct.training.solver import Solver, register_solver
@@ -38,6 +39,10 @@ class SGDSolver(Solver):
     striped over two)."""
 
     fused = True                     # False: the numpy passes (tests compare the two)
+    device_rule = "SGD"
+
+    def step_scalars(self, index, rate):
+        return rate * self.net.params_lr[index], (self.param.momentum,)
 
     def _update_param(self, index, rate):
         if not self._can_fuse():
@@ -45,7 +50,7 @@ class SGDSolver(Solver):
         blob = self.net.learnable_params[index]
         decay = self.param.weight_decay * self.net.params_weight_decay[index]
         cast = blob.dtype.type
-        for data, diff, history in self._pieces(blob.data, blob.diff, self.history[index], temps=0):
+        for data, diff, history in self._pieces(blob.data, blob.diff, self.history_data(index), temps=0):
             _sgd_pieces(data, diff, history, bool(decay), cast(decay),
                         cast(rate * self.net.params_lr[index]), cast(self.param.momentum))
 
@@ -62,7 +67,7 @@ class SGDSolver(Solver):
     def compute_update_value(self, index, rate):
         local_rate = rate * self.net.params_lr[index]
         momentum = self.param.momentum
-        for diff, history, temp in self._pieces(self.net.learnable_params[index].diff, self.history[index]):
+        for diff, history, temp in self._pieces(self.net.learnable_params[index].diff, self.history_data(index)):
             history *= momentum
             np.multiply(diff, local_rate, out=temp)
             history += temp
@@ -74,10 +79,15 @@ class NesterovSolver(Solver):
     """history' = momentum * history + local_rate * grad;
     step = (1 + momentum) * history' - momentum * history."""
 
+    device_rule = "Nesterov"
+
+    def step_scalars(self, index, rate):
+        return rate * self.net.params_lr[index], (self.param.momentum, 1.0 + self.param.momentum)
+
     def compute_update_value(self, index, rate):
         momentum = self.param.momentum
         local_rate = rate * self.net.params_lr[index]
-        for diff, history, previous in self._pieces(self.net.learnable_params[index].diff, self.history[index]):
+        for diff, history, previous in self._pieces(self.net.learnable_params[index].diff, self.history_data(index)):
             previous[...] = history
             history *= momentum
             history += local_rate * diff
@@ -104,12 +114,17 @@ def _divide_by_root(diff, history, delta, local_rate, temp):
 class AdaGradSolver(Solver):
     """history += grad^2; step = local_rate * grad / (sqrt(history) + delta)."""
 
+    device_rule = "AdaGrad"
+
+    def step_scalars(self, index, rate):
+        return rate * self.net.params_lr[index], (self.param.delta,)
+
     def pre_solve(self):
         _require_no_momentum(self)
 
     def compute_update_value(self, index, rate):
         local_rate = rate * self.net.params_lr[index]
-        for diff, history, temp in self._pieces(self.net.learnable_params[index].diff, self.history[index]):
+        for diff, history, temp in self._pieces(self.net.learnable_params[index].diff, self.history_data(index)):
             history += np.square(diff, out=temp)
             _divide_by_root(diff, history, self.param.delta, local_rate, temp)
 
@@ -118,6 +133,12 @@ class AdaGradSolver(Solver):
 class RMSPropSolver(Solver):
     """history = rms_decay * history + (1 - rms_decay) * grad^2;
     step = local_rate * grad / (sqrt(history) + delta)."""
+
+    device_rule = "RMSProp"
+
+    def step_scalars(self, index, rate):
+        decay = self.param.rms_decay
+        return rate * self.net.params_lr[index], (decay, 1.0 - decay, self.param.delta)
 
     def pre_solve(self):
         _require_no_momentum(self)
@@ -128,7 +149,7 @@ class RMSPropSolver(Solver):
     def compute_update_value(self, index, rate):
         decay = self.param.rms_decay
         local_rate = rate * self.net.params_lr[index]
-        for diff, history, temp in self._pieces(self.net.learnable_params[index].diff, self.history[index]):
+        for diff, history, temp in self._pieces(self.net.learnable_params[index].diff, self.history_data(index)):
             np.square(diff, out=temp)
             temp *= 1.0 - decay
             history *= decay
@@ -148,14 +169,20 @@ class AdaDeltaSolver(Solver):
     unscaled step, so the schedule changes the update but not the history.
     Caffe's examples use base_lr: 1 with lr_policy: "fixed"."""
 
+    device_rule = "AdaDelta"
+
+    def step_scalars(self, index, rate):
+        momentum = self.param.momentum
+        return rate * self.net.params_lr[index], (momentum, 1.0 - momentum, self.param.delta)
+
     def pre_solve(self):
-        self.history += [np.zeros(p.shape, p.dtype) for p in self.net.learnable_params]
+        self.history_blobs += [Blob(p.shape, p.dtype) for p in self.net.learnable_params]
 
     def compute_update_value(self, index, rate):
         momentum, delta = self.param.momentum, self.param.delta
         local_rate = rate * self.net.params_lr[index]
-        pieces = self._pieces(self.net.learnable_params[index].diff, self.history[index],
-                              self.history[len(self.net.learnable_params) + index], temps=2)
+        pieces = self._pieces(self.net.learnable_params[index].diff, self.history_data(index),
+                              self.history_data(len(self.net.learnable_params) + index), temps=2)
         for diff, gradients_sq, updates_sq, temp, ratio in pieces:
             gradients_sq *= momentum
             gradients_sq += (1.0 - momentum) * np.square(diff, out=temp)
@@ -176,16 +203,27 @@ class AdamSolver(Solver):
     step = local_rate * sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + delta),
     with t = iter + 1."""
 
+    device_rule = "Adam"
+
+    def step_scalars(self, index, rate):
+        beta1, beta2 = self.param.momentum, self.param.momentum2
+        return (rate * self.net.params_lr[index] * self._correction(),
+                (beta1, 1.0 - beta1, beta2, 1.0 - beta2, self.param.delta))
+
+    def _correction(self):
+        """Adam's bias correction at this iteration, t = iter + 1."""
+        t = self.iter + 1
+        return np.sqrt(1.0 - self.param.momentum2 ** t) / (1.0 - self.param.momentum ** t)
+
     def pre_solve(self):
-        self.history += [np.zeros(p.shape, p.dtype) for p in self.net.learnable_params]
+        self.history_blobs += [Blob(p.shape, p.dtype) for p in self.net.learnable_params]
 
     def compute_update_value(self, index, rate):
         beta1, beta2 = self.param.momentum, self.param.momentum2
         local_rate = rate * self.net.params_lr[index]
-        t = self.iter + 1
-        correction = np.sqrt(1.0 - beta2 ** t) / (1.0 - beta1 ** t)
-        pieces = self._pieces(self.net.learnable_params[index].diff, self.history[index],
-                              self.history[len(self.net.learnable_params) + index])
+        correction = self._correction()
+        pieces = self._pieces(self.net.learnable_params[index].diff, self.history_data(index),
+                              self.history_data(len(self.net.learnable_params) + index))
         for diff, first, second, temp in pieces:
             first *= beta1
             first += (1.0 - beta1) * diff
