@@ -547,7 +547,7 @@ class Convolution(_ConvolutionBase):
 
     def _forward_on(self, device, b, t, weight, bias):
         device_lowering.forward(device, b.device_data(device), weight, self.geom, b.shape[0],
-                                t.mutable_device_data(device), bias)
+                                t.mutable_device_data(device, upload=False), bias)     # written whole
 
     def _backward_on(self, device, t, b, weight, weight_diff, down):
         device_lowering.backward(device, b.device_data(device), t.device_diff(device), weight, self.geom,

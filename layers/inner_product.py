@@ -138,7 +138,7 @@ class InnerProduct(Layer):
 
     def forward_on(self, device, bottom, top):
         m, n, k = self.m, self.num_output, self.k
-        y = top[0].mutable_device_data(device)
+        y = top[0].mutable_device_data(device, upload=False)        # written whole: nothing stale copied up
         # y (M, N) = x (M, K) @ W^T, W stored (N, K), or (K, N) when transposed
         device.gemm(False, not self.transpose, m, n, k, 1.0, bottom[0].device_data(device),
                     self.blobs[0].device_data(device), 0.0, y)

@@ -153,7 +153,9 @@ class Softmax(Layer):
 
     def forward_on(self, device, bottom, top):
         # in place too: the kernel reads a column's inputs before it writes them
-        device.softmax_forward(bottom[0].device_data(device), top[0].mutable_device_data(device), *self.view)
+        # (the bottom copied up first: a top written whole needs no stale copy of its own)
+        device.softmax_forward(bottom[0].device_data(device), top[0].mutable_device_data(device, upload=False),
+                               *self.view)
 
     def backward_on(self, device, top, propagate_down, bottom):
         if propagate_down[0]:
@@ -242,7 +244,7 @@ class SoftmaxWithLoss(LossLayer):
         self.count = int(np.count_nonzero(flags))
         total = 0.0 - float(log_p.sum(dtype=np.float64))       # ignored positions hold 0, as forward's log_p
         loss = total / normalizer(self.normalization, outer, inner, self.count)
-        device.fill(top[0].mutable_device_data(device), loss, 1)
+        device.fill(top[0].mutable_device_data(device, upload=False), loss, 1)
         if len(top) > 1:
             device.copy(top[1].mutable_device_data(device), prob, outer * channels * inner)
 

@@ -93,7 +93,8 @@ class ReLU(Neuron):
             saved = self._device_input = self.device_scratch(device, "relu_input", bottom[0].count)
             device.copy(saved, x, bottom[0].count)
             x = saved
-        device.relu_forward(x, top[0].mutable_device_data(device), bottom[0].count, self.slope)
+        # x is current on the device: an in-place top is too, another is written whole
+        device.relu_forward(x, top[0].mutable_device_data(device, upload=False), bottom[0].count, self.slope)
 
     def backward_on(self, device, top, propagate_down, bottom):
         if not propagate_down[0]:
@@ -611,7 +612,7 @@ class Dropout(Neuron):
             return
         mask = self.device_scratch(device, "dropout_mask", count)
         device.upload(mask, self._draw_mask(bottom[0].shape, np.dtype(np.float32)).reshape(-1))
-        device.multiply(x, mask, top[0].mutable_device_data(device), count)
+        device.multiply(x, mask, top[0].mutable_device_data(device, upload=False), count)
 
     def backward_on(self, device, top, propagate_down, bottom):
         if not propagate_down[0]:

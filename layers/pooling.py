@@ -447,13 +447,14 @@ class Pooling(Layer):
     def forward_on(self, device, bottom, top):
         if not top[0].count:                   # an empty batch or output: nothing to pool
             return
-        x, y = bottom[0].device_data(device), top[0].mutable_device_data(device)
+        # the tops written whole: nothing stale copied up
+        x, y = bottom[0].device_data(device), top[0].mutable_device_data(device, upload=False)
         if self.pool == AVE:
             device.ave_pool_forward(x, y, *self._device_geometry(bottom))
             return
         # the mask goes to the mask top when there is one (backward reads it there, as
         # Caffe's), else to a buffer this layer keeps for backward
-        mask = (top[1].mutable_device_data(device) if len(top) > 1
+        mask = (top[1].mutable_device_data(device, upload=False) if len(top) > 1
                 else self.device_scratch(device, "max_mask", top[0].count))
         device.max_pool_forward(x, y, mask, *self._device_geometry(bottom))
         self._device_mask_shape = top[0].shape

@@ -95,6 +95,7 @@ def time_command(args):
     log.info("Testing for %d iterations.", args.iterations)
     # on a device, each layer's time is up to its last kernel's end (Caffe's GPU timer)
     wait = settings.device().finish if settings.device() is not None else (lambda: None)
+    moved = settings.device().moved if settings.device() is not None else None
     total_start = clock()
     for iteration in range(args.iterations):
         net.executor.fit_threads()              # each iteration on the cores free now, as a Net.forward
@@ -113,6 +114,8 @@ def time_command(args):
             backward_ms[i] += (clock() - start) * 1e3
         log.info("Iteration: %d forward-backward time: %s ms.", iteration + 1,
                  fmt((clock() - iteration_start) * 1e3))
+        if moved is not None and iteration == 0:
+            moved.reset()               # counted from the second: the first makes what force=True adds
     total_ms = (clock() - total_start) * 1e3
     net.executor.finish()
     forward_ms /= args.iterations
@@ -131,6 +134,8 @@ def time_command(args):
         log.info("%s", line)
     for line in placement_lines(net):
         log.info("%s", line)
+    if moved is not None and args.iterations > 1:
+        log.info("%s", traffic_line(moved, args.iterations - 1, settings.device().name))
     if args.schedule in STREAMED:
         _time_streams(net, args.trace, tuned=args.schedule == "tuned")
     log.info("%s", memory_plan.measured_line(memory))
@@ -152,6 +157,14 @@ def startup_line(seconds, forward_ms):
             f"first forward {fmt(first_ms)} ms "
             f"({fmt(first_ms - forward_ms)} ms over the average forward, "
             f"{first_ms / forward_ms if forward_ms > 0 else float('inf'):.2f}x).")
+
+
+def traffic_line(moved, iterations, device):
+    """Bytes moved each way per forward-backward after the first, counted at
+    the device's upload and download calls."""
+    per = {way: (moved.bytes[way] / iterations / 1e6, moved.calls[way] / iterations) for way in ("up", "down")}
+    return (f"Device traffic per iteration on {device}: up {per['up'][0]:.3f} MB in {fmt(per['up'][1])} "
+            f"copies, down {per['down'][0]:.3f} MB in {fmt(per['down'][1])} copies")
 
 
 def placement_lines(net):

@@ -78,6 +78,22 @@ class ConvShape(Protocol):
     def out_w(self) -> int: ...
 
 
+class Traffic:
+    """Bytes and calls of a device's transfers each way since reset()
+    (`cct time --gpu` prints them per iteration)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.bytes = {"up": 0, "down": 0}
+        self.calls = {"up": 0, "down": 0}
+
+    def count(self, way: str, nbytes: int) -> None:
+        self.bytes[way] += nbytes
+        self.calls[way] += 1
+
+
 class DeviceError(RuntimeError):
     """A device that cannot be used, a kernel that does not build (its log
     attached), or an op asked for what the device cannot do."""
@@ -88,6 +104,7 @@ class Device:
     name: Optional[str] = None    # what device_query and cct time print
     # True: the device's buffers are host memory (a blob needs no copy)
     shares_host: bool = False
+    moved: Optional[Traffic] = None     # what upload and download moved (a device with a host side)
 
     # --- memory ------------------------------------------------------------------
     def empty(self, count: int) -> Buffer:

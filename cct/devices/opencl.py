@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cct.devices.base import Device, DeviceError
+from cct.devices.base import Device, DeviceError, Traffic
 
 KERNELS = Path(__file__).with_name("kernels")
 WORK_GROUP = 256              # items per work group, rounded up to: one size fits every kernel here
@@ -101,6 +101,7 @@ class OpenCLDevice(Device):
         self._programs = {}
         self._kernels = {}            # (file, kernel name) -> cl.Kernel, made once: each retrieval builds one
         self._lock = threading.RLock()
+        self.moved = Traffic()
 
     # --- programs ----------------------------------------------------------------
     def program(self, filename):
@@ -137,11 +138,13 @@ class OpenCLDevice(Device):
 
     def upload(self, buffer, host, offset=0):
         host = np.ascontiguousarray(host, np.float32)
+        self.moved.count("up", host.nbytes)
         if host.size:
             self._cl.enqueue_copy(self.queue, buffer.base_data, host, dst_offset=4 * (buffer.offset // 4 + offset),
                                   is_blocking=True)
 
     def download(self, buffer, host, offset=0):
+        self.moved.count("down", host.nbytes)
         if host.size:
             if not host.flags.c_contiguous or host.dtype != np.float32:
                 raise DeviceError("download needs a contiguous float32 host array")

@@ -55,12 +55,15 @@ def test_time_on_an_opencl_device_says_where_each_layer_ran(tmp_path, capsys, mo
     device = opencl_or_skip()
     path = tmp_path / "tiny.prototxt"
     path.write_text(PROFILE_NET)
-    code, _, err = run_cct(capsys, "time", "--model", path, "--iterations", "1", "--peak_size", "64", "--gpu", "0")
+    code, _, err = run_cct(capsys, "time", "--model", path, "--iterations", "2", "--peak_size", "64", "--gpu", "0")
     assert code == 0, err
     text = messages(err)
     assert "GEMM peak: " in "\n".join(text) and f"on OpenCL device {device.name}" in "\n".join(text)
     on_device = next(m for m in text if m.startswith(f"Ran on {device.name}: "))
     assert "conv (Convolution)" in on_device and "fc (InnerProduct)" in on_device
+    # an Input net's blobs and weights stay on the device once there: down, its loss's few bytes (issue 37)
+    assert any(m.startswith(f"Device traffic per iteration on {device.name}: up 0.000 MB in 0 copies, "
+                            "down 0.000 MB in ") for m in text)
 
 
 # --- the profile table -----------------------------------------------------------------------------
