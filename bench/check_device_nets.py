@@ -145,12 +145,14 @@ def check(name, batch, device):
     """(device's errors, the host's own under another lowering, the layers on
     the host, host seconds, device seconds); errors as (forward, backward)."""
     import cct
+    from cct.core.settings import override
     from cct.runtime import settings
     param, inputs, classes = net_param(name, batch)
     host_net, on_host, host_seconds = host_pass(param, inputs, classes, "1")
     _, other_order, _ = host_pass(param, inputs, classes, "3")
     settings.set_mode("gpu")
-    device_net = cct.Net(param, cct.TRAIN)
+    with override(device_masks=False):          # Dropout's masks: the host's draws, uploaded
+        device_net = cct.Net(param, cct.TRAIN)
     for layer_name, params in host_net.params.items():
         for ours, theirs in zip(device_net.params[layer_name], params):
             ours.data[...] = theirs.data

@@ -544,6 +544,11 @@ class Dropout(Neuron):
     TEST y = x * (1 - ratio), as its dropout_layer.cpp; backward alike)."""
     batch_independent = False     # one random stream, drawn in batch order
     draws_random = True
+    run_settings = ("device_masks",)
+    device_masks = True           # the device draws its TRAIN masks (the device_masks knob)
+
+    def configure(self, settings):
+        self.device_masks = settings.get("device_masks", True)
 
     def setup(self, bottom, top):
         ratio = float(self.layer_param.dropout_param.dropout_ratio)
@@ -603,15 +608,22 @@ class Dropout(Neuron):
         return self.all_float32(bottom, top)
 
     def forward_on(self, device, bottom, top):
-        """TRAIN: the mask drawn on the host with forward's very draws (so a
-        seeded run gives the host's numbers), uploaded, applied on the device."""
+        """TRAIN: the mask drawn on the device from a seed drawn from the
+        process's random stream (Device.dropout_mask: seeded runs repeat,
+        with other numbers than the host's draw); with device_masks off,
+        drawn on the host with forward's very draws (the host's numbers) and
+        uploaded. Applied on the device."""
         count = bottom[0].count
         x = bottom[0].device_data(device)
         if self.phase != TRAIN:
             self._pass_on(device, x, top[0].mutable_device_data(device), count, top[0] is bottom[0])
             return
         mask = self.device_scratch(device, "dropout_mask", count)
-        device.upload(mask, self._draw_mask(bottom[0].shape, np.dtype(np.float32)).reshape(-1))
+        if self.device_masks:
+            seed = int(get_rng().integers(0, 2 ** 31))
+            device.dropout_mask(mask, count, seed, float(np.float32(1.0 - self.ratio)), self.train_factor)
+        else:
+            device.upload(mask, self._draw_mask(bottom[0].shape, np.dtype(np.float32)).reshape(-1))
         device.multiply(x, mask, top[0].mutable_device_data(device, upload=False), count)
 
     def backward_on(self, device, top, propagate_down, bottom):

@@ -260,6 +260,9 @@ KNOBS = (
     Knob("winograd", _WINOGRAD, "auto", "a 3x3 or 5x5 stride-1 convolution whose net never runs its "
          "backward: auto times Winograd against the lowering and keeps the faster; 2 or 4 that output "
          "tile; false never (cct.lowering.winograd)", LAYER, "CCT_WINOGRAD"),
+    Knob("device_masks", Switch(), True, "on an OpenCL device, Dropout draws its TRAIN masks there, as "
+         "Caffe's GPU path does (other numbers than the host's draw); false: drawn on the host and "
+         "uploaded (a seeded run then gives the host's numbers)", LAYER, "CCT_DEVICE_MASKS"),
     Knob("partitions", Count(), None, "batch partitions of a layer that allows them; as a default, of "
          "every such layer (at most one per sample of the batch a forward has)", LAYER, "CCT_PARTITIONS",
          "net.executor.set_partitions(i, p)"),

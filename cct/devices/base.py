@@ -355,6 +355,13 @@ class Device:
         """out = a * b over `count` elements (out may be a or b)."""
         raise NotImplementedError
 
+    def dropout_mask(self, mask: Buffer, count: int, seed: int, keep: float, scale: float) -> None:
+        """mask[i] = scale where u_i < keep, else 0, for i < count: u_i in [0, 1)
+        the top 24 bits of lowbias32(lowbias32(seed) + i) / 2^24 (uint32
+        arithmetic), a draw per element that depends on nothing but the seed
+        (Dropout's TRAIN mask drawn on the device; not the host's draws)."""
+        raise NotImplementedError
+
     def divide(self, a: Buffer, b: Buffer, out: Buffer, count: int) -> None:
         """out = a / b over `count` elements (out may be a or b)."""
         raise NotImplementedError

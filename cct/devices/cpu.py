@@ -342,6 +342,12 @@ class CPUDevice(Device):
     def multiply(self, a, b, out, count):
         np.multiply(a[:count], b[:count], out=out[:count])
 
+    def dropout_mask(self, mask, count, seed, keep, scale):
+        with np.errstate(over="ignore"):                 # the hash's products wrap, as uint arithmetic
+            bits = _mix(_mix(np.array([seed], np.uint32)) + np.arange(count, dtype=np.uint32))
+        uniform = (bits >> np.uint32(8)).astype(np.float32) * np.float32(1.0 / 16777216.0)
+        mask[:count] = np.where(uniform < np.float32(keep), np.float32(scale), np.float32(0.0))
+
     def divide(self, a, b, out, count):
         with np.errstate(divide="ignore", invalid="ignore"):      # x / 0 as the kernel's IEEE result
             np.divide(a[:count], b[:count], out=out[:count])
@@ -614,3 +620,12 @@ class CPUDevice(Device):
         return whole, ignored, valid
 
 CPU = CPUDevice()
+
+
+def _mix(x):
+    """kernels/layers.cl's mix (lowbias32) on uint32 arrays."""
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x7feb352d)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x846ca68b)
+    return x ^ (x >> np.uint32(16))

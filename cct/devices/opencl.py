@@ -338,6 +338,9 @@ class OpenCLDevice(Device):
     def multiply(self, a, b, out, count):
         self.launch("layers.cl", "multiply", count, count, a, b, out)
 
+    def dropout_mask(self, mask, count, seed, keep, scale):
+        self.launch("layers.cl", "dropout_mask", count, count, mask, int(seed), float(keep), float(scale))
+
     def divide(self, a, b, out, count):
         self.launch("layers.cl", "divide", count, count, a, b, out)
 

@@ -113,12 +113,41 @@ def test_scale_of_a_2d_blob(device):
 # --- Dropout -------------------------------------------------------------------------
 @pytest.mark.parametrize("ratio", [0.5, 0.2, 0.0])
 @pytest.mark.parametrize("in_place", [False, True])
-def test_dropout_on_device_draws_the_host_mask(device, ratio, in_place):
+def test_dropout_on_device_draws_the_host_mask_without_device_masks(device, ratio, in_place):
     results = run_both_ways(device, f'type: "Dropout" dropout_param {{ dropout_ratio: {ratio} }}',
-                            [RNG.standard_normal((4, 3, 5, 7))], in_place=in_place, random_seed=11)
+                            [RNG.standard_normal((4, 3, 5, 7))], in_place=in_place, random_seed=11,
+                            configure=lambda layer: layer.configure({"device_masks": False}))
     assert_close_both_ways(results, 0)
     kept = results["top0"][0] != 0
     assert 0 < kept.mean() <= 1 and (ratio > 0) == (kept.mean() < 1)
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.2, 0.0])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_dropout_draws_its_mask_on_the_device(device, ratio, in_place):
+    """The device's own draw (as Caffe's GPU path): not the host's numbers, so
+    checked for what a mask is: each element kept (times 1 / (1 - ratio)) or
+    dropped, in about 1 - ratio of them, the backward through the same mask,
+    and another mask at the next forward."""
+    x = RNG.standard_normal((4, 3, 50, 7)) + 10.0          # no zeros of its own
+    results = run_both_ways(device, f'type: "Dropout" dropout_param {{ dropout_ratio: {ratio} }}',
+                            [x], in_place=in_place, random_seed=11)
+    y, dx = results["top0"][0], results["bottom0.diff"][0]
+    kept = y != 0
+    np.testing.assert_allclose(y[kept], (x.astype(np.float32) / np.float32(1 - ratio))[kept], rtol=1e-6)
+    assert abs(kept.mean() - (1 - ratio)) < 0.03 and (ratio > 0) == (kept.mean() < 1)
+    assert ((dx != 0) == kept).all()
+
+
+def test_the_device_dropout_mask_is_its_reference(device):
+    """Device.dropout_mask against the numpy device's, bit for bit, and a new seed a new mask."""
+    from helpers.devices import same_op
+    for seed in (0, 12345, 2 ** 31 - 1):
+        (ours, reference), = same_op(device, "dropout_mask", [np.zeros(10_000)], [0], 10_000, seed, 0.7, 2.5)
+        np.testing.assert_array_equal(ours, reference)
+        assert set(np.unique(ours)) == {0.0, 2.5} and abs((ours != 0).mean() - 0.7) < 0.02
+    (other, _), = same_op(device, "dropout_mask", [np.zeros(10_000)], [0], 10_000, 1, 0.7, 2.5)
+    assert (other != ours).any()
 
 
 @pytest.mark.parametrize("in_place", [False, True])

@@ -110,8 +110,8 @@ def assert_model_stays_on_the_device(solver, traffic, iterations=2):
 def test_an_iteration_moves_no_model_bytes(rule, decay, clip, iter_size, monkeypatch):
     """After a warm-up iteration (buffers made, history uploaded once) no
     parameter, gradient or history byte crosses either way; up: the input
-    batch (+ 64 KB, the dropout mask among it: it is drawn on the host),
-    down: at most 64 KB (the loss, clip_gradients' norm)."""
+    batch (+ 64 KB; the dropout mask is drawn on the device), down: at most
+    64 KB (the loss, clip_gradients' norm)."""
     solver = make_solver(rule, decay=decay, clip=clip, iter_size=iter_size)
     solver.step(1)
     traffic = Traffic(opencl_or_skip(), solver, monkeypatch)

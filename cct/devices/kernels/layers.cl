@@ -23,6 +23,27 @@ __kernel void multiply(const int count, __global const float* a, __global const 
     out[index] = a[index] * b[index];
 }
 
+// A 32-bit integer hash (Wellons' lowbias32): one draw per element from the
+// seed, so the mask does not depend on scheduling
+uint mix(uint x) {
+    x ^= x >> 16;
+    x *= 0x7feb352dU;
+    x ^= x >> 15;
+    x *= 0x846ca68bU;
+    x ^= x >> 16;
+    return x;
+}
+
+// mask[i] = scale where a uniform draw in [0, 1) (24 bits of mix(mix(seed) + i)) is < keep, else 0
+__kernel void dropout_mask(const int count, __global float* mask, const int seed, const float keep,
+                           const float scale) {
+    const int index = get_global_id(0);
+    if (index >= count) return;
+    const uint bits = mix(mix((uint)seed) + (uint)index);
+    const float uniform = (float)(bits >> 8) * (1.0f / 16777216.0f);
+    mask[index] = uniform < keep ? scale : 0.0f;
+}
+
 __kernel void divide(const int count, __global const float* a, __global const float* b, __global float* out) {
     const int index = get_global_id(0);
     if (index >= count) return;
