@@ -226,7 +226,7 @@ def net_to_proto(net, write_diff=False):
         layer_proto.ClearField("blobs")
         for blob in layer.blobs:
             layer_proto.blobs.add().CopyFrom(
-                array_to_blob_proto(blob.data, blob.diff if write_diff else None))
+                array_to_blob_proto(blob.read_data(), blob.read_diff() if write_diff else None))
     return net_param
 
 
@@ -236,7 +236,8 @@ def save_caffemodel(net, path, write_diff=False):
     takes no extra 0.5 GB for a message and its serialized copy."""
     pieces = [caffe_pb2.NetParameter(name=net.name).SerializeToString()]
     for layer in net.layers:
-        arrays = [(blob.data, blob.diff if write_diff else None) for blob in layer.blobs]
+        # read-only views: a device run's weights stay current on the device
+        arrays = [(blob.read_data(), blob.read_diff() if write_diff else None) for blob in layer.blobs]
         pieces += field_pieces(_NET_LAYER, _layer_pieces(layer.layer_param, arrays))
     atomic_write(path, pieces)
 
@@ -284,9 +285,9 @@ def save_hdf5(net, path, write_diff=False):
             diff_group = diff.create_group(layer.name) if write_diff else None
             for index, blob in enumerate(layer.blobs):
                 if net.owns_param(layer_index, index):
-                    data_group.create_dataset(str(index), data=blob.data)
+                    data_group.create_dataset(str(index), data=blob.read_data())
                 if write_diff:
-                    diff_group.create_dataset(str(index), data=blob.diff)
+                    diff_group.create_dataset(str(index), data=blob.read_diff())
 
 
 def copy_layers_from_hdf5(net, path):

@@ -43,8 +43,8 @@ def write(solver):
         log.info("Snapshotting solver state to binary proto file %s", state_path)
         # SolverState's fields in protobuf's order: iter (1), learned_net (2), history (3), current_step (4)
         pieces = [caffe_pb2.SolverState(iter=solver.iter, learned_net=model).SerializeToString()]
-        for history in solver.history:
-            pieces += field_pieces(_STATE_HISTORY, blob_pieces(history))
+        for history in solver.history_blobs:
+            pieces += field_pieces(_STATE_HISTORY, blob_pieces(history.read_data()))
         pieces.append(caffe_pb2.SolverState(current_step=solver.current_step).SerializeToString())
         atomic_write(state_path, pieces)
     return state_path
@@ -56,8 +56,8 @@ def _write_state_hdf5(solver, path, model):
         out.create_dataset("learned_net", data=np.bytes_(model.encode()))
         out.create_dataset("current_step", data=np.array([solver.current_step], np.int32))
         group = out.create_group("history")
-        for index, history in enumerate(solver.history):
-            group.create_dataset(str(index), data=history)
+        for index, history in enumerate(solver.history_blobs):
+            group.create_dataset(str(index), data=history.read_data())
 
 def restore(solver, state_file):
     """Continue from a .solverstate(.h5): iteration, step counter, history and

@@ -159,6 +159,28 @@ def test_outputs_written_whole_are_not_copied_up_stale(monkeypatch):
     assert_model_stays_on_the_device(solver, traffic, iterations=1)
 
 
+@pytest.mark.parametrize("extension", ["", ".h5"])
+def test_a_snapshot_reads_the_model_without_taking_it_off_the_device(extension, tmp_path, monkeypatch):
+    """A snapshot copies the weights and history down (read-only views) and
+    the training goes on with nothing uploaded again; restoring it puts
+    them back through the usual path (host writes, uploaded once)."""
+    solver = make_solver("Adam")
+    solver.param.snapshot_prefix = str(tmp_path / "lenet")
+    solver.param.snapshot_format = caffe_pb2.SolverParameter.HDF5 if extension else caffe_pb2.SolverParameter.BINARYPROTO
+    solver.step(1)
+    traffic = Traffic(opencl_or_skip(), solver, monkeypatch)
+    state = solver.snapshot()
+    assert traffic.down["parameter"] > 0 and traffic.down["history"] > 0
+    weights = [blob.read_data().copy() for blob in solver.net.learnable_params + solver.history_blobs]
+    assert_model_stays_on_the_device(solver, traffic)
+    solver.restore(state)
+    assert solver.iter == 1
+    for blob, expected in zip(solver.net.learnable_params + solver.history_blobs, weights):
+        np.testing.assert_array_equal(blob.read_data(), expected)
+    solver.step(1)                         # uploaded again once, then on the device
+    assert_model_stays_on_the_device(solver, traffic)
+
+
 def gradients_in_turn(solvers, iterations, seed=3):
     """Every solver's update applied `iterations` times to the same random
     gradients (set on the host: uploaded to a device solver's device)."""
