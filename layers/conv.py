@@ -551,7 +551,8 @@ class Convolution(_ConvolutionBase):
 
     def _backward_on(self, device, t, b, weight, weight_diff, down):
         device_lowering.backward(device, b.device_data(device), t.device_diff(device), weight, self.geom,
-                                 b.shape[0], dx=b.mutable_device_diff(device) if down else None, dw=weight_diff)
+                                 b.shape[0], dx=b.mutable_device_diff(device, upload=False) if down else None,
+                                 dw=weight_diff)         # dx set whole
 
     def backward_data(self, top, propagate_down, bottom):
         kind, arena = self._lowering(), thread_arena()

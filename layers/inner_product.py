@@ -158,7 +158,7 @@ class InnerProduct(Layer):
             device.sum_axis(dy, 1, m, n, self.blobs[1].mutable_device_diff(device), beta=1.0)
         if propagate_down[0]:          # dx (M, K) = dy @ W (N, K), or dy @ W^T when stored (K, N)
             device.gemm(False, self.transpose, m, k, n, 1.0, dy, self.blobs[0].device_data(device), 0.0,
-                        bottom[0].mutable_device_diff(device))
+                        bottom[0].mutable_device_diff(device, upload=False))
 
     def _accumulate_weight_gradient(self, x, dy):
         """weight.diff += dy^T x ((N, K); x^T dy (K, N) when transposed), a block of

@@ -71,7 +71,7 @@ def nan_division(numerator, denominator):
 
 
 def loss_weight(top):
-    return float(top[0].diff.reshape(-1)[0])
+    return float(top[0].read_diff().reshape(-1)[0])      # read-only: a device's copy stays current
 
 
 class LossLayer(Layer):
@@ -160,7 +160,7 @@ class Softmax(Layer):
     def backward_on(self, device, top, propagate_down, bottom):
         if propagate_down[0]:
             device.softmax_backward(top[0].device_data(device), top[0].device_diff(device),
-                                    bottom[0].mutable_device_diff(device), *self.view)
+                                    bottom[0].mutable_device_diff(device, upload=False), *self.view)
 
     def backward(self, top, propagate_down, bottom):
         if propagate_down[0]:
@@ -265,7 +265,8 @@ class SoftmaxWithLoss(LossLayer):
         # the loss weight is top[0].diff, set on the host by the net: one float read
         scale = loss_weight(top) / normalizer(self.normalization, outer, inner, self.count)
         device.softmax_loss_backward(self.device_scratch(device, "prob", outer * channels * inner),
-                                     bottom[1].device_data(device), bottom[0].mutable_device_diff(device),
+                                     bottom[1].device_data(device),
+                                     bottom[0].mutable_device_diff(device, upload=False),     # written whole
                                      outer, channels, inner, scale, self.ignore_label)
 
     def backward(self, top, propagate_down, bottom):

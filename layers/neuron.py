@@ -101,7 +101,8 @@ class ReLU(Neuron):
             return
         in_place_input = top[0] is bottom[0] and self.needs_input
         x = self._device_input if in_place_input else bottom[0].device_data(device)
-        device.relu_backward(x, top[0].device_diff(device), bottom[0].mutable_device_diff(device),
+        # dy is current on the device: an in-place dx is too, another is written whole
+        device.relu_backward(x, top[0].device_diff(device), bottom[0].mutable_device_diff(device, upload=False),
                              bottom[0].count, self.slope)
 
     def epilogue(self, bottom, top):
@@ -635,7 +636,7 @@ class Dropout(Neuron):
             self._pass_on(device, dy, bottom[0].mutable_device_diff(device), count, top[0] is bottom[0])
             return
         device.multiply(dy, self.device_scratch(device, "dropout_mask", count),
-                        bottom[0].mutable_device_diff(device), count)
+                        bottom[0].mutable_device_diff(device, upload=False), count)
 
     def _pass_on(self, device, source, target, count, in_place):
         if self.test_factor != 1:

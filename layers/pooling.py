@@ -462,7 +462,7 @@ class Pooling(Layer):
     def backward_on(self, device, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
-        dx = bottom[0].mutable_device_diff(device)
+        dx = bottom[0].mutable_device_diff(device, upload=False)          # written whole
         if not top[0].count:                   # nothing pooled: no input gets a gradient
             device.fill(dx, 0.0, bottom[0].count)
             return

@@ -146,16 +146,16 @@ def test_reading_the_loss_or_a_weight_read_only_keeps_them_on_the_device(monkeyp
 
 
 def test_outputs_written_whole_are_not_copied_up_stale(monkeypatch):
-    """Every activation read on the host through a writable view (pycaffe's
-    blob.data: the host becomes its owner) is not uploaded before the layer
-    that writes it whole overwrites it on the device (conv1's output alone
-    is 147 KB, over the slack)."""
+    """Every activation and its gradient read on the host through writable
+    views (pycaffe's blob.data and .diff: the host becomes their owner) are
+    not uploaded before the layer that writes them whole overwrites them on
+    the device (conv1's output alone is 147 KB, over the slack)."""
     solver = make_solver("SGD")
     solver.step(1)
     traffic = Traffic(opencl_or_skip(), solver, monkeypatch)
     for name, blob in solver.net.blobs.items():
-        float(blob.data.ravel()[0])
-        assert blob.heads()[0] == "host", name
+        float(blob.data.ravel()[0]), float(blob.diff.ravel()[0])
+        assert blob.heads() == ("host", "host"), name
     assert_model_stays_on_the_device(solver, traffic, iterations=1)
 
 
