@@ -42,6 +42,23 @@ class CPUDevice(Device):
         product = (op_a.T if trans_a else op_a) @ (op_b.T if trans_b else op_b)
         out[...] = alpha * product + (beta * out if beta else 0)
 
+    # --- the solver's update: kernels/update.cl's operations in its order, float32 ---
+    def solver_step(self, rule, count, data, diff, first, second, clip, normalize, regularization, decay, rate,
+                    coefficients):
+        f = np.float32
+        c = [f(value) for value in coefficients] + [f(0.0)] * (5 - len(coefficients))
+        g = diff[:count] * f(clip) * f(normalize)
+        if regularization == 1:
+            g = g + data[:count] * f(decay)
+        elif regularization == 2:
+            g = g + np.sign(data[:count]) * f(decay)
+        step = _RULES[rule](g, first[:count], None if second is None else second[:count], f(rate), c)
+        diff[:count] = step
+        data[:count] -= step
+
+    def sum_of_squares(self, buffers):
+        return float(sum(float(np.dot(buffer[:count], buffer[:count])) for buffer, count in buffers))
+
     def axpby(self, count, alpha, x, beta, y, x_offset=0, y_offset=0):
         out = y[y_offset:y_offset + count]
         out[...] = alpha * x[x_offset:x_offset + count] + (beta * out if beta else 0)
@@ -629,3 +646,42 @@ def _mix(x):
     x = x ^ (x >> np.uint32(15))
     x = x * np.uint32(0x846ca68b)
     return x ^ (x >> np.uint32(16))
+
+
+# Each rule's step from the gradient g, updating its histories in place (c: the coefficients of kernels/update.cl)
+def _sgd(g, first, second, rate, c):
+    first[...] = first * c[0] + g * rate
+    return first.copy()
+
+
+def _nesterov(g, first, second, rate, c):
+    previous = first.copy()
+    first[...] = previous * c[0] + rate * g
+    return first * c[1] - previous * c[0]
+
+
+def _adagrad(g, first, second, rate, c):
+    first[...] = first + g * g
+    return g / (np.sqrt(first) + c[0]) * rate
+
+
+def _rmsprop(g, first, second, rate, c):
+    first[...] = first * c[0] + g * g * c[1]
+    return g / (np.sqrt(first) + c[2]) * rate
+
+
+def _adadelta(g, first, second, rate, c):
+    first[...] = first * c[0] + c[1] * (g * g)
+    step = g * np.sqrt((second + c[2]) / (first + c[2]))
+    second[...] = second * c[0] + c[1] * (step * step)
+    return step * rate
+
+
+def _adam(g, first, second, rate, c):
+    first[...] = first * c[0] + c[1] * g
+    second[...] = second * c[2] + c[3] * (g * g)
+    return first / (np.sqrt(second) + c[4]) * rate
+
+
+_RULES = {"SGD": _sgd, "Nesterov": _nesterov, "AdaGrad": _adagrad, "RMSProp": _rmsprop, "AdaDelta": _adadelta,
+          "Adam": _adam}
