@@ -1,5 +1,6 @@
 """Blob: storage kept across reshapes, views, the lazily made diff, sharing."""
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -146,6 +147,52 @@ def test_diff_made_once_when_asked_from_several_threads():
         thread.join()
     assert all(np.shares_memory(view, blob.diff) for view in views)
     assert blob.diff[:8, 0].tolist() == list(range(1, 9))
+
+
+class SlowDevice:
+    """A device whose buffers are numpy arrays apart from the host's and whose
+    download takes 20 ms: long enough for every thread to arrive during one."""
+    shares_host = False
+
+    def __init__(self):
+        self.downloads = 0
+
+    def empty(self, count):
+        return np.zeros(count, np.float32)
+
+    def upload(self, buffer, host):
+        buffer[:host.size] = host
+
+    def download(self, buffer, host):
+        self.downloads += 1
+        time.sleep(0.02)
+        host[...] = buffer[:host.size]
+
+    def fill(self, buffer, value, count):
+        buffer[:count] = value
+
+
+@pytest.mark.parametrize("store", ["data", "diff"])
+def test_a_store_a_device_is_ahead_with_comes_down_once_for_several_threads(store):
+    """The update's race (issue 37): threads that ask for a store at once
+    while a device is ahead with it get it copied down once; each then
+    updates its own part, and no later copy overwrites what one has begun."""
+    blob, device = Blob((8, 1000)), SlowDevice()
+    written = blob.mutable_device_data(device) if store == "data" else blob.mutable_device_diff(device)
+    written[:] = 1.0                                     # the device is ahead: the host holds zeros
+    barrier = threading.Barrier(8)
+
+    def update(row):
+        barrier.wait()
+        getattr(blob, store)[row] += row                 # each thread its own row, as the update's stripes
+
+    threads = [threading.Thread(target=update, args=(row,)) for row in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert device.downloads == 1
+    np.testing.assert_array_equal(getattr(blob, store)[:, 0], 1.0 + np.arange(8))
 
 
 # --- arrays too large are refused before numpy allocates (issue 15) -------------------
