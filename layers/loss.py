@@ -262,7 +262,7 @@ class SoftmaxWithLoss(LossLayer):
         if not propagate_down[0]:
             return
         outer, channels, inner = self.outer, self.channels, self.inner
-        # the loss weight is top[0].diff, set on the host by the net: one float read
+        # the loss weight is top[0].diff, set by the net (a fill on the device in a device run): one float read
         scale = loss_weight(top) / normalizer(self.normalization, outer, inner, self.count)
         device.softmax_loss_backward(self.device_scratch(device, "prob", outer * channels * inner),
                                      bottom[1].device_data(device),
