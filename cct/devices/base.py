@@ -24,7 +24,7 @@ The primitives, by kind:
     layers       the kernels hot nets need, each documented with its op:
                  max and average pooling, LRN, BatchNorm's channel statistics
                  and normalization, softmax and its loss, Eltwise's max and
-                 products, Scale/Bias's broadcast, strided block copies
+                 products, Scale/Bias's broadcast, Dropout's mask, strided block copies
                  (Concat, Slice); the forks' strided copies (Permute, Reorg,
                  Upsample), Normalize's division and gradient, Interp's
                  bilinear resize and unpooling, ROI max and position-

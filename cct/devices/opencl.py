@@ -138,16 +138,16 @@ class OpenCLDevice(Device):
 
     def upload(self, buffer, host, offset=0):
         host = np.ascontiguousarray(host, np.float32)
-        self.moved.count("up", host.nbytes)
         if host.size:
+            self.moved.count("up", host.nbytes)
             self._cl.enqueue_copy(self.queue, buffer.base_data, host, dst_offset=4 * (buffer.offset // 4 + offset),
                                   is_blocking=True)
 
     def download(self, buffer, host, offset=0):
-        self.moved.count("down", host.nbytes)
         if host.size:
             if not host.flags.c_contiguous or host.dtype != np.float32:
                 raise DeviceError("download needs a contiguous float32 host array")
+            self.moved.count("down", host.nbytes)
             self._cl.enqueue_copy(self.queue, host, buffer.base_data, src_offset=4 * (buffer.offset // 4 + offset),
                                   is_blocking=True)
 
