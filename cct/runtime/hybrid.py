@@ -38,12 +38,21 @@ import json
 import os
 import platform
 import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
-from cct.core.blob import Blob
+from cct.core.arrays import Array
+from cct.core.blob import Blob, Buffer, DeviceMemory, Mirror
 from cct.core.errors import ConfigError
+from cct.core.layer import Layer
+from cct.devices.base import Device
 from cct.formats.prototxt import atomic_write
 from cct.runtime import settings
-from cct.runtime.partition import BlobSlice
+from cct.runtime.partition import BlobSlice, as_mirror
+
+Net = Any                             # cct.core.net.Net, whose executor imports this module: not imported back
+# One side's (bottoms, tops) of a split layer: HostRows on the host, Rows on the device.
+Part = Tuple[Sequence[Blob], Sequence[Blob]]
 
 
 class HostRows(BlobSlice):
@@ -51,17 +60,18 @@ class HostRows(BlobSlice):
     the blob written (its device rows stay where they are): the host part of
     a split reads and writes only its own rows."""
 
-    def __init__(self, blob, start, stop):
+    def __init__(self, blob: Blob, start: int, stop: int) -> None:
         self.dtype = blob.dtype
         self._shape = (stop - start,) + blob.shape[1:]
         self._data = blob._data[start:stop]
         self._diff = None
         self._rows = (blob, start, stop)
 
-    def _allocate_diff(self):
+    def _allocate_diff(self) -> Array:
         blob, start, stop = self._rows
         if blob._diff is None:
             blob._allocate_diff()
+        assert blob._diff is not None             # made just above
         self._diff = blob._diff[start:stop]
         return self._diff
 
@@ -70,21 +80,23 @@ class _RowsMirror:
     """The mirror of a Rows blob: its parent's mirror, asked for one range."""
     head = "rows"                 # never HOST: a host read goes through to_host
 
-    def __init__(self, parent, which, start, stop, upload):
+    def __init__(self, parent: Blob, which: str, start: int, stop: int, upload: bool) -> None:
         self.parent, self.which, self.start, self.stop, self.upload = parent, which, start, stop, upload
 
-    def _mirror(self):
+    def _mirror(self) -> Mirror:
         if self.which == "diff" and self.parent._diff is None:
             self.parent._allocate_diff()
-        return self.parent._data_mirror if self.which == "data" else self.parent._diff_mirror
+        mirror = self.parent._data_mirror if self.which == "data" else self.parent._diff_mirror
+        assert mirror is not None             # the diff's, made with its store just above
+        return mirror
 
-    def on(self, device):
+    def on(self, device: DeviceMemory) -> Buffer:
         return self._mirror().rows_on(device, self.start, self.stop)
 
-    def written_on(self, device, upload=True):
+    def written_on(self, device: DeviceMemory, upload: bool = True) -> Buffer:
         return self._mirror().rows_on(device, self.start, self.stop, upload=self.upload and upload)
 
-    def to_host(self):
+    def to_host(self) -> None:
         mirror = self._mirror()        # a host read of a device part (labels): the whole blob, host-writable
         mirror.to_host()
         mirror.head = "host"
@@ -94,8 +106,9 @@ class Rows(Blob):
     """Rows [start, stop) of a blob's batch, for a device twin: its device
     buffers are the parent's shard of those rows (elements start*inner to
     stop*inner); `fresh`: a written top need not be copied up first."""
+    _diff_mirror: Mirror                  # a _RowsMirror, made with the Rows
 
-    def __init__(self, blob, start, stop, fresh=False):
+    def __init__(self, blob: Blob, start: int, stop: int, fresh: bool = False) -> None:
         self.dtype = blob.dtype
         self._shape = (stop - start,) + blob.shape[1:]
         inner = blob.count_range(1)
@@ -104,30 +117,31 @@ class Rows(Blob):
         self._diff_store = None
         self._diff = None
         self._rows = (blob, start, stop)
-        self._data_mirror = _RowsMirror(blob, "data", start * inner, stop * inner, upload=not fresh)
-        self._diff_mirror = _RowsMirror(blob, "diff", start * inner, stop * inner, upload=not fresh)
+        self._data_mirror = as_mirror(_RowsMirror(blob, "data", start * inner, stop * inner, upload=not fresh))
+        self._diff_mirror = as_mirror(_RowsMirror(blob, "diff", start * inner, stop * inner, upload=not fresh))
 
-    def _allocate_diff(self):
+    def _allocate_diff(self) -> Array:
         blob, start, stop = self._rows
         if blob._diff is None:
             blob._allocate_diff()
+        assert blob._diff is not None             # made just above
         self._diff = blob._diff[start:stop]
         return self._diff
 
-    def device_diff(self, device):
+    def device_diff(self, device: DeviceMemory) -> Buffer:
         return self._diff_mirror.on(device)
 
-    def mutable_device_diff(self, device, upload=True):
+    def mutable_device_diff(self, device: DeviceMemory, upload: bool = True) -> Buffer:
         return self._diff_mirror.written_on(device, upload)
 
-    def reshape(self, *shape):
+    def reshape(self, *shape: Union[int, Sequence[int], Array]) -> None:
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
-        if tuple(int(d) for d in shape) != self._shape:
+        if tuple(int(d) for d in cast(Sequence[int], shape)) != self._shape:     # ints, a tuple given unpacked
             raise ValueError(f"rows {self._shape} of a split blob cannot be reshaped to {shape}")
 
 
-def _param_on_device(blob):
+def _param_on_device(blob: Blob) -> Blob:
     """A device twin's parameter: the layer's data (its mirror: the device copy
     is refreshed only after the host wrote it) and a private diff."""
     twin = Blob(blob.shape, blob.dtype)
@@ -140,23 +154,25 @@ class HybridLayer:
     """Runs `layer` with rows [0, cut) of its batch on the host and the rest
     on `device`, cut = round(batch * (1 - share))."""
 
-    def __init__(self, layer, device, share):
+    def __init__(self, layer: Layer, device: Device, share: float) -> None:
         self.layer, self.device, self.share = layer, device, float(share)
         self.host_twin = layer.clone(2)
         self.host_twin.blobs = layer.blobs
         self.device_twin = layer.clone(2)
         self.device_twin.blobs = [_param_on_device(blob) for blob in layer.blobs]
 
-    def cut(self, batch):
+    def cut(self, batch: int) -> int:
         """The first row the device runs: the host gets the rest of the share, rounded."""
         return batch - int(round(batch * self.share))
 
-    def _parts(self, bottoms, tops, writing_tops):
+    def _parts(self, bottoms: Sequence[Blob], tops: Sequence[Blob],
+               writing_tops: bool) -> Tuple[Optional[Part], Optional[Part], int]:
         """(host bottoms, host tops, device bottoms, device tops, cut); either side empty when it has no rows."""
         batch = bottoms[0].shape[0]
         cut = self.cut(batch)
-        host = ([HostRows(b, 0, cut) for b in bottoms], [HostRows(t, 0, cut) for t in tops]) if cut else None
-        device = None
+        host: Optional[Part] = \
+            ([HostRows(b, 0, cut) for b in bottoms], [HostRows(t, 0, cut) for t in tops]) if cut else None
+        device: Optional[Part] = None
         if cut < batch:
             device_bottoms = [Rows(b, cut, batch) for b in bottoms]
             device_tops = [next((v for b, v in zip(bottoms, device_bottoms) if b is t), None)
@@ -164,16 +180,17 @@ class HybridLayer:
             device = (device_bottoms, device_tops)
         return host, device, cut
 
-    def _rest_on_host(self, blobs, which, written, cut):
+    def _rest_on_host(self, blobs: Sequence[Blob], which: str, written: bool, cut: int) -> None:
         """The host current in every blob's `which` outside the device's rows."""
         for blob in blobs:
             if which == "diff" and blob._diff is None:
                 blob._allocate_diff()
             inner, batch = blob.count_range(1), blob.shape[0]
             mirror = blob._data_mirror if which == "data" else blob._diff_mirror
+            assert mirror is not None             # the diff's, made with its store just above
             mirror.rest_on_host(written, cut * inner, batch * inner)
 
-    def forward(self, bottoms, tops):
+    def forward(self, bottoms: List[Blob], tops: List[Blob]) -> None:
         host, device, cut = self._parts(bottoms, tops, writing_tops=True)
         self._rest_on_host(bottoms, "data", False, cut)
         self._rest_on_host(tops, "data", True, cut)
@@ -184,16 +201,17 @@ class HybridLayer:
             self.host_twin.reshape(*host)
             self.host_twin.forward(*host)
 
-    def backward(self, tops, propagate_down, bottoms):
+    def backward(self, tops: List[Blob], propagate_down: Sequence[bool], bottoms: List[Blob]) -> None:
         host, device, cut = self._parts(bottoms, tops, writing_tops=False)
         self._rest_on_host(tops + bottoms, "data", False, cut)
         self._rest_on_host(tops, "diff", False, cut)
         self._rest_on_host([b for b, down in zip(bottoms, propagate_down) if down], "diff", True, cut)
-        private = []
+        private: List[Tuple[int, Blob]] = []
         if device is not None:
             self.device_twin.param_propagate_down = self.layer.param_propagate_down
             for index, param in enumerate(self.device_twin.blobs):
                 if self.layer.param_wanted(index):
+                    assert param._diff_mirror is not None      # _param_on_device made the diff
                     self.device.fill(param._diff_mirror.written_on(self.device, upload=False), 0.0, param.count)
                     private.append((index, param))
             self.device_twin.backward_on(self.device, device[1], propagate_down, device[0])
@@ -205,7 +223,7 @@ class HybridLayer:
 
 
 # --- the split: each layer's FLOPS share -------------------------------------------------------
-def flops_share(host_seconds, device_seconds):
+def flops_share(host_seconds: float, device_seconds: float) -> float:
     """The device's fraction of the batch by the FLOPS rule: its rate over
     the sum of both rates, 1/T_device / (1/T_host + 1/T_device)."""
     if device_seconds <= 0:
@@ -215,7 +233,7 @@ def flops_share(host_seconds, device_seconds):
     return host_seconds / (host_seconds + device_seconds)
 
 
-def candidate_rows(batch, host_seconds, device_seconds):
+def candidate_rows(batch: int, host_seconds: float, device_seconds: float) -> List[int]:
     """The device's row counts worth timing: the whole numbers around the
     FLOPS rule's share of the batch (flops_share), one below, and the whole
     batch (a device so much faster that the host's few rows cost more than
@@ -225,7 +243,7 @@ def candidate_rows(batch, host_seconds, device_seconds):
     return sorted({rows for rows in (low - 1, low, low + 1, batch) if 1 <= rows <= batch})
 
 
-def best_rows(host_seconds, split_seconds):
+def best_rows(host_seconds: float, split_seconds: Dict[int, float]) -> int:
     """Of 0 (the host alone: `host_seconds`) and the device row counts timed
     ({rows: seconds of the split as it runs}), the fastest. The FLOPS rule
     proposes the rows; the split is timed as it runs, both sides at once,
@@ -237,7 +255,7 @@ def best_rows(host_seconds, split_seconds):
     return min([0] + sorted(split_seconds), key=lambda rows: split_seconds[rows] if rows else host_seconds)
 
 
-def _time(run, device, repeats):
+def _time(run: Callable[[], None], device: Device, repeats: int) -> float:
     """Best of `repeats` runs of `run` (after one warm-up), the device drained after each."""
     best = float("inf")
     for attempt in range(repeats + 1):
@@ -249,39 +267,39 @@ def _time(run, device, repeats):
     return best
 
 
-def layer_times(net, index, device, repeats=2):
+def layer_times(net: Net, index: int, device: Device, repeats: int = 2) -> Tuple[float, float]:
     """(host seconds, device seconds) of layer `index`'s forward and backward
     on its whole batch, at the net's current blobs."""
     layer, bottoms, tops = net.layers[index], net.bottom_vecs[index], net.top_vecs[index]
     down = net.bottom_need_backward[index]
 
-    def on_host():
+    def on_host() -> None:
         layer.forward(bottoms, tops)
         if net.layer_need_backward[index]:
             layer.backward(tops, down, bottoms)
 
-    def on_device():
+    def on_device() -> None:
         layer.forward_on(device, bottoms, tops)
         if net.layer_need_backward[index]:
             layer.backward_on(device, tops, down, bottoms)
     return _time(on_host, device, repeats), _time(on_device, device, repeats)
 
 
-def split_seconds(net, index, device, rows, repeats=2):
+def split_seconds(net: Net, index: int, device: Device, rows: int, repeats: int = 2) -> float:
     """Seconds of layer `index`'s forward and backward split as a
     HybridLayer runs it, the last `rows` rows of the batch on the device."""
     layer, bottoms, tops = net.layers[index], net.bottom_vecs[index], net.top_vecs[index]
     down = net.bottom_need_backward[index]
     runner = HybridLayer(layer, device, rows / bottoms[0].shape[0])
 
-    def run():
+    def run() -> None:
         runner.forward(bottoms, tops)
         if net.layer_need_backward[index]:
             runner.backward(tops, down, bottoms)
     return _time(run, device, repeats)
 
 
-def splittable(net, index, device):
+def splittable(net: Net, index: int, device: Device) -> bool:
     """Whether layer `index` may be split: its batch can be divided and it has a device path."""
     executor, layer = net.executor, net.layers[index]
     return (executor.batch(index) is not None and net.layers[index].runs_on(device, net.bottom_vecs[index],
@@ -289,7 +307,7 @@ def splittable(net, index, device):
             and layer.type not in ("Input", "Data"))
 
 
-def measure_shares(net, device, repeats=2):
+def measure_shares(net: Net, device: Device, repeats: int = 2) -> Dict[int, float]:
     """{layer index: device share} for every splittable layer: over each
     chain of splittable layers, each feeding the next (conv, ReLU, pooling,
     LRN, ...), one cut, since a cut that moved between two layers would copy
@@ -298,7 +316,8 @@ def measure_shares(net, device, repeats=2):
     as it runs at the device row counts around the FLOPS rule's share of
     their summed times and at the whole batch (candidate_rows), and
     best_rows picks among them and none. Leaves the parameter diffs cleared."""
-    chains, chain_of = [], {}                  # chain: [batch, indexes, timed indexes]; chain_of: top -> chain
+    chains: List[List[Any]] = []               # chain: [batch, indexes, timed indexes]
+    chain_of: Dict[int, List[Any]] = {}        # id of a top -> its chain
     for index in range(len(net.layers)):
         bottoms, tops = net.bottom_vecs[index], net.top_vecs[index]
         if not splittable(net, index, device):
@@ -315,7 +334,7 @@ def measure_shares(net, device, repeats=2):
             chain[2].append(index)
         for top in tops:
             chain_of[id(top)] = chain
-    shares = {}
+    shares: Dict[int, float] = {}
     for batch, indexes, timed in chains:
         share = _chain_rows(net, device, batch, timed, repeats) / batch      # measured once per chain
         shares.update(dict.fromkeys(indexes, share))
@@ -323,7 +342,7 @@ def measure_shares(net, device, repeats=2):
     return shares
 
 
-def _chain_rows(net, device, batch, timed, repeats):
+def _chain_rows(net: Net, device: Device, batch: int, timed: List[int], repeats: int) -> int:
     """The device's rows for a chain whose layers `timed` have work to count."""
     if not timed:
         return 0
@@ -337,7 +356,7 @@ def _chain_rows(net, device, batch, timed, repeats):
 RULE_VERSION = 3          # in the cache key: shares the rule measured before a change to it are not reused
 
 
-def cache_path(net, device):
+def cache_path(net: Net, device: Device) -> Path:
     """Where the measured shares of `net` at its current shapes, with this
     device, host and thread count, are kept."""
     executor = net.executor
@@ -347,7 +366,7 @@ def cache_path(net, device):
     return settings.cache_dir() / "hybrid" / (hashlib.sha256(identity.encode()).hexdigest()[:24] + ".json")
 
 
-def plan(net, device, configured=None):
+def plan(net: Net, device: Device, configured: Optional[Mapping[str, float]] = None) -> Dict[int, float]:
     """{layer index: device share} for the hybrid split: the run
     configuration's shares (`configured`, {layer name or "default": share})
     where it sets them, else the FLOPS rule's, measured on the net's current
@@ -365,7 +384,7 @@ def plan(net, device, configured=None):
     return shares
 
 
-def measured_shares(net, device):
+def measured_shares(net: Net, device: Device) -> Dict[int, float]:
     """measure_shares, read from the cache when this net, shape and machine were measured before."""
     path = cache_path(net, device)
     try:
