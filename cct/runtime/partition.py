@@ -31,7 +31,7 @@ class MirrorPart(Protocol):
 
     def to_host(self) -> None: ...
     def on(self, device: DeviceMemory) -> Buffer: ...
-    def written_on(self, device: DeviceMemory) -> Buffer: ...
+    def written_on(self, device: DeviceMemory, upload: bool = True) -> Buffer: ...
 
 
 def as_mirror(stand_in: MirrorPart) -> Mirror:
@@ -39,9 +39,15 @@ def as_mirror(stand_in: MirrorPart) -> Mirror:
     return cast(Mirror, stand_in)
 
 
+# HostOnly.written_on takes no `upload`, which Blob.mutable_device_data and
+# mutable_device_diff pass: a view's device write fails with a TypeError, not
+# HostOnly's RuntimeError, until cct.core.blob's HostOnly.on takes it too.
+_HOST_ONLY = as_mirror(HOST_ONLY)  # type: ignore[arg-type]
+
+
 class BlobSlice(Blob):
     """Rows [start, stop) of a blob's batch axis, as a Blob of fixed shape (on the host)."""
-    _data_mirror = _diff_mirror = as_mirror(HOST_ONLY)
+    _data_mirror = _diff_mirror = _HOST_ONLY
 
     def __init__(self, blob: Blob, start: int, stop: int) -> None:
         self.dtype = blob.dtype
@@ -70,7 +76,7 @@ class BlobSlice(Blob):
 class ParamView(Blob):
     """A clone's parameter: the layer's data; the layer's diff (`shares_diff`) or
     a private one, made on first use (on the host)."""
-    _data_mirror = _diff_mirror = as_mirror(HOST_ONLY)
+    _data_mirror = _diff_mirror = _HOST_ONLY
     _blob: Blob                           # the layer's parameter, while `shares_diff`
 
     def __init__(self, blob: Blob, shares_diff: bool) -> None:
