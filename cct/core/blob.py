@@ -165,7 +165,8 @@ class HostOnly:
     def on(self, device: DeviceMemory) -> NoReturn:
         raise RuntimeError("a view of a blob's rows lives on the host; run its layer whole on a device")
 
-    written_on = on
+    def written_on(self, device: DeviceMemory, upload: bool = True) -> NoReturn:
+        self.on(device)
 
 
 HOST_ONLY = HostOnly()

@@ -39,10 +39,7 @@ def as_mirror(stand_in: MirrorPart) -> Mirror:
     return cast(Mirror, stand_in)
 
 
-# HostOnly.written_on takes no `upload`, which Blob.mutable_device_data and
-# mutable_device_diff pass: a view's device write fails with a TypeError, not
-# HostOnly's RuntimeError, until cct.core.blob's HostOnly.on takes it too.
-_HOST_ONLY = as_mirror(HOST_ONLY)  # type: ignore[arg-type]
+_HOST_ONLY = as_mirror(HOST_ONLY)
 
 
 class BlobSlice(Blob):

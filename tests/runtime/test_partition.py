@@ -19,6 +19,16 @@ def test_blob_slice_is_a_fixed_view():
         view.reshape(4, 2)
 
 
+@pytest.mark.parametrize("ask", ["device_data", "mutable_device_data", "device_diff", "mutable_device_diff"])
+def test_a_blob_slice_refuses_a_device_by_name(ask):
+    """A partition's view lives on the host: any device buffer asked of it,
+    written or read, is refused with HostOnly's message (Blob passes upload=
+    to written_on, which must take it)."""
+    view = BlobSlice(cct.Blob((4, 2)), 1, 3)
+    with pytest.raises(RuntimeError, match="lives on the host"):
+        getattr(view, ask)(object())
+
+
 def test_partitions_without_samples_are_skipped():
     """More partitions than samples (the executor never asks for that): the
     empty ones run nothing, the others give the whole layer's numbers."""
