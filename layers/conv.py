@@ -525,7 +525,7 @@ class Convolution(_ConvolutionBase):
             return super().bind_backward(top, propagate_down, bottom)
         t, down, b, chunk = top[0], propagate_down[0], bottom[0], self._chunk(kind, bottom[0].data)
         pointwise_backward = None if kind != 3 or self.geom.empty else type3.bind_pointwise_backward(
-            b.data, t.diff, self.blobs[0].data, self.geom, b.diff)
+            b.data, t.diff, self.blobs[0].data, self.geom, b.diff if down else None)   # (no diff made where none is)
 
         def backward():
             if self.bias_term and self.param_propagate_down[1]:

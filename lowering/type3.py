@@ -65,22 +65,24 @@ def unlift(dy: FloatArray, geom: ConvGeometry, ws: Workspace = FRESH) -> FloatAr
 
 
 def bind_pointwise_backward(x: FloatArray, dy: FloatArray, w: FloatArray, geom: ConvGeometry,
-                            dx: FloatArray) -> Optional[Callable[[bool, bool], Optional[FloatArray]]]:
+                            dx: Optional[FloatArray]) -> Optional[Callable[[bool, bool], Optional[FloatArray]]]:
     """backward(x, dy, w, geom, data, weights, dx_out=dx)'s numbers for a
     pointwise geometry (cct.lowering.pointwise) and one image, as one call of
     (data, weights) returning dw or None: the padded input and the unlifted
     dZ are then x and dy themselves, so the same two products read and write
     the blobs with no copy; None for other shapes, strided arrays or another
-    dtype. For an execution plan, whose arrays stay while its layout does."""
+    dtype. dx None: no data gradient is asked for. For an execution plan,
+    whose arrays stay while its layout does."""
+    arrays = (x, dy, w) if dx is None else (x, dy, w, dx)
     if (x.shape[0] != 1 or geom.kernel_h != 1 or geom.kernel_w != 1 or geom.stride_h != 1 or geom.stride_w != 1
             or geom.has_border or geom.group != 1 or w.dtype != x.dtype or dy.dtype != x.dtype
-            or not all(a.flags.c_contiguous for a in (x, dy, w, dx))):
+            or not all(a.flags.c_contiguous for a in arrays)):
         return None
     pixels = geom.in_h * geom.in_w
     lowered = x.reshape(1, geom.channels, pixels)
     dz = dy.reshape(1, geom.num_output, pixels)
     kernel_t = _kernel_matrix(w, geom, x.dtype).transpose(0, 2, 1)
-    dxp = dx.reshape(1, geom.channels, pixels)
+    dxp = None if dx is None else dx.reshape(1, geom.channels, pixels)
 
     def backward(data: bool, weights: bool) -> Optional[FloatArray]:
         dw = None
@@ -88,6 +90,7 @@ def bind_pointwise_backward(x: FloatArray, dy: FloatArray, w: FloatArray, geom: 
             dk = matmul_nt(dz, lowered).reshape(geom.num_output, 1, 1, geom.channels)
             dw = np.ascontiguousarray(dk.transpose(0, 3, 1, 2))
         if data:
+            assert dxp is not None, "a data gradient of a backward bound without dx"
             np.matmul(kernel_t, dz, out=dxp)
         return dw
     return backward

@@ -676,5 +676,7 @@ def test_bound_pointwise_backward_gives_type3s_bits(geom, dtype):
     dx[...] = np.nan
     assert bound(False, True) is not None and np.isnan(dx).all()
     assert bound(True, False) is None and np.array_equal(dx, dx_expected)
+    weights_only = type3.bind_pointwise_backward(x, dy, w, geom, None)      # no data gradient asked for
+    assert np.array_equal(weights_only(False, True), dw_expected)
     wider = ConvGeometry(geom.channels, geom.num_output, geom.in_h, geom.in_w, 1, 1, pad_h=1)
     assert type3.bind_pointwise_backward(x, dy, w, wider, dx) is None
