@@ -484,6 +484,25 @@ class Crop(Layer):
         if propagate_down[1]:
             bottom[1].diff[...] = 0
 
+    # --- on a device: the window copied strided, both ways (the old Crop's too)
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(bottom, top) and fits_copy_view(device, bottom[0].shape, self._cropped)
+
+    def _cropped(self, x):
+        return x[self._window]
+
+    def forward_on(self, device, bottom, top):
+        copy_view_on(device, bottom[0].device_data(device), top[0].mutable_device_data(device, upload=False),
+                     bottom[0].shape, self._cropped)
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        if propagate_down[0]:
+            bottom[0].fill_device_diff(device, 0.0)
+            copy_into_view_on(device, top[0].device_diff(device), bottom[0].mutable_device_diff(device),
+                              bottom[0].shape, self._cropped)
+        if propagate_down[1]:
+            bottom[1].fill_device_diff(device, 0.0)
+
 
 @register("Tile")
 class Tile(Layer):

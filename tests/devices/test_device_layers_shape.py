@@ -1,4 +1,4 @@
-"""Split's, Concat's, Slice's, Flatten's and Reshape's device paths against
+"""Split's, Concat's, Slice's, Flatten's, Reshape's and Crop's device paths against
 their host forward and backward, on the numpy CPU device and on OpenCL;
 and the shared-storage layers' tops sharing the bottom's device buffers."""
 import numpy as np
@@ -96,3 +96,18 @@ def test_split_aliases_share_the_bottoms_device_buffer(device):
     layer.set_up([bottom], tops)
     layer.forward_on(device, [bottom], tops)
     assert all(top.device_data(device) is bottom.device_data(device) for top in tops)
+
+
+@pytest.mark.parametrize("param, shapes", [
+    ("", [(2, 3, 9, 8), (2, 3, 5, 4)]),                                    # offset 0 from axis 2
+    ("axis: 2 offset: 3", [(2, 3, 9, 8), (1, 1, 5, 4)]),
+    ("axis: 1 offset: 1 offset: 2 offset: 0", [(2, 4, 9, 8), (2, 2, 5, 8)]),
+    ("axis: -1 offset: 2", [(3, 5), (3, 2)]),
+])
+@pytest.mark.parametrize("down", [[True, False], [True, True], [False, True]])
+def test_crop_on_device_matches_the_host(device, param, shapes, down):
+    """The window copied out forward and back into zeros backward (the
+    forks' parameterless Crop runs as this one with the offsets it computes)."""
+    results = run_both_ways(device, f'type: "Crop" crop_param {{ {param} }}',
+                            [RNG.standard_normal(shape) for shape in shapes], propagate_down=down)
+    assert_close_both_ways(results, 0)
