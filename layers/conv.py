@@ -280,6 +280,12 @@ class _ConvolutionBase(Layer):
         return twin
 
     @property
+    def _device_budget(self):
+        """lowering_budget_mb in float32 elements: a device lowers a chunk of
+        images at a time within it, as the host does (issue 37)."""
+        return max(1, self._owner._lowering_budget // 4)
+
+    @property
     def lowering_budget(self):
         """Workspace bytes: the original's budget, split among the `share`
         partition twins that run at once."""
@@ -547,12 +553,13 @@ class Convolution(_ConvolutionBase):
 
     def _forward_on(self, device, b, t, weight, bias):
         device_lowering.forward(device, b.device_data(device), weight, self.geom, b.shape[0],
-                                t.mutable_device_data(device, upload=False), bias)     # written whole
+                                t.mutable_device_data(device, upload=False), bias,     # written whole
+                                budget=self._device_budget)
 
     def _backward_on(self, device, t, b, weight, weight_diff, down):
         device_lowering.backward(device, b.device_data(device), t.device_diff(device), weight, self.geom,
                                  b.shape[0], dx=b.mutable_device_diff(device, upload=False) if down else None,
-                                 dw=weight_diff)         # dx set whole
+                                 dw=weight_diff, budget=self._device_budget)         # dx set whole
 
     def backward_data(self, top, propagate_down, bottom):
         kind, arena = self._lowering(), thread_arena()
@@ -602,7 +609,8 @@ class Deconvolution(_ConvolutionBase):
     # on a device: the convolution's gradients and forward with the roles swapped
     def _forward_on(self, device, b, t, weight, bias):
         batch, output = b.shape[0], t.mutable_device_data(device)
-        device_lowering.backward(device, None, b.device_data(device), weight, self.geom, batch, dx=output)
+        device_lowering.backward(device, None, b.device_data(device), weight, self.geom, batch, dx=output,
+                                 budget=self._device_budget)
         if bias is not None:
             device_lowering.add_bias(device, output, batch, t.shape[1], t.count_range(2), bias)
 
@@ -610,9 +618,10 @@ class Deconvolution(_ConvolutionBase):
         batch, top_diff = b.shape[0], t.device_diff(device)
         if weight_diff is not None:
             device_lowering.backward(device, top_diff, b.device_data(device), None, self.geom, batch,
-                                     dw=weight_diff)
+                                     dw=weight_diff, budget=self._device_budget)
         if down:
-            device_lowering.forward(device, top_diff, weight, self.geom, batch, b.mutable_device_diff(device))
+            device_lowering.forward(device, top_diff, weight, self.geom, batch, b.mutable_device_diff(device),
+                                    budget=self._device_budget)
 
     def backward_data(self, top, propagate_down, bottom):
         kind, arena = self._lowering(), thread_arena()

@@ -5,6 +5,7 @@ data and parameter gradients (accumulated)."""
 import numpy as np
 import pytest
 
+from cct.core.rng import set_random_seed
 from cct.devices.cpu import CPU
 from cct.lowering import device as device_lowering, ConvGeometry
 from helpers.devices import OPENCL, assert_close_both_ways, opencl_or_skip, run_both_ways
@@ -59,6 +60,28 @@ def test_device_lowering_runs_a_batch_in_chunks_within_the_budget(device):
         device.download(y, host)
         outputs.append(host)
     np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
+@pytest.mark.parametrize("kind", ["Convolution", "Deconvolution"])
+def test_a_layers_device_lowering_keeps_to_its_lowering_budget(device, kind, monkeypatch):
+    """lowering_budget_mb reaches the device: a budget below one image's
+    lowered matrix lowers image by image (5 chunks), the default all at once:
+    within rounding of each other (smaller GEMMs) and of the host."""
+    lowered = []
+    im2col = device.im2col
+    monkeypatch.setattr(device, "im2col", lambda *args: lowered.append(args[2]) or im2col(*args))
+    x = np.random.default_rng(5).standard_normal((5, 3, 6, 6))
+    text = f'type: "{kind}" convolution_param {{ num_output: 4 kernel_size: 3 pad: 1 {FILLERS} }}'
+    counts, results = [], []
+    for budget in (64, 1e-4):                                    # MB: the default, then about 100 bytes
+        lowered.clear()
+        set_random_seed(0)                                       # the same filled weights both times
+        results.append(run_both_ways(device, text, [x], settings={"lowering_budget_mb": budget}))
+        counts.append(sorted(set(lowered)))
+    assert counts == [[5], [1]]
+    for name in results[0]:       # smaller GEMMs, and a weight gradient summed chunk by chunk: rounding apart
+        np.testing.assert_allclose(results[1][name][0], results[0][name][0], rtol=1e-5, atol=1e-5)
+    assert_close_both_ways(results[1], 1e-5)
 
 
 @pytest.mark.parametrize("fields", ["num_output: 5", "num_output: 3 bias_term: false",

@@ -50,7 +50,7 @@ def same_op(device, op, arrays, outputs, *args, **kwargs):
 
 
 def run_both_ways(device, prototxt, arrays, num_tops=1, in_place=False, phase=None, seed=3,
-                  propagate_down=None, in_place_bottom=0, random_seed=None, configure=None):
+                  propagate_down=None, in_place_bottom=0, random_seed=None, configure=None, settings=None):
     """A float32 layer from LayerParameter text run twice on copies of the
     same bottoms and parameters: with its own forward and backward (the host
     code, the reference), and with forward_on/backward_on on `device`. Top
@@ -58,7 +58,9 @@ def run_both_ways(device, prototxt, arrays, num_tops=1, in_place=False, phase=No
     `in_place_bottom` when given). `random_seed`: the process's random stream
     (cct.core.rng) is seeded with it before each forward, so a layer that
     draws (Dropout) draws the same numbers both ways. `configure(layer)` is
-    called on each new layer before its set_up (e.g. Split's aliases).
+    called on each new layer before its set_up (e.g. Split's aliases);
+    `settings`, run settings given after it (Layer.configure, as a net's
+    executor gives them: {"lowering_budget_mb": 1}).
     Returns {name: (device value, host value)} for every top's data, every
     bottom's diff propagate_down asks for and every parameter's diff (read
     back through Blob.data/.diff)."""
@@ -81,6 +83,8 @@ def run_both_ways(device, prototxt, arrays, num_tops=1, in_place=False, phase=No
             bottoms.append(blob)
         tops = [bottoms[in_place_bottom]] if in_place else [Blob(dtype=np.float32) for _ in range(num_tops)]
         layer.set_up(bottoms, tops)
+        if settings is not None:
+            layer.configure(settings)
         if params is None:
             params = [blob.data.copy() for blob in layer.blobs]
         for blob, values in zip(layer.blobs, params):
