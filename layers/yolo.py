@@ -113,6 +113,30 @@ def region_boxes(x, side, biases):
     return centre, labels, sigmoid(pred[:, 4]) * scores
 
 
+def checked_counts(layer, p, field, names):
+    """int(p.<name>) for each of `names`, num_classes first and required,
+    each >= 1; errors name the layer's message `field`."""
+    if not p.HasField("num_classes"):
+        raise layer.config_error(f"{field}.num_classes", "must be given")
+    counts = [int(getattr(p, name)) for name in names]
+    for name, value in zip(names, counts):
+        if value < 1:
+            raise layer.config_error(f"{field}.{name}", f"must be >= 1, got {value}")
+    return counts
+
+
+def region_biases(layer, p, field, num_box, reader):
+    """The anchors (num_box, 2) of a YOLOv2-style region output, whose
+    forward (`reader`'s) reads 4 coordinates and then the objectness."""
+    if p.coords != 4:
+        raise layer.config_error(f"{field}.coords", f"{reader} forward reads 4 box coordinates (x, y, w, h) and "
+                                 f"then the objectness, got {p.coords}")
+    if len(p.biases) != 2 * num_box:
+        raise layer.config_error(f"{field}.biases", f"needs 2 * num_box = {2 * num_box} values (a width and a "
+                                 f"height per box), got {len(p.biases)}")
+    return np.asarray(p.biases, _F32).reshape(num_box, 2)
+
+
 class YoloDetectionOutput(NoBackward, Layer):
     """The YOLOv2 port's detections: region boxes from one image's
     predictions, a class-blind greedy NMS.
@@ -139,20 +163,9 @@ class YoloDetectionOutput(NoBackward, Layer):
     exact_tops = 1
 
     def setup(self, bottom, top):
-        p = self.layer_param.detection_output_param
-        if not p.HasField("num_classes"):
-            raise self.config_error("detection_output_param.num_classes", "must be given")
-        self.num_classes, self.side, self.num_box = int(p.num_classes), int(p.side), int(p.num_box)
-        for name, value in (("num_classes", self.num_classes), ("side", self.side), ("num_box", self.num_box)):
-            if value < 1:
-                raise self.config_error(f"detection_output_param.{name}", f"must be >= 1, got {value}")
-        if p.coords != 4:
-            raise self.config_error("detection_output_param.coords", f"the YOLOv2 port's forward reads 4 box "
-                                    f"coordinates (x, y, w, h) and then the objectness, got {p.coords}")
-        if len(p.biases) != 2 * self.num_box:
-            raise self.config_error("detection_output_param.biases", f"needs 2 * num_box = {2 * self.num_box} "
-                                    f"values (a width and a height per box), got {len(p.biases)}")
-        self.biases = np.asarray(p.biases, _F32).reshape(self.num_box, 2)
+        p, field = self.layer_param.detection_output_param, "detection_output_param"
+        self.num_classes, self.side, self.num_box = checked_counts(self, p, field, ("num_classes", "side", "num_box"))
+        self.biases = region_biases(self, p, field, self.num_box, "the YOLOv2 port's")
         self.confidence_threshold = _F32(p.confidence_threshold if p.HasField("confidence_threshold") else 0.01)
         self.nms_threshold = _F32(p.nms_threshold)
 
@@ -245,12 +258,7 @@ class _DarknetOutput(NoBackward, Layer):
 
     def _setup_common(self, p, field):
         """num_classes (required), num_box and the thresholds of `p`, the layer's message `field`."""
-        if not p.HasField("num_classes"):
-            raise self.config_error(f"{field}.num_classes", "must be given")
-        self.num_classes, self.num_box = int(p.num_classes), int(p.num_box)
-        for name, value in (("num_classes", self.num_classes), ("num_box", self.num_box)):
-            if value < 1:
-                raise self.config_error(f"{field}.{name}", f"must be >= 1, got {value}")
+        self.num_classes, self.num_box = checked_counts(self, p, field, ("num_classes", "num_box"))
         self.confidence_threshold, self.nms_threshold = _F32(p.confidence_threshold), _F32(p.nms_threshold)
 
     def _check_bottoms(self, bottom, field):
@@ -298,13 +306,7 @@ class MobileNetYoloDetectionOutput(_DarknetOutput):
     def setup(self, bottom, top):
         p = self.layer_param.yolo_detection_output_param
         self._setup_common(p, "yolo_detection_output_param")
-        if p.coords != 4:
-            raise self.config_error("yolo_detection_output_param.coords", "the fork's forward reads 4 box "
-                                    f"coordinates (x, y, w, h) and then the objectness, got {p.coords}")
-        if len(p.biases) != 2 * self.num_box:
-            raise self.config_error("yolo_detection_output_param.biases", f"needs 2 * num_box = "
-                                    f"{2 * self.num_box} values (a width and a height per box), got {len(p.biases)}")
-        self.biases = np.asarray(p.biases, _F32).reshape(self.num_box, 2)
+        self.biases = region_biases(self, p, "yolo_detection_output_param", self.num_box, "the fork's")
 
     def reshape(self, bottom, top):
         self._check_bottoms(bottom, "yolo_detection_output_param")
