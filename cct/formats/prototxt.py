@@ -16,12 +16,15 @@ from google.protobuf import text_format
 from google.protobuf.message import DecodeError
 
 from cct.core.errors import ConfigError
+from cct.formats import textproto
 from cct.formats.forks import resolve_fork_fields
 from cct.formats.text import decode_utf8
 from cct.proto import caffe_pb2
 
 
 def parse_text(text, message, source="<string>"):
+    if textproto.parse(text, message):     # the everyday subset, in a regular expression's pass
+        return message
     try:
         text_format.Parse(text, message)
     except text_format.ParseError as error:
