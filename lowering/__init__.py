@@ -121,14 +121,32 @@ def bind_conv_forward(x: FloatArray, w: FloatArray, geom: ConvGeometry, lowering
     backward, as one call of (bias, relu) bound now, where conv_forward would
     take a path that has a bound form: the pointwise product, or type 1's
     one-image lowering of a small image (type1.bind_one_image); else None."""
-    n = x.shape[0]
-    if n == 0 or geom.empty or not _whole(n, chunk):
-        return None
-    if pointwise(geom, n):
+    impl = lowering(lowering_type)
+    path = _forward_path(geom, x, impl, out, chunk, keeps=False)
+    if path == "pointwise":
         return bind_pointwise(x, w, out, geom)
-    if depthwise.applies(geom) or lowering(lowering_type) is not type1:
-        return None
-    return type1.bind_one_image(x, w, geom, out)
+    if path == "whole" and impl is type1:
+        return type1.bind_one_image(x, w, geom, out)
+    return None
+
+
+def _forward_path(geom: ConvGeometry, x: FloatArray, impl: ModuleType, out: Optional[FloatArray],
+                  chunk: Optional[int], keeps: bool) -> str:
+    """Which way conv_forward computes these arrays: "empty" (the bias
+    alone), "pointwise", "depthwise", "bands" (type 1, one image), "whole"
+    (the lowering type's forward of the batch) or "chunks". One place, so
+    that bind_conv_forward binds only the path conv_forward takes."""
+    n = x.shape[0]
+    if n == 0 or geom.empty:          # an empty batch (or partition), input or output: nothing to lower
+        return "empty"
+    if pointwise(geom, n):            # nothing to lower, so nothing kept: a backward multiplies x itself
+        return "pointwise"
+    if depthwise.applies(geom):       # one channel per group: the windows directly, nothing lowered or kept
+        return "depthwise"
+    if (impl is type1 and not keeps and out is not None and out.flags.c_contiguous
+            and type1.band_rows(geom, n, x.dtype.itemsize)):
+        return "bands"
+    return "whole" if _whole(n, chunk) else "chunks"
 
 
 def _zeros(shape: Shape4, dtype: npt.DTypeLike, out: Optional[FloatArray]) -> FloatArray:
@@ -162,18 +180,19 @@ def conv_forward(x: FloatArray, w: FloatArray, geom: ConvGeometry, lowering_type
     impl, n = lowering(lowering_type), x.shape[0]
     if keep is not None:
         keep.forget()
-    if n == 0 or geom.empty:          # an empty batch (or partition), input or output: nothing to lower
+    path = _forward_path(geom, x, impl, out, chunk, keeps=keep is not None)
+    if path == "empty":
         return _bias_only(geom, n, x.dtype, out, bias, relu)
-    if pointwise(geom, n):            # nothing to lower, so nothing kept: a backward multiplies x itself
+    if path == "pointwise":
         return _pointwise_forward(x, w, geom, out, bias, relu)
-    if depthwise.applies(geom):       # one channel per group: the windows directly, nothing lowered or kept
+    if path == "depthwise":
         return depthwise.forward(x, w, geom, out, bias, relu)
-    rows = type1.band_rows(geom, n, x.dtype.itemsize) if impl is type1 and keep is None else 0
-    if rows and out is not None and out.flags.c_contiguous:
+    if path == "bands":
+        rows = type1.band_rows(geom, n, x.dtype.itemsize)
         ws.plan(band_slot_bytes(geom, rows, x.dtype.itemsize))      # a band, not the whole lowering
-        return type1.forward_in_bands(x, w, geom, rows, out, ws=ws, bias=bias, relu=relu)
+        return type1.forward_in_bands(x, w, geom, rows, cast(FloatArray, out), ws=ws, bias=bias, relu=relu)
     _plan(ws, geom, lowering_type, n, chunk, x.dtype)
-    if _whole(n, chunk):
+    if path == "whole":
         y = impl.forward(x, w, geom, out=out, ws=ws if keep is None else keep.workspace(ws, lowering_type), bias=bias,
                          relu=relu)
         if keep is not None:
