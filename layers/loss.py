@@ -227,9 +227,9 @@ class SoftmaxWithLoss(LossLayer):
         return self.all_float32(bottom, top)
 
     def forward_on(self, device, bottom, top):
-        """The softmax and each position's log-probability on the device; the
-        positions' values come down (outer * inner of them, with a flag for
-        ignored and bad labels) to be summed in float64 as forward sums them."""
+        """The softmax, each position's log-probability and their sum on the
+        device, the loss left in top[0] there (weighted_loss_on reads it, one
+        scalar) and the normalizer beside it for backward_on: nothing comes down."""
         outer, channels, inner = self.outer, self.channels, self.inner
         prob = self.device_scratch(device, "prob", outer * channels * inner)
         device.softmax_forward(bottom[0].device_data(device), prob, outer, channels, inner)
@@ -237,37 +237,37 @@ class SoftmaxWithLoss(LossLayer):
         per_position = device.scratch("softmax_loss", 2 * positions)
         device.softmax_loss_forward(prob, bottom[1].device_data(device), per_position, outer, channels, inner,
                                     self.ignore_label)
-        values = np.empty(2 * positions, np.float32)
-        device.download(per_position, values)
-        log_p, flags = values[:positions], values[positions:]
-        self._check_device_labels(log_p, flags)
-        self.count = int(np.count_nonzero(flags))
-        total = 0.0 - float(log_p.sum(dtype=np.float64))       # ignored positions hold 0, as forward's log_p
-        loss = total / normalizer(self.normalization, outer, inner, self.count)
-        device.fill(top[0].mutable_device_data(device, upload=False), loss, 1)
+        fixed = None if self.normalization == VALID else normalizer(self.normalization, outer, inner, 0)
+        device.softmax_loss_reduce(per_position, positions, top[0].mutable_device_data(device, upload=False),
+                                   self.device_scratch(device, "stats", 3), fixed)
         if len(top) > 1:
-            device.copy(top[1].mutable_device_data(device), prob, outer * channels * inner)
+            device.copy(top[1].mutable_device_data(device, upload=False), prob, outer * channels * inner)
 
-    def _check_device_labels(self, values, flags):
-        """The first label softmax_loss_forward flagged as outside [0, C) (it left
-        its truncated value in `values`) raises forward's DataError."""
-        bad = np.flatnonzero(flags < 0)
-        if bad.size:
-            label = values[bad[0]]
-            shown = int(label) if np.isfinite(label) else label
-            raise DataError(f"{self.where()}: label {shown} is outside [0, {self.channels})")
+    def weighted_loss_on(self, device, top):
+        """The loss read (always: a bad label shows as a NaN loss, and then
+        raises forward's DataError, from the position softmax_loss_reduce flagged)."""
+        loss = float(top[0].read_data().reshape(-1)[0])
+        if not np.isfinite(loss):
+            stats = np.empty(3, np.float32)
+            device.download(self.device_scratch(device, "stats", 3), stats)
+            if stats[1] >= 0:
+                label = stats[2]
+                shown = int(label) if np.isfinite(label) else label
+                raise DataError(f"{self.where()}: label {shown} is outside [0, {self.channels})")
+        return super().weighted_loss_on(device, top)
 
     def backward_on(self, device, top, propagate_down, bottom):
         self.refuse_label_gradient(propagate_down)
         if not propagate_down[0]:
             return
         outer, channels, inner = self.outer, self.channels, self.inner
-        # the loss weight is top[0].diff, set by the net (a fill on the device in a device run): one float read
-        scale = loss_weight(top) / normalizer(self.normalization, outer, inner, self.count)
+        # scaled on the device by the loss weight (top[0]'s diff, set by the net by a device fill)
+        # over the normalizer forward_on left: nothing read here
         device.softmax_loss_backward(self.device_scratch(device, "prob", outer * channels * inner),
                                      bottom[1].device_data(device),
                                      bottom[0].mutable_device_diff(device, upload=False),     # written whole
-                                     outer, channels, inner, scale, self.ignore_label)
+                                     outer, channels, inner, top[0].device_diff(device),
+                                     self.device_scratch(device, "stats", 3), self.ignore_label)
 
     def backward(self, top, propagate_down, bottom):
         self.refuse_label_gradient(propagate_down)

@@ -23,7 +23,7 @@ The primitives, by kind:
                  convolution computed directly, forward and both gradients
     layers       the kernels hot nets need, each documented with its op:
                  max and average pooling, LRN, BatchNorm's channel statistics
-                 and normalization, softmax and its loss, Eltwise's max and
+                 and normalization, softmax and its loss (reduced there), Eltwise's max and
                  products, Scale/Bias's broadcast, Dropout's mask, strided block copies
                  (Concat, Slice); the forks' strided copies (Permute, Reorg,
                  Upsample), Normalize's division and gradient, Interp's
@@ -406,10 +406,22 @@ class Device:
         [0, channels) out[k] = the truncated label and out[P + k] = -1."""
         raise NotImplementedError
 
+    def softmax_loss_reduce(self, values: Buffer, positions: int, loss: Buffer, stats: Buffer,
+                            normalizer: Optional[float] = None) -> None:
+        """SoftmaxWithLoss's loss from softmax_loss_forward's `values` (2 *
+        positions), summed on the device in a fixed order (float64 where the
+        device has it, as the host sums it): loss[0] = -(the sum over the
+        positions flagged 1) / n, n = max(1, `normalizer`, or the count of those
+        positions where it is None: VALID); stats[:3] = (n, the first position
+        flagged -1 or -1, its label). A flagged label makes loss[0] NaN."""
+        raise NotImplementedError
+
     def softmax_loss_backward(self, prob: Buffer, labels: Buffer, dx: Buffer, outer: int, channels: int, inner: int,
-                              scale: float, ignore_label: Optional[int] = None) -> None:
+                              weight: Buffer, stats: Buffer, ignore_label: Optional[int] = None) -> None:
         """dx (outer, channels, inner) = (prob - [c == label]) * scale, 0 where
-        the label is ignore_label; labels as in softmax_loss_forward, all valid."""
+        the label is ignore_label; labels as in softmax_loss_forward, all valid;
+        scale = weight[0] / stats[0] in float32 (the loss weight, the loss top's
+        diff, over the normalizer softmax_loss_reduce left), read on the device."""
         raise NotImplementedError
 
     # --- the forks' layers (layers/ssd.py, segmentation.py, shape.py) ---------------

@@ -411,11 +411,19 @@ class CPUDevice(Device):
         out[:positions] = np.where(valid, log_p, np.where(ignored, 0, whole))
         out[positions:2 * positions] = np.where(valid, 1, np.where(ignored, 0, -1))
 
-    def softmax_loss_backward(self, prob, labels, dx, outer, channels, inner, scale, ignore_label=None):
+    def softmax_loss_reduce(self, values, positions, loss, stats, normalizer=None):
+        log_p, flags = values[:positions], values[positions:2 * positions]
+        valid, bad = flags > 0, np.flatnonzero(flags < 0)
+        scale = float(max(1, np.count_nonzero(valid) if normalizer is None else normalizer))
+        stats[:3] = scale, bad[0] if bad.size else -1, log_p[bad[0]] if bad.size else 0
+        loss[0] = np.nan if bad.size else (0.0 - float(log_p[valid].sum(dtype=np.float64))) / scale
+
+    def softmax_loss_backward(self, prob, labels, dx, outer, channels, inner, weight, stats, ignore_label=None):
         whole, ignored, _ = self._labels(labels, outer * inner, channels, ignore_label)
         whole = whole.reshape(outer, 1, inner)
         hot = (np.arange(channels).reshape(1, channels, 1) == whole).astype(np.float32)
-        grad = (prob[:outer * channels * inner].reshape(outer, channels, inner) - hot) * np.float32(scale)
+        scale = np.float32(weight[0]) / np.float32(stats[0])
+        grad = (prob[:outer * channels * inner].reshape(outer, channels, inner) - hot) * scale
         grad = np.where(ignored.reshape(outer, 1, inner), np.float32(0), grad)
         dx[:outer * channels * inner] = grad.reshape(-1)
 

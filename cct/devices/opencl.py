@@ -23,7 +23,9 @@ from cct.devices.base import Device, DeviceError, Traffic
 KERNELS = Path(__file__).with_name("kernels")
 WORK_GROUP = 256              # items per work group, rounded up to: one size fits every kernel here
 # The update's sqrt and division rounded as numpy's are: its numbers are the host's bit for bit
-BUILD_OPTIONS = {"update.cl": ["-cl-fp32-correctly-rounded-divide-sqrt"]}
+# (and the loss gradient's scale, a quotient of two floats)
+BUILD_OPTIONS = {"update.cl": ["-cl-fp32-correctly-rounded-divide-sqrt"],
+                 "loss.cl": ["-cl-fp32-correctly-rounded-divide-sqrt"]}
 SQUARE_PARTS = 4096           # partial sums of clip_gradients' squares: work items enough to fill a GPU
 
 
@@ -364,13 +366,17 @@ class OpenCLDevice(Device):
         self.launch("layers.cl", "softmax_backward", outer * inner, outer * inner, channels, inner, y, dy, dx)
 
     def softmax_loss_forward(self, prob, labels, out, outer, channels, inner, ignore_label=None):
-        self.launch("layers.cl", "softmax_loss_forward", outer * inner, outer * inner, channels, inner,
+        self.launch("loss.cl", "softmax_loss_forward", outer * inner, outer * inner, channels, inner,
                     prob, labels, out, int(ignore_label is not None), int(ignore_label or 0))
 
-    def softmax_loss_backward(self, prob, labels, dx, outer, channels, inner, scale, ignore_label=None):
+    def softmax_loss_reduce(self, values, positions, loss, stats, normalizer=None):
+        self.launch("loss.cl", "softmax_loss_reduce", WORK_GROUP, positions, values, loss, stats,
+                    int(normalizer is None), float(normalizer or 0))
+
+    def softmax_loss_backward(self, prob, labels, dx, outer, channels, inner, weight, stats, ignore_label=None):
         count = outer * channels * inner
-        self.launch("layers.cl", "softmax_loss_backward", count, count, channels, inner, prob, labels, dx,
-                    float(scale), int(ignore_label is not None), int(ignore_label or 0))
+        self.launch("loss.cl", "softmax_loss_backward", count, count, channels, inner, prob, labels, dx,
+                    weight, stats, int(ignore_label is not None), int(ignore_label or 0))
 
     # --- the forks' layers (layers/ssd.py, segmentation.py, shape.py) ---------------
     def copy_strided(self, src, dst, shape, src_strides, dst_strides=None, src_offset=0, dst_offset=0,

@@ -207,19 +207,62 @@ def test_softmax_loss_forward_marks_a_bad_label(device, bad):
         np.testing.assert_array_equal(result[outer * inner - 1], np.trunc(np.float32(bad)))
 
 
+@pytest.mark.parametrize("positions", [1, 7, 256, 300, 5000])
+@pytest.mark.parametrize("normalizer", [None, 1.0, 4.0, 0.0])
+def test_softmax_loss_reduce(device, positions, normalizer):
+    """The loss summed on the device: the host's float64 sum and normalizer to
+    float32 rounding, ignored positions left out (the VALID count), the same
+    numbers at every run (one work group, a fixed order)."""
+    generator = rng(positions)
+    values = np.concatenate([generator.uniform(-9, 0, positions), generator.integers(0, 2, positions)])
+    values = values.astype(np.float32)
+    values[:positions][values[positions:] == 0] = 0                 # an ignored position holds 0
+
+    def op(target, values, loss, stats):
+        target.softmax_loss_reduce(values, positions, loss, stats, normalizer)
+
+    pairs = same_op(device, op, [values, np.zeros(2), np.full(4, 9.0)], [1, 2])
+    again = same_op(device, op, [values, np.zeros(2), np.full(4, 9.0)], [1, 2])
+    np.testing.assert_array_equal(pairs[0][0], again[0][0])
+    flags = values[positions:]
+    count = int((flags > 0).sum())
+    scale = max(1.0, count if normalizer is None else normalizer)
+    expected = np.float32((0.0 - values[:positions][flags > 0].sum(dtype=np.float64)) / scale)
+    for loss, stats in zip(*pairs):
+        np.testing.assert_allclose(loss[0], expected, rtol=2e-7)
+        assert loss[1] == 0 and list(stats) == [scale, -1, 0, 9.0]    # nothing past the outputs written
+
+
+@pytest.mark.parametrize("bad", [5.0, -3.0, 1e12])
+def test_softmax_loss_reduce_flags_the_first_bad_label(device, bad):
+    outer, channels, inner = 3, 5, 110
+    prob, labels = loss_inputs(outer, channels, inner)
+    labels[[40, 301]] = bad, 7.0
+
+    def op(target, prob, labels, values, loss, stats):
+        target.softmax_loss_forward(prob, labels, values, outer, channels, inner)
+        target.softmax_loss_reduce(values, outer * inner, loss, stats)
+
+    pairs = same_op(device, op, [prob, labels, np.zeros(2 * outer * inner), np.zeros(1), np.zeros(3)], [3, 4])
+    for loss, stats in zip(*pairs):
+        assert np.isnan(loss[0])
+        np.testing.assert_array_equal(stats[1:], [40, np.trunc(np.float32(bad))])
+
+
 @pytest.mark.parametrize("outer, channels, inner", [(4, 10, 1), (2, 5, 9), (3, 1, 7)])
 @pytest.mark.parametrize("ignore_label", [None, 2, 255])
 def test_softmax_loss_backward(device, outer, channels, inner, ignore_label):
     prob, labels = loss_inputs(outer, channels, inner, ignore_label)
 
-    def op(target, prob, labels, dx):
-        target.softmax_loss_backward(prob, labels, dx, outer, channels, inner, 0.37, ignore_label)
+    def op(target, prob, labels, dx, weight, stats):
+        target.softmax_loss_backward(prob, labels, dx, outer, channels, inner, weight, stats, ignore_label)
 
-    pairs = same_op(device, op, [prob, labels, np.zeros(prob.size)], [2])
+    weight, normalizer = 0.37, 7.0          # the loss top's diff; the normalizer softmax_loss_reduce leaves
+    pairs = same_op(device, op, [prob, labels, np.zeros(prob.size), [weight, 5.0], [normalizer, -1, 0]], [2])
     assert_same(pairs)
     whole = np.trunc(labels).reshape(outer, 1, inner)
     hot = np.arange(channels).reshape(1, channels, 1) == whole
-    expected = (prob.reshape(outer, channels, inner) - hot) * np.float32(0.37)
+    expected = (prob.reshape(outer, channels, inner) - hot) * np.float32(weight / normalizer)   # the host's rounding
     if ignore_label is not None:
         expected = np.where(whole == ignore_label, 0, expected)
     np.testing.assert_allclose(pairs[0][1], expected.reshape(-1), rtol=1e-6)

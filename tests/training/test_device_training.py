@@ -92,13 +92,14 @@ class Traffic:
         self.up.clear(), self.down.clear(), self.downloads.clear()
 
 
-def assert_model_stays_on_the_device(solver, traffic, iterations=2):
+def assert_model_stays_on_the_device(solver, traffic, iterations=2, down=SLACK):
+    """`down`: the most bytes an iteration may download."""
     traffic.reset()
     solver.step(iterations)
     for moved in (traffic.up, traffic.down):
         assert not {label: size for label, size in moved.items() if label != "other"}, (traffic.up, traffic.down)
     assert traffic.up.get("other", 0) <= iterations * (INPUT_BYTES + SLACK), traffic.up
-    assert traffic.down.get("other", 0) <= iterations * SLACK, traffic.down
+    assert traffic.down.get("other", 0) <= iterations * down, traffic.down
     for blob in solver.net.learnable_params + solver.history_blobs:
         assert blob.heads()[0] == "device"
 
@@ -110,12 +111,13 @@ def assert_model_stays_on_the_device(solver, traffic, iterations=2):
 def test_an_iteration_moves_no_model_bytes(rule, decay, clip, iter_size, monkeypatch):
     """After a warm-up iteration (buffers made, history uploaded once) no
     parameter, gradient or history byte crosses either way; up: the input
-    batch (+ 64 KB; the dropout mask is drawn on the device), down: at most
-    64 KB (the loss, clip_gradients' norm)."""
+    batch (+ 64 KB; the dropout mask is drawn on the device), down: the
+    loss of each forward (4 bytes: summed on the device) and clip_gradients'
+    norm (4 bytes)."""
     solver = make_solver(rule, decay=decay, clip=clip, iter_size=iter_size)
     solver.step(1)
     traffic = Traffic(opencl_or_skip(), solver, monkeypatch)
-    assert_model_stays_on_the_device(solver, traffic)
+    assert_model_stays_on_the_device(solver, traffic, down=4 * iter_size + (4 if clip > 0 else 0))
     assert all(diff == "device" for _, diff in (b.heads() for b in solver.net.learnable_params))
 
 

@@ -1,6 +1,6 @@
 // Kernels of the layers in layers/loss.py, elementwise.py and shape.py:
 // block copies (Concat, Slice), element-wise maps (Eltwise, Dropout, Scale,
-// Bias), softmax and its loss. As in core.cl, each work item writes its own
+// Bias), softmax (its loss: loss.cl). As in core.cl, each work item writes its own
 // outputs (one element, or one (outer, inner) column whose channels it loops
 // over), so results do not depend on scheduling.
 // The numpy reference of each is the same-named method of cct.devices.cpu.
@@ -114,42 +114,4 @@ __kernel void softmax_backward(const int columns, const int channels, const int 
         const int at = start + c * inner;
         dx[at] = (dy[at] - dot) * y[at];
     }
-}
-
-// Per position k = o * inner + s: out[k] = log(max(p, FLT_MIN)) of the label's
-// probability and out[positions + k] = 1; an ignored label 0 and 0; a label
-// outside [0, channels) its truncated value and -1 (the host raises)
-__kernel void softmax_loss_forward(const int positions, const int channels, const int inner,
-                                   __global const float* prob, __global const float* labels, __global float* out,
-                                   const int has_ignore, const int ignore_label) {
-    const int index = get_global_id(0);
-    if (index >= positions) return;
-    const float label = trunc(labels[index]);           // Caffe's int cast
-    if (has_ignore && label == (float)ignore_label) {
-        out[index] = 0.0f;
-        out[positions + index] = 0.0f;
-    } else if (!(label >= 0.0f && label < (float)channels)) {
-        out[index] = label;
-        out[positions + index] = -1.0f;
-    } else {
-        const int o = index / inner, s = index % inner;
-        const float p = prob[(o * channels + (int)label) * inner + s];
-        out[index] = log(fmax(p, FLT_MIN));
-        out[positions + index] = 1.0f;
-    }
-}
-
-// dx (outer, channels, inner) = (prob - [c == label]) * scale, 0 at an ignored label
-__kernel void softmax_loss_backward(const int count, const int channels, const int inner,
-                                    __global const float* prob, __global const float* labels, __global float* dx,
-                                    const float scale, const int has_ignore, const int ignore_label) {
-    const int index = get_global_id(0);
-    if (index >= count) return;
-    const int s = index % inner, c = (index / inner) % channels, o = index / (inner * channels);
-    const float label = trunc(labels[o * inner + s]);
-    if (has_ignore && label == (float)ignore_label) {
-        dx[index] = 0.0f;
-        return;
-    }
-    dx[index] = (prob[index] - (label == (float)c ? 1.0f : 0.0f)) * scale;
 }
