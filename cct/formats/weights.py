@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 
+from cct.core import pages
 from cct.core.errors import ShapeError, WeightsError
 from cct.formats import hdf5
 from cct.formats.prototxt import atomic_path, atomic_write, parse_binary, read_bytes
@@ -160,7 +161,8 @@ def _mapped(path):
 
 def copy_layers_from_caffemodel(net, path):
     """copy_layers_from_proto from the .caffemodel at `path`, each value copied
-    once, from the file's bytes into the net's array (cct.formats.wire); a file
+    once, from the file's bytes into the net's array (cct.formats.wire), the
+    file's pages handed back as the copy passes them (cct.core.pages); a file
     the walk leaves to protobuf is parsed whole, as read_caffemodel does."""
     data = _mapped(path)
     try:
@@ -170,7 +172,8 @@ def copy_layers_from_caffemodel(net, path):
     net_param = _upgraded(skeleton, path)
     if values is not None and sum(len(layer.blobs) for layer in net_param.layer) != len(values):
         net_param, values = _upgraded(data[:], path), None     # not expected: the upgrades keep the blobs' order
-    return copy_layers_from_proto(net, net_param, path, values)
+    copied = None if values is None else pages.ReleaseBehind(data).done
+    return copy_layers_from_proto(net, net_param, path, values, copied)
 
 
 def _upgraded(data, path):
@@ -178,14 +181,15 @@ def _upgraded(data, path):
     return upgrade_net(parse_binary(data, caffe_pb2.NetParameter(), path), source=str(path))
 
 
-def copy_layers_from_proto(net, net_param, source="<weights>", values=None):
+def copy_layers_from_proto(net, net_param, source="<weights>", values=None, copied=None):
     """Copy weights into `net` by layer name (Caffe's CopyTrainedLayersFrom).
 
     Source layers the net lacks are skipped, as in Caffe (fine-tuning renames
     the layers it wants to learn from scratch); every skipped name is returned.
     A layer whose blob count or shapes differ is an error. `values`, when
     given, are the blobs' values in order (wire.split_blobs): the BlobProtos
-    then hold only their shapes.
+    then hold only their shapes; `copied(value)` is called with each layer's
+    last value once its values are copied (or skipped with the layer).
     """
     skipped, offset = [], 0
     for source_layer in net_param.layer:
@@ -195,8 +199,10 @@ def copy_layers_from_proto(net, net_param, source="<weights>", values=None):
         layer = net.layer_dict.get(source_layer.name)
         if layer is None:
             skipped.append(source_layer.name)
-            continue
-        _copy_layer(layer, source_layer, layer_values, f"{source}: layer '{source_layer.name}' ({layer.type})")
+        else:
+            _copy_layer(layer, source_layer, layer_values, f"{source}: layer '{source_layer.name}' ({layer.type})")
+        if copied is not None and count:
+            copied(layer_values[-1])
     return skipped
 
 

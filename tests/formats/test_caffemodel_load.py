@@ -83,12 +83,12 @@ def test_loading_cuts_the_values_out_before_protobuf_parses(tmp_path, monkeypatc
     only the rest, and each value comes from the file's bytes."""
     seen = []
 
-    def copy(net, net_param, source, values=None):
+    def copy(net, net_param, source, values=None, copied=None):
         seen.append(values)
         for layer in net_param.layer:
             for blob in layer.blobs:
                 assert not (blob.data or blob.diff or blob.double_data or blob.double_diff)
-        return copy_layers(net, net_param, source, values)
+        return copy_layers(net, net_param, source, values, copied)
     copy_layers = weights.copy_layers_from_proto
     monkeypatch.setattr(weights, "copy_layers_from_proto", copy)
     _assert_loaded(_load(tmp_path, _model(weights.array_to_blob_proto(WEIGHT, diff=-WEIGHT),

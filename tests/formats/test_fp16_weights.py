@@ -64,9 +64,9 @@ def load(tmp_path, monkeypatch, data):
     """(cct.Net(..., weights=) on the file of `data`, whether the wire's fast path loaded it)."""
     seen = []
 
-    def copy(net, net_param, source, values=None):
+    def copy(net, net_param, source, values=None, copied=None):
         seen.append(values is not None)
-        return copy_layers(net, net_param, source, values)
+        return copy_layers(net, net_param, source, values, copied)
     copy_layers = weights.copy_layers_from_proto
     monkeypatch.setattr(weights, "copy_layers_from_proto", copy)
     path = tmp_path / "w.caffemodel"
