@@ -96,11 +96,37 @@ class _Failure:
         self.error = error
 
 
-def _prefetch_loop(load_batch, ready, stop):
+class _Uploaded:
+    """A batch with its device copies, uploaded by the prefetch thread."""
+
+    def __init__(self, batch, device, buffers):
+        self.batch, self.device, self.buffers = batch, device, buffers
+
+
+def _uploaded(batch, device):
+    """`batch` (data, labels or None) with a fresh buffer on `device` holding
+    each array: fresh, so no queued op can be reading one while it is written."""
+    arrays = [array for array in batch if array is not None]
+    buffers = []
+    for array in arrays:
+        buffers.append(device.empty(array.size))
+        device.upload_aside(buffers[-1], array)
+    return _Uploaded(batch, device, buffers)
+
+
+def _host_batch(item):
+    """(data, labels) of a prefetched item, uploaded or not."""
+    return item.batch if isinstance(item, _Uploaded) else item
+
+
+def _prefetch_loop(load_batch, ready, stop, target):
     # Holds no reference to the layer, so a dropped layer can be collected and stop us.
     while not stop.is_set():
         try:
             item = load_batch()
+            device = target[0]
+            if device is not None:
+                item = _uploaded(item, device)
         except BaseException as error:          # handed to forward, which re-raises it
             item = _Failure(error)
         while not stop.is_set():
@@ -114,15 +140,22 @@ def _prefetch_loop(load_batch, ready, stop):
 
 
 class Prefetcher:
-    """Runs `load_batch()` in a daemon thread, keeping up to `count` results ready."""
+    """Runs `load_batch()` in a daemon thread, keeping up to `count` results
+    ready; with upload_to(device), each one's arrays uploaded there too."""
 
     def __init__(self, load_batch, count, name):
         self._pid = os.getpid()        # the thread lives in this process only (fork copies no threads)
         self._ready = queue.Queue(maxsize=max(1, int(count)))
         self._stop = threading.Event()
+        self._target = [None]          # the device the thread uploads each batch to, or None
         self._thread = threading.Thread(target=_prefetch_loop, name=name, daemon=True,
-                                        args=(load_batch, self._ready, self._stop))
+                                        args=(load_batch, self._ready, self._stop, self._target))
         self._thread.start()
+
+    def upload_to(self, device):
+        """Upload the batches loaded from now on to `device` as well (None: stop;
+        a device whose buffers are host memory needs no copy)."""
+        self._target[0] = None if device is None or device.shares_host else device
 
     def get(self):
         """The next batch; re-raises an error the thread met (as _Failure)."""
@@ -189,6 +222,28 @@ class PrefetchingDataLayer(Layer):
         pass                            # forward sizes the tops to each batch (Caffe's Forward)
 
     def forward(self, bottom, top):
+        self._prefetcher.upload_to(None)
+        self._set_tops(_host_batch(self._next_batch()), top)
+
+    def runs_on(self, device, bottom, top):
+        return self.all_float32(top)
+
+    def forward_on(self, device, bottom, top):
+        """The next batch, which the prefetch thread uploaded too where it
+        knew the device (from the next batch on): both sides current then,
+        and nothing goes up on the compute queue (Caffe's async_gpu_push)."""
+        self._prefetcher.upload_to(device)
+        item = self._next_batch()
+        self._set_tops(_host_batch(item), top)
+        if isinstance(item, _Uploaded) and item.device is device:
+            for blob, buffer in zip(top, item.buffers):
+                blob.adopt_device_data(device, buffer)
+
+    def backward_on(self, device, top, propagate_down, bottom):
+        pass
+
+    def _next_batch(self):
+        """The prefetch thread's next item, or its error raised under this layer's name."""
         if not self._finalizer.alive:
             raise DataError(f"{self.where()}: closed (Net.close): its prefetch thread has stopped "
                             "and its database is closed")
@@ -204,7 +259,10 @@ class PrefetchingDataLayer(Layer):
             if isinstance(error, CctError):
                 raise type(error)(f"{self.where()}: {error}") from error
             raise DataError(f"{self.where()}: loading a batch failed: {error!r}") from error
-        data, labels = item
+        return item
+
+    def _set_tops(self, batch, top):
+        data, labels = batch
         top[0].reshape(data.shape)
         top[0].data[...] = data
         if self.output_labels:

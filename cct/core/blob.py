@@ -126,6 +126,12 @@ class Mirror:
         self.head = HOST if device.shares_host else DEVICE
         return buffer
 
+    def adopt(self, device: DeviceMemory, buffer: Buffer) -> None:
+        """`buffer` on `device`, holding the store's current values already
+        (a prefetch thread uploaded them), becomes the device copy: both sides
+        current, nothing copied."""
+        self.device, self.buffer, self.head, self.shard = device, buffer, SYNCED, None
+
     # --- a hybrid split: one range on a device, the rest on the host --------------------
     def rest_on_host(self, written: bool, start: int = 0, stop: int = 0) -> None:
         """Make the host current outside elements [start, stop) (a split's
@@ -328,6 +334,16 @@ class Blob:
             self._allocate_diff()
         assert self._diff_mirror is not None             # made with the diff store
         return self._diff_mirror.written_on(device, upload)
+
+    def adopt_device_data(self, device: DeviceMemory, buffer: Buffer) -> bool:
+        """Take `buffer` on `device`, which holds the values the host data holds
+        now, as the data's device copy (Mirror.adopt); False, and nothing
+        changed, where it is smaller than the store or the device shares the
+        host's memory."""
+        if device.shares_host or buffer.size < self._data_store.size:
+            return False
+        self._data_mirror.adopt(device, buffer)
+        return True
 
     def fill_device_diff(self, device: DeviceMemory, value: float) -> None:
         """Set the whole diff to `value` by a fill on `device`: nothing is

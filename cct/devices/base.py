@@ -30,6 +30,7 @@ The primitives, by kind:
                  bilinear resize and unpooling, ROI max and position-
                  sensitive average pooling, SSD's box decoding
 """
+import threading
 from typing import Any, Optional, Protocol, Sequence, Tuple
 
 from cct.core.arrays import Array
@@ -83,6 +84,7 @@ class Traffic:
     (`cct time --gpu` prints them per iteration)."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()     # a prefetch thread uploads beside the main one
         self.reset()
 
     def reset(self) -> None:
@@ -90,8 +92,9 @@ class Traffic:
         self.calls = {"up": 0, "down": 0}
 
     def count(self, way: str, nbytes: int) -> None:
-        self.bytes[way] += nbytes
-        self.calls[way] += 1
+        with self._lock:
+            self.bytes[way] += nbytes
+            self.calls[way] += 1
 
 
 class DeviceError(RuntimeError):
@@ -112,8 +115,15 @@ class Device:
         raise NotImplementedError
 
     def upload(self, buffer: Buffer, host: Array, offset: int = 0) -> None:
-        """buffer[offset:offset + host.size] = host (a contiguous numpy array)."""
+        """buffer[offset:offset + host.size] = host (a contiguous numpy array),
+        queued: `host` may change as soon as this returns."""
         raise NotImplementedError
+
+    def upload_aside(self, buffer: Buffer, host: Array) -> None:
+        """buffer[:host.size] = host on a queue of its own, waited for here: a
+        prefetch thread copies the next batch up while the compute queue runs
+        (Caffe's async_gpu_push). `buffer` must be one no queued op uses."""
+        self.upload(buffer, host)
 
     def download(self, buffer: Buffer, host: Array, offset: int = 0) -> None:
         """host[...] = buffer[offset:offset + host.size]; waits for it."""

@@ -1,6 +1,7 @@
 """The OpenCL device: cct.devices.base's primitives on one OpenCL device,
-with pyopencl (context, one in-order queue, buffers) and CLBlast's SGEMM
-(pyclblast). Kernels are the `.cl` files in cct/devices/kernels/, built once
+with pyopencl (context, one in-order queue for the compute and the
+transfers, a second for the prefetch threads' uploads, buffers) and
+CLBlast's SGEMM (pyclblast). Kernels are the `.cl` files in cct/devices/kernels/, built once
 per device and kept; a kernel that does not build raises DeviceError with
 the compiler's log.
 
@@ -104,6 +105,8 @@ class OpenCLDevice(Device):
         self._kernels = {}            # (file, kernel name) -> cl.Kernel, made once: each retrieval builds one
         self._lock = threading.RLock()
         self.moved = Traffic()
+        self._pending = []            # events of queued uploads, until done (_hold)
+        self._aside = None            # the prefetch threads' queue (upload_aside), made on first use
 
     # --- programs ----------------------------------------------------------------
     def program(self, filename):
@@ -139,11 +142,35 @@ class OpenCLDevice(Device):
         return self._arrays.empty(self.queue, (max(int(count), 1),), np.float32)
 
     def upload(self, buffer, host, offset=0):
+        if host.size:
+            # queued from a copy of its own, so the caller may write `host` at once
+            # and the queue does not drain here (a blocking copy waits for it all)
+            staged = np.array(host, np.float32, order="C", copy=True)
+            self.moved.count("up", staged.nbytes)
+            event = self._cl.enqueue_copy(self.queue, buffer.base_data, staged,
+                                          dst_offset=4 * (buffer.offset // 4 + offset), is_blocking=False)
+            self._hold(event)
+
+    def _hold(self, event):
+        """Keep a queued upload's event (it holds the staged copy; dropped, it
+        would wait for the copy) until the copy is done."""
+        done = self._cl.command_execution_status.COMPLETE
+        with self._lock:
+            self._pending = [e for e in self._pending if e.command_execution_status != done]
+            self._pending.append(event)
+
+    def upload_aside(self, buffer, host):
         host = np.ascontiguousarray(host, np.float32)
         if host.size:
             self.moved.count("up", host.nbytes)
-            self._cl.enqueue_copy(self.queue, buffer.base_data, host, dst_offset=4 * (buffer.offset // 4 + offset),
+            self._cl.enqueue_copy(self._aside_queue(), buffer.base_data, host, dst_offset=4 * (buffer.offset // 4),
                                   is_blocking=True)
+
+    def _aside_queue(self):
+        with self._lock:
+            if self._aside is None:
+                self._aside = self._cl.CommandQueue(self.context)
+            return self._aside
 
     def download(self, buffer, host, offset=0):
         if host.size:
@@ -152,6 +179,11 @@ class OpenCLDevice(Device):
             self.moved.count("down", host.nbytes)
             self._cl.enqueue_copy(self.queue, host, buffer.base_data, src_offset=4 * (buffer.offset // 4 + offset),
                                   is_blocking=True)
+            self._queue_drained()
+
+    def _queue_drained(self):
+        with self._lock:
+            self._pending = []          # the queue is in order: every upload before is done
 
     def copy(self, dst, src, count, dst_offset=0, src_offset=0):
         if count:
@@ -165,6 +197,7 @@ class OpenCLDevice(Device):
 
     def finish(self):
         self.queue.finish()
+        self._queue_drained()
 
     # --- math ----------------------------------------------------------------------
     def gemm(self, trans_a, trans_b, m, n, k, alpha, a, b, beta, c, a_offset=0, b_offset=0, c_offset=0):
