@@ -8,7 +8,8 @@ refilled on the host every iteration, as a data layer writes its batch.
     python bench/device_traffic.py [--net lenet|caffenet] [--batch 64] [--iterations 3]
                                    [--solver SGD] [--device 0]
 
-Counted over --iterations after one warm-up iteration. Runs against another
+Counted over --iterations after one warm-up iteration, with the times the
+compute queue drained (a blocking copy or a finish waits for all before it). Runs against another
 tree's install too (PYTHONPATH=DIR), which is how main's figures were taken.
 """
 import argparse
@@ -28,12 +29,26 @@ NETS = {"lenet": (os.path.join(common.REPO, "models", "lenet", "lenet_train_test
 
 
 class Counter:
-    """Wraps the device class's upload and download: bytes and calls per (way, label)."""
+    """Wraps the device class's upload and download: bytes and calls per (way,
+    label); and the times the compute queue drains: each blocking copy
+    (pyopencl.enqueue_copy's default) and each finish."""
 
     def __init__(self, device_class):
         self.bytes, self.calls, self.stores = collections.Counter(), collections.Counter(), []
+        self.drains = 0
         for way in ("upload", "download"):
             setattr(device_class, way, self._counted(getattr(device_class, way), way))
+        import pyopencl
+        copy, finish = pyopencl.enqueue_copy, device_class.finish
+
+        def counted_copy(queue, *args, **kwargs):
+            self.drains += bool(kwargs.get("is_blocking", True))
+            return copy(queue, *args, **kwargs)
+
+        def counted_finish(device):
+            self.drains += 1
+            return finish(device)
+        pyopencl.enqueue_copy, device_class.finish = counted_copy, counted_finish
 
     def _counted(self, call, way):
         def counted(device, buffer, host, offset=0):
@@ -77,6 +92,7 @@ def main():
     step()                                      # warm-up: buffers made, weights and history uploaded once
     counter.watch(solver)
     counter.bytes.clear(), counter.calls.clear()
+    counter.drains = 0
     start = time.perf_counter()
     for _ in range(args.iterations):
         step()
@@ -89,6 +105,8 @@ def main():
         for label in ("parameters", "gradients", "history", "other"):
             common.print_flush(f"  {way:8s} {label:10s} {counter.bytes[way, label] / args.iterations / 1e6:10.3f} MB"
                                f" in {counter.calls[way, label] / args.iterations:g} copies")
+    common.print_flush(f"  the compute queue drained {counter.drains / args.iterations:g} times "
+                       "(blocking copies and finishes)")
 
 
 if __name__ == "__main__":
