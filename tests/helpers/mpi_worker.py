@@ -7,11 +7,15 @@ the order it issued them in (GradientSum.trace), and, of the iterations it
 ran on the streams, in how many a sum started before the iteration's last
 gradient sub-task ended.
 
-    [MPI_WORKER_HOLD=1] python mpi_worker.py OUT_FOLDER SOLVER.prototxt...
+    [MPI_WORKER_HOLD=1] [CCT_GPU=0] python mpi_worker.py OUT_FOLDER SOLVER.prototxt...
 
 MPI_WORKER_HOLD=1: the communication thread sees an iteration's sums only
 once backward has made every one ready here, so it chooses among all and
 their order shows.
+
+CCT_GPU=0 (the ranks train on OpenCL device 0): each rank also writes, per
+solver, the most times one gradient came down from the device in one
+iteration (the sums read each once).
 """
 import json
 import os
@@ -23,9 +27,10 @@ import cct as caffe
 
 
 def main(out, solvers):
-    overlap, units, traces, early = [], [], [], []
+    overlap, units, traces, early, downloads = [], [], [], [], []
     for path in solvers:
         solver = caffe.get_solver(path)
+        counted = counting_gradient_downloads(solver) if os.environ.get("CCT_GPU") else None
         summed = solver.gradient_sum
         overlap.append(summed.overlap)
         units.append(summed.units)
@@ -33,7 +38,12 @@ def main(out, solvers):
         traces.append(summed.trace)
         if os.environ.get("MPI_WORKER_HOLD") == "1" and summed.overlap:
             held(summed._queue, len(summed.units))
-        solver.step(solver.param.max_iter)
+        if counted is None:
+            solver.step(solver.param.max_iter)
+        for _ in range(solver.param.max_iter if counted is not None else 0):
+            counted.clear()
+            solver.step(1)
+            downloads.append(max(counted.values(), default=0))
         early.append(sums_during_backward(solver))
         if solver.is_root:
             weights = {f"{name}.{i}": blob.data for name, blobs in solver.net.params.items()
@@ -42,9 +52,25 @@ def main(out, solvers):
         solver.close()
     seen = {"solver_count": caffe.solver_count(), "solver_rank": caffe.solver_rank(), "overlap": overlap,
             "units": units, "traces": traces,
-            "sums_during_backward": early}
+            "sums_during_backward": early, "most_downloads_of_a_gradient": max(downloads, default=None)}
     with open(os.path.join(out, f"rank{caffe.solver_rank()}.json"), "w") as handle:
         json.dump(seen, handle)
+
+
+def counting_gradient_downloads(solver):
+    """{parameter index: downloads of its gradient since cleared}, counted at
+    the OpenCL device's download."""
+    from cct.devices import opencl
+    counted, params, download = {}, solver.net.learnable_params, opencl.OpenCLDevice.download
+
+    def counting(device, buffer, host, offset=0):
+        for index, blob in enumerate(params):
+            store = blob._diff_store
+            if store is not None and np.shares_memory(host, store):
+                counted[index] = counted.get(index, 0) + 1
+        return download(device, buffer, host, offset)
+    opencl.OpenCLDevice.download = counting
+    return counted
 
 
 def sums_during_backward(solver):

@@ -661,3 +661,19 @@ def test_only_rank_0_reads_the_weights(lenet, tmp_path, one_way):
         assert np.abs(ours.data - theirs.data).max() <= 1e-5 * np.abs(theirs.data).max()
     got.close()
     alone.close()
+
+
+@pytest.mark.mpi
+@pytest.mark.opencl
+@pytest.mark.parametrize("kind, iter_size", [("SGD", 1), ("Adam", 2)])
+def test_ranks_on_the_device_train_as_one_reading_each_gradient_once(lenet, alone, kind, iter_size, tmp_path):
+    """2 ranks of batch 4 on the OpenCL device (pocl in CI), 20 iterations:
+    the weights of one process of batch 8 on the host; each rank's sums take
+    each gradient off the device at most once an iteration (issue 37)."""
+    require("opencl")
+    folder, nets = lenet
+    solver = write_solver(folder, nets[4], f"device_{kind}_{iter_size}", kind, iter_size)
+    weights, said = train_on(2, tmp_path / "out", [solver], CCT_GPU="0")
+    first, expected = alone("lenet", kind, iter_size, 2)
+    assert_trained_alike(weights[0], first, expected)
+    assert [rank["most_downloads_of_a_gradient"] for rank in said] == [1, 1]
