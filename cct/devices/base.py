@@ -12,7 +12,8 @@ with a queue; download() and finish() wait.
 
 The primitives, by kind:
     memory       empty, upload, download, copy, fill, scratch, finish
-    GEMM         gemm (row-major, as numpy's matmul on the flat buffers)
+    GEMM         gemm (row-major, as numpy's matmul on the flat buffers),
+                 gemm_batched (many at once: groups, split-K slices)
     elementwise  axpby, relu_forward, relu_backward, clip_forward, clip_backward
     reductions   sum_axis (over the middle axis of an (outer, axis, inner) view)
     training     solver_step (one parameter's update, the six solver rules),
@@ -108,6 +109,12 @@ class Device:
     # True: the device's buffers are host memory (a blob needs no copy)
     shares_host: bool = False
     moved: Optional[Traffic] = None     # what upload and download moved (a device with a host side)
+    # What sizes the work (cct.lowering.device): processors running work-groups
+    # at once (OpenCL's max compute units), global memory and the largest one
+    # buffer in bytes (None: the host's memory, no device of its own)
+    compute_units: int = 1
+    memory_bytes: Optional[int] = None
+    max_alloc_bytes: Optional[int] = None
 
     # --- memory ------------------------------------------------------------------
     def empty(self, count: int) -> Buffer:
@@ -160,10 +167,23 @@ class Device:
 
     # --- math ----------------------------------------------------------------------
     def gemm(self, trans_a: bool, trans_b: bool, m: int, n: int, k: int, alpha: float, a: Buffer, b: Buffer,
-             beta: float, c: Buffer, a_offset: int = 0, b_offset: int = 0, c_offset: int = 0) -> None:
+             beta: float, c: Buffer, a_offset: int = 0, b_offset: int = 0, c_offset: int = 0,
+             a_ld: Optional[int] = None, b_ld: Optional[int] = None) -> None:
         """C (m, n) = alpha * op(A) @ op(B) + beta * C, row-major, op(A) (m, k),
-        op(B) (k, n); A is stored (m, k) or, transposed, (k, m); B alike."""
+        op(B) (k, n); A is stored (m, k) or, transposed, (k, m); B alike. a_ld
+        and b_ld: the stored rows' lengths, when A or B is a block of columns
+        of a wider matrix (default: packed, the stored matrix's own width)."""
         raise NotImplementedError
+
+    def gemm_batched(self, trans_a: bool, trans_b: bool, m: int, n: int, k: int, alpha: float, a: Buffer,
+                     b: Buffer, beta: float, c: Buffer, a_offsets: Sequence[int], b_offsets: Sequence[int],
+                     c_offsets: Sequence[int], a_ld: Optional[int] = None, b_ld: Optional[int] = None) -> None:
+        """gemm at every (a_offsets[i], b_offsets[i], c_offsets[i]), one call:
+        the GEMMs of a convolution's groups, or of the slices of a split K.
+        The products must not overlap in C. This one runs them one by one; a
+        device with batched GEMMs runs them at once."""
+        for a_offset, b_offset, c_offset in zip(a_offsets, b_offsets, c_offsets):
+            self.gemm(trans_a, trans_b, m, n, k, alpha, a, b, beta, c, a_offset, b_offset, c_offset, a_ld, b_ld)
 
     def axpby(self, count: int, alpha: float, x: Buffer, beta: float, y: Buffer, x_offset: int = 0,
               y_offset: int = 0) -> None:

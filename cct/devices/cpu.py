@@ -35,9 +35,10 @@ class CPUDevice(Device):
         buffer[offset:offset + count] = value
 
     # --- math ----------------------------------------------------------------------
-    def gemm(self, trans_a, trans_b, m, n, k, alpha, a, b, beta, c, a_offset=0, b_offset=0, c_offset=0):
-        op_a = a[a_offset:a_offset + m * k].reshape((k, m) if trans_a else (m, k))
-        op_b = b[b_offset:b_offset + k * n].reshape((n, k) if trans_b else (k, n))
+    def gemm(self, trans_a, trans_b, m, n, k, alpha, a, b, beta, c, a_offset=0, b_offset=0, c_offset=0,
+             a_ld=None, b_ld=None):
+        op_a = _stored(a, a_offset, (k, m) if trans_a else (m, k), a_ld)
+        op_b = _stored(b, b_offset, (n, k) if trans_b else (k, n), b_ld)
         out = c[c_offset:c_offset + m * n].reshape(m, n)
         product = (op_a.T if trans_a else op_a) @ (op_b.T if trans_b else op_b)
         out[...] = alpha * product + (beta * out if beta else 0)
@@ -693,3 +694,14 @@ def _adam(g, first, second, rate, c):
 
 _RULES = {"SGD": _sgd, "Nesterov": _nesterov, "AdaGrad": _adagrad, "RMSProp": _rmsprop, "AdaDelta": _adadelta,
           "Adam": _adam}
+
+
+def _stored(buffer, offset, shape, ld=None):
+    """The (rows, columns) matrix stored at `offset` in rows `ld` elements
+    apart (default: packed), as a view."""
+    rows, columns = shape
+    ld = columns if ld is None else ld
+    if not (rows and columns):
+        return np.zeros(shape, np.float32)
+    block = buffer[offset:offset + (rows - 1) * ld + columns]
+    return np.lib.stride_tricks.as_strided(block, shape, (ld * block.itemsize, block.itemsize), writeable=False)

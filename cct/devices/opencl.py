@@ -13,6 +13,8 @@ OpenCL is optional: `available()` says whether pyopencl and a platform with
 a device exist, and `devices()` lists them in a fixed order (platform, then
 device), which is what a device id (`cct.set_device(i)`, `--gpu i`) counts.
 """
+import ctypes
+import ctypes.util
 import functools
 import threading
 from pathlib import Path
@@ -107,6 +109,13 @@ class OpenCLDevice(Device):
         self.moved = Traffic()
         self._pending = []            # events of queued uploads, until done (_hold)
         self._aside = None            # the prefetch threads' queue (upload_aside), made on first use
+        self.compute_units = int(cl_device.max_compute_units)
+        # A CPU device's global memory is the host's, shared with the net's
+        # numpy arrays: it sizes its lowering as the host does (memory_bytes None)
+        if not cl_device.type & pyopencl.device_type.CPU:
+            self.memory_bytes = int(cl_device.global_mem_size)
+            self.max_alloc_bytes = int(cl_device.max_mem_alloc_size)
+        self._gemm_temp = None        # CLBlast's temporary buffer, kept and grown (_GemmWithTemp)
 
     # --- programs ----------------------------------------------------------------
     def program(self, filename):
@@ -200,17 +209,45 @@ class OpenCLDevice(Device):
         self._queue_drained()
 
     # --- math ----------------------------------------------------------------------
-    def gemm(self, trans_a, trans_b, m, n, k, alpha, a, b, beta, c, a_offset=0, b_offset=0, c_offset=0):
+    def gemm(self, trans_a, trans_b, m, n, k, alpha, a, b, beta, c, a_offset=0, b_offset=0, c_offset=0,
+             a_ld=None, b_ld=None):
         if not (m and n):
             return
         if not k:                               # nothing summed: C = beta * C
             self.axpby(m * n, 0.0, c, beta, c, c_offset, c_offset)
             return
+        a_ld, b_ld = _ld(a_ld, trans_a, m, k), _ld(b_ld, trans_b, k, n)
+        with_temp = _gemm_with_temp()
+        if with_temp is not None:
+            with_temp(self, trans_a, trans_b, m, n, k, alpha, a, a_offset, a_ld, b, b_offset, b_ld, beta, c, c_offset)
+            return
+        _pyclblast().gemm(self.queue, m, n, k, _matrix(a), _matrix(b), _matrix(c), a_ld=a_ld, b_ld=b_ld, c_ld=n,
+                          alpha=float(alpha), beta=float(beta), a_transp=bool(trans_a), b_transp=bool(trans_b),
+                          a_offset=a_offset, b_offset=b_offset, c_offset=c_offset)
+
+    def gemm_batched(self, trans_a, trans_b, m, n, k, alpha, a, b, beta, c, a_offsets, b_offsets, c_offsets,
+                     a_ld=None, b_ld=None):
+        """CLBlast's strided-batched GEMM where the offsets step evenly (a
+        group's matrices, split-K's slices), its batched GEMM (offsets listed)
+        where not; one GEMM alone as gemm."""
+        count = len(c_offsets)
+        if count == 1 or not (m and n and k):
+            super().gemm_batched(trans_a, trans_b, m, n, k, alpha, a, b, beta, c, a_offsets, b_offsets, c_offsets,
+                                 a_ld, b_ld)
+            return
+        a_ld, b_ld = _ld(a_ld, trans_a, m, k), _ld(b_ld, trans_b, k, n)
+        shape = dict(a_ld=a_ld, b_ld=b_ld, c_ld=n, a_transp=bool(trans_a), b_transp=bool(trans_b))
+        strides = [_stride(offsets) for offsets in (a_offsets, b_offsets, c_offsets)]
         pyclblast = _pyclblast()
-        pyclblast.gemm(self.queue, m, n, k, _matrix(a), _matrix(b), _matrix(c),
-                       a_ld=m if trans_a else k, b_ld=k if trans_b else n, c_ld=n,
-                       alpha=float(alpha), beta=float(beta), a_transp=bool(trans_a), b_transp=bool(trans_b),
-                       a_offset=a_offset, b_offset=b_offset, c_offset=c_offset)
+        if None not in strides:
+            pyclblast.gemmStridedBatched(self.queue, m, n, k, count, _matrix(a), _matrix(b), _matrix(c),
+                                         a_stride=strides[0], b_stride=strides[1], c_stride=strides[2],
+                                         alpha=float(alpha), beta=float(beta), a_offset=a_offsets[0],
+                                         b_offset=b_offsets[0], c_offset=c_offsets[0], **shape)
+        else:
+            pyclblast.gemmBatched(self.queue, m, n, k, _matrix(a), _matrix(b), _matrix(c), [float(alpha)] * count,
+                                  [float(beta)] * count, a_offsets=list(a_offsets), b_offsets=list(b_offsets),
+                                  c_offsets=list(c_offsets), **shape)
 
     def axpby(self, count, alpha, x, beta, y, x_offset=0, y_offset=0):
         self.launch("core.cl", "axpby", count, count, float(alpha), x, x_offset, float(beta), y, y_offset)
@@ -486,6 +523,18 @@ def _argument(value):
     return value.base_data if hasattr(value, "base_data") else value
 
 
+def _ld(ld, transposed, rows, columns):
+    """A stored operand's row length: given, or packed ((rows, columns) as
+    op() reads it, stored transposed when `transposed`)."""
+    return ld if ld is not None else (rows if transposed else columns)
+
+
+def _stride(offsets):
+    """The step between consecutive offsets when it is one step (>= 0), else None."""
+    steps = {second - first for first, second in zip(offsets, offsets[1:])}
+    return steps.pop() if len(steps) == 1 and min(steps) >= 0 else None
+
+
 def _matrix(buffer):
     """The flat buffer as the 2-d array pyclblast checks for (offsets are passed apart)."""
     return buffer.reshape(1, buffer.size)
@@ -499,3 +548,69 @@ def _pyclblast():
         raise DeviceError("the OpenCL device's GEMM needs pyclblast (pip install pyclblast; it builds "
                           "against CLBlast: apt-get install libclblast-dev)") from None
     return pyclblast
+
+
+class _GemmWithTemp:
+    """CLBlast's SGEMM handed a temporary buffer of the device's own, through
+    its C API (CLBlastSgemmWithTempBuffer, by ctypes): pyclblast 1.4's gemm
+    takes none, so CLBlast's indirect GEMM, which pads and transposes its
+    operands into a temporary buffer, made and freed one on every call. The
+    buffer is kept on the device and grown to the largest a GEMM has asked
+    for (CLBlastSGemmTempBufferSize, asked once per shape)."""
+    ROW_MAJOR, NOT_TRANSPOSED, TRANSPOSED = 101, 111, 112
+
+    def __init__(self, library):
+        size_t, handle = ctypes.c_size_t, ctypes.c_void_p
+        self.gemm = library.CLBlastSgemmWithTempBuffer
+        self.gemm.argtypes = ([ctypes.c_int] * 3 + [size_t] * 3 + [ctypes.c_float, handle, size_t, size_t,
+                              handle, size_t, size_t, ctypes.c_float, handle, size_t, size_t,
+                              ctypes.POINTER(handle), ctypes.POINTER(handle), handle])
+        self.size = library.CLBlastSGemmTempBufferSize
+        self.size.argtypes = [ctypes.c_int] * 3 + [size_t] * 9 + [ctypes.POINTER(handle), ctypes.POINTER(size_t)]
+        self.gemm.restype = self.size.restype = ctypes.c_int
+        self.sizes = {}               # (device, operands' shapes and offsets) -> bytes
+
+    def __call__(self, device, trans_a, trans_b, m, n, k, alpha, a, a_offset, a_ld, b, b_offset, b_ld, beta, c,
+                 c_offset):
+        flags = (self.ROW_MAJOR, self.TRANSPOSED if trans_a else self.NOT_TRANSPOSED,
+                 self.TRANSPOSED if trans_b else self.NOT_TRANSPOSED)
+        shape = (m, n, k)
+        placement = (a_offset, a_ld, b_offset, b_ld, c_offset, n)
+        with device._lock:
+            queue = ctypes.c_void_p(device.queue.int_ptr)
+            key = (device.index, flags, shape, placement)
+            needed = self.sizes.get(key)
+            if needed is None:
+                size = ctypes.c_size_t(0)
+                self._check(self.size(*flags, *shape, *placement, ctypes.byref(queue), ctypes.byref(size)))
+                needed = self.sizes[key] = size.value
+            temp = device._gemm_temp
+            if needed and (temp is None or temp.size < needed):
+                temp = device._gemm_temp = device._cl.Buffer(device.context, device._cl.mem_flags.READ_WRITE,
+                                                             needed)
+            self._check(self.gemm(*flags, *shape, float(alpha), a.base_data.int_ptr, a_offset, a_ld,
+                                  b.base_data.int_ptr, b_offset, b_ld, float(beta), c.base_data.int_ptr, c_offset, n,
+                                  ctypes.byref(queue), None, temp.int_ptr if needed else None))
+
+    @staticmethod
+    def _check(status):
+        if status:
+            raise DeviceError(f"CLBlast's SGEMM failed: status {status} (clblast_c.h's CLBlastStatusCode)")
+
+
+@functools.lru_cache(maxsize=None)
+def _gemm_with_temp():
+    """_GemmWithTemp on the CLBlast library pyclblast loaded (read from the
+    process's mappings: a wheel bundles its own copy), or None where that
+    library or its temporary-buffer GEMM cannot be found: pyclblast's gemm then."""
+    _pyclblast()
+    path = None
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "libclblast" in line.split()[-1]), None)
+    except OSError:
+        pass
+    try:
+        return _GemmWithTemp(ctypes.CDLL(path or ctypes.util.find_library("clblast") or "libclblast.so.1"))
+    except (OSError, AttributeError):
+        return None

@@ -53,6 +53,73 @@ def test_gemm_over_nothing_scales_c(opencl):
     np.testing.assert_allclose(expected, 0.5 * c)
 
 
+def test_gemm_reads_blocks_of_columns_of_wider_matrices(opencl):
+    """a_ld and b_ld: op(A) and op(B) are columns 3, ..., 3 + k - 1 of wider
+    stored matrices (a slice of split-K), transposed or not."""
+    m, n, k, width = 4, 6, 5, 11
+    a, b = random(m * width), random(n * width)
+
+    def run(device, a, b, c):
+        device.gemm(False, True, m, n, k, 1.0, a, b, 0.0, c, a_offset=3, b_offset=3, a_ld=width, b_ld=width)
+    (ours, expected), = same_op(opencl, run, [a, b, random(m * n)], [2])
+    product = a.reshape(m, width)[:, 3:3 + k] @ b.reshape(n, width)[:, 3:3 + k].T
+    np.testing.assert_allclose(expected.reshape(m, n), product, rtol=1e-5, atol=1e-5)
+    assert_same([(ours, expected)], 1e-5)
+
+
+@pytest.mark.parametrize("placement", ["strided", "listed"])
+@pytest.mark.parametrize("trans_a, trans_b", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_gemm_batched_is_each_gemm(opencl, placement, trans_a, trans_b, beta):
+    """Three GEMMs in one call, their offsets evenly strided (CLBlast's
+    strided-batched GEMM) or not (its batched GEMM): each product the one
+    gemm gives, within rounding; nothing else in C written."""
+    m, n, k = 5, 7, 3
+    if placement == "strided":
+        offsets = [[1 + i * m * k for i in range(3)], [2 + i * k * n for i in range(3)], [3 + i * m * n for i in range(3)]]
+    else:
+        offsets = [[1, 40, 20], [2, 60, 30], [3, 90, 50]]
+    a, b, c = random(100), random(100), random(150)
+
+    def batched(device, a, b, c):
+        device.gemm_batched(trans_a, trans_b, m, n, k, 1.5, a, b, beta, c, *offsets)
+
+    def one_by_one(device, a, b, c):
+        for a_offset, b_offset, c_offset in zip(*offsets):
+            device.gemm(trans_a, trans_b, m, n, k, 1.5, a, b, beta, c, a_offset, b_offset, c_offset)
+    (ours, expected), = same_op(opencl, batched, [a, b, c], [2])
+    (_, each), = same_op(opencl, one_by_one, [a, b, c], [2])
+    np.testing.assert_array_equal(expected, each)
+    assert_same([(ours, expected)], 1e-5)
+    written = np.zeros(150, bool)
+    for c_offset in offsets[2]:
+        written[c_offset:c_offset + m * n] = True
+    np.testing.assert_array_equal(ours[~written], c[~written])
+
+
+def test_gemm_keeps_clblasts_temporary_buffer(opencl):
+    """A GEMM large enough for CLBlast's indirect kernel (padded copies of
+    its operands) gets the device's kept temporary buffer, where the CLBlast
+    library has the C call for it: one buffer for every later call, grown
+    only when a larger GEMM needs more; the products the reference's."""
+    from cct.devices import opencl as module
+    if module._gemm_with_temp() is None:
+        pytest.skip("this CLBlast has no CLBlastSgemmWithTempBuffer")
+    buffers = []
+    for m, n, k in [(1000, 1030, 990), (1000, 1030, 990), (100, 90, 80), (1100, 1030, 1000)]:
+        a, b = random(m * k), random(k * n)
+
+        def run(device, a, b, c):
+            device.gemm(False, True, m, n, k, 1.0, a, b, 0.0, c)
+        (ours, expected), = same_op(opencl, run, [a, b, random(m * n)], [2])
+        assert_same([(ours, expected)], 1e-4)
+        buffers.append(opencl._gemm_temp)
+    if buffers[0] is None:
+        pytest.skip(f"CLBlast runs these GEMMs direct on {opencl.name} (no temporary buffer)")
+    assert buffers[1] is buffers[0] and buffers[2] is buffers[0]
+    assert buffers[3].size >= buffers[0].size
+
+
 def test_memory_ops(opencl):
     values = random(10)
     for device in (opencl, CPU):
