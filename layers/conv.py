@@ -129,6 +129,7 @@ class _ConvolutionBase(Layer):
         self._budget_share = 1
         self._forced_type, self.measure_lowering = None, False
         self._lowering_budget = DEFAULT_BUDGET_MB * 2 ** 20
+        self._budget_given = False    # lowering_budget_mb set: a device keeps to it too, not to its memory's share
         self._auto_type = None
         self._bound_choice = None     # (lowering type, Winograd tile) the last choice gave
         self._choice_key = None       # the (geometry, batch, dtype, partitions, backward) the chooser picked _auto_type for
@@ -269,6 +270,7 @@ class _ConvolutionBase(Layer):
         chooser_inputs = (self.measure_lowering, self.lowering_budget)
         self.measure_lowering = bool(settings.get("measure", False))
         self.lowering_budget = int(settings.get("lowering_budget_mb", DEFAULT_BUDGET_MB) * 2 ** 20)
+        self._owner._budget_given = "lowering_budget_mb" in settings
         if (self.measure_lowering, self.lowering_budget) != chooser_inputs:
             self._choice_key = None           # choose again
         self._configured = True
@@ -281,9 +283,10 @@ class _ConvolutionBase(Layer):
 
     @property
     def _device_budget(self):
-        """lowering_budget_mb in float32 elements: a device lowers a chunk of
-        images at a time within it, as the host does (issue 37)."""
-        return max(1, self._owner._lowering_budget // 4)
+        """lowering_budget_mb in float32 elements where it is set: a device
+        lowers a chunk of images at a time within it, as the host does; None
+        where not: a share of the device's memory (cct.lowering.device)."""
+        return max(1, self._owner._lowering_budget // 4) if self._owner._budget_given else None
 
     @property
     def lowering_budget(self):
@@ -294,6 +297,7 @@ class _ConvolutionBase(Layer):
     @lowering_budget.setter
     def lowering_budget(self, value):
         self._owner._lowering_budget = int(value)
+        self._owner._budget_given = True
         Layout.changed()              # a plan's bound chunk is the old budget's
 
     @property

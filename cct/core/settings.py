@@ -256,7 +256,8 @@ KNOBS = (
     Knob("measure", Switch(), False, "auto lowering times each type on the layer's shape instead of "
          "trusting the cost model (cached per shape)", LAYER),
     Knob("lowering_budget_mb", Positive(), 64, "largest lowering workspace matrix, MB; larger batches are "
-         "lowered in chunks (cct.lowering.chunking)", LAYER, "CCT_LOWERING_BUDGET_MB"),
+         "lowered in chunks (cct.lowering.chunking); unset, a GPU's lowering takes 1/16 of its memory "
+         "(cct.lowering.device)", LAYER, "CCT_LOWERING_BUDGET_MB"),
     Knob("winograd", _WINOGRAD, "auto", "a 3x3 or 5x5 stride-1 convolution whose net never runs its "
          "backward: auto times Winograd against the lowering and keeps the faster; 2 or 4 that output "
          "tile; false never (cct.lowering.winograd)", LAYER, "CCT_WINOGRAD"),

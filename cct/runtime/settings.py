@@ -213,13 +213,14 @@ def forced_partitions():
 
 def layer_settings(layer, config="active"):
     """{key: value} for the keys `layer` declares in run_settings, by the
-    precedence of cct.core.settings; keys nothing sets are left out, but for
-    the lowering budget, which always has one."""
+    precedence of cct.core.settings; keys nothing sets are left out (the
+    layer takes its default: a convolution on a device then sizes its
+    lowering from the device's memory, issue 37)."""
     config = table.run_config() if config == "active" else config
     found = {}
     for key in layer.run_settings:
         source, setting = table.source_value(key, layer.name, config=config)
-        if source != "built-in" or key == "lowering_budget_mb":
+        if source != "built-in":
             found[key] = setting
     return found
 
