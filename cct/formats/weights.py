@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from cct.core import pages
+from cct.formats import pages
 from cct.core.errors import ShapeError, WeightsError
 from cct.formats import hdf5
 from cct.formats.prototxt import atomic_path, atomic_write, parse_binary, read_bytes
@@ -162,7 +162,7 @@ def _mapped(path):
 def copy_layers_from_caffemodel(net, path):
     """copy_layers_from_proto from the .caffemodel at `path`, each value copied
     once, from the file's bytes into the net's array (cct.formats.wire), the
-    file's pages handed back as the copy passes them (cct.core.pages); a file
+    file's pages handed back as the copy passes them (cct.formats.pages); a file
     the walk leaves to protobuf is parsed whole, as read_caffemodel does."""
     data = _mapped(path)
     try:

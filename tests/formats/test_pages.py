@@ -1,4 +1,4 @@
-"""cct.core.pages: a mapped file's pages handed back behind a reader, with
+"""cct.formats.pages: a mapped file's pages handed back behind a reader, with
 the values unchanged."""
 import mmap
 import sys
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cct
-from cct.core import pages
+from cct.formats import pages
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
 PAGE = mmap.PAGESIZE
