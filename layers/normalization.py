@@ -111,6 +111,31 @@ def _lrn_forward_075(x, size, alpha_over_n, k, one, scale, y):
                 y[b, ch, q] = x[b, ch, q] * (one / np.sqrt(np.sqrt(s) * s))     # s^-0.75
 
 
+@_lrn_forward_075.twin
+def _lrn_forward_075_twin(x, size, alpha_over_n, k, one, scale, y):
+    """_lrn_forward_075 in numpy steps over every image at once: the same
+    running scale per channel (the window's entering square added, the
+    leaving one subtracted, as Caffe does) and the same power; `scale` is
+    left as the kernel leaves it (the last image's last channel)."""
+    batch, channels, pixels = x.shape
+    half = (size - 1) // 2
+    running = np.full((batch, pixels), k, x.dtype)
+    for c in range(min(half, channels - 1) + 1):
+        v = x[:, c]
+        running = running + alpha_over_n * (v * v)
+    for ch in range(channels):
+        entering, leaving = ch + half, ch - 1 - half
+        if ch and entering < channels:
+            v = x[:, entering]
+            running = running + alpha_over_n * (v * v)
+        if ch and leaving >= 0:
+            v = x[:, leaving]
+            running = running - alpha_over_n * (v * v)
+        y[:, ch] = x[:, ch] * (one / np.sqrt(np.sqrt(running) * running))     # s^-0.75
+    if batch:
+        scale[...] = running[-1]
+
+
 @kernel
 def _lrn_backward_075(x, y, g, size, alpha_over_n, k, one, factor, scales, ratio, accum, dx):
     """dx = g * s^-0.75 - factor * x * window(g * y / s) for (N, C, P) arrays,

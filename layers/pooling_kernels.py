@@ -452,6 +452,49 @@ def max_3x3_same(x, value):
             _keep_greater2(rows[cells - 2 * w:cells - w], rows[cells - w:], target[cells - w:], w)
 
 
+# The twins (cct.devices.jit) of the deploy nets' pooling kernels: the same
+# comparisons in the same order, as whole-array numpy steps. `_greater_into`
+# is one window cell's turn of a running maximum over every output at once.
+def _greater_into(target, cells):
+    """target = cells where cells > target (strictly: NaN never wins, of 0.0
+    and -0.0 the one already there stays), in place: as a select of bits
+    (target ^= (target ^ cells) & all-ones where taken), for a masked copy
+    (np.copyto's where=) goes value by value."""
+    word = np.dtype(f"u{target.dtype.itemsize}")
+    taken = np.greater(cells, target).astype(word)
+    np.negative(taken, out=taken)                       # 1 -> all ones
+    bits = target.view(word)
+    changed = np.bitwise_xor(bits, cells.view(word))
+    changed &= taken
+    bits ^= changed
+
+
+def _clipped_3(size, axis, x, target):
+    """_greater_into target of x's cells at offsets -1, 0, +1 along `axis`
+    (1: rows, 2: columns) of (P, H, W) arrays, in that order, windows
+    clipped to the plane."""
+    for offset in (-1, 0, 1):
+        low, high = max(0, -offset), size - max(0, offset)
+        if high > low:
+            into = [slice(None)] * 3
+            into[axis] = slice(low, high)
+            source = list(into)
+            source[axis] = slice(low + offset, high + offset)
+            _greater_into(target[tuple(into)], x[tuple(source)])
+
+
+@max_3x3_same.twin
+def max_3x3_same_twin(x, value):
+    """max_3x3_same: each row's 3-cell maxima from -FLT_MAX, then the
+    maxima of three such rows from -FLT_MAX (a plane of one row: the rows'
+    maxima as they are, the same values)."""
+    floor = x.dtype.type(-_FLT_MAX)
+    rows = np.full(x.shape, floor, x.dtype)
+    _clipped_3(x.shape[2], 2, x, rows)
+    value[...] = floor
+    _clipped_3(x.shape[1], 1, rows, value)
+
+
 @kernel
 def max_3x3_stride2(x, value):
     """value (P, PH, PW) = the maxima of the 3 x 3 windows of x (P, H, W) at
@@ -496,6 +539,23 @@ def max_3x3_stride2(x, value):
                 _keep_greater1(kept[first], target, out_w)
 
 
+@max_3x3_stride2.twin
+def max_3x3_stride2_twin(x, value):
+    """max_3x3_stride2: each row's maxima over columns 2o, 2o+1, 2o+2 (those
+    in the row) from -FLT_MAX, then over rows 2oy .. 2oy+2 the same way."""
+    floor = x.dtype.type(-_FLT_MAX)
+    planes, h, w = x.shape
+    out_h, out_w = value.shape[1], value.shape[2]
+    kept = np.full((planes, h, out_w), floor, x.dtype)
+    for j in range(3):
+        count = min(out_w, (w - j + 1) // 2)              # windows whose column j is in the row
+        _greater_into(kept[:, :, :count], x[:, :, j:j + 2 * count:2])
+    value[...] = floor
+    for i in range(3):
+        count = min(out_h, (h - i + 1) // 2)
+        _greater_into(value[:, :count], kept[:, i:i + 2 * count:2])
+
+
 @kernel
 def max_whole(x, value, winner):
     """value (P,) = each plane's maximum, winner (P,) its flat index h*W + w
@@ -523,3 +583,16 @@ def ave_whole(x, divisor, value):
         for e in range(flat.shape[1]):
             total += flat[p, e]
         value[p] = total / divisor
+
+
+@ave_whole.twin
+def ave_whole_twin(x, divisor, value):
+    """ave_whole: numpy's running sum (add.accumulate) adds in the kernel's
+    order; the kernel starts from +0.0, which only changes a sum of -0.0s
+    (to +0.0), and adding +0.0 to the last does the same."""
+    planes = x.shape[0]
+    flat = x.reshape(planes, x.shape[1] * x.shape[2])
+    total = np.zeros(planes, x.dtype)
+    if flat.shape[1]:
+        total = np.add.accumulate(flat, axis=1)[:, -1] + total
+    np.divide(total, divisor, out=value)

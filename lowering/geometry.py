@@ -18,7 +18,7 @@ negative (Caffe's Blob::Reshape refuses it, and so does ConvGeometry).
 """
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Optional, Tuple, cast
+from typing import Any, Optional, Tuple, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -226,6 +226,35 @@ def _bias_relu(out, bias, slope):
                 if bias.shape[0]:
                     v = v + bias[c]
                 out[n, c, s] = relu_value(v, slope)
+
+
+def relu_values(v: FloatArray, slope: Any) -> FloatArray:
+    """relu_value over an array, in place (the kernels' twins, cct.devices.jit):
+    the same value for each, NaNs left NaN. A masked copy (np.copyto's
+    where=, np.where) goes value by value, many times slower than these
+    whole-array passes that give relu_value's bits: max(v, +0.0) is v above
+    0, and 0.0 or -0.0 at or below it, which adding +0.0 makes 0.0; with a
+    slope in (0, 1) v * slope lies between 0 and v, so the larger of v and
+    v * slope is v above 0 and v * slope otherwise (above 1: the smaller)."""
+    if slope == 0 and not np.signbit(slope):
+        np.maximum(v, slope, out=v)
+        v += slope
+    elif 0 < slope < 1:
+        np.maximum(v, v * slope, out=v)
+    elif slope > 1:
+        np.minimum(v, v * slope, out=v)
+    elif slope == 0:                                  # -0.0: relu_value's 0 is the slope, -0.0
+        np.copyto(v, slope, where=v <= 0)
+    else:
+        np.copyto(v, v * slope, where=~(v > 0))
+    return v
+
+
+@_bias_relu.twin
+def _bias_relu_twin(out: FloatArray, bias: FloatArray, slope: Any) -> None:
+    if bias.shape[0]:
+        out += bias.reshape(1, -1, 1)
+    relu_values(out, slope)
 
 
 def finish(out: FloatArray, bias: Optional[FloatArray] = None, relu: Optional[float] = None) -> FloatArray:

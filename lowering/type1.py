@@ -49,7 +49,7 @@ from cct.core.workspace import FRESH, Workspace
 from cct.devices.jit import kernel
 
 from .geometry import (ConvGeometry, channels_first_output, finish, lowered_shape, matmul_nt, pad_channels_first,
-                       relu_value, store_relu, unpad_channels_first, weights_as, window_view)
+                       relu_value, relu_values, store_relu, unpad_channels_first, weights_as, window_view)
 
 
 def _channels_first(x: FloatArray, geom: ConvGeometry, ws: Workspace) -> FloatArray:
@@ -103,6 +103,16 @@ def _lower_one_image(xp, kernel_h, kernel_w, stride_h, out_h, out_w, cols):
                 r += 1
 
 
+@_lower_one_image.twin
+def _lower_one_image_twin(xp, kernel_h, kernel_w, stride_h, out_h, out_w, cols):
+    """_lower_one_image as one strided copy per kernel offset (a copy: the same values)."""
+    channels, offsets = xp.shape[0], kernel_h * kernel_w
+    for i in range(kernel_h):
+        for j in range(kernel_w):
+            rows = cols[i * kernel_w + j:channels * offsets:offsets].reshape(channels, out_h, out_w)
+            rows[...] = xp[:, 0, i:i + stride_h * (out_h - 1) + 1:stride_h, j:j + out_w]
+
+
 def col2im(cols: FloatArray, geom: ConvGeometry, batch: int, out: Optional[FloatArray] = None,
            ws: Workspace = FRESH) -> FloatArray:
     """Adjoint of `lower`: (C*KH*KW, N*OH*OW) -> (N, C, H, W), summing overlaps."""
@@ -151,6 +161,14 @@ def _to_batch_first(source, row0, col0, bias, relu, slope, out):
                             if bias.shape[0]:
                                 v = v + bias[c]
                             out[n, c, h, w] = relu_value(v, slope) if relu else v
+
+
+@_to_batch_first.twin
+def _to_batch_first_twin(source, row0, col0, bias, relu, slope, out):
+    batch, channels, height, width = out.shape
+    values = source[:, row0:row0 + height, col0:col0 + width, :batch].transpose(3, 0, 1, 2)
+    values = values + bias.reshape(1, -1, 1, 1) if bias.shape[0] else values.copy()
+    out[...] = relu_values(values, slope) if relu else values
 
 
 def _batch_first(source: FloatArray, row0: int, col0: int, shape: Tuple[int, ...], out: Optional[FloatArray],

@@ -67,7 +67,7 @@ from cct.core.workspace import FRESH, Workspace
 from cct.devices.jit import kernel
 
 from . import depthwise
-from .geometry import ConvGeometry, relu_value, weights_as
+from .geometry import ConvGeometry, relu_value, relu_values, weights_as
 
 # Transform matrices (B^T, G, A^T) per (output tile m, kernel r), points 0,
 # +-1, +-2, as in Lavin and Gray and wincnn. F(2x2, 5x5)'s G and A^T follow
@@ -550,6 +550,117 @@ def _output_channels(product, variant, first, tiles_h, tiles_w, bias, has_bias, 
                 else:
                     _at25(h[0], h[1], h[2], h[3], h[4], h[5], done[i, 0], done[i, 1], outputs)
             _put_tile(done, ty, tx, bias, has_bias, slope, has_relu, out)
+
+
+# --- the transforms' twins (cct.devices.jit): the same formulas on whole arrays ------------------------
+# Each value goes through the kernels' expressions, written the same way
+# (float32 constants, the same grouping), so the same float32 operations in
+# the same order: the same bits. Every tile (and channel) at once, the block
+# axes first: d (alpha, alpha, ...) -> V (alpha^2, ...); M (alpha^2, ...) ->
+# Y (m, m, ...).
+def _bt_values(d):
+    """B^T d (_bt6, _bt4) of the alpha arrays d, each over any shape."""
+    if len(d) == 6:
+        a0, a1, a2, a3, a4, a5 = d
+        return (_4 * a0 - _5 * a2 + a4, -_4 * (a1 + a2) + a3 + a4, _4 * (a1 - a2) - a3 + a4,
+                (a3 - a1) * _2 - a2 + a4, (a1 - a3) * _2 - a2 + a4, _4 * a1 - _5 * a3 + a5)
+    a0, a1, a2, a3 = d
+    return a0 - a2, a1 + a2, a2 - a1, a1 - a3
+
+
+def _at_values(m, variant):
+    """A^T m (_at2, _at4, _at25 by variant) of the alpha arrays m."""
+    if variant == 0:
+        m0, a1, a2, m3 = m
+        return m0 + a1 + a2, a1 - a2 - m3
+    a0, a1, a2, a3, a4, a5 = m
+    if variant == 1:
+        return (a0 + a1 + a2 + a3 + a4, a1 - a2 + (a3 - a4) * _2, a1 + a2 + _4 * (a3 + a4),
+                a1 - a2 + _8 * (a3 - a4) + a5)
+    return a0 + a1 + a2 + a3 + a4, a1 - a2 + (a3 - a4) * _2 + a5
+
+
+def _input_values(blocks):
+    """(alpha^2, ...) V[alpha*j + k] = (B^T d B)[j, k] from blocks (alpha, alpha, ...):
+    B^T down each column first, then along each row, as the kernels."""
+    alpha = blocks.shape[0]
+    rows = np.stack(_bt_values([blocks[i] for i in range(alpha)]))       # rows[r, col]
+    done = _bt_values([rows[:, col] for col in range(alpha)])           # done[k][j]
+    return np.stack(done, axis=1).reshape((alpha * alpha,) + blocks.shape[2:])
+
+
+def _output_values(product, variant):
+    """(m, m, ...) Y = A^T M A from product (alpha^2, ...): A^T down each column
+    of M first (half), then along each row of half, as the kernels."""
+    alpha = 4 if variant == 0 else 6
+    half = np.stack(_at_values([product[i * alpha:(i + 1) * alpha] for i in range(alpha)], variant))   # [i, col]
+    return np.stack(_at_values([half[:, col] for col in range(alpha)], variant), axis=1)
+
+
+def _padded_blocks(image, pad_h, pad_w, m, tiles_h, tiles_w, alpha, channels_last):
+    """(alpha, alpha, tiles, C) (channels_last: image (H, W, C)) or (alpha,
+    alpha, C, tiles) (image (C, H, W)): each tile's alpha x alpha block of the
+    zero-framed image at (ty*m - pad_h, tx*m - pad_w)."""
+    if not channels_last:
+        image = image.transpose(1, 2, 0)
+    height, width, channels = image.shape
+    plane = np.zeros(((tiles_h - 1) * m + alpha, (tiles_w - 1) * m + alpha, channels), np.float32)
+    rows, cols = min(height, plane.shape[0] - pad_h), min(width, plane.shape[1] - pad_w)
+    plane[pad_h:pad_h + rows, pad_w:pad_w + cols] = image[:rows, :cols]
+    blocks = np.empty((alpha, alpha, tiles_h, tiles_w, channels), np.float32)
+    for i in range(alpha):
+        for j in range(alpha):
+            blocks[i, j] = plane[i:i + m * tiles_h:m, j:j + m * tiles_w:m]
+    blocks = blocks.reshape(alpha, alpha, tiles_h * tiles_w, channels)
+    return blocks if channels_last else blocks.transpose(0, 1, 3, 2)
+
+
+def _input_tiles_twin(image, pad_h, pad_w, m, tiles_h, tiles_w, v, first):
+    """_input_a6 and _input_a4: V[:, :, first:] (alpha^2, C, tiles)."""
+    alpha = int(round(v.shape[0] ** 0.5))
+    blocks = _padded_blocks(image, pad_h, pad_w, m, tiles_h, tiles_w, alpha, False)
+    v[:, :, first:first + tiles_h * tiles_w] = _input_values(blocks)
+
+
+def _input_channels_twin(image, pad_h, pad_w, m, tiles_h, tiles_w, v, first):
+    """_input_channels and _input_channels_a4: V[:, first:] (alpha^2, tiles, C)."""
+    alpha = int(round(v.shape[0] ** 0.5))
+    blocks = _padded_blocks(image, pad_h, pad_w, m, tiles_h, tiles_w, alpha, True)
+    v[:, first:first + tiles_h * tiles_w] = _input_values(blocks)
+
+
+_input_a6.twin(_input_tiles_twin)
+_input_a4.twin(_input_tiles_twin)
+_input_channels.twin(_input_channels_twin)
+_input_channels_a4.twin(_input_channels_twin)
+
+
+def _finished(done, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out, outputs_axis):
+    """out (O, OH, OW) from done (m, m, ...) of one image, O at outputs_axis
+    (2 or 3) and the tiles at the other: the bias added, then the ReLU (as
+    _finish_tiles and _put_tile), the tiles put in place."""
+    m = done.shape[0]
+    if has_bias:
+        done += bias.reshape((-1, 1) if outputs_axis == 2 else (1, -1))
+    if has_relu:
+        relu_values(done, slope)
+    if outputs_axis == 3:
+        done = done.transpose(0, 1, 3, 2)                     # (m, m, O, tiles)
+    out_h, out_w = out.shape[1], out.shape[2]
+    whole = done.reshape(m, m, -1, tiles_h, tiles_w).transpose(2, 3, 0, 4, 1)
+    out[...] = whole.reshape(-1, tiles_h * m, tiles_w * m)[:, :out_h, :out_w]
+
+
+@_output_tiles.twin
+def _output_tiles_twin(product, variant, first, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out):
+    done = _output_values(product[:, :, first:first + tiles_h * tiles_w], variant)     # (m, m, O, tiles)
+    _finished(done, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out, 2)
+
+
+@_output_channels.twin
+def _output_channels_twin(product, variant, first, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out):
+    done = _output_values(product[:, first:first + tiles_h * tiles_w], variant)        # (m, m, tiles, O)
+    _finished(done, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out, 3)
 
 
 # (m, r) -> the tiles-innermost input transform (by alpha) and _output_tiles's variant

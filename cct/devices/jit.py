@@ -22,36 +22,113 @@ Kernels are serial and release the GIL (`nogil`): cct's parallelism is the
 executor's batch partitions (cct.runtime.executor), each on its own thread, so a
 kernel never starts threads of its own that would compete with OpenBLAS's.
 `cache` keeps the compiled code in __pycache__ (NUMBA_CACHE_DIR elsewhere),
-so only the first run on a machine pays the compile time. numba itself is
-imported on a kernel's first call (it was a quarter of `import cct`'s time):
-`cct --help`, or a script that only reads weights, needs none of it. The first
-call compiles under a lock, so partitions starting at once compile a kernel once.
-numba's own start-up on the first kernel (its typing and lowering registries,
-about a second) begins in a thread when a net is built (warm_up), beside the
-net's construction and its weights' loading.
+so only the first run on a machine pays the compile time.
+
+numba's own start-up (`import numba`, then its typing and lowering
+registries on the first kernel: about 1.3 s, loaded from the cache or not)
+costs several times a deploy net's whole forward, so a deploy forward does
+not wait for it: a kernel may have a numpy twin (`@some_kernel.twin`, the
+llm.c way: the plain version next to the fast one), which does the same
+float32 operations in the same order and so gives the same bits. Until
+numba is started and the kernel compiled, a call runs the twin. numba starts
+on a daemon thread (warm_up) once the first forward has finished, or when a
+kernel without a twin is first called (that call then compiles at once, as
+every kernel did before); the thread compiles the kernels whose twins ran,
+and each one's compiled form replaces the twin from its next call (the
+call's fast path reads one attribute and takes no lock). A twinned kernel
+first called after that compiles on its call. The first call of a kernel
+compiles under a lock, so partitions starting at once compile it once.
+numba itself is imported only then: `cct --help`, or a script that only
+reads weights, needs none of it. The tests check each twin against its
+compiled kernel bit for bit (tests/devices/test_twins.py).
 """
 import functools
 import os
 import threading
+from typing import Any, Dict, Iterable, List
+
+import numpy as np
 
 
 def kernel(function):
     """`function` compiled by numba (nogil, cached) on its first call. A kernel
     may call other kernels, of its module or imported into it: they are
     compiled first, and each compiled kernel replaces its wrapper in the
-    caller's module, which is how numba finds it when compiling the caller."""
+    caller's module, which is how numba finds it when compiling the caller.
+    `@that_kernel.twin` above a numpy function of the same arguments makes
+    it the kernel's twin (module docstring); it returns the function."""
     @functools.wraps(function)
     def call(*args):
+        compiled = call.compiled
+        if compiled is not None:
+            return compiled(*args)
+        if call.numpy_twin is not None and _twins_stand_in:
+            calls = _stood_in.setdefault(call, {})
+            types = _argument_types(args)
+            if types not in calls:
+                calls[types] = tuple(_stand_in(a) for a in args)
+            return call.numpy_twin(*args)
+        if call.numpy_twin is None:
+            warm_up()                      # numba is needed now: the thread switches the twinned kernels too
         return _compiled(call)(*args)
+
+    def twin(numpy_function):
+        call.numpy_twin = numpy_function
+        _twinned.append(call)
+        return numpy_function
     call.python_function = function
     call.compiled = None
+    call.numpy_twin = None
+    call.twin = twin
     return call
 
 
+def twinned():
+    """The wrappers of the kernels that have a twin (they keep `numpy_twin`
+    after their compiled form replaced them in their modules): for the tests."""
+    return list(_twinned)
+
+
+def compiled(function):
+    """The compiled form of a kernel (its wrapper or already the compiled
+    function, which replaces the wrapper in its module), compiling it now:
+    for the tests that compare it with its twin."""
+    return _compiled(function) if hasattr(function, "python_function") else function
+
+
 _compile_lock = threading.RLock()          # re-entrant: a kernel compiles its callees first
+_twinned: List[Any] = []                   # the wrappers given a twin, in the order they were
+_twins_stand_in = True                     # until the warm-up thread has switched the kernels their twins ran for
+# the wrappers whose twins ran -> {their arguments' types: stand-ins of those
+# arguments}: the thread compiles each kernel for those types
+_stood_in: Dict[Any, Dict[tuple, tuple]] = {}
 
 
-def _compiled(wrapper):
+def _argument_types(args: tuple) -> tuple:
+    """What numba types a call's arguments by (an array's dtype, dimensions,
+    layout and writability; a scalar's type), without numba."""
+    return tuple((a.dtype.str, a.ndim, a.flags.c_contiguous, a.flags.f_contiguous, a.flags.writeable)
+                 if isinstance(a, np.ndarray) else type(a) for a in args)
+
+
+def _stand_in(value: Any) -> Any:
+    """An empty array numba types as it types `value` (a scalar: itself), so
+    that compiling for a call's types keeps none of its arrays alive."""
+    if not isinstance(value, np.ndarray):
+        return value
+    if value.flags.c_contiguous:
+        like = np.empty((0,) * value.ndim, value.dtype)
+    elif value.flags.f_contiguous:
+        like = np.empty((2,) * value.ndim, value.dtype, order="F")
+    else:                                 # neither: numba's "A" layout
+        like = np.empty((2,) * (value.ndim - 1) + (4,), value.dtype)[..., ::2]
+    like.flags.writeable = value.flags.writeable
+    return like
+
+
+def _compiled(wrapper, calls: Iterable[tuple] = ()):
+    """The wrapper's kernel compiled (and each of `calls`' argument types,
+    before the compiled form takes the wrapper's place)."""
     if wrapper.compiled is not None:
         return wrapper.compiled
     with _compile_lock:
@@ -63,6 +140,10 @@ def _compiled(wrapper):
                 if hasattr(callee, "python_function"):
                     namespace[name] = _compiled(callee)  # an imported one is bound here too
             compiled = _compile(function)
+            if calls:
+                from numba import typeof
+                for args in calls:
+                    compiled.compile(tuple(typeof(a) for a in args))
             if namespace.get(function.__name__) is wrapper:
                 namespace[function.__name__] = compiled
             wrapper.compiled = compiled
@@ -87,10 +168,14 @@ _warming = None
 
 
 def warm_up():
-    """Start numba's one-time start-up on a daemon thread, once per process:
-    the first kernel a net calls then finds it done or under way. A failure
-    here is left for that call to raise, where it names its kernel."""
+    """Start numba's one-time start-up on a daemon thread, once per process
+    (the executor calls it after each forward; a kernel without a twin
+    before it compiles): the thread then compiles the kernels whose twins
+    ran. A failure here is left for a kernel's own compile to raise, where
+    it names its kernel."""
     global _warming
+    if _warming is not None:
+        return
     with _compile_lock:
         if _warming is not None:
             return
@@ -98,10 +183,17 @@ def warm_up():
     _warming.start()
 
 
+def ready():
+    """Whether numba is started and the kernels whose twins ran compiled
+    (from then on every kernel runs compiled)."""
+    return not _twins_stand_in
+
+
 def warmed_up():
-    """Wait until numba's start-up thread is done: before a fork (below), and
-    for a benchmark of the steady state (while it runs it takes the GIL
-    whenever a kernel lets go of it)."""
+    """Wait until numba's start-up thread is done, every kernel whose twin ran
+    compiled: before a fork (below), and for a benchmark of the steady state
+    or a test of the compiled kernels (while it runs it takes the GIL
+    whenever a kernel lets go of it). Nothing to wait for before warm_up."""
     thread = _warming
     if thread is not None and thread.is_alive() and thread is not threading.current_thread():
         thread.join()
@@ -115,10 +207,19 @@ if hasattr(os, "register_at_fork"):
 
 
 def _warm():
+    global _twins_stand_in
     try:
         _touch(0)
-    except Exception:        # noqa: BLE001  (the first real kernel call reports it)
-        pass
+        while True:
+            with _compile_lock:
+                waiting = [wrapper for wrapper in list(_stood_in) if wrapper.compiled is None]
+                if not waiting:
+                    _twins_stand_in = False    # from now a twinned kernel compiles on its first call
+                    return
+            for wrapper in waiting:
+                _compiled(wrapper, list(_stood_in[wrapper].values()))
+    except Exception:        # noqa: BLE001  (the first compile on a call reports it)
+        _twins_stand_in = False
 
 
 @kernel

@@ -129,7 +129,6 @@ class Executor:
         self._forward_device = _ASK   # the device of the Net.forward under way, looked up once for its layers
         # Refused now, before the first forward touches the blobs setup mapped.
         self.memory_plan = memory_plan.net_plan(net, self)
-        jit.warm_up()                          # numba's start-up beside the rest of Net() and its weights
         self.memory_plan.check(f"net '{net.name}' ({net.source})")
 
     @property
@@ -377,6 +376,7 @@ class Executor:
                 self._laid_out = Layout.epoch
         finally:
             self.end_forward()                  # a failing layer leaves no lowered BLAS count
+            jit.warm_up()                       # numba's start-up after the first forward: its kernels' twins ran
         return loss
 
     def _forward_planned(self, plan: Plan, start: int, end: int) -> float:

@@ -96,8 +96,9 @@ from cct.core.arrays import Array, FloatArray, Shape
 from cct.core.blob import Blob, Layout
 from cct.core.errors import ConfigError
 from cct.core.layer import TEST, Epilogue
+from cct.devices import jit
 from cct.devices.jit import kernel
-from cct.lowering.geometry import relu_value
+from cct.lowering.geometry import relu_value, relu_values
 from cct.runtime import threads as threads_module
 
 Net = Any                         # cct.core.net.Net, whose executor imports this module: not imported back
@@ -119,7 +120,8 @@ PASS_CHUNK = 4096
 # Run.prepare's pass: its arrays (source, shift, scale, bias, value, other, out) and its flags (affine,
 # slope1, relu1, store_value, self_coeff, other_coeff, summed, slope2, relu2, in place, kept sum)
 Prepared = Tuple[List[FloatArray], Tuple[bool, float, bool, bool, float, float, bool, float, bool, bool, bool]]
-# ParamWatch's per word width: the arrays (a numba typed List), their snapshots end to end, the offsets
+# ParamWatch's per word width: the arrays (a list; a numba typed List once numba is ready), their
+# snapshots end to end, the offsets
 Watched = Tuple[Any, Array, Array]
 
 
@@ -393,6 +395,65 @@ def _kept_sum_pass(values: FloatArray, shift: FloatArray, scale: FloatArray, bia
                 out[n, c, s] = relu_value(v, slope2) if relu2 else v
 
 
+# The passes' twins (cct.devices.jit): each value's steps as the kernels take
+# them, as whole-array numpy steps (every value is its own chain of
+# operations, so the order across values does not matter). A product by a
+# coefficient of 1 is the value itself, bit for bit, and is skipped.
+def _mapped_values(values: FloatArray, shift: FloatArray, scale: FloatArray, bias: FloatArray, affine: bool,
+                   slope: float, relu: bool, out: Optional[FloatArray] = None) -> FloatArray:
+    """_mapped over (N, C, S) values, into `out` (new when None; may be values)."""
+    if affine:
+        v = np.add(values, shift.reshape(1, -1, 1), out=out)
+        np.multiply(v, scale.reshape(1, -1, 1), out=v)
+        np.add(v, bias.reshape(1, -1, 1), out=v)
+    elif out is None:
+        v = values.copy()
+    else:
+        v = out
+        np.copyto(v, values)
+    return relu_values(v, slope) if relu else v
+
+
+def _summed_values(v: FloatArray, self_coeff: float, other: FloatArray, other_coeff: float) -> FloatArray:
+    """v * self_coeff + other * other_coeff, into v."""
+    if self_coeff != 1:
+        np.multiply(v, self_coeff, out=v)
+    np.add(v, other if other_coeff == 1 else other * other_coeff, out=v)
+    return v
+
+
+@_fused_pass.twin
+def _fused_pass_twin(source: FloatArray, shift: FloatArray, scale: FloatArray, bias: FloatArray, affine: bool,
+                     slope1: float, relu1: bool, value: FloatArray, store_value: bool, other: FloatArray,
+                     self_coeff: float, other_coeff: float, summed: bool, slope2: float, relu2: bool,
+                     out: FloatArray) -> None:
+    v = _mapped_values(source, shift, scale, bias, affine, slope1, relu1)
+    if store_value:
+        value[...] = v
+    if summed:
+        _summed_values(v, self_coeff, other, other_coeff)
+    if relu2:
+        relu_values(v, slope2)
+    out[...] = v
+
+
+@_in_place_pass.twin
+def _in_place_pass_twin(values: FloatArray, shift: FloatArray, scale: FloatArray, bias: FloatArray, affine: bool,
+                        slope1: float, relu1: bool, slope2: float, relu2: bool) -> None:
+    _mapped_values(values, shift, scale, bias, affine, slope1, relu1, out=values)
+    if relu2:
+        relu_values(values, slope2)
+
+
+@_kept_sum_pass.twin
+def _kept_sum_pass_twin(values: FloatArray, shift: FloatArray, scale: FloatArray, bias: FloatArray, affine: bool,
+                        slope1: float, relu1: bool, other: FloatArray, self_coeff: float, other_coeff: float,
+                        slope2: float, relu2: bool, out: FloatArray) -> None:
+    _mapped_values(values, shift, scale, bias, affine, slope1, relu1, out=values)
+    v = _summed_values(values.copy(), self_coeff, other, other_coeff)
+    out[...] = relu_values(v, slope2) if relu2 else v
+
+
 def _execute(prepared: Prepared, threads: int) -> None:
     """Run.prepare's pass on up to `threads` threads."""
     arrays, flags = prepared
@@ -463,6 +524,21 @@ def _first_changed(currents: Sequence[Array], snapshot: Array, offsets: Array) -
     return -1
 
 
+@_same_bits.twin
+def _same_bits_twin(current: Array, snapshot: Array) -> bool:
+    return current.shape[0] == snapshot.shape[0] and bool(np.array_equal(current, snapshot))
+
+
+def _first_changed_twin(currents: Sequence[Array], snapshot: Array, offsets: Array) -> int:
+    """_first_changed's twin, called by ParamWatch itself while numba is not
+    ready (its arrays are then a Python list, which the kernel does not take)."""
+    for i, current in enumerate(currents):
+        start, stop = int(offsets[i]), int(offsets[i + 1])
+        if current.shape[0] != stop - start or not np.array_equal(current, snapshot[start:stop]):
+            return i
+    return -1
+
+
 class ParamWatch:
     """The parameters of a net's kept passes, checked in one compiled call per
     word width (an execution plan's, before each forward): whether any
@@ -477,15 +553,21 @@ class ParamWatch:
                 pieces[word][0].append(data.reshape(-1).view(word))
                 pieces[word][1].append(snapshot.view(word))
         self.groups = [_watched(arrays, snapshots) for arrays, snapshots in pieces.values() if arrays]
+        self.typed = False                # the arrays in numba typed Lists, once numba is ready
 
     def changed(self) -> bool:
+        if not jit.ready():
+            return any(_first_changed_twin(*group) >= 0 for group in self.groups)
+        if not self.typed:
+            from numba.typed import List
+            self.groups = [(List(arrays), snapshot, offsets) for arrays, snapshot, offsets in self.groups]
+            self.typed = True
         return any(_first_changed(*group) >= 0 for group in self.groups)
 
 
 def _watched(arrays: List[Array], snapshots: List[Array]) -> Watched:
-    from numba.typed import List
     offsets = np.cumsum([0] + [piece.size for piece in snapshots]).astype(np.uint64)
-    return List(arrays), np.concatenate(snapshots), offsets
+    return arrays, np.concatenate(snapshots), offsets
 
 
 def _bits(values: Array) -> Array:

@@ -56,35 +56,60 @@ def test_a_kernel_calls_another_kernel_of_its_module():
     assert wrapper(np.arange(3.0)) == 5.0 and module.sum_of_squares(np.arange(2.0)) == 1.0
 
 
-def test_building_a_net_starts_numba_once_on_a_thread():
-    """Net() starts numba's start-up on a daemon thread (jit.warm_up), once per
-    process; kernels called after it, or while it runs, compute."""
-    import numpy as np
-    import cct
+FIRST_FORWARD = """
+import sys
+import numpy as np
+import cct
+from cct.devices import jit
+from cct.layers import pooling_kernels
+net = cct.Net('name: "w" input: "data" input_shape { dim: 1 dim: 2 dim: 7 dim: 7 }\\n'
+              'layer { name: "pool" type: "Pooling" bottom: "data" top: "pool" '
+              'pooling_param { pool: MAX kernel_size: 3 stride: 2 } }', cct.TEST)
+assert jit._warming is None and "numba" not in sys.modules, "numba started before the first forward"
+net.blobs["data"].data[...] = np.random.default_rng(0).standard_normal((1, 2, 7, 7))
+first = net.forward()["pool"].copy()
+wrapper = next(w for w in jit.twinned() if w.__name__ == "max_3x3_stride2")
+assert wrapper.compiled is None, "the first forward waited for numba"
+assert jit._warming is not None and jit._warming.daemon          # started after it
+jit.warmed_up()
+assert jit.ready() and wrapper.compiled is not None               # compiled for the types its twin ran
+assert pooling_kernels.max_3x3_stride2 is wrapper.compiled        # and in the wrapper's place
+second = net.forward()["pool"]
+assert first.tobytes() == second.tobytes()
+print("ok")
+"""
+
+
+def test_a_first_forward_runs_twins_then_starts_numba_on_a_thread():
+    """In a fresh process, a net's first forward runs its kernels' numpy twins
+    without importing numba; numba starts on a daemon thread after it and
+    compiles those kernels, whose compiled forms give the same bits."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", FIRST_FORWARD], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_a_kernel_without_a_twin_compiles_on_its_first_call_and_starts_numba():
     from cct.devices import jit
-    net = cct.Net('name: "w" input: "data" input_shape { dim: 1 dim: 1 dim: 4 dim: 4 }\n'
-                  'layer { name: "pool" type: "Pooling" bottom: "data" top: "pool" '
-                  'pooling_param { pool: MAX kernel_size: 2 stride: 2 } }', cct.TEST)
-    first = jit._warming
-    assert first is not None and first.daemon
-    cct.Net('name: "v" input: "data" input_shape { dim: 1 dim: 1 dim: 2 dim: 2 }', cct.TEST)
-    assert jit._warming is first                       # started once
-    net.blobs["data"].data[...] = np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4)
-    np.testing.assert_array_equal(net.forward()["pool"].ravel(), [5, 7, 13, 15])
-    first.join(timeout=60)
-    assert not first.is_alive() and not hasattr(jit._touch, "python_function")    # compiled: the wrapper replaced
+
+    @jit.kernel
+    def halved(value):
+        return value / 2
+
+    assert halved(3.0) == 1.5 and halved.compiled is not None and jit._warming is not None
 
 
 def test_a_fork_while_numba_starts_leaves_the_child_able_to_compile():
-    """A fork right after Net() (numba starting on its thread) waits for it,
-    so the child's kernels compile instead of waiting on a lock no thread
-    of the child holds."""
+    """A fork right after a first forward (numba starting on its thread)
+    waits for it, so the child's kernels compile instead of waiting on a
+    lock no thread of the child holds."""
     import os
     import numpy as np
     import cct
     from cct.devices import jit
-    jit._warming = None                                 # as in a fresh process: the next Net starts it again
-    cct.Net('name: "f" input: "data" input_shape { dim: 1 dim: 1 dim: 2 dim: 2 }', cct.TEST)
+    jit._warming = None                                 # as in a fresh process: the next forward starts it again
+    cct.Net('name: "f" input: "data" input_shape { dim: 1 dim: 1 dim: 2 dim: 2 }', cct.TEST).forward()
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
