@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from cct.core.errors import ConfigError
+from cct.devices import jit
 from cct.cli.commands import (GPU, HYBRID, LEVEL, MEMORY_LIMIT, PHASE, SCHEDULE, STAGE, apply_gpu,
                               apply_memory_limit, apply_schedule, arguments, check_iterations, command, flag, fmt,
                               phase, require, stages)
@@ -91,6 +92,7 @@ def time_command(args):
         net._forward()                  # the hybrid split's plan, made (timed) outside the benchmark
     count = len(net.layers)
     forward_ms, backward_ms = np.zeros(count), np.zeros(count)
+    jit.warmed_up()                     # the kernels compiled, numba's start-up thread off the cores
     log.info("*** Benchmark begins ***")
     log.info("Testing for %d iterations.", args.iterations)
     # on a device, each layer's time is up to its last kernel's end (Caffe's GPU timer)
