@@ -114,26 +114,37 @@ def _lrn_forward_075(x, size, alpha_over_n, k, one, scale, y):
 @_lrn_forward_075.twin
 def _lrn_forward_075_twin(x, size, alpha_over_n, k, one, scale, y):
     """_lrn_forward_075 in numpy steps over every image at once: the same
-    running scale per channel (the window's entering square added, the
-    leaving one subtracted, as Caffe does) and the same power; `scale` is
-    left as the kernel leaves it (the last image's last channel)."""
+    running scale per channel (from k the squares of channels 0 .. half
+    added in turn, then per channel the entering square added and the
+    leaving one subtracted, as Caffe does), one step per channel, each
+    square (alpha/n) x^2 made for all channels first; then the same power
+    of every scale at once. `scale` is left as the kernel leaves it (the
+    last image's last channel)."""
     batch, channels, pixels = x.shape
+    if not x.size:
+        return
     half = (size - 1) // 2
-    running = np.full((batch, pixels), k, x.dtype)
+    squares = x * x
+    np.multiply(alpha_over_n, squares, out=squares)                   # (N, C, P)
+    scales = np.empty_like(x)                                          # (N, C, P)
+    running = scales[:, 0]
+    running[...] = k
     for c in range(min(half, channels - 1) + 1):
-        v = x[:, c]
-        running = running + alpha_over_n * (v * v)
-    for ch in range(channels):
+        np.add(running, squares[:, c], out=running)
+    for ch in range(1, channels):
         entering, leaving = ch + half, ch - 1 - half
-        if ch and entering < channels:
-            v = x[:, entering]
-            running = running + alpha_over_n * (v * v)
-        if ch and leaving >= 0:
-            v = x[:, leaving]
-            running = running - alpha_over_n * (v * v)
-        y[:, ch] = x[:, ch] * (one / np.sqrt(np.sqrt(running) * running))     # s^-0.75
-    if batch:
-        scale[...] = running[-1]
+        if entering < channels:
+            np.add(scales[:, ch - 1], squares[:, entering], out=scales[:, ch])
+        else:
+            scales[:, ch] = scales[:, ch - 1]
+        if leaving >= 0:
+            np.subtract(scales[:, ch], squares[:, leaving], out=scales[:, ch])
+    scale[...] = scales[-1, -1]
+    power = np.sqrt(scales)
+    np.multiply(power, scales, out=power)
+    np.sqrt(power, out=power)
+    np.divide(one, power, out=power)                                   # s^-0.75
+    np.multiply(x, power, out=y)
 
 
 @kernel

@@ -181,6 +181,11 @@ def channels_inner(geom: ConvGeometry, m: int) -> Union[bool, np.bool_]:
     return geom.channels >= CHANNELS_INNER_MIN or geom.channels >= np.prod(tile_counts(geom, m))
 
 
+# Kernels transform_weights takes in one block: its float64 steps (under
+# 3 MB at alpha 6) stay in a core's cache.
+TRANSFORM_KERNELS = 2048
+
+
 def transform_weights(w: FloatArray, m: int, inner: Union[bool, np.bool_] = False) -> Float32Array:
     """U float32 from w (O, C/group, r, r), in the layout forward() takes:
     (alpha^2, O, C/group) tiles innermost, (alpha^2, C/group, O) channels
@@ -188,10 +193,23 @@ def transform_weights(w: FloatArray, m: int, inner: Union[bool, np.bool_] = Fals
     r = w.shape[-1]
     _, g, _ = transforms(m, r)
     alpha = g.shape[0]
-    kernels = np.asarray(w, np.float64).reshape(-1, r, r)
-    u = g @ kernels @ g.T                                     # (O*Cg, alpha, alpha)
-    u = u.reshape(w.shape[0], w.shape[1], alpha * alpha)
-    return np.ascontiguousarray(u.transpose((2, 1, 0) if inner else (2, 0, 1)), dtype=np.float32)
+    outputs, channels = w.shape[0], w.shape[1]
+    u = np.empty((alpha, alpha) + ((channels, outputs) if inner else (outputs, channels)), np.float32)
+    # G k G^T for every kernel k (n = o*Cg + c) in float64, G k first, as two
+    # GEMMs over a block of kernels at once, each as wide as the block (a
+    # stack of alpha x r products costs numpy a BLAS call per kernel); blocks
+    # of outputs whose float64 steps stay in the cache
+    step = max(1, TRANSFORM_KERNELS // max(1, channels))
+    for first in range(0, outputs, step):
+        last = min(outputs, first + step)
+        kernels = np.asarray(w[first:last], np.float64).reshape(-1, r, r)     # k[n, i, j]
+        left = g @ kernels.transpose(1, 0, 2).reshape(r, -1)                    # (alpha, n*r): (G k)[a, n, j]
+        block = (g @ left.reshape(-1, r).T).reshape(alpha, alpha, last - first, channels)   # U[b, a, o, c]
+        if inner:
+            u[:, :, :, first:last] = block.transpose(1, 0, 3, 2)
+        else:
+            u[:, :, first:last] = block.transpose(1, 0, 2, 3)
+    return u.reshape(alpha * alpha, *u.shape[2:])
 
 
 def weights_for(w: FloatArray, geom: ConvGeometry, m: int) -> Float32Array:
@@ -553,80 +571,128 @@ def _output_channels(product, variant, first, tiles_h, tiles_w, bias, has_bias, 
 
 
 # --- the transforms' twins (cct.devices.jit): the same formulas on whole arrays ------------------------
-# Each value goes through the kernels' expressions, written the same way
-# (float32 constants, the same grouping), so the same float32 operations in
-# the same order: the same bits. Every tile (and channel) at once, the block
-# axes first: d (alpha, alpha, ...) -> V (alpha^2, ...); M (alpha^2, ...) ->
-# Y (m, m, ...).
-def _bt_values(d):
-    """B^T d (_bt6, _bt4) of the alpha arrays d, each over any shape."""
-    if len(d) == 6:
-        a0, a1, a2, a3, a4, a5 = d
-        return (_4 * a0 - _5 * a2 + a4, -_4 * (a1 + a2) + a3 + a4, _4 * (a1 - a2) - a3 + a4,
-                (a3 - a1) * _2 - a2 + a4, (a1 - a3) * _2 - a2 + a4, _4 * a1 - _5 * a3 + a5)
-    a0, a1, a2, a3 = d
-    return a0 - a2, a1 + a2, a2 - a1, a1 - a3
+# Each value goes through the kernels' expressions step by step, in their
+# order and grouping (float32 constants; a product's operands swapped is the
+# same product), so the same float32 operations: the same bits. Every tile
+# and channel at once, each step into an array made once (a temporary per
+# operation cost more than the arithmetic); the block axes first: d
+# (alpha, alpha, ...) -> V (alpha, alpha, ...); M (alpha, alpha, ...) -> Y
+# (m, m, ...).
+def _bt_into(d, r, scratch):
+    """r[k] = (B^T d)[k] (_bt6, _bt4) of the alpha arrays d, each over any
+    shape, `scratch` one of that shape."""
+    if len(d) == 4:
+        a0, a1, a2, a3 = d
+        np.subtract(a0, a2, out=r[0])
+        np.add(a1, a2, out=r[1])
+        np.subtract(a2, a1, out=r[2])
+        np.subtract(a1, a3, out=r[3])
+        return
+    a0, a1, a2, a3, a4, a5 = d
+    for target, (four, five, plus) in ((r[0], (a0, a2, a4)), (r[5], (a1, a3, a5))):    # 4 x - 5 y + z
+        np.multiply(_4, four, out=target)
+        np.multiply(_5, five, out=scratch)
+        target -= scratch
+        target += plus
+    np.add(a1, a2, out=r[1])                  # -4 (a1 + a2) + a3 + a4
+    r[1] *= -_4
+    r[1] += a3
+    r[1] += a4
+    np.subtract(a1, a2, out=r[2])             # 4 (a1 - a2) - a3 + a4
+    r[2] *= _4
+    r[2] -= a3
+    r[2] += a4
+    for target, (x, y) in ((r[3], (a3, a1)), (r[4], (a1, a3))):   # (x - y) 2 - a2 + a4
+        np.subtract(x, y, out=target)
+        target *= _2
+        target -= a2
+        target += a4
 
 
-def _at_values(m, variant):
-    """A^T m (_at2, _at4, _at25 by variant) of the alpha arrays m."""
+def _at_into(m, r, variant, scratch):
+    """r[k] = (A^T m)[k] (_at2, _at4, _at25 by variant) of the alpha arrays m."""
     if variant == 0:
         m0, a1, a2, m3 = m
-        return m0 + a1 + a2, a1 - a2 - m3
+        np.add(m0, a1, out=r[0])
+        r[0] += a2
+        np.subtract(a1, a2, out=r[1])
+        r[1] -= m3
+        return
     a0, a1, a2, a3, a4, a5 = m
-    if variant == 1:
-        return (a0 + a1 + a2 + a3 + a4, a1 - a2 + (a3 - a4) * _2, a1 + a2 + _4 * (a3 + a4),
-                a1 - a2 + _8 * (a3 - a4) + a5)
-    return a0 + a1 + a2 + a3 + a4, a1 - a2 + (a3 - a4) * _2 + a5
+    np.add(a0, a1, out=r[0])                  # a0 + a1 + a2 + a3 + a4
+    for term in (a2, a3, a4):
+        r[0] += term
+    np.subtract(a1, a2, out=r[1])             # a1 - a2 + (a3 - a4) 2 [+ a5]
+    np.subtract(a3, a4, out=scratch)
+    scratch *= _2
+    r[1] += scratch
+    if variant == 2:
+        r[1] += a5
+        return
+    np.add(a1, a2, out=r[2])                  # a1 + a2 + 4 (a3 + a4)
+    np.add(a3, a4, out=scratch)
+    np.multiply(_4, scratch, out=scratch)
+    r[2] += scratch
+    np.subtract(a1, a2, out=r[3])             # a1 - a2 + 8 (a3 - a4) + a5
+    np.subtract(a3, a4, out=scratch)
+    np.multiply(_8, scratch, out=scratch)
+    r[3] += scratch
+    r[3] += a5
 
 
-def _input_values(blocks):
-    """(alpha^2, ...) V[alpha*j + k] = (B^T d B)[j, k] from blocks (alpha, alpha, ...):
-    B^T down each column first, then along each row, as the kernels."""
+def _input_values(blocks, done):
+    """done (alpha, alpha, ...)[j, k] = (B^T d B)[j, k] of the blocks (alpha,
+    alpha, ...) (any strides): B^T down each column first, then along each
+    row, as the kernels."""
     alpha = blocks.shape[0]
-    rows = np.stack(_bt_values([blocks[i] for i in range(alpha)]))       # rows[r, col]
-    done = _bt_values([rows[:, col] for col in range(alpha)])           # done[k][j]
-    return np.stack(done, axis=1).reshape((alpha * alpha,) + blocks.shape[2:])
+    rows = np.empty(blocks.shape, np.float32)                          # rows[r, col]
+    scratch = np.empty(blocks.shape[1:], np.float32)
+    _bt_into([blocks[i] for i in range(alpha)], rows, scratch)
+    _bt_into([rows[:, col] for col in range(alpha)], [done[:, k] for k in range(alpha)], scratch)
 
 
 def _output_values(product, variant):
     """(m, m, ...) Y = A^T M A from product (alpha^2, ...): A^T down each column
     of M first (half), then along each row of half, as the kernels."""
-    alpha = 4 if variant == 0 else 6
-    half = np.stack(_at_values([product[i * alpha:(i + 1) * alpha] for i in range(alpha)], variant))   # [i, col]
-    return np.stack(_at_values([half[:, col] for col in range(alpha)], variant), axis=1)
+    alpha, m = (4, 2) if variant == 0 else (6, 4 if variant == 1 else 2)
+    blocks = product.reshape((alpha, alpha) + product.shape[1:])      # [i, col]
+    half = np.empty((m,) + blocks.shape[1:], np.float32)             # [r, col]
+    scratch = np.empty(blocks.shape[1:], np.float32)
+    _at_into([blocks[i] for i in range(alpha)], half, variant, scratch)
+    done = np.empty((m, m) + blocks.shape[2:], np.float32)
+    _at_into([half[:, col] for col in range(alpha)], [done[:, j] for j in range(m)], variant, scratch[:m])
+    return done
 
 
-def _padded_blocks(image, pad_h, pad_w, m, tiles_h, tiles_w, alpha, channels_last):
-    """(alpha, alpha, tiles, C) (channels_last: image (H, W, C)) or (alpha,
-    alpha, C, tiles) (image (C, H, W)): each tile's alpha x alpha block of the
-    zero-framed image at (ty*m - pad_h, tx*m - pad_w)."""
-    if not channels_last:
-        image = image.transpose(1, 2, 0)
+def _padded_blocks(image, pad_h, pad_w, m, tiles_h, tiles_w, alpha):
+    """(alpha, alpha, tiles_h, tiles_w, C) view of the image (H, W, C) copied
+    into a zero frame: each tile's alpha x alpha block at (ty*m - pad_h,
+    tx*m - pad_w)."""
     height, width, channels = image.shape
     plane = np.zeros(((tiles_h - 1) * m + alpha, (tiles_w - 1) * m + alpha, channels), np.float32)
     rows, cols = min(height, plane.shape[0] - pad_h), min(width, plane.shape[1] - pad_w)
     plane[pad_h:pad_h + rows, pad_w:pad_w + cols] = image[:rows, :cols]
-    blocks = np.empty((alpha, alpha, tiles_h, tiles_w, channels), np.float32)
-    for i in range(alpha):
-        for j in range(alpha):
-            blocks[i, j] = plane[i:i + m * tiles_h:m, j:j + m * tiles_w:m]
-    blocks = blocks.reshape(alpha, alpha, tiles_h * tiles_w, channels)
-    return blocks if channels_last else blocks.transpose(0, 1, 3, 2)
+    s0, s1, s2 = plane.strides
+    return np.lib.stride_tricks.as_strided(plane, (alpha, alpha, tiles_h, tiles_w, channels),
+                                           (s0, s1, m * s0, m * s1, s2), writeable=False)
 
 
 def _input_tiles_twin(image, pad_h, pad_w, m, tiles_h, tiles_w, v, first):
     """_input_a6 and _input_a4: V[:, :, first:] (alpha^2, C, tiles)."""
     alpha = int(round(v.shape[0] ** 0.5))
-    blocks = _padded_blocks(image, pad_h, pad_w, m, tiles_h, tiles_w, alpha, False)
-    v[:, :, first:first + tiles_h * tiles_w] = _input_values(blocks)
+    blocks = _padded_blocks(image.transpose(1, 2, 0), pad_h, pad_w, m, tiles_h, tiles_w, alpha)
+    done = np.empty((alpha, alpha, image.shape[0], tiles_h, tiles_w), np.float32)
+    _input_values(blocks.transpose(0, 1, 4, 2, 3), done)
+    v[:, :, first:first + tiles_h * tiles_w] = done.reshape(alpha * alpha, image.shape[0], -1)
 
 
 def _input_channels_twin(image, pad_h, pad_w, m, tiles_h, tiles_w, v, first):
     """_input_channels and _input_channels_a4: V[:, first:] (alpha^2, tiles, C)."""
     alpha = int(round(v.shape[0] ** 0.5))
-    blocks = _padded_blocks(image, pad_h, pad_w, m, tiles_h, tiles_w, alpha, True)
-    v[:, first:first + tiles_h * tiles_w] = _input_values(blocks)
+    blocks = _padded_blocks(image, pad_h, pad_w, m, tiles_h, tiles_w, alpha)
+    done = np.empty(blocks.shape, np.float32)
+    _input_values(blocks, done)
+    v[:, first:first + tiles_h * tiles_w] = done.reshape(alpha * alpha, tiles_h * tiles_w, -1)
 
 
 _input_a6.twin(_input_tiles_twin)
