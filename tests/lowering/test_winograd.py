@@ -379,3 +379,17 @@ def test_bad_environment_value_names_the_variable(tmp_path, monkeypatch):
     monkeypatch.setattr(winograd, "AUTO_MIN_FLOPS", 1)
     monkeypatch.setattr(chooser, "choose_forward", lambda *args: pytest.fail("timed"))
     assert _deploy(tmp_path, 0).layer_dict["conv"].winograd_tile == 0
+
+
+@pytest.mark.parametrize("shape,m", [((3, 1, 3, 3), 2), ((5, 7, 3, 3), 4), ((300, 20, 3, 3), 4), ((9, 4, 5, 5), 2)])
+@pytest.mark.parametrize("inner", [False, True])
+def test_transformed_weights_are_each_kernels_g_k_g_t_rounded_once(shape, m, inner):
+    """transform_weights's blocked GEMMs give each kernel's G k G^T in float64
+    rounded to float32, as a product per kernel does (300 x 20 kernels: more
+    than one block)."""
+    w = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
+    _, g, _ = winograd.transforms(m, shape[-1])
+    alpha = g.shape[0]
+    each = (g @ w.astype(np.float64).reshape(-1, shape[-1], shape[-1]) @ g.T).astype(np.float32)
+    each = each.reshape(shape[0], shape[1], alpha * alpha).transpose((2, 1, 0) if inner else (2, 0, 1))
+    np.testing.assert_array_equal(winograd.transform_weights(w, m, inner), each)
