@@ -455,21 +455,38 @@ def max_3x3_same(x, value):
 # The twins (cct.devices.jit) of the deploy nets' pooling kernels: the same
 # comparisons in the same order, as whole-array numpy steps. `_greater_into`
 # is one window cell's turn of a running maximum over every output at once.
-def _greater_into(target, cells):
+def _greater_into(target, cells, scratch):
     """target = cells where cells > target (strictly: NaN never wins, of 0.0
-    and -0.0 the one already there stays), in place: as a select of bits
+    and -0.0 the one already there stays), in place, `target` never NaN.
+    scratch None: x held no -0.0, so two equal values have the same bits and
+    fmax (which skips NaNs) gives those values. Else a select of bits
     (target ^= (target ^ cells) & all-ones where taken), for a masked copy
-    (np.copyto's where=) goes value by value."""
-    word = np.dtype(f"u{target.dtype.itemsize}")
-    taken = np.greater(cells, target).astype(word)
-    np.negative(taken, out=taken)                       # 1 -> all ones
+    (np.copyto's where=) goes value by value; scratch is two flat unsigned
+    arrays of the values' width, at least target's size."""
+    if scratch is None:
+        np.fmax(target, cells, out=target)
+        return
+    word = scratch[0].dtype
+    taken, changed = (flat[:target.size].reshape(target.shape) for flat in scratch)
+    np.greater(cells, target, out=taken, casting="unsafe")           # 1 where taken
+    np.negative(taken, out=taken)                                     # 1 -> all ones
     bits = target.view(word)
-    changed = np.bitwise_xor(bits, cells.view(word))
+    np.bitwise_xor(bits, cells.view(word), out=changed)
     changed &= taken
     bits ^= changed
 
 
-def _clipped_3(size, axis, x, target):
+def _select_scratch(x, size):
+    """_greater_into's scratch for maxima of x's values, `size` at most: None
+    where x holds no -0.0."""
+    word = np.dtype(f"u{x.dtype.itemsize}")
+    negative_zero = word.type(1 << (8 * x.dtype.itemsize - 1))
+    if not np.any(x.view(word) == negative_zero):
+        return None
+    return np.empty(size, word), np.empty(size, word)
+
+
+def _clipped_3(size, axis, x, target, scratch):
     """_greater_into target of x's cells at offsets -1, 0, +1 along `axis`
     (1: rows, 2: columns) of (P, H, W) arrays, in that order, windows
     clipped to the plane."""
@@ -480,7 +497,7 @@ def _clipped_3(size, axis, x, target):
             into[axis] = slice(low, high)
             source = list(into)
             source[axis] = slice(low + offset, high + offset)
-            _greater_into(target[tuple(into)], x[tuple(source)])
+            _greater_into(target[tuple(into)], x[tuple(source)], scratch)
 
 
 @max_3x3_same.twin
@@ -490,9 +507,10 @@ def max_3x3_same_twin(x, value):
     maxima as they are, the same values)."""
     floor = x.dtype.type(-_FLT_MAX)
     rows = np.full(x.shape, floor, x.dtype)
-    _clipped_3(x.shape[2], 2, x, rows)
+    scratch = _select_scratch(x, x.size)
+    _clipped_3(x.shape[2], 2, x, rows, scratch)
     value[...] = floor
-    _clipped_3(x.shape[1], 1, rows, value)
+    _clipped_3(x.shape[1], 1, rows, value, scratch)
 
 
 @kernel
@@ -547,13 +565,14 @@ def max_3x3_stride2_twin(x, value):
     planes, h, w = x.shape
     out_h, out_w = value.shape[1], value.shape[2]
     kept = np.full((planes, h, out_w), floor, x.dtype)
+    scratch = _select_scratch(x, kept.size)
     for j in range(3):
         count = min(out_w, (w - j + 1) // 2)              # windows whose column j is in the row
-        _greater_into(kept[:, :, :count], x[:, :, j:j + 2 * count:2])
+        _greater_into(kept[:, :, :count], x[:, :, j:j + 2 * count:2], scratch)
     value[...] = floor
     for i in range(3):
         count = min(out_h, (h - i + 1) // 2)
-        _greater_into(value[:, :count], kept[:, i:i + 2 * count:2])
+        _greater_into(value[:, :count], kept[:, i:i + 2 * count:2], scratch)
 
 
 @kernel

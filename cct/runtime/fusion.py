@@ -414,12 +414,11 @@ def _mapped_values(values: FloatArray, shift: FloatArray, scale: FloatArray, bia
     return relu_values(v, slope) if relu else v
 
 
-def _summed_values(v: FloatArray, self_coeff: float, other: FloatArray, other_coeff: float) -> FloatArray:
-    """v * self_coeff + other * other_coeff, into v."""
-    if self_coeff != 1:
-        np.multiply(v, self_coeff, out=v)
-    np.add(v, other if other_coeff == 1 else other * other_coeff, out=v)
-    return v
+def _summed_values(v: FloatArray, self_coeff: float, other: FloatArray, other_coeff: float,
+                   out: FloatArray) -> FloatArray:
+    """v * self_coeff + other * other_coeff, into `out` (which may be v or other)."""
+    scaled = v if self_coeff == 1 else np.multiply(v, self_coeff)
+    return np.add(scaled, other if other_coeff == 1 else other * other_coeff, out=out)
 
 
 @_fused_pass.twin
@@ -431,7 +430,7 @@ def _fused_pass_twin(source: FloatArray, shift: FloatArray, scale: FloatArray, b
     if store_value:
         value[...] = v
     if summed:
-        _summed_values(v, self_coeff, other, other_coeff)
+        _summed_values(v, self_coeff, other, other_coeff, v)
     if relu2:
         relu_values(v, slope2)
     out[...] = v
@@ -450,8 +449,9 @@ def _kept_sum_pass_twin(values: FloatArray, shift: FloatArray, scale: FloatArray
                         slope1: float, relu1: bool, other: FloatArray, self_coeff: float, other_coeff: float,
                         slope2: float, relu2: bool, out: FloatArray) -> None:
     _mapped_values(values, shift, scale, bias, affine, slope1, relu1, out=values)
-    v = _summed_values(values.copy(), self_coeff, other, other_coeff)
-    out[...] = relu_values(v, slope2) if relu2 else v
+    _summed_values(values, self_coeff, other, other_coeff, out)     # (out may be other: value by value)
+    if relu2:
+        relu_values(out, slope2)
 
 
 def _execute(prepared: Prepared, threads: int) -> None:

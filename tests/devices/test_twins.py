@@ -68,9 +68,17 @@ def check(kernel, make):
 PLANES = [(1, 1, 1), (2, 1, 5), (2, 5, 1), (3, 2, 2), (2, 3, 3), (4, 7, 9), (2, 8, 8), (3, 13, 14)]
 
 
+def pooled_input(rng, shape, negative_zeros):
+    """Values for a max: with -0.0s (the twin then selects bits), or their
+    -0.0s made 0.0 (it takes fmax: equal values then have equal bits)."""
+    x = values(rng, shape)
+    return x if negative_zeros else x + F32(0)
+
+
 @pytest.mark.parametrize("shape", PLANES)
-def test_max_3x3_same(shape):
-    check(pooling_kernels.max_3x3_same, lambda rng: (values(rng, shape), values(rng, shape)))
+@pytest.mark.parametrize("negative_zeros", [True, False])
+def test_max_3x3_same(shape, negative_zeros):
+    check(pooling_kernels.max_3x3_same, lambda rng: (pooled_input(rng, shape, negative_zeros), values(rng, shape)))
 
 
 def _pooled(size):
@@ -78,9 +86,11 @@ def _pooled(size):
 
 
 @pytest.mark.parametrize("shape", PLANES + [(2, 4, 6), (2, 112, 111)])
-def test_max_3x3_stride2(shape):
+@pytest.mark.parametrize("negative_zeros", [True, False])
+def test_max_3x3_stride2(shape, negative_zeros):
     out = (shape[0], _pooled(shape[1]), _pooled(shape[2]))
-    check(pooling_kernels.max_3x3_stride2, lambda rng: (values(rng, shape), values(rng, out)))
+    check(pooling_kernels.max_3x3_stride2, lambda rng: (pooled_input(rng, shape, negative_zeros),
+                                                        values(rng, out)))
 
 
 @pytest.mark.parametrize("shape", PLANES)
