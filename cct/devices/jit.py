@@ -67,7 +67,8 @@ def kernel(function):
             types = _argument_types(args)
             if types not in calls:
                 calls[types] = tuple(_stand_in(a) for a in args)
-            return call.numpy_twin(*args)
+            with np.errstate(all="ignore"):       # a compiled kernel computes inf - inf silently too
+                return call.numpy_twin(*args)
         if call.numpy_twin is None:
             warm_up()                      # numba is needed now: the thread switches the twinned kernels too
         return _compiled(call)(*args)
