@@ -13,6 +13,7 @@ OpenCL is optional: `available()` says whether pyopencl and a platform with
 a device exist, and `devices()` lists them in a fixed order (platform, then
 device), which is what a device id (`cct.set_device(i)`, `--gpu i`) counts.
 """
+import collections
 import ctypes
 import ctypes.util
 import functools
@@ -107,7 +108,7 @@ class OpenCLDevice(Device):
         self._kernels = {}            # (file, kernel name) -> cl.Kernel, made once: each retrieval builds one
         self._lock = threading.RLock()
         self.moved = Traffic()
-        self._pending = []            # events of queued uploads, until done (_hold)
+        self._pending = collections.deque()   # events of queued uploads, oldest first, until done (_hold)
         self._aside = None            # the prefetch threads' queue (upload_aside), made on first use
         self.compute_units = int(cl_device.max_compute_units)
         # A CPU device's global memory is the host's, shared with the net's
@@ -165,8 +166,10 @@ class OpenCLDevice(Device):
         would wait for the copy) until the copy is done."""
         done = self._cl.command_execution_status.COMPLETE
         with self._lock:
-            self._pending = [e for e in self._pending if e.command_execution_status != done]
-            self._pending.append(event)
+            pending = self._pending
+            while pending and pending[0].command_execution_status == done:
+                pending.popleft()           # in order: the first not done, those after it are not either
+            pending.append(event)
 
     def upload_aside(self, buffer, host):
         host = np.ascontiguousarray(host, np.float32)
@@ -192,7 +195,7 @@ class OpenCLDevice(Device):
 
     def _queue_drained(self):
         with self._lock:
-            self._pending = []          # the queue is in order: every upload before is done
+            self._pending.clear()       # the queue is in order: every upload before is done
 
     def copy(self, dst, src, count, dst_offset=0, src_offset=0):
         if count:
