@@ -17,7 +17,7 @@
 #   python3.12 -m pip wheel --no-deps --no-build-isolation pyclblast-1.4.0.tar.gz -w dist
 #   python3.12 -m auditwheel repair --plat manylinux_2_35_x86_64 -w .whl dist/pyclblast-*.whl
 #   pip wheel --no-deps --no-build-isolation -w .whl .
-# The call: bash bench/run_on_device.sh [query] [bench] [tests] [schedules]   (carry .whl)
+# The call: bash bench/run_on_device.sh [query] [bench] [tests] [schedules] [traffic]   (carry .whl)
 set -u
 OUT=${OUT:-/tmp/cct-device-out}
 mkdir -p "$OUT"
@@ -56,6 +56,11 @@ for step in $steps; do
             --rounds 3 --tuned 2>&1 | tee "$OUT/schedule_lenet.log" | tail -12
         timeout "${SCHEDULE_SECONDS:-100}" python3 bench/bench_schedule.py --net googlenet --batch 8 --iterations 4 \
             --rounds 3 --tuned 2>&1 | tee "$OUT/schedule_googlenet.log" | tail -12 ;;
-    *) echo "unknown step $step (query, bench, tests, schedules)"; exit 2 ;;
+    traffic)     # issue 37: bytes and queue drains per CaffeNet iteration; the update kernels against the host's
+        timeout "${TRAFFIC_SECONDS:-200}" python3 bench/device_traffic.py --net caffenet --batch 256 --iterations 3 \
+            2>&1 | tee "$OUT/device_traffic.log" | tail -12
+        timeout "${TRAFFIC_SECONDS:-200}" python3 bench/device_update.py --batch 256 --rounds 3 \
+            2>&1 | tee "$OUT/device_update.log" | tail -4 ;;
+    *) echo "unknown step $step (query, bench, tests, schedules, traffic)"; exit 2 ;;
     esac
 done
