@@ -1,9 +1,9 @@
 """The OpenCL device: cct.devices.base's primitives on one OpenCL device,
 with pyopencl (context, one in-order queue for the compute and the
 transfers, a second for the prefetch threads' uploads, buffers) and
-CLBlast's SGEMM (pyclblast). Kernels are the `.cl` files in cct/devices/kernels/, built once
-per device and kept; a kernel that does not build raises DeviceError with
-the compiler's log.
+CLBlast's SGEMM (pyclblast). Kernels are the `.cl` files in
+cct/devices/kernels/, built once per device and kept; a kernel that does
+not build raises DeviceError with the compiler's log.
 
 Buffers are flat pyopencl arrays of float32; ops address them by element
 offsets (pyclblast ignores an array view's own offset, so views are never
