@@ -213,12 +213,13 @@ def _warm():
         _touch(0)
         while True:
             with _compile_lock:
-                waiting = [wrapper for wrapper in list(_stood_in) if wrapper.compiled is None]
+                # copies (one C call each: a partition's thread may add a call's types meanwhile)
+                waiting = [wrapper for wrapper in _stood_in.copy() if wrapper.compiled is None]
                 if not waiting:
                     _twins_stand_in = False    # from now a twinned kernel compiles on its first call
                     return
             for wrapper in waiting:
-                _compiled(wrapper, list(_stood_in[wrapper].values()))
+                _compiled(wrapper, list(_stood_in[wrapper].copy().values()))
     except Exception:        # noqa: BLE001  (the first compile on a call reports it)
         _twins_stand_in = False
 
