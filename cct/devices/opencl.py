@@ -30,6 +30,10 @@ WORK_GROUP = 256              # items per work group, rounded up to: one size fi
 # (and the loss gradient's scale, a quotient of two floats)
 BUILD_OPTIONS = {"update.cl": ["-cl-fp32-correctly-rounded-divide-sqrt"],
                  "loss.cl": ["-cl-fp32-correctly-rounded-divide-sqrt"]}
+# An upload up to this size is queued from a copy (the queue runs on); a larger
+# one, an input batch, waits for the queue instead of being copied on the host
+# first: it comes where the queue has little left to do (a forward's start)
+STAGED_BYTES = 4 << 20
 SQUARE_PARTS = 4096           # partial sums of clip_gradients' squares: work items enough to fill a GPU
 
 
@@ -152,14 +156,20 @@ class OpenCLDevice(Device):
         return self._arrays.empty(self.queue, (max(int(count), 1),), np.float32)
 
     def upload(self, buffer, host, offset=0):
-        if host.size:
-            # queued from a copy of its own, so the caller may write `host` at once
-            # and the queue does not drain here (a blocking copy waits for it all)
-            staged = np.array(host, np.float32, order="C", copy=True)
-            self.moved.count("up", staged.nbytes)
-            event = self._cl.enqueue_copy(self.queue, buffer.base_data, staged,
-                                          dst_offset=4 * (buffer.offset // 4 + offset), is_blocking=False)
-            self._hold(event)
+        if not host.size:
+            return
+        self.moved.count("up", 4 * host.size)
+        dst_offset = 4 * (buffer.offset // 4 + offset)
+        if 4 * host.size > STAGED_BYTES:
+            self._cl.enqueue_copy(self.queue, buffer.base_data, np.ascontiguousarray(host, np.float32),
+                                  dst_offset=dst_offset, is_blocking=True)
+            self._queue_drained()
+            return
+        # queued from a copy of its own, so the caller may write `host` at once
+        # and the queue does not drain here (a blocking copy waits for it all)
+        staged = np.array(host, np.float32, order="C", copy=True)
+        self._hold(self._cl.enqueue_copy(self.queue, buffer.base_data, staged, dst_offset=dst_offset,
+                                         is_blocking=False))
 
     def _hold(self, event):
         """Keep a queued upload's event (it holds the staged copy; dropped, it

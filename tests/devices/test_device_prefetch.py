@@ -1,8 +1,8 @@
 """A data layer's batches in a device run (issue 37's pipeline): the prefetch
 thread uploads each batch on the device's second queue as it loads it, so
-the compute queue moves no input; the numbers are the host run's. And an
-upload is queued from a copy of its own: the caller may write its array at
-once, and the queue does not drain."""
+the compute queue moves no input; the numbers are the host run's. And a
+small upload is queued from a copy of its own: the caller may write its
+array at once, and the queue does not drain; a large one waits instead."""
 import threading
 
 import numpy as np
@@ -116,6 +116,20 @@ def test_an_upload_is_queued_from_a_copy_of_its_own():
     out = np.empty_like(values)
     device.download(buffer, out)
     np.testing.assert_array_equal(out, expected)
+
+
+def test_a_large_upload_waits_for_the_queue_instead_of_a_copy():
+    from cct.devices.opencl import STAGED_BYTES
+    device = opencl_or_skip()
+    values = np.arange(STAGED_BYTES // 4 + 1, dtype=np.float32)
+    buffer = device.empty(values.size)
+    device.upload(buffer, np.ones(4, np.float32))         # a small one queued before
+    device.upload(buffer, values)
+    assert not device._pending                            # the queue drained: nothing held
+    values[...] = -1
+    out = np.empty_like(values)
+    device.download(buffer, out)
+    np.testing.assert_array_equal(out, np.arange(values.size, dtype=np.float32))
 
 
 def test_queued_uploads_are_let_go_once_done():
