@@ -46,7 +46,7 @@ import numpy.typing as npt
 
 from cct.core.arrays import FloatArray
 from cct.core.workspace import FRESH, Workspace
-from cct.devices.jit import kernel
+from cct.devices.jit import kernel, parallel_kernel, prange
 
 from .geometry import (ConvGeometry, channels_first_output, finish, lowered_shape, matmul_nt, pad_channels_first,
                        relu_value, relu_values, store_relu, unpad_channels_first, weights_as, window_view)
@@ -82,25 +82,23 @@ def lower(x: FloatArray, geom: ConvGeometry, out: Optional[FloatArray] = None, w
     return cols.reshape(geom.channels * geom.kernel_h * geom.kernel_w, n * geom.out_h * geom.out_w)
 
 
-@kernel
+@parallel_kernel
 def _lower_one_image(xp, kernel_h, kernel_w, stride_h, out_h, out_w, cols):
     """cols[(c, i, j), (oh, ow)] = xp[c, 0, oh*stride_h + i, ow + j]: one
     image's lowering at stride 1 along the width, no dilation: numpy's
     strided copy pays per inner row, and one image's rows are short. The
     plane view is taken once per channel, not per kernel offset."""
-    r = 0
-    for c in range(xp.shape[0]):
+    for c in prange(xp.shape[0]):
         plane = xp[c, 0]
         for i in range(kernel_h):
             for j in range(kernel_w):
-                row = cols[r]
+                row = cols[(c * kernel_h + i) * kernel_w + j]
                 k = 0
                 for y in range(out_h):
                     source = plane[y * stride_h + i]
                     for x in range(out_w):
                         row[k + x] = source[j + x]
                     k += out_w
-                r += 1
 
 
 @_lower_one_image.twin

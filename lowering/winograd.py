@@ -64,7 +64,7 @@ import numpy.typing as npt
 from cct.core.arrays import Array, Float32Array, FloatArray
 from cct.core.bits import same_bits
 from cct.core.workspace import FRESH, Workspace
-from cct.devices.jit import kernel
+from cct.devices.jit import kernel, parallel_kernel, prange
 
 from . import depthwise
 from .geometry import ConvGeometry, relu_value, relu_values, weights_as
@@ -471,15 +471,15 @@ def _gather_block(image, y0, x0, block):
                     target[c] = 0
 
 
-@kernel
+@parallel_kernel
 def _input_channels(image, pad_h, pad_w, m, tiles_h, tiles_w, v, first):
     """V[6j + k, first + t, c] = (B^T d B)[j, k] of every tile t and channel c
     of `image` (H, W, C), channels innermost, at alpha = 6: d the 6 x 6 block
     at (ty*m - pad_h, tx*m - pad_w) (m = 4: F(4x4, 3x3); 2: F(2x2, 5x5))."""
     channels = image.shape[2]
-    block = np.empty((6, 6, channels), np.float32)
-    rows = np.empty((6, 6, channels), np.float32)
-    for ty in range(tiles_h):
+    for ty in prange(tiles_h):
+        block = np.empty((6, 6, channels), np.float32)
+        rows = np.empty((6, 6, channels), np.float32)
         for tx in range(tiles_w):
             t = first + ty * tiles_w + tx
             _gather_block(image, ty * m - pad_h, tx * m - pad_w, block)
@@ -492,14 +492,14 @@ def _input_channels(image, pad_h, pad_w, m, tiles_h, tiles_w, v, first):
                      v[6 * j + 5, t], channels)
 
 
-@kernel
+@parallel_kernel
 def _input_channels_a4(image, pad_h, pad_w, m, tiles_h, tiles_w, v, first):
     """As _input_channels, at alpha = 4 (F(2x2, 3x3), m = 2): V[4j + k,
     first + t, c] from the 4 x 4 block at (ty*2 - pad_h, tx*2 - pad_w)."""
     channels = image.shape[2]
-    block = np.empty((4, 4, channels), np.float32)
-    rows = np.empty((4, 4, channels), np.float32)
-    for ty in range(tiles_h):
+    for ty in prange(tiles_h):
+        block = np.empty((4, 4, channels), np.float32)
+        rows = np.empty((4, 4, channels), np.float32)
         for tx in range(tiles_w):
             t = first + ty * tiles_w + tx
             _gather_block(image, ty * 2 - pad_h, tx * 2 - pad_w, block)
@@ -534,7 +534,7 @@ def _put_tile(done, ty, tx, bias, has_bias, slope, has_relu, out):
                 out[o, y, x] = relu_value(value, slope) if has_relu else value
 
 
-@kernel
+@parallel_kernel
 def _output_channels(product, variant, first, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out):
     """out (O, OH, OW) of one image from M = product[:, first:] (alpha^2,
     tiles, O), channels innermost: Y = A^T M A per tile as O-long vectors,
@@ -542,9 +542,9 @@ def _output_channels(product, variant, first, tiles_h, tiles_w, bias, has_bias, 
     m = 4 if variant == 1 else 2
     alpha = 4 if variant == 0 else 6
     outputs = out.shape[0]
-    half = np.empty((m, alpha, outputs), np.float32)
-    done = np.empty((m, m, outputs), np.float32)
-    for ty in range(tiles_h):
+    for ty in prange(tiles_h):
+        half = np.empty((m, alpha, outputs), np.float32)
+        done = np.empty((m, m, outputs), np.float32)
         for tx in range(tiles_w):
             t = first + ty * tiles_w + tx
             for col in range(alpha):              # half[:, col] = A^T M[col::alpha]

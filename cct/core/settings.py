@@ -274,6 +274,9 @@ KNOBS = (
     Knob("fit_cores", Switch(), True, "where workers is not given, a net runs on the cores other "
          "processes leave free, measured as it runs (cct.runtime.cores); the last bits of a result may "
          "differ between counts, so give workers for runs repeatable bit for bit", NET, "CCT_FIT_CORES"),
+    Knob("one_pool", Switch(), True, "OpenBLAS's threaded jobs run on the threads of cct's parallel "
+         "kernels (numba's OpenMP pool) while a TEST-phase net runs, so neither spins on the other's "
+         "cores (cct.devices.pool)", PROCESS, "CCT_ONE_POOL"),
     Knob("schedule", _SCHEDULE, "auto", "how a net runs its backward and a solver its iterations "
          "(cct.runtime.scheduler)", NET, "CCT_SCHEDULE", "cct.set_schedule, cct train --schedule"),
     Knob("priorities", Priorities(), {}, "how far a weight gradient (alpha) and another parameter "

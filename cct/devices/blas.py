@@ -32,11 +32,11 @@ class BlasThreads:
         # restore), so a count changed behind cct's back is set again there,
         # without a query of every library at every layer (2 us a layer).
         self._lock = threading.Lock()
-        self._libraries = ThreadpoolController().select(user_api="blas").lib_controllers
-        self._setters = [_setter(lib) for lib in self._libraries]
+        self.libraries = ThreadpoolController().select(user_api="blas").lib_controllers
+        self._setters = [_setter(lib) for lib in self.libraries]
         # the lowest count: a limit the user set (threadpool_limits) may have
         # reached only the libraries loaded then (numpy's, not scipy's later one)
-        self.default = min([lib.num_threads for lib in self._libraries] or [1])
+        self.default = min([lib.num_threads for lib in self.libraries] or [1])
         self.current = self.default
 
     def set(self, count):
@@ -50,19 +50,19 @@ class BlasThreads:
     def sync(self):
         """Set the count again in every library that reports another."""
         with self._lock:
-            for lib, setter in zip(self._libraries, self._setters):
+            for lib, setter in zip(self.libraries, self._setters):
                 if lib.get_num_threads() != self.current:
                     setter(self.current)
 
     def reported(self):
         """The largest count the libraries report now (1 without a BLAS
         library): a call into each, not threadpoolctl's scan of the process."""
-        return max([lib.get_num_threads() for lib in self._libraries] or [1])
+        return max([lib.get_num_threads() for lib in self.libraries] or [1])
 
     def identity(self):
         """(internal API, version, architecture) of each library: what a
         timing measured through them depends on."""
-        return [(lib.internal_api, lib.version, getattr(lib, "architecture", None)) for lib in self._libraries]
+        return [(lib.internal_api, lib.version, getattr(lib, "architecture", None)) for lib in self.libraries]
 
     def restore(self):
         """Back to the process's default count, in every library."""

@@ -45,9 +45,12 @@ compiled kernel bit for bit (tests/devices/test_twins.py).
 import functools
 import os
 import threading
+import types
 from typing import Any, Dict, Iterable, List
 
 import numpy as np
+
+from . import pool
 
 
 def kernel(function):
@@ -82,6 +85,50 @@ def kernel(function):
     call.numpy_twin = None
     call.twin = twin
     return call
+
+
+# A parallel kernel's outer loop (parallel_kernel): range, except in the
+# kernel's parallel form, which numba compiles with its prange there.
+prange = range
+PARALLEL_ELEMENTS = 2 ** 15     # below this (the first array's size) a pass costs less than starting the pool
+
+
+def parallel_kernel(function):
+    """A kernel whose outer loop is a `prange` (this module's): besides its
+    serial form (`kernel`'s, where prange is range) numba compiles it with
+    parallel=True, and a call runs that form on the one pool
+    (cct.devices.pool) where the pass running it has the pool and this step
+    more than one BLAS thread; elsewhere (a batch partition's step, a
+    process without the pool, a small array) the serial form. Each value
+    gets the same operations either way, so the same bits. It is called
+    from Python, not from another kernel; `.twin` is the serial form's."""
+    serial = kernel(function)
+
+    @functools.wraps(function)
+    def call(*args):
+        if pool.kernel_threads() > 1 and args[0].size >= PARALLEL_ELEMENTS:
+            return (call.parallel_form or _parallel(call))(*args)
+        return serial(*args)
+    call.serial = serial
+    call.parallel_form = None
+    call.twin = serial.twin
+    return call
+
+
+def _parallel(call):
+    """The parallel form of a parallel kernel: its code with numba's prange,
+    under a name of its own (numba's cache tells forms apart by name)."""
+    with _compile_lock:
+        if call.parallel_form is None:
+            _compiled(call.serial)                         # its callees compiled and bound first
+            import numba
+            function = call.serial.python_function
+            code = function.__code__.replace(co_name=function.__name__ + "_parallel",
+                                             co_qualname=function.__qualname__ + "_parallel")
+            namespace = dict(function.__globals__, prange=numba.prange)
+            parallel = types.FunctionType(code, namespace, code.co_name, function.__defaults__)
+            call.parallel_form = _compile(parallel, parallel=True)
+    return call.parallel_form
 
 
 def twinned():
@@ -151,18 +198,18 @@ def _compiled(wrapper, calls: Iterable[tuple] = ()):
     return wrapper.compiled
 
 
-def _compile(function):
+def _compile(function, parallel=False):
     # numba's colour highlighting (colorama) writes a colour reset to stdout
     # at exit where stdout is a pipe it thinks a terminal (every rank under
     # mpirun): stray bytes in the output of `cct time` and `cct train`
     os.environ.setdefault("NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING", "1")
     import numba
     try:
-        return numba.njit(nogil=True, cache=True, error_model="numpy")(function)
+        return numba.njit(nogil=True, cache=True, error_model="numpy", parallel=parallel)(function)
     except RuntimeError:
         # No writable cache place (a read-only install and no usable home or
         # NUMBA_CACHE_DIR): compile in memory, every process anew.
-        return numba.njit(nogil=True, error_model="numpy")(function)
+        return numba.njit(nogil=True, error_model="numpy", parallel=parallel)(function)
 
 
 _warming = None
@@ -211,6 +258,7 @@ def _warm():
     global _twins_stand_in
     try:
         _touch(0)
+        _start_pool()
         while True:
             with _compile_lock:
                 # copies (one C call each: a partition's thread may add a call's types meanwhile)
@@ -222,6 +270,16 @@ def _warm():
                 _compiled(wrapper, list(_stood_in[wrapper].copy().values()))
     except Exception:        # noqa: BLE001  (the first compile on a call reports it)
         _twins_stand_in = False
+
+
+def _start_pool():
+    """The one pool (cct.devices.pool) once numba runs; without it OpenBLAS
+    keeps its own threads, so a failure only costs the pool."""
+    from . import pool
+    try:
+        pool.start()
+    except Exception:        # noqa: BLE001
+        pass
 
 
 @kernel

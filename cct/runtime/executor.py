@@ -32,9 +32,9 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from cct.core.blob import Blob, Layout
-from cct.core.layer import Layer
+from cct.core.layer import TEST, Layer
 from cct.core.progress import Progress
-from cct.devices import jit
+from cct.devices import jit, pool
 from cct.runtime import fusion as fusion_module
 from cct.runtime import hybrid as hybrid_module
 from cct.runtime import memory_plan, scheduler
@@ -356,8 +356,10 @@ class Executor:
 
     def forward_range(self, start: int, end: int) -> float:
         """Layers start..end forward (Net.forward); their summed loss."""
+        pooled = False
         try:
             self.begin_forward(end)             # inside: a bad CCT_GPU still ends the forward
+            pooled = self._lend_pool()
             plan = self._current_plan()
             if plan is not None and plan.params_changed():
                 self.drop_plan()                # remade after this forward, with the new parameters
@@ -376,6 +378,8 @@ class Executor:
                 self._laid_out = Layout.epoch
         finally:
             self.end_forward()                  # a failing layer leaves no lowered BLAS count
+            if pooled:
+                pool.release()
             jit.warm_up()                       # numba's start-up after the first forward: its kernels' twins ran
         return loss
 
@@ -412,6 +416,7 @@ class Executor:
 
     def backward_range(self, start: int, end: int) -> None:
         """Layers start..end backward (Net.backward; start >= end)."""
+        pooled = self._lend_pool()
         try:
             if start == len(self.net.layers) - 1 and end == 0:
                 self.backward_all()             # the whole net: the schedule decides
@@ -424,6 +429,8 @@ class Executor:
                 self.backward(index)
         finally:
             self.finish()
+            if pooled:
+                pool.release()
 
     def _backward_plan(self) -> Optional[Plan]:
         """The plan for a backward on the host, layer after layer."""
@@ -439,6 +446,14 @@ class Executor:
         if device is not None:
             return net.layers[index].weighted_loss_on(device, net.top_vecs[index])
         return net.layers[index].weighted_loss(net.top_vecs[index])
+
+    def _lend_pool(self) -> bool:
+        """A pass of a TEST-phase net runs OpenBLAS's jobs on the one pool,
+        where its parallel kernels (fused passes, Winograd's transforms, one
+        image's lowering) run too; a training net's GEMMs keep OpenBLAS's
+        threads (they measured 1.05-1.1x the time on the pool: BENCHMARKS.md,
+        "One pool"). Pair a True with pool.release()."""
+        return self.net.phase == TEST and pool.acquire(self.threads)
 
     def begin_forward(self, end: Optional[int]) -> None:
         """A Net.forward through layer `end` starts: a ReLU is fused only into a

@@ -17,6 +17,8 @@ def test_kernel_compiles_on_first_call_and_computes():
 
 
 def test_no_writable_cache_falls_back_to_compiling_in_memory(monkeypatch):
+    jit.warm_up()
+    jit.warmed_up()                 # numba's start-up thread compiles nothing while njit is replaced
     import numba
     real_njit = numba.njit
     asked = []
