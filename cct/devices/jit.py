@@ -112,6 +112,7 @@ def parallel_kernel(function):
     call.serial = serial
     call.parallel_form = None
     call.twin = serial.twin
+    _parallel_kernels.append(call)
     return call
 
 
@@ -146,6 +147,7 @@ def compiled(function):
 
 _compile_lock = threading.RLock()          # re-entrant: a kernel compiles its callees first
 _twinned: List[Any] = []                   # the wrappers given a twin, in the order they were
+_parallel_kernels: List[Any] = []          # parallel_kernel's wrappers
 _twins_stand_in = True                     # until the warm-up thread has switched the kernels their twins ran for
 # the wrappers whose twins ran -> {their arguments' types: stand-ins of those
 # arguments}: the thread compiles each kernel for those types
@@ -258,28 +260,41 @@ def _warm():
     global _twins_stand_in
     try:
         _touch(0)
-        _start_pool()
+        pooled = _start_pool()
         while True:
             with _compile_lock:
                 # copies (one C call each: a partition's thread may add a call's types meanwhile)
                 waiting = [wrapper for wrapper in _stood_in.copy() if wrapper.compiled is None]
                 if not waiting:
                     _twins_stand_in = False    # from now a twinned kernel compiles on its first call
-                    return
+                    break
             for wrapper in waiting:
                 _compiled(wrapper, list(_stood_in[wrapper].copy().values()))
+        if pooled:
+            _parallel_forms()
     except Exception:        # noqa: BLE001  (the first compile on a call reports it)
         _twins_stand_in = False
 
 
+def _parallel_forms():
+    """The parallel forms of the parallel kernels whose serial forms ran,
+    for the argument types they ran with: compiled here, not in a forward."""
+    from numba import typeof
+    for call in _parallel_kernels:
+        calls = _stood_in.get(call.serial)
+        if calls:
+            form = _parallel(call)
+            for args in list(calls.copy().values()):
+                form.compile(tuple(typeof(a) for a in args))
+
+
 def _start_pool():
-    """The one pool (cct.devices.pool) once numba runs; without it OpenBLAS
-    keeps its own threads, so a failure only costs the pool."""
-    from . import pool
+    """The one pool (cct.devices.pool) once numba runs, and whether it did;
+    without it OpenBLAS keeps its own threads, so a failure only costs the pool."""
     try:
-        pool.start()
+        return pool.start()
     except Exception:        # noqa: BLE001
-        pass
+        return False
 
 
 @kernel
