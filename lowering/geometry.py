@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from cct.core.arrays import FloatArray
 from cct.core.workspace import Workspace
-from cct.devices.jit import kernel
+from cct.devices.jit import kernel, parallel_kernel, prange
 
 Shape4 = Tuple[int, int, int, int]
 
@@ -214,18 +214,18 @@ def relu_value(v, slope):
     return v if v > 0 else v * slope
 
 
-@kernel
+@parallel_kernel
 def _bias_relu(out, bias, slope):
     """out (N, C, S) in place: + bias[c] (an empty bias adds nothing), then
     relu_value; the same operations, so the same numbers, as the two passes."""
     batch, channels, inner = out.shape
-    for n in range(batch):
-        for c in range(channels):
-            for s in range(inner):
-                v = out[n, c, s]
-                if bias.shape[0]:
-                    v = v + bias[c]
-                out[n, c, s] = relu_value(v, slope)
+    for plane in prange(batch * channels):
+        n, c = plane // channels, plane % channels
+        for s in range(inner):
+            v = out[n, c, s]
+            if bias.shape[0]:
+                v = v + bias[c]
+            out[n, c, s] = relu_value(v, slope)
 
 
 def relu_values(v: FloatArray, slope: Any) -> FloatArray:

@@ -16,7 +16,7 @@ import cct
 from cct.core import settings
 from cct.devices import jit, pool
 from cct.devices.blas import blas, blas_limited
-from cct.lowering import type1, winograd
+from cct.lowering import depthwise, geometry, type1, winograd
 from cct.runtime import fusion
 
 F32 = np.float32
@@ -147,8 +147,13 @@ def _parallel_cases(rng):
     values = rng.standard_normal((1, 64, 900), dtype=F32)
     maps = [rng.standard_normal(64, dtype=F32) for _ in range(3)]
     other, summed = rng.standard_normal((1, 64, 900), dtype=F32), np.zeros((1, 64, 900), F32)
+    planes = rng.standard_normal((32, 40, 40), dtype=F32)
+    depthwise_weights = rng.standard_normal((32, 9), dtype=F32)
+    depthwise_out = np.zeros((32, 38 * 38), F32)
     return [
         (type1._lower_one_image, (image, 3, 3, 1, 68, 68, cols)),
+        (depthwise._forward, (planes, depthwise_weights, 3, 3, 1, 1, 0, 0, 1, 1, 38, 38, depthwise_out)),
+        (geometry._bias_relu, (rng.standard_normal((1, 32, 1600), dtype=F32), maps[0][:32].copy(), F32(0.1))),
         (winograd._input_channels, (channels, 1, 1, 4, tiles, tiles, v6, 0)),
         (winograd._input_channels_a4, (channels, 1, 1, 2, 20, 20, v4, 0)),
         (winograd._output_channels, (product, 1, 0, tiles, tiles, maps[0][:48].copy(), True, F32(0), True, out)),
@@ -158,7 +163,7 @@ def _parallel_cases(rng):
     ]
 
 
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(8))
 def test_parallel_kernels_same_bits(two_threads, case):
     serial_args = _parallel_cases(np.random.default_rng(5))[case]
     kernel, arguments = serial_args
