@@ -18,9 +18,12 @@ A loop vectorises only over unit-stride slices indexed by its own counter
 LLVM from vectorising, which is why a first compiled max-pooling forward
 ran slower than numpy.
 
-Kernels are serial and release the GIL (`nogil`): cct's parallelism is the
-executor's batch partitions (cct.runtime.executor), each on its own thread, so a
-kernel never starts threads of its own that would compete with OpenBLAS's.
+Kernels release the GIL (`nogil`) and are serial: cct's parallelism is the
+executor's batch partitions (cct.runtime.executor), each on its own thread.
+A `parallel_kernel` also has a parallel form, run only on the one pool
+(cct.devices.pool), whose threads are OpenBLAS's for that pass too, so
+that its threads never compete with OpenBLAS's: where the pool is not
+lent, or a partition's step has one thread, the serial form runs.
 `cache` keeps the compiled code in __pycache__ (NUMBA_CACHE_DIR elsewhere),
 so only the first run on a machine pays the compile time.
 
