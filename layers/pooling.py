@@ -16,6 +16,7 @@ from cct.core.blob import Blob
 from cct.core.layer import TRAIN, Layer, register
 from cct.proto import caffe_pb2
 from cct.core.rng import get_rng
+from cct.devices import pool
 import cct.layers.pooling_kernels as kernels
 
 MAX, AVE, STOCHASTIC = (caffe_pb2.PoolingParameter.MAX, caffe_pb2.PoolingParameter.AVE,
@@ -41,6 +42,13 @@ def pooled_size(size, kernel, stride, pad, ceil, padded):
 # 0.6-0.9x as fast split; at batch 16 1.1-2.0x faster (BENCHMARKS.md,
 # "Pooling kernels (issue 20)").
 PARALLEL_ELEMENTS = 1 << 20
+
+
+def _on_pool(function):
+    """Whether `function` is a parallel kernel that runs on the one pool now
+    (cct.devices.pool): then one call splits itself on its threads, instead
+    of pieces handed to the executor's workers."""
+    return hasattr(function, "parallel_form") and pool.kernel_threads() > 1
 
 
 def _planes(array, written=False):
@@ -215,7 +223,7 @@ class Pooling(Layer):
         a layer run whole on several threads (its spread), over ranges of
         planes at once."""
         count = outputs[0].shape[0]
-        if self._serial(planes + outputs):
+        if self._serial(planes + outputs) or _on_pool(function):
             function(*planes, *settings, *outputs)
             return
         edges = np.linspace(0, count, min(self._spread.parts, count) + 1).astype(int)

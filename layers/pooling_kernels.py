@@ -11,7 +11,7 @@ kernels (issue 20)".
 """
 import numpy as np
 
-from cct.devices.jit import kernel
+from cct.devices.jit import PLANE_GROUPS, kernel, parallel_kernel, prange
 
 _FLT_MAX = float(np.finfo(np.float32).max)    # Caffe starts every max at -FLT_MAX
 # Padded input cells per block of planes in the kernels: the block's copies
@@ -424,32 +424,34 @@ def _keep_greater2(a, b, target, count):
         target[t] = v if v > best else best
 
 
-@kernel
+@parallel_kernel
 def max_3x3_same(x, value):
     """value (P, H, W) = the maxima of the 3 x 3 windows of x (P, H, W) at
     stride 1, padding 1 (the window clipped to the plane), without winners."""
     planes, h, w = x.shape
     cells = h * w
-    rows = np.empty(cells, x.dtype)
-    for p in range(planes):
-        source = x[p].reshape(cells)
-        target = value[p].reshape(cells)
-        if w == 1:     # one column: each row's window is its one cell
-            _keep_greater1(source, rows, cells)
-        else:          # rows[i] = max over columns i-1..i+1 of the same row
-            _keep_greater3(source[:cells - 2], source[1:cells - 1], source[2:], rows[1:cells - 1], cells - 2)
-            for y in range(h):
-                first, last = y * w, y * w + w - 1
-                _keep_greater2(source[first:first + 1], source[first + 1:first + 2], rows[first:first + 1], 1)
-                _keep_greater2(source[last - 1:last], source[last:last + 1], rows[last:last + 1], 1)
-        if h == 1:
-            target[:] = rows
-        else:          # value[i] = max over rows y-1..y+1 of rows[]
-            if h > 2:
-                _keep_greater3(rows[:cells - 2 * w], rows[w:cells - w], rows[2 * w:], target[w:cells - w],
-                               cells - 2 * w)
-            _keep_greater2(rows[:w], rows[w:2 * w], target[:w], w)
-            _keep_greater2(rows[cells - 2 * w:cells - w], rows[cells - w:], target[cells - w:], w)
+    groups = min(planes, PLANE_GROUPS)
+    for group in prange(groups):
+        rows = np.empty(cells, x.dtype)
+        for p in range(group * planes // groups, (group + 1) * planes // groups):
+            source = x[p].reshape(cells)
+            target = value[p].reshape(cells)
+            if w == 1:     # one column: each row's window is its one cell
+                _keep_greater1(source, rows, cells)
+            else:          # rows[i] = max over columns i-1..i+1 of the same row
+                _keep_greater3(source[:cells - 2], source[1:cells - 1], source[2:], rows[1:cells - 1], cells - 2)
+                for y in range(h):
+                    first, last = y * w, y * w + w - 1
+                    _keep_greater2(source[first:first + 1], source[first + 1:first + 2], rows[first:first + 1], 1)
+                    _keep_greater2(source[last - 1:last], source[last:last + 1], rows[last:last + 1], 1)
+            if h == 1:
+                target[:] = rows
+            else:          # value[i] = max over rows y-1..y+1 of rows[]
+                if h > 2:
+                    _keep_greater3(rows[:cells - 2 * w], rows[w:cells - w], rows[2 * w:], target[w:cells - w],
+                                   cells - 2 * w)
+                _keep_greater2(rows[:w], rows[w:2 * w], target[:w], w)
+                _keep_greater2(rows[cells - 2 * w:cells - w], rows[cells - w:], target[cells - w:], w)
 
 
 # The twins (cct.devices.jit) of the deploy nets' pooling kernels: the same
@@ -513,7 +515,7 @@ def max_3x3_same_twin(x, value):
     _clipped_3(x.shape[1], 1, rows, value, scratch)
 
 
-@kernel
+@parallel_kernel
 def max_3x3_stride2(x, value):
     """value (P, PH, PW) = the maxima of the 3 x 3 windows of x (P, H, W) at
     stride 2 without padding, windows past the edge clipped (ceil rounding),
@@ -527,34 +529,36 @@ def max_3x3_stride2(x, value):
     planes, h, w = x.shape
     out_h, out_w = value.shape[1], value.shape[2]
     floor = x.dtype.type(-_FLT_MAX)
-    kept = np.empty((h, out_w), x.dtype)
     inside = min(out_w, (w - 1) // 2)          # windows whose three columns are all in the row
     one, two = np.uint64(1), np.uint64(2)
-    for p in range(planes):
-        plane = x[p]
-        for y in range(h):
-            row, target = plane[y], kept[y]
-            for o in range(np.uint64(inside)):
-                c = o + o
-                u, v, t = row[c], row[c + one], row[c + two]
-                best = u if u > floor else floor
-                best = v if v > best else best
-                target[o] = t if t > best else best
-            for o in range(inside, out_w):         # the windows the row's end clips
-                best = floor
-                for c in range(2 * o, min(2 * o + 3, w)):
-                    u = row[c]
-                    best = u if u > best else best
-                target[o] = best
-        for oy in range(out_h):
-            first = 2 * oy
-            target = value[p, oy]
-            if first + 2 < h:
-                _keep_greater3(kept[first], kept[first + 1], kept[first + 2], target, out_w)
-            elif first + 1 < h:
-                _keep_greater2(kept[first], kept[first + 1], target, out_w)
-            else:
-                _keep_greater1(kept[first], target, out_w)
+    groups = min(planes, PLANE_GROUPS)
+    for group in prange(groups):
+        kept = np.empty((h, out_w), x.dtype)
+        for p in range(group * planes // groups, (group + 1) * planes // groups):
+            plane = x[p]
+            for y in range(h):
+                row, target = plane[y], kept[y]
+                for o in range(np.uint64(inside)):
+                    c = o + o
+                    u, v, t = row[c], row[c + one], row[c + two]
+                    best = u if u > floor else floor
+                    best = v if v > best else best
+                    target[o] = t if t > best else best
+                for o in range(inside, out_w):         # the windows the row's end clips
+                    best = floor
+                    for c in range(2 * o, min(2 * o + 3, w)):
+                        u = row[c]
+                        best = u if u > best else best
+                    target[o] = best
+            for oy in range(out_h):
+                first = 2 * oy
+                target = value[p, oy]
+                if first + 2 < h:
+                    _keep_greater3(kept[first], kept[first + 1], kept[first + 2], target, out_w)
+                elif first + 1 < h:
+                    _keep_greater2(kept[first], kept[first + 1], target, out_w)
+                else:
+                    _keep_greater1(kept[first], target, out_w)
 
 
 @max_3x3_stride2.twin

@@ -21,7 +21,7 @@ by its own counter, so it vectorises at stride 1.
 """
 import numpy as np
 
-from cct.devices.jit import kernel, parallel_kernel, prange
+from cct.devices.jit import PLANE_GROUPS, kernel, parallel_kernel, prange
 
 from .geometry import finish, weights_as
 
@@ -144,9 +144,6 @@ def _taps(weights, kernel_h, kernel_w, stride_h, stride_w, dilation_h, dilation_
                 else:
                     for t in range(count):
                         values[t] += weight * cells[t]
-
-
-PLANE_GROUPS = 16      # the forward's planes in this many groups, each with its buffers: a thread's share
 
 
 @parallel_kernel

@@ -94,6 +94,7 @@ def kernel(function):
 # kernel's parallel form, which numba compiles with its prange there.
 prange = range
 PARALLEL_ELEMENTS = 2 ** 15     # below this (the first array's size) a pass costs less than starting the pool
+PLANE_GROUPS = 16               # a parallel kernel over planes takes them in this many groups, each with its scratch
 
 
 def parallel_kernel(function):

@@ -16,6 +16,7 @@ import cct
 from cct.core import settings
 from cct.devices import jit, pool
 from cct.devices.blas import blas, blas_limited
+from cct.layers import pooling_kernels
 from cct.lowering import depthwise, geometry, type1, winograd
 from cct.runtime import fusion
 
@@ -150,7 +151,10 @@ def _parallel_cases(rng):
     planes = rng.standard_normal((32, 40, 40), dtype=F32)
     depthwise_weights = rng.standard_normal((32, 9), dtype=F32)
     depthwise_out = np.zeros((32, 38 * 38), F32)
+    pooled = rng.standard_normal((40, 29, 29), dtype=F32)
     return [
+        (pooling_kernels.max_3x3_same, (pooled, np.zeros((40, 29, 29), F32))),
+        (pooling_kernels.max_3x3_stride2, (pooled, np.zeros((40, 14, 14), F32))),
         (type1._lower_one_image, (image, 3, 3, 1, 68, 68, cols)),
         (depthwise._forward, (planes, depthwise_weights, 3, 3, 1, 1, 0, 0, 1, 1, 38, 38, depthwise_out)),
         (geometry._bias_relu, (rng.standard_normal((1, 32, 1600), dtype=F32), maps[0][:32].copy(), F32(0.1))),
@@ -163,7 +167,7 @@ def _parallel_cases(rng):
     ]
 
 
-@pytest.mark.parametrize("case", range(8))
+@pytest.mark.parametrize("case", range(10))
 def test_parallel_kernels_same_bits(two_threads, case):
     serial_args = _parallel_cases(np.random.default_rng(5))[case]
     kernel, arguments = serial_args
