@@ -135,6 +135,33 @@ def test_net_same_bits_with_and_without(two_threads):
     assert all(np.array_equal(lent[name], blob.data) for name, blob in net.blobs.items())
 
 
+def test_two_threads_run_nets_on_the_pool_at_once(two_threads):
+    """Two threads' passes at once each get an OpenMP team (numba's GNU OpenMP
+    layer is thread-safe): both finish, with the numbers of one alone."""
+    import threading
+    nets = [small_net(), small_net()]
+    with settings.override(workers=2):
+        nets[0].forward()
+        alone = nets[0].blobs["c2"].data.copy()
+        outputs, errors = [None, None], []
+
+        def run(k):
+            try:
+                for _ in range(5):
+                    nets[k].forward()
+                outputs[k] = nets[k].blobs["c2"].data.copy()
+            except Exception as error:          # noqa: BLE001  (reported below)
+                errors.append(error)
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    assert not errors and not any(thread.is_alive() for thread in threads)
+    assert all(np.array_equal(output, alone) for output in outputs)
+    assert pool._pool.lent == 0
+
+
 def _parallel_cases(rng):
     """(kernel, arguments) of each parallel kernel, above PARALLEL_ELEMENTS."""
     image = rng.standard_normal((8, 1, 70, 70), dtype=F32)
