@@ -113,12 +113,6 @@ def start() -> bool:
         return True
 
 
-def size() -> int:
-    """Threads a parallel kernel may use now: the pool's (1 without one)."""
-    pool = _pool
-    return pool.size if pool is not None and pool.lent else 1
-
-
 _local = threading.local()           # the numba count this thread last set (kernel_threads)
 
 

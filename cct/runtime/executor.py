@@ -449,10 +449,10 @@ class Executor:
 
     def _lend_pool(self) -> bool:
         """A pass of a TEST-phase net runs OpenBLAS's jobs on the one pool,
-        where its parallel kernels (fused passes, Winograd's transforms, one
-        image's lowering) run too; a training net's GEMMs keep OpenBLAS's
-        threads (they measured 1.05-1.1x the time on the pool: BENCHMARKS.md,
-        "One pool"). Pair a True with pool.release()."""
+        where its parallel kernels (fused passes, Winograd's transforms,
+        poolings, ...) run too; a training net has none, and its steps took
+        1.02-1.12x the time with its GEMMs on the pool (BENCHMARKS.md, "One
+        pool"), so it keeps OpenBLAS's threads. Pair a True with pool.release()."""
         return self.net.phase == TEST and pool.acquire(self.threads)
 
     def begin_forward(self, end: Optional[int]) -> None:
