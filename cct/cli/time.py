@@ -10,7 +10,8 @@ import time
 import numpy as np
 
 from cct.core.errors import ConfigError
-from cct.devices import jit
+from cct.core.layer import TEST
+from cct.devices import jit, pool
 from cct.cli.commands import (GPU, HYBRID, LEVEL, MEMORY_LIMIT, PHASE, SCHEDULE, STAGE, apply_gpu,
                               apply_memory_limit, apply_schedule, arguments, check_iterations, command, flag, fmt,
                               phase, require, stages)
@@ -132,6 +133,7 @@ def time_command(args):
     log.info("Total Time: %s ms.", fmt(total_ms))
     log.info("%s", startup_line(startup, forward_ms.sum()))
     log.info("Threads: %s", net.executor.threads_reason())
+    log.info("One pool: %s", pool.describe(net.phase == TEST))
     for line in profile_table(net, forward_ms, backward_ms, peak, bandwidth):
         log.info("%s", line)
     for line in placement_lines(net):

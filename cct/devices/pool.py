@@ -60,6 +60,7 @@ class _Pool:
 
 _pool: Optional[_Pool] = None
 _start_lock = threading.Lock()
+_absent = "numba not started yet"      # why there is no pool (describe)
 
 
 def _setters(top_slot: int) -> List[Any]:
@@ -92,11 +93,12 @@ def _symbol(lib: Any, names: List[str]) -> Any:
 def start() -> bool:
     """Compile the callback and start numba's threads (numba's warm-up
     thread calls this once numba runs); whether the pool is there."""
-    global _pool
+    global _pool, _absent
     with _start_lock:
         if _pool is not None:
             return True
         if not settings.value("one_pool"):
+            _absent = "off (the one_pool setting, CCT_ONE_POOL=0)"
             return False
         import numba
         from numba.np.ufunc import parallel
@@ -108,12 +110,24 @@ def start() -> bool:
         openmp.run_jobs(openmp.nothing.address, 1, 0, 0, 0)    # compiled, and the threading layer chosen
         setters = _setters(openmp.TOP_SLOT)
         if not setters or numba.threading_layer() not in _LAYERS:
+            _absent = (f"none: numba's threading layer is {numba.threading_layer()}, not GNU OpenMP" if setters
+                       else "none: no OpenBLAS 0.3.27 or later (pthreads, MAX_THREADS > 63) with the callback")
             return False
         _pool = _Pool(openmp.callback.address, setters, numba.config.NUMBA_NUM_THREADS)
         return True
 
 
 _local = threading.local()           # the numba count this thread last set (kernel_threads)
+
+
+def describe(phase_test: bool) -> str:
+    """One line for `cct time`: whether a net of this phase runs on the pool, and why not."""
+    pool = _pool
+    if pool is None:
+        return _absent
+    if not phase_test:
+        return f"{pool.size} GNU OpenMP threads, not lent to a TRAIN-phase net (OpenBLAS's own threads)"
+    return f"{pool.size} GNU OpenMP threads run OpenBLAS's jobs and cct's parallel kernels"
 
 
 def kernel_threads() -> int:
@@ -157,8 +171,9 @@ def release() -> None:
 
 def _after_fork_in_child() -> None:
     """A child forked mid-pass: OpenBLAS back on its own threads, the pool gone."""
-    global _pool
+    global _pool, _absent
     pool, _pool = _pool, None
+    _absent = "none in a forked child"
     if pool is not None:
         pool.install(None)
 

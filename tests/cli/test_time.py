@@ -24,6 +24,8 @@ def test_time_output_format(run_folder, capsys):
         assert any(re.fullmatch(rf"{label}: [0-9.e+-]+ ms\.", m) for m in text), label
     assert sum(m.startswith("Iteration: ") and "forward-backward time" in m for m in text) == 3
     assert text.index("*** Benchmark begins ***") < text.index("*** Benchmark ends ***")
+    pool_line = next(m for m in text if m.startswith("One pool: "))     # cct time builds in TRAIN
+    assert "not lent to a TRAIN-phase net" in pool_line or pool_line.startswith(("One pool: none", "One pool: off"))
 
 
 @pytest.mark.slow
