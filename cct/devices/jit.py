@@ -194,10 +194,7 @@ def _compiled(wrapper, calls: Iterable[tuple] = ()):
                 if hasattr(callee, "python_function"):
                     namespace[name] = _compiled(callee)  # an imported one is bound here too
             compiled = _compile(function)
-            if calls:
-                from numba import typeof
-                for args in calls:
-                    compiled.compile(tuple(typeof(a) for a in args))
+            _compile_for(compiled, calls)
             if namespace.get(function.__name__) is wrapper:
                 namespace[function.__name__] = compiled
             wrapper.compiled = compiled
@@ -283,13 +280,18 @@ def _warm():
 def _parallel_forms():
     """The parallel forms of the parallel kernels whose serial forms ran,
     for the argument types they ran with: compiled here, not in a forward."""
-    from numba import typeof
     for call in _parallel_kernels:
         calls = _stood_in.get(call.serial)
         if calls:
-            form = _parallel(call)
-            for args in list(calls.copy().values()):
-                form.compile(tuple(typeof(a) for a in args))
+            _compile_for(_parallel(call), list(calls.copy().values()))
+
+
+def _compile_for(dispatcher, calls: Iterable[tuple]) -> None:
+    """numba's `dispatcher` compiled for each call's argument types (stand-ins)."""
+    if calls:
+        from numba import typeof
+        for args in calls:
+            dispatcher.compile(tuple(typeof(a) for a in args))
 
 
 def _start_pool():

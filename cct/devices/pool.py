@@ -150,7 +150,7 @@ def acquire(threads: int) -> bool:
     go to the pool during it where the pool holds them all. Returns whether
     it did; pair each True with a release()."""
     pool = _pool
-    if pool is None or max(threads, blas().current) > min(pool.size, pool.threads()):
+    if pool is None or max(threads, blas().current) > pool.threads():      # at most pool.size
         return False
     with pool.lock:
         if not pool.lent:
