@@ -120,9 +120,9 @@ PASS_CHUNK = 4096
 # Run.prepare's pass: its arrays (source, shift, scale, bias, value, other, out) and its flags (affine,
 # slope1, relu1, store_value, self_coeff, other_coeff, summed, slope2, relu2, in place, kept sum)
 Prepared = Tuple[List[FloatArray], Tuple[bool, float, bool, bool, float, float, bool, float, bool, bool, bool]]
-# ParamWatch's per word width: the arrays (a list; a numba typed List once numba is ready), their
-# snapshots end to end, the offsets
-Watched = Tuple[Any, Array, Array]
+# ParamWatch's per word width: the arrays (kept alive: the compiled check reads them at
+# their addresses), their addresses, their snapshots end to end, the offsets
+Watched = Tuple[List[Array], Array, Array, Array]
 
 
 @kernel
@@ -508,30 +508,16 @@ def _same_bits(current: Array, snapshot: Array) -> bool:
     return True
 
 
-@kernel
-def _first_changed(currents: Sequence[Array], snapshot: Array, offsets: Array) -> int:
-    """The index of the first of `currents` (flat unsigned views) whose bits
-    are not its piece of `snapshot` (offsets[i] to offsets[i + 1]), else -1."""
-    for i in range(len(currents)):
-        current, start = currents[i], offsets[i]
-        if current.shape[0] != offsets[i + 1] - start:
-            return i
-        differs = current.dtype.type(0)
-        for j in range(current.shape[0]):    # no early exit, unsigned indices: the loop vectorises
-            differs |= current[j] ^ snapshot[start + np.uint64(j)]
-        if differs:
-            return i
-    return -1
-
-
 @_same_bits.twin
 def _same_bits_twin(current: Array, snapshot: Array) -> bool:
     return current.shape[0] == snapshot.shape[0] and bool(np.array_equal(current, snapshot))
 
 
-def _first_changed_twin(currents: Sequence[Array], snapshot: Array, offsets: Array) -> int:
-    """_first_changed's twin, called by ParamWatch itself while numba is not
-    ready (its arrays are then a Python list, which the kernel does not take)."""
+def _first_changed(currents: Sequence[Array], snapshot: Array, offsets: Array) -> int:
+    """The index of the first of `currents` (flat unsigned views) whose bits
+    are not its piece of `snapshot` (offsets[i] to offsets[i + 1]), else -1:
+    cct.devices.addressed.first_changed's twin, called by ParamWatch itself
+    while numba is not ready (the kernel takes the arrays' addresses)."""
     for i, current in enumerate(currents):
         start, stop = int(offsets[i]), int(offsets[i + 1])
         if current.shape[0] != stop - start or not np.array_equal(current, snapshot[start:stop]):
@@ -553,21 +539,20 @@ class ParamWatch:
                 pieces[word][0].append(data.reshape(-1).view(word))
                 pieces[word][1].append(snapshot.view(word))
         self.groups = [_watched(arrays, snapshots) for arrays, snapshots in pieces.values() if arrays]
-        self.typed = False                # the arrays in numba typed Lists, once numba is ready
 
     def changed(self) -> bool:
         if not jit.ready():
-            return any(_first_changed_twin(*group) >= 0 for group in self.groups)
-        if not self.typed:
-            from numba.typed import List
-            self.groups = [(List(arrays), snapshot, offsets) for arrays, snapshot, offsets in self.groups]
-            self.typed = True
-        return any(_first_changed(*group) >= 0 for group in self.groups)
+            return any(_first_changed(arrays, snapshot, offsets) >= 0
+                       for arrays, _, snapshot, offsets in self.groups)
+        from cct.devices import addressed         # numba is started: no import cost here
+        return any(addressed.first_changed(addresses, snapshot, offsets) >= 0
+                   for _, addresses, snapshot, offsets in self.groups)
 
 
 def _watched(arrays: List[Array], snapshots: List[Array]) -> Watched:
     offsets = np.cumsum([0] + [piece.size for piece in snapshots]).astype(np.uint64)
-    return arrays, np.concatenate(snapshots), offsets
+    addresses = np.array([array.ctypes.data for array in arrays], np.uint64)
+    return arrays, addresses, np.concatenate(snapshots), offsets
 
 
 def _bits(values: Array) -> Array:

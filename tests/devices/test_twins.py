@@ -255,21 +255,23 @@ def test_same_bits(case):
     check(fusion._same_bits, make)
 
 
+@pytest.mark.parametrize("word", [np.uint32, np.uint64])
 @pytest.mark.parametrize("changed", [None, 0, 2])
-def test_first_changed(changed):
-    """ParamWatch's check, whose twin it calls itself (the kernel takes a
-    numba typed List)."""
-    from numba.typed import List
+def test_first_changed(changed, word):
+    """ParamWatch's check, whose twin it calls itself (the kernel takes the
+    arrays' addresses), by 4- and 8-byte words."""
+    from cct.devices import addressed
     rng = np.random.default_rng(3)
-    pieces = [values(rng, (n,)).view(np.uint32) for n in (3, 1, 8)]
+    pieces = [values(rng, (2 * n,)).view(word) for n in (3, 1, 8)]
     snapshots = [piece.copy() for piece in pieces]
     if changed is not None:
         pieces[changed][-1] ^= 1
     offsets = np.cumsum([0] + [p.size for p in snapshots]).astype(np.uint64)
     snapshot = np.concatenate(snapshots)
     expected = -1 if changed is None else changed
-    assert fusion._first_changed_twin(pieces, snapshot, offsets) == expected
-    assert jit.compiled(fusion._first_changed)(List(pieces), snapshot, offsets) == expected
+    addresses = np.array([piece.ctypes.data for piece in pieces], np.uint64)
+    assert fusion._first_changed(pieces, snapshot, offsets) == expected
+    assert addressed.first_changed(addresses, snapshot, offsets) == expected
 
 
 def test_every_twin_is_tested():
