@@ -250,6 +250,10 @@ class _ConvolutionBase(Layer):
         self._owner._choose()
         return self._owner._winograd_m
 
+    def ahead(self):
+        m = self.winograd_tile if self._owner is self and self.blobs else 0
+        return self._transformed.reserve(self.blobs[0].data, self.geom, m) if m else []
+
     def run_partitions(self, count, threads=None, spread=None):
         self._partitions = count
         self._partition_threads = threads

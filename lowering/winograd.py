@@ -56,7 +56,7 @@ orders a GEMM's sums otherwise (48 of 54 cases, 9 shapes with and without
 bias and ReLU, bit for bit; 3.7e-6 of the largest value at worst).
 """
 import threading
-from typing import Dict, Optional, Tuple, Union, cast
+from typing import Any, Dict, List, Optional, Tuple, Union, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -186,15 +186,24 @@ def channels_inner(geom: ConvGeometry, m: int) -> Union[bool, np.bool_]:
 TRANSFORM_KERNELS = 2048
 
 
-def transform_weights(w: FloatArray, m: int, inner: Union[bool, np.bool_] = False) -> Float32Array:
+def _u_shape(w: FloatArray, m: int, inner: Union[bool, np.bool_]) -> Tuple[int, ...]:
+    """transform_weights' array before its last reshape: (alpha, alpha, O, C/group), or C/group, O."""
+    alpha = m + w.shape[-1] - 1
+    outputs, channels = w.shape[0], w.shape[1]
+    return (alpha, alpha) + ((channels, outputs) if inner else (outputs, channels))
+
+
+def transform_weights(w: FloatArray, m: int, inner: Union[bool, np.bool_] = False,
+                      out: Optional[Float32Array] = None) -> Float32Array:
     """U float32 from w (O, C/group, r, r), in the layout forward() takes:
     (alpha^2, O, C/group) tiles innermost, (alpha^2, C/group, O) channels
-    innermost (`inner`)."""
+    innermost (`inner`); into `out` where it has _u_shape's shape."""
     r = w.shape[-1]
     _, g, _ = transforms(m, r)
     alpha = g.shape[0]
     outputs, channels = w.shape[0], w.shape[1]
-    u = np.empty((alpha, alpha) + ((channels, outputs) if inner else (outputs, channels)), np.float32)
+    shape = _u_shape(w, m, inner)
+    u = out if out is not None and out.shape == shape else np.empty(shape, np.float32)
     # G k G^T for every kernel k (n = o*Cg + c) in float64, G k first, as two
     # GEMMs over a block of kernels at once, each as wide as the block (a
     # stack of alpha x r products costs numpy a BLAS call per kernel); blocks
@@ -232,17 +241,35 @@ class TransformedWeights:
         self._lock = threading.Lock()
         self._source: Optional[Array] = None     # a copy of the weights U was made from
         self._made: Dict[Tuple[int, Union[bool, np.bool_]], Float32Array] = {}   # (m, channels innermost) -> U
+        self._ahead: Dict[Any, Array] = {}        # reserve()'s arrays: "source" and the key's U
+
+    def reserve(self, w: FloatArray, geom: ConvGeometry, m: int) -> List[Array]:
+        """The arrays get() will fill for this shape (the weights' copy and U),
+        allocated now and unfilled, so that their pages can be faulted in
+        before the first forward (cct.runtime.executor)."""
+        key = (m, channels_inner(geom, m))
+        with self._lock:
+            if self._source is None:
+                self._ahead.setdefault("source", np.empty_like(w))
+            if key not in self._made:
+                self._ahead.setdefault(key, np.empty(_u_shape(w, m, key[1]), np.float32))
+            return list(self._ahead.values())
 
     def get(self, w: FloatArray, geom: ConvGeometry, m: int) -> Float32Array:
         """U of w for F(m x m) on this shape (its layout: channels_inner)."""
         key = (m, channels_inner(geom, m))
         with self._lock:
+            ahead, self._ahead = self._ahead, {}      # for this call or none
             if not self._same(w):
-                self._source = np.array(w, copy=True)
+                source = ahead.get("source")
+                if source is None or source.shape != w.shape or source.dtype != w.dtype:
+                    source = np.empty_like(w)
+                np.copyto(source, w)
+                self._source = source
                 self._made = {}
             u = self._made.get(key)
             if u is None:
-                u = self._made[key] = transform_weights(w, m, key[1])
+                u = self._made[key] = transform_weights(w, m, key[1], ahead.get(key))
             return u
 
     def _same(self, w: FloatArray) -> bool:

@@ -37,6 +37,8 @@ What the runtime reads (declarations, never type names):
     aliases                (Split) set by fusion: the tops share the bottom's data
     views                  (Concat) set by fusion: the bottoms' data in the top's store
     planned_bytes(...)     work memory the memory plan counts (cct.runtime.memory_plan)
+    ahead()                arrays the first forward will fill, allocated now so that
+                           their pages can be faulted in before it (cct.runtime.executor)
 
 On a device (cct.devices; Caffe's Forward_gpu, with its fallback):
     runs_on(device, bottom, top)            whether the layer's device path covers
@@ -363,6 +365,13 @@ class Layer:
         transformed weights); "prefetch", batches a prefetch thread keeps ready.
         Layers with big work arrays say so."""
         return {}
+
+    def ahead(self) -> List[Array]:
+        """Arrays the layer's first forward fills, allocated now (unfilled)
+        and used by that forward, so that the executor can fault their pages
+        in while the weights load: Winograd's transformed weights. Only for
+        arrays planned_bytes already counts."""
+        return []
 
     def configure(self, settings: Mapping[str, Any]) -> None:
         """Take {key: value} for the keys in run_settings (cct.runtime.settings)."""

@@ -83,11 +83,18 @@ class Arena:
         for slot, nbytes in sizes.items():
             layout[slot] = (offset, int(nbytes))
             offset += -(-int(nbytes) // 64) * 64         # keep every slot 64-byte aligned
-        if self.store.size < offset:
-            check_allocation((offset,), np.uint8, "lowering workspace")
-            self.store = np.empty(0, np.uint8)           # free the old store before the new one
-            self.store = np.empty(offset, np.uint8)
+        self.reserve(offset)
         self.layout = layout
+
+    def reserve(self, nbytes: int) -> Array:
+        """Grow the planned store to at least `nbytes` now, ahead of the
+        plans that will ask for it (a net just built: its pages can then be
+        faulted in before its first forward); the store."""
+        if self.store.size < nbytes:
+            check_allocation((nbytes,), np.uint8, "lowering workspace")
+            self.store = np.empty(0, np.uint8)           # free the old store before the new one
+            self.store = np.empty(nbytes, np.uint8)
+        return self.store
 
     def empty(self, slot: str, shape: Sequence[int], dtype: npt.DTypeLike) -> Array:
         dtype = np.dtype(dtype)

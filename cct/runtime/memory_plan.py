@@ -114,6 +114,10 @@ class MemoryPlan:
             self._slots[(thread, slot)] = (int(nbytes), owner)
             self.bytes["workspace"] = sum(size for size, _ in self._slots.values())
 
+    def workspace(self, thread: Thread, slot: str) -> int:
+        """The largest request planned for `slot` of `thread`'s arena."""
+        return self._slots.get((thread, slot), (0, None))[0]
+
     def largest(self, count: int = 5) -> List[Tuple[int, str, str]]:
         """The `count` largest planned arrays or workspaces: [(bytes, kind, owner)]."""
         entries = [(nbytes, kind, owner) for (kind, owner), nbytes in self.owners.items()]

@@ -83,3 +83,68 @@ def test_a_load_hands_back_the_file_as_it_copies(tmp_path, monkeypatch):
         for mine, theirs in zip(net.params[name], source.params[name]):
             np.testing.assert_array_equal(mine.data, theirs.data)
     assert len(released) == 1 and released[0].released >= model.stat().st_size - 2 * PAGE
+
+
+def resident_pages(array):
+    """How many of the pages under `array` are resident (mincore)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    start = array.ctypes.data // PAGE * PAGE
+    length = array.ctypes.data + array.nbytes - start
+    vector = np.zeros(-(-length // PAGE), np.uint8)
+    assert libc.mincore(start, length, vector.ctypes.data) == 0, ctypes.get_errno()
+    return int((vector & 1).sum())
+
+
+@linux
+def test_fault_in_makes_the_pages_resident_and_leaves_the_values():
+    """Fresh anonymous memory (no page resident) and an array with values:
+    after the thread, every page is resident and the values are the same."""
+    fresh = mmap.mmap(-1, 3 << 20)                         # untouched: the kernel maps it lazily
+    untouched = np.frombuffer(fresh, np.float32)
+    assert resident_pages(untouched) == 0
+    values = np.arange(1 << 19, dtype=np.float32)           # 2 MiB, written
+    faulting = pages.fault_in([untouched, values])
+    if faulting is None:
+        pytest.skip("no MADV_POPULATE_WRITE here")
+    faulting.wait()
+    assert resident_pages(untouched) == untouched.nbytes // PAGE
+    np.testing.assert_array_equal(untouched, 0)
+    np.testing.assert_array_equal(values, np.arange(1 << 19, dtype=np.float32))
+    faulting.stop()                                          # after it is done: nothing left to stop
+
+
+def test_fault_in_leaves_small_arrays_to_the_forward():
+    assert pages.fault_in([np.zeros(1024, np.float32)]) is None
+
+
+@linux
+def test_a_net_faults_in_its_arena_and_blobs_until_its_first_forward(tmp_path):
+    """A TEST net whose blobs and lowering take more than FAULT_IN_BYTES:
+    its executor grows the building thread's arena to the memory plan's
+    lowering and faults it and the tops in; the first forward stops the
+    thread, which never changes an output."""
+    from cct.core.workspace import thread_arena
+    proto = tmp_path / "conv.prototxt"
+    proto.write_text("""
+        name: "conv" input: "x" input_shape { dim: 8 dim: 16 dim: 64 dim: 64 }
+        layer { name: "c" type: "Convolution" bottom: "x" top: "c"
+                convolution_param { num_output: 32 kernel_size: 5 pad: 2 weight_filler { type: "gaussian" std: 0.1 } } }
+        layer { name: "r" type: "ReLU" bottom: "c" top: "c" }""")
+    thread_arena().clear()
+    net = cct.Net(str(proto), cct.TEST)
+    executor = net.executor
+    planned = executor.memory_plan.workspace(0, "lowering")
+    assert planned > 0 and thread_arena().store.size == planned
+    faulting = executor._faulting
+    assert faulting is not None
+    faulting.wait()
+    assert resident_pages(net.blobs["c"].data) >= net.blobs["c"].data.nbytes // PAGE
+    x = np.random.default_rng(5).standard_normal(net.blobs["x"].shape).astype(np.float32)
+    out = net.forward(x=x)["c"].copy()
+    assert executor._faulting is None and thread_arena().store.size == planned   # no store grown in the forward
+    weight, bias = net.params["c"][0].data, net.params["c"][1].data
+    lowered = np.lib.stride_tricks.sliding_window_view(np.pad(x, ((0, 0), (0, 0), (2, 2), (2, 2))), (5, 5), (2, 3))
+    expected = np.einsum("nchwij,ocij->nohw", lowered, weight, optimize=True) + bias[:, None, None]
+    np.testing.assert_allclose(out, np.maximum(expected, 0), rtol=1e-4, atol=1e-4)

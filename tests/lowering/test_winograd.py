@@ -172,6 +172,26 @@ def test_transformed_weights_follow_writes_through_views():
     assert cache.nbytes == first.nbytes + w.nbytes
 
 
+@pytest.mark.parametrize("channels, outputs", [(3, 4), (64, 8)])
+def test_transformed_weights_fill_the_arrays_reserved_ahead(channels, outputs):
+    """reserve() allocates the weights' copy and U for the shape (the
+    executor faults their pages in before the first forward); get() fills
+    those very arrays, with the same bits, and a reservation for a tile
+    the forward does not run is dropped."""
+    w = RNG.standard_normal((outputs, channels, 3, 3)).astype(np.float32)
+    geom = ConvGeometry(channels, outputs, 16, 16, 3, 3, pad_h=1, pad_w=1)
+    cache = winograd.TransformedWeights()
+    source, u_ahead = cache.reserve(w, geom, 4)
+    assert source.shape == w.shape and u_ahead.nbytes + source.nbytes == winograd.held_bytes(w, 4)
+    u = cache.get(w, geom, 4)
+    assert np.shares_memory(u, u_ahead)
+    np.testing.assert_array_equal(u, winograd.weights_for(w, geom, 4))
+    assert cache.reserve(w, geom, 4) == []                     # made: nothing more to reserve
+    cache.reserve(w, geom, 2)
+    assert cache.get(w, geom, 4) is u and cache.nbytes == u.nbytes + w.nbytes   # the F(2) array let go
+    np.testing.assert_array_equal(cache.get(w, geom, 2), winograd.weights_for(w, geom, 2))
+
+
 # --- the chooser ------------------------------------------------------------------------------------
 def test_timed_choice_is_cached_per_shape(cache_dir, monkeypatch):
     geom = ConvGeometry(8, 8, 28, 28, 3, 3, pad_h=1, pad_w=1)
@@ -362,6 +382,17 @@ def test_the_memory_plan_counts_the_transformed_weights(tmp_path):
     weights = layer.blobs[0].data
     assert needs["held"] == winograd.held_bytes(weights, 4) == (4 * weights.size + weights.size) * 4
     assert needs["lowering"] == sum(winograd.slot_bytes(layer.geom, 4, 2).values())
+
+
+def test_a_winograd_layer_reserves_its_transformed_weights_ahead(tmp_path):
+    """Layer.ahead: the arrays the first forward fills, the ones it uses."""
+    net = _deploy(tmp_path, 0, 4)
+    layer = net.layer_dict["conv"]
+    ahead = layer.ahead()
+    assert sum(array.nbytes for array in ahead) == winograd.held_bytes(layer.blobs[0].data, 4)
+    net.forward()
+    transformed = layer._transformed.get(layer.blobs[0].data, layer.geom, 4)
+    assert any(np.shares_memory(transformed, array) for array in ahead)
 
 
 @pytest.mark.parametrize("value", ["fast", 3, True])
