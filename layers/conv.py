@@ -254,6 +254,11 @@ class _ConvolutionBase(Layer):
         m = self.winograd_tile if self._owner is self and self.blobs else 0
         return self._transformed.reserve(self.blobs[0].data, self.geom, m) if m else []
 
+    def params_loaded(self):
+        m = self.winograd_tile if self._owner is self and self.blobs else 0
+        if m:
+            self._transformed.get(self.blobs[0].data, self.geom, m)
+
     def run_partitions(self, count, threads=None, spread=None):
         self._partitions = count
         self._partition_threads = threads

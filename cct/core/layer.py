@@ -39,6 +39,8 @@ What the runtime reads (declarations, never type names):
     planned_bytes(...)     work memory the memory plan counts (cct.runtime.memory_plan)
     ahead()                arrays the first forward will fill, allocated now so that
                            their pages can be faulted in before it (cct.runtime.executor)
+    params_loaded()        the parameters were just read from a file (Net.copy_from):
+                           derive now what the forward derives from them
 
 On a device (cct.devices; Caffe's Forward_gpu, with its fallback):
     runs_on(device, bottom, top)            whether the layer's device path covers
@@ -372,6 +374,12 @@ class Layer:
         in while the weights load: Winograd's transformed weights. Only for
         arrays planned_bytes already counts."""
         return []
+
+    def params_loaded(self) -> None:
+        """The parameters were just read from a weights file (Net.copy_from):
+        derive now, as part of the load, what the forward would derive from
+        them on its first call (Winograd's transformed weights); the forward
+        still checks them, so a later write through pycaffe is seen."""
 
     def configure(self, settings: Mapping[str, Any]) -> None:
         """Take {key: value} for the keys in run_settings (cct.runtime.settings)."""

@@ -483,6 +483,8 @@ class Net:
             skipped = weights_io.copy_layers_from_hdf5(self, path)
         else:
             skipped = weights_io.copy_layers_from_caffemodel(self, path)
+        for layer in self.layers:
+            layer.params_loaded()
         for name in skipped:
             log.info("%s: ignoring source layer '%s' (not in net '%s')", path, name, self.name)
 

@@ -395,6 +395,23 @@ def test_a_winograd_layer_reserves_its_transformed_weights_ahead(tmp_path):
     assert any(np.shares_memory(transformed, array) for array in ahead)
 
 
+def test_loading_weights_transforms_them_for_the_forward(tmp_path):
+    """Net.copy_from makes U as part of the load (Layer.params_loaded), from
+    the loaded weights; the forward uses it and agrees with the saved net."""
+    contents = RNG.standard_normal((2, 4, 12, 12)).astype(np.float32)
+    saved = _deploy(tmp_path, contents, 4)
+    saved.params["conv"][0].data[...] = RNG.standard_normal(saved.params["conv"][0].shape)
+    saved.save(str(tmp_path / "w.caffemodel"))
+    loaded = _deploy(tmp_path, contents, 4)
+    layer = loaded.layer_dict["conv"]
+    loaded.copy_from(str(tmp_path / "w.caffemodel"))
+    made = list(layer._transformed._made.values())
+    assert len(made) == 1
+    np.testing.assert_array_equal(made[0], winograd.weights_for(saved.params["conv"][0].data, layer.geom, 4))
+    np.testing.assert_array_equal(loaded.forward()["pool"], saved.forward()["pool"])
+    assert list(layer._transformed._made.values())[0] is made[0]       # not made again
+
+
 @pytest.mark.parametrize("value", ["fast", 3, True])
 def test_bad_settings_name_the_key(tmp_path, value):
     (tmp_path / "run.json").write_text(json.dumps({"layers": {"conv": {"winograd": value}}}))
