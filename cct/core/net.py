@@ -20,6 +20,7 @@ from cct.core.allocation import charging, format_bytes
 from cct.core.errors import ConfigError, MemoryLimitError, ShapeError, WeightsError
 from cct.core.layer import TEST, TRAIN, Layer, check_layer_type, create_layer
 from cct.core.passes import filter_net, insert_splits, legacy_crop_offsets
+from cct.formats import pages
 from cct.formats import weights as weights_io
 from cct.formats.prototxt import net_source, read_net
 from cct.formats.upgrade import upgrade_net
@@ -61,6 +62,7 @@ class Net:
     inputs: List[str]
     outputs: List[str]
     _executor: Optional["Executor"]
+    pages: pages.FaultIn
     _blob_needs_backward: Dict[str, bool]           # while building
     _available: "OrderedDict[str, bool]"            # while building
     # the parameter tables (_init_param_tables)
@@ -131,6 +133,7 @@ class Net:
         self.blob_loss_weights = OrderedDict()
         self.inputs = []
         self._executor = None
+        self.pages = pages.FaultIn()          # the pages the first forward writes, faulted in meanwhile
         self._init_param_tables()
         self._blob_needs_backward = {}
         self._available = OrderedDict()               # blobs no later layer has read yet
@@ -165,6 +168,7 @@ class Net:
         bottoms, bottom_names, bottom_backward, need_backward = self._wire_bottoms(layer, layer_param)
         tops, top_names = self._wire_tops(layer, layer_param, bottom_names)
         layer.set_up(bottoms, tops)
+        self.pages.add(top._data_store for top in tops)
         layer.loss_weights = self._loss_weights(layer, len(tops))
         for name, weight in zip(top_names, layer.loss_weights):
             self.blob_loss_weights[name] = weight
@@ -345,6 +349,7 @@ class Net:
     def _forward(self, start: int = 0, end: Optional[int] = None) -> float:
         """Run layers start..end inclusive (by index); return the summed loss."""
         end = len(self.layers) - 1 if end is None else end
+        self.pages.stop()               # a core of its own for OpenBLAS's threads from now
         return self.executor.forward_range(start, end)
 
     @property

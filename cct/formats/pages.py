@@ -12,21 +12,26 @@ but the peak.
 A new net's blobs are zeroed stores whose pages the kernel has not given
 yet: the first forward would take a page fault per 4 KiB it writes (ResNet-50
 at batch 1: 24,000, a third of its first forward on this project's VMs).
-`fault_in` has a thread take them while the weights load, on a core the
-load leaves idle.
+A FaultIn has a thread take them while the net is built, layer by layer, on
+a core the building leaves idle.
 """
 import ctypes
 import mmap
 import os
 import sys
+import queue
 import threading
-from typing import Any, List, Optional
+from typing import Any, Iterable, List, Optional, Set
 
 import numpy as np
 
 _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = 23           # Linux 5.14: fault in writable, the values left as they are
 FAULT_IN_BYTES = 4 << 20            # a net whose blobs take less gains less than a thread costs
+# Bytes per madvise: it holds the process's memory map for reading meanwhile,
+# and the building thread's next allocation waits for that (64 pages: the
+# wait is a few microseconds, the calls a few percent of the work)
+FAULT_IN_CHUNK = 64 * _PAGE
 
 
 class ReleaseBehind:
@@ -53,46 +58,78 @@ class ReleaseBehind:
 
 
 class FaultIn:
-    """Faults in the pages of `arrays` (their values unchanged), one array
-    after the other, on a daemon thread. madvise runs without the GIL
-    (ctypes lets it go), so the thread takes the faults while the caller
-    goes on; a page both touch is faulted by whichever comes first. stop()
-    before the arrays' first use: a thread left running there takes a core
-    from OpenBLAS's threads, which wait for it (BENCHMARKS.md, issue 36)."""
+    """Faults in the pages of the arrays given to add() (their values
+    unchanged), one after the other, on a daemon thread started once they
+    hold FAULT_IN_BYTES. madvise runs without the GIL (ctypes lets it go),
+    so the thread takes the faults while the caller goes on building; a page
+    both touch is faulted by whichever comes first. close() says no more
+    arrays come (the thread ends when it has done them); stop() before the
+    arrays' first use: a thread left running there takes a core from
+    OpenBLAS's threads, which wait for it (BENCHMARKS.md, issue 36)."""
 
-    def __init__(self, arrays: List[np.ndarray]) -> None:
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._populate, args=(list(arrays),), name="cct-fault-in", daemon=True)
-        self._thread.start()
+    def __init__(self) -> None:
+        self._queue: "queue.SimpleQueue[Optional[np.ndarray]]" = queue.SimpleQueue()
+        self._seen: Set[int] = set()
+        self._waiting: List[np.ndarray] = []          # until they make FAULT_IN_BYTES
+        self._waiting_bytes = 0
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        self._closed = False
+
+    def add(self, arrays: Iterable[np.ndarray]) -> None:
+        for array in arrays:
+            if self._closed or id(array) in self._seen or array.nbytes == 0:
+                continue
+            self._seen.add(id(array))
+            if self._thread is not None:
+                self._queue.put(array)
+                continue
+            self._waiting.append(array)
+            self._waiting_bytes += array.nbytes
+            if self._waiting_bytes >= FAULT_IN_BYTES and sys.platform == "linux":
+                for waiting in self._waiting:
+                    self._queue.put(waiting)
+                self._waiting = []
+                self._thread = threading.Thread(target=self._populate, name="cct-fault-in", daemon=True)
+                self._thread.start()
+
+    def close(self) -> None:
+        """No more arrays: the thread ends once it has faulted in those it has."""
+        if not self._closed:
+            self._closed = True
+            self._waiting = []
+            self._queue.put(None)
 
     def stop(self) -> None:
-        """Stop after the array being faulted in, and wait for that."""
-        self._stopping.set()
-        self._thread.join()
+        """Stop after the array being faulted in, and wait for that (at once
+        when it is done)."""
+        self._stopping = True
+        self.close()
+        self.wait()
 
     def wait(self) -> None:
-        """Wait until every array is faulted in (tests, benchmarks)."""
-        self._thread.join()
+        """Wait until the thread is done (after close(): every array faulted in)."""
+        if self._thread is not None:
+            self._thread.join()
 
-    def _populate(self, arrays: List[np.ndarray]) -> None:
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def _populate(self) -> None:
         try:        # a core no one else wants, only: not one OpenBLAS's threads of another net wait for
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))   # 0: this thread (Linux)
         except (AttributeError, OSError):
             pass
         madvise = ctypes.CDLL(None, use_errno=True).madvise
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        for array in arrays:                       # held in the list: none is freed meanwhile
-            if self._stopping.is_set():
+        while True:
+            array = self._queue.get()
+            if array is None or self._stopping:
                 return
             start = array.ctypes.data // _PAGE * _PAGE
             end = -(-(array.ctypes.data + array.nbytes) // _PAGE) * _PAGE
-            if end > start and madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
-                return                             # an older kernel (EINVAL): the forward faults them
-
-
-def fault_in(arrays: List[np.ndarray]) -> Optional[FaultIn]:
-    """A FaultIn of `arrays`; None where they hold under FAULT_IN_BYTES or
-    the platform has no MADV_POPULATE_WRITE."""
-    if sys.platform != "linux" or sum(array.nbytes for array in arrays) < FAULT_IN_BYTES:
-        return None
-    return FaultIn(arrays)
+            for chunk in range(start, end, FAULT_IN_CHUNK):
+                if madvise(chunk, min(FAULT_IN_CHUNK, end - chunk), _MADV_POPULATE_WRITE) != 0:
+                    self._stopping = True            # an older kernel (EINVAL): the forward faults them
+                    return

@@ -37,7 +37,6 @@ from cct.core.blob import Blob, Layout
 from cct.core.layer import TEST, Layer
 from cct.core.progress import Progress
 from cct.devices import jit, pool
-from cct.formats import pages
 from cct.runtime import fusion as fusion_module
 from cct.runtime import hybrid as hybrid_module
 from cct.runtime import memory_plan, scheduler
@@ -133,21 +132,17 @@ class Executor:
         # Refused now, before the first forward touches the blobs setup mapped.
         self.memory_plan = memory_plan.net_plan(net, self)
         self.memory_plan.check(f"net '{net.name}' ({net.source})")
-        # ... and the memory its first forward touches first faulted in now, beside the weights' load
-        self._faulting = pages.fault_in(self._first_touched())
+        # ... and the rest of what its first forward writes faulted in (cct.formats.pages): now, beside the load
+        net.pages.add(self._ahead())
+        net.pages.close()
 
-    def _first_touched(self) -> List[Array]:
-        """The stores a first forward writes: the calling thread's arena, grown
-        now to the largest lowering the memory plan counts for it, then per
-        layer in the net's order its tops' data and what it fills ahead
-        (Layer.ahead) (cct.formats.pages.fault_in)."""
-        net = self.net
+    def _ahead(self) -> List[Array]:
+        """What a first forward writes besides the tops (which the net gives
+        its FaultIn as it builds them): the calling thread's arena, grown now
+        to the largest lowering the memory plan counts for it, and what the
+        layers fill ahead (Layer.ahead)."""
         arena = workspace.thread_arena().reserve(self.memory_plan.workspace(0, "lowering"))
-        stores = {id(arena): arena}
-        for layer, tops in zip(net.layers, net.top_vecs):
-            for array in [blob._data_store for blob in tops] + layer.ahead():
-                stores.setdefault(id(array), array)
-        return list(stores.values())
+        return [arena, *(array for layer in self.net.layers for array in layer.ahead())]
 
     @property
     def net(self) -> Net:
@@ -479,9 +474,6 @@ class Executor:
         layers."""
         self.forward_end = end
         self._forward_device = self.device()
-        if self._faulting is not None:
-            self._faulting.stop()               # a core of its own for OpenBLAS's threads from now
-            self._faulting = None
         self.fit_threads()
         self.blas.sync()
 

@@ -105,9 +105,10 @@ def test_fault_in_makes_the_pages_resident_and_leaves_the_values():
     untouched = np.frombuffer(fresh, np.float32)
     assert resident_pages(untouched) == 0
     values = np.arange(1 << 19, dtype=np.float32)           # 2 MiB, written
-    faulting = pages.fault_in([untouched, values])
-    if faulting is None:
-        pytest.skip("no MADV_POPULATE_WRITE here")
+    faulting = pages.FaultIn()
+    faulting.add([untouched, values])
+    assert faulting.started
+    faulting.close()
     faulting.wait()
     assert resident_pages(untouched) == untouched.nbytes // PAGE
     np.testing.assert_array_equal(untouched, 0)
@@ -116,7 +117,21 @@ def test_fault_in_makes_the_pages_resident_and_leaves_the_values():
 
 
 def test_fault_in_leaves_small_arrays_to_the_forward():
-    assert pages.fault_in([np.zeros(1024, np.float32)]) is None
+    faulting = pages.FaultIn()
+    faulting.add([np.zeros(1024, np.float32)])
+    faulting.stop()
+    assert not faulting.started
+
+
+@linux
+def test_fault_in_stops_before_the_arrays_it_has_not_reached():
+    """stop(): the thread ends after the array it is on; the rest stay unfaulted."""
+    maps = [mmap.mmap(-1, 4 << 20) for _ in range(3)]
+    arrays = [np.frombuffer(m, np.uint8) for m in maps]
+    faulting = pages.FaultIn()
+    faulting.stop()                                           # before any
+    faulting.add(arrays)
+    assert not faulting.started and all(resident_pages(array) == 0 for array in arrays)
 
 
 @linux
@@ -137,13 +152,12 @@ def test_a_net_faults_in_its_arena_and_blobs_until_its_first_forward(tmp_path):
     executor = net.executor
     planned = executor.memory_plan.workspace(0, "lowering")
     assert planned > 0 and thread_arena().store.size == planned
-    faulting = executor._faulting
-    assert faulting is not None
-    faulting.wait()
+    assert net.pages.started
+    net.pages.wait()                                         # closed by the executor: it ends
     assert resident_pages(net.blobs["c"].data) >= net.blobs["c"].data.nbytes // PAGE
     x = np.random.default_rng(5).standard_normal(net.blobs["x"].shape).astype(np.float32)
     out = net.forward(x=x)["c"].copy()
-    assert executor._faulting is None and thread_arena().store.size == planned   # no store grown in the forward
+    assert thread_arena().store.size == planned              # no store grown in the forward
     weight, bias = net.params["c"][0].data, net.params["c"][1].data
     lowered = np.lib.stride_tricks.sliding_window_view(np.pad(x, ((0, 0), (0, 0), (2, 2), (2, 2))), (5, 5), (2, 3))
     expected = np.einsum("nchwij,ocij->nohw", lowered, weight, optimize=True) + bias[:, None, None]
