@@ -551,6 +551,7 @@ class DetectionOutput(NoBackward, Layer):
     min_bottoms = 3
     max_bottoms = 4
     exact_tops = 1
+    tops_follow_values = True
 
     def __new__(cls, layer_param=None, phase=TRAIN, source=None):
         """The YOLOv2 port's DetectionOutput (layers/yolo.py) where the fields

@@ -158,6 +158,7 @@ class YoloDetectionOutput(NoBackward, Layer):
     size, not clipped) per box NMS keeps, in cell, then box order; with none,
     one row [0, -1, -1, -1, -1, -1, -1]. (1, 1, 1, 7) before forward.
     """
+    tops_follow_values = True
     type = "DetectionOutput"
     exact_bottoms = 1
     exact_tops = 1
@@ -255,6 +256,7 @@ class _DarknetOutput(NoBackward, Layer):
     """What MobileNet-YOLO's two detection outputs share: (1, 1, 1, 7) before
     forward, then the rows of darknet_rows."""
     exact_tops = 1
+    tops_follow_values = True
 
     def _setup_common(self, p, field):
         """num_classes (required), num_box and the thresholds of `p`, the layer's message `field`."""

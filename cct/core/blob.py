@@ -179,6 +179,10 @@ HOST_ONLY = HostOnly()
 
 
 class Blob:
+    # False: no execution plan holds this blob's views, so new ones leave
+    # Layout.epoch alone (a detection layer's top no layer reads; the
+    # executor sets it, Layer.tops_follow_values)
+    in_layout = True
     _data_store: Array
     _diff_store: Optional[Array]
     _data_mirror: Mirror
@@ -230,7 +234,8 @@ class Blob:
         self.reshape(other.shape)
 
     def _make_views(self) -> None:
-        Layout.epoch += 1
+        if self.in_layout:
+            Layout.epoch += 1
         count = self.count
         self._data = self._data_store[:count].reshape(self._shape)
         self._diff = None if self._diff_store is None else self._diff_store[:count].reshape(self._shape)
@@ -392,6 +397,8 @@ class Blob:
         self._check_same_count(other)
         if other._diff_store is None:
             other._allocate_diff()
+        elif self._diff_store is other._diff_store and self._diff_mirror is other._diff_mirror:
+            return      # shared already: a Flatten or Reshape shares again at every reshape
         self._diff_store, self._diff_mirror = other._diff_store, other._diff_mirror
         self._make_views()
 

@@ -37,6 +37,7 @@ What the runtime reads (declarations, never type names):
     aliases                (Split) set by fusion: the tops share the bottom's data
     views                  (Concat) set by fusion: the bottoms' data in the top's store
     planned_bytes(...)     work memory the memory plan counts (cct.runtime.memory_plan)
+    tops_follow_values     forward reshapes its tops to the values' count (detections)
     ahead()                arrays the first forward will fill, allocated now so that
                            their pages can be faulted in before it (cct.runtime.executor)
     params_loaded()        the parameters were just read from a file (Net.copy_from):
@@ -169,6 +170,11 @@ class Layer:
     # the layer's own settings, so a forward may skip it while they are as
     # its last reshape left them (reshape_if_changed)
     reshape_reads_layout = False
+    # True: forward reshapes the tops to what the values give (a detection
+    # layer's row count), so their shape changes from forward to forward; a
+    # top of such a layer that no layer reads leaves Layout.epoch alone
+    # (the executor marks it, Blob.in_layout), so an execution plan survives it
+    tops_follow_values = False
     # (the blobs' layout key, their data views, which keep its ids unique)
     _reshaped_layout: Optional[Tuple[LayoutKey, List[Array]]] = None
     # What inference fusion (cct.runtime.fusion) reads, each None or False where

@@ -66,6 +66,17 @@ log = logging.getLogger("cct.runtime.executor")
 Net = Any                             # cct.core.net.Net, which imports this module: not imported back
 
 
+def _unread_value_shaped_tops(net: Net) -> List[Blob]:
+    """The tops of layers that reshape them in forward to the values' count
+    (Layer.tops_follow_values) and reshape in their plan step (not
+    reshape_reads_layout: the step holds the blobs, not their views) that
+    no layer reads: no plan step holds their views."""
+    read = {id(blob) for bottoms in net.bottom_vecs for blob in bottoms}
+    return [top for layer, tops in zip(net.layers, net.top_vecs)
+            if layer.tops_follow_values and not layer.reshape_reads_layout
+            for top in tops if id(top) not in read]
+
+
 def on_host(call: Callable[[], Any], read: List[Blob], written: List[Blob], diffs: bool = False) -> None:
     """Run `call` on the host for a layer without a device path: what it reads
     and writes copied down first; afterwards the blobs it only read are
@@ -127,6 +138,8 @@ class Executor:
                     self.plan[index] = forced
         settings.apply(self, self.settings.config)
         self.fusion = fusion_module.plan(net, self.threads) if self.settings.fusion else None
+        for blob in _unread_value_shaped_tops(net):
+            blob.in_layout = False              # its new rows at every forward keep the plan (Blob.in_layout)
         self.forward_end: Optional[int] = None   # the last layer of the Net.forward under way (fusion's output ReLUs)
         self._forward_device = _ASK   # the device of the Net.forward under way, looked up once for its layers
         # Refused now, before the first forward touches the blobs setup mapped.

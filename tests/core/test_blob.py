@@ -103,6 +103,32 @@ def test_share_data_and_share_diff():
         Blob((4,)).share_diff(owner)
 
 
+def test_sharing_again_keeps_the_layout():
+    """A Flatten or Reshape shares its bottom's data and diff at every
+    reshape: sharing what is shared already makes no new views, so an
+    execution plan (Layout.epoch) survives it."""
+    from cct.core.blob import Layout
+    owner, user = Blob((2, 3)), Blob((3, 2))
+    user.share_data(owner)
+    user.share_diff(owner)
+    epoch, views = Layout.epoch, (user.data, user.diff)
+    user.share_data(owner)
+    user.share_diff(owner)
+    assert Layout.epoch == epoch and user.data is views[0] and user.diff is views[1]
+
+
+def test_a_blob_out_of_the_layout_reshapes_without_changing_it():
+    from cct.core.blob import Layout
+    rows = Blob((1, 1, 1, 7))
+    rows.in_layout = False
+    epoch = Layout.epoch
+    rows.reshape((1, 1, 5, 7))
+    assert Layout.epoch == epoch and rows.data.shape == (1, 1, 5, 7)
+    epoch = Layout.epoch
+    Blob((1, 1, 1, 7)).reshape((1, 1, 5, 7))
+    assert Layout.epoch > epoch
+
+
 def test_data_placed_in_another_store_and_moved_out_again():
     """use_data_storage (a Concat's bottom in its top's store): the blob's
     data is a view of the store; a reshape past it moves the values to a

@@ -445,6 +445,30 @@ def test_small_ssd_against_opencv(tmp_path):
     assert count > 0
 
 
+def test_a_plan_runs_the_net_while_the_detection_count_changes(tmp_path):
+    """DetectionOutput reshapes its top to the detections' count in every
+    forward; that top feeds no layer, so the execution plan made after two
+    forwards stays in use (no per-layer path for SSD nets) and each forward
+    gives what a fresh net gives for its input."""
+    path = tmp_path / "ssd.prototxt"
+    text = small_ssd().replace("confidence_threshold: 0.2", "confidence_threshold: 0.95")   # counts below keep_top_k
+    path.write_text('input: "data" input_shape { dim: 1 dim: 3 dim: 32 dim: 32 }\n' + text)
+    inputs = [rand(1, 3, 32, 32).astype(F32) for _ in range(4)]
+    inputs = [inputs[0], inputs[0]] + inputs
+    expected = []
+    for data in inputs:                         # each a fresh net's (building one changes every layout)
+        cct.set_random_seed(5)
+        expected.append(cct.Net(str(path), cct.TEST).forward(data=data)["det"].copy())
+    assert len({rows.shape[2] for rows in expected}) > 1      # the detections' count does change
+    cct.set_random_seed(5)
+    net = cct.Net(str(path), cct.TEST)
+    executor = net.executor
+    for step, (data, rows) in enumerate(zip(inputs, expected)):
+        np.testing.assert_array_equal(net.forward(data=data)["det"], rows)
+        if step >= 1:                           # made after the second forward, used from the third on
+            assert executor._plan is not None and executor._plan.current(executor.settings.version), step
+
+
 # --- OpenCV's res10 face detector ----------------------------------------------------
 # Its 1-3 px stripes give neighbouring priors scores equal to within 5e-8, so
 # the convolutions' rounding (cct's against OpenCV's, 1e-7) decides which of two
