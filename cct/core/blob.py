@@ -21,9 +21,10 @@ upload=False (nothing stale copied up first). A copy down happens once
 however many threads ask at the same time. A device that shares host memory
 (the numpy CPU device) gets the host store itself.
 """
+import contextlib
 import math
 import threading
-from typing import Any, NoReturn, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Iterator, NoReturn, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -71,10 +72,24 @@ class Layout:
     (changed()). A plan built at one epoch runs while the epoch is the same;
     reading it is one attribute lookup per step."""
     epoch = 0
+    _building = threading.local()     # .nets: how many nets this thread is building
 
     @classmethod
     def changed(cls) -> None:
-        cls.epoch += 1
+        if not getattr(cls._building, "nets", 0):
+            cls.epoch += 1
+
+    @classmethod
+    @contextlib.contextmanager
+    def building(cls) -> Iterator[None]:
+        """A net built on this thread inside the block: its blobs' new views
+        and its layers' choices are in no plan yet, so they leave the epoch,
+        and other nets' plans, alone."""
+        cls._building.nets = getattr(cls._building, "nets", 0) + 1
+        try:
+            yield
+        finally:
+            cls._building.nets -= 1
 
 
 class Mirror:
@@ -235,7 +250,7 @@ class Blob:
 
     def _make_views(self) -> None:
         if self.in_layout:
-            Layout.epoch += 1
+            Layout.changed()
         count = self.count
         self._data = self._data_store[:count].reshape(self._shape)
         self._diff = None if self._diff_store is None else self._diff_store[:count].reshape(self._shape)

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cct.core.arrays import Array
-from cct.core.blob import Blob
+from cct.core.blob import Blob, Layout
 from cct.core.allocation import charging, format_bytes
 from cct.core.errors import ConfigError, MemoryLimitError, ShapeError, WeightsError
 from cct.core.layer import TEST, TRAIN, Layer, check_layer_type, create_layer
@@ -101,7 +101,7 @@ class Net:
         source = str(self.source)
         self.net_param = insert_splits(legacy_crop_offsets(filter_net(param, state, source), source), source)
         try:
-            with charging(f"net '{param.name}' ({self.source})") as charge:
+            with charging(f"net '{param.name}' ({self.source})") as charge, Layout.building():
                 self.memory_baseline = charge.in_use     # the process before the net: the plan's first term
                 self._build()
         except MemoryLimitError as refused:

@@ -127,6 +127,28 @@ def test_a_blob_out_of_the_layout_reshapes_without_changing_it():
     epoch = Layout.epoch
     Blob((1, 1, 1, 7)).reshape((1, 1, 5, 7))
     assert Layout.epoch > epoch
+    epoch = Layout.epoch
+    with Layout.building():                     # a net being built: in no plan yet
+        Blob((1, 1, 1, 7)).reshape((1, 1, 5, 7))
+        Layout.changed()
+    assert Layout.epoch == epoch
+
+
+def test_building_a_net_keeps_another_nets_plan(tmp_path):
+    """A net built after another one made its execution plan leaves that
+    plan in use (the new net's blobs and choices are in no plan yet)."""
+    path = tmp_path / "net.prototxt"
+    path.write_text("""input: "x" input_shape { dim: 2 dim: 3 dim: 8 dim: 8 }
+        layer { name: "c" type: "Convolution" bottom: "x" top: "c"
+                convolution_param { num_output: 4 kernel_size: 3 weight_filler { type: "gaussian" } } }
+        layer { name: "r" type: "ReLU" bottom: "c" top: "c" }""")
+    first = cct.Net(str(path), cct.TEST)
+    for _ in range(3):
+        first.forward()
+    plan = first.executor._plan
+    assert plan is not None and plan.current(first.executor.settings.version)
+    cct.Net(str(path), cct.TEST).forward()
+    assert first.executor._plan is plan and plan.current(first.executor.settings.version)
 
 
 def test_data_placed_in_another_store_and_moved_out_again():
