@@ -29,7 +29,6 @@ again whenever the weights change, bit for bit.
 """
 import numpy as np
 
-from cct.core.blob import Layout
 from cct.core.layer import TRAIN, Layer, register
 from cct.lowering import (ConvGeometry, bind_conv_forward, chooser, conv_backward, conv_backward_data, conv_backward_weights,
                           conv_forward, depthwise, lowering, pointwise, type1, type3, winograd)
@@ -219,7 +218,7 @@ class _ConvolutionBase(Layer):
         self._choose_winograd(key + (self._partition_threads,), kind)
         if (kind, self._winograd_m) != self._bound_choice:
             self._bound_choice = (kind, self._winograd_m)
-            Layout.changed()          # a plan's bound forward holds the old choice
+            self.layout_changed()     # a plan's bound forward holds the old choice
         return kind
 
     def _choose_winograd(self, key, kind):
@@ -307,7 +306,7 @@ class _ConvolutionBase(Layer):
     def lowering_budget(self, value):
         self._owner._lowering_budget = int(value)
         self._owner._budget_given = True
-        Layout.changed()              # a plan's bound chunk is the old budget's
+        self.layout_changed()         # a plan's bound chunk is the old budget's
 
     @property
     def lowering_type(self):
@@ -317,7 +316,7 @@ class _ConvolutionBase(Layer):
     @lowering_type.setter
     def lowering_type(self, value):
         self._owner._forced_type = value
-        Layout.changed()
+        self.layout_changed()
 
     def _geometry_for(self, channels, num_output, in_h, in_w):
         try:

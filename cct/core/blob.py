@@ -92,6 +92,21 @@ class Layout:
             cls._building.nets -= 1
 
 
+class NetLayout:
+    """One net's part of the layout: its tops' views and its layers' choices
+    (Blob.layout, Layer.layout). Its plan checks this epoch beside the
+    global one (Layout: parameters, and blobs and layers outside a net), so
+    that another net's reshape leaves the plan in use: a detector's plan
+    while a classifier after it is reshaped to each frame's face count."""
+    __slots__ = ("epoch",)
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def changed(self) -> None:
+        self.epoch += 1
+
+
 class Mirror:
     """A host store's copy on one device (Caffe's SyncedMemory): `head` says
     which side is current; the buffer is made on the first device use. A
@@ -198,6 +213,7 @@ class Blob:
     # Layout.epoch alone (a detection layer's top no layer reads; the
     # executor sets it, Layer.tops_follow_values)
     in_layout = True
+    layout: Optional[NetLayout] = None     # the net's whose top this is (Net sets it); else the global Layout
     _data_store: Array
     _diff_store: Optional[Array]
     _data_mirror: Mirror
@@ -250,7 +266,7 @@ class Blob:
 
     def _make_views(self) -> None:
         if self.in_layout:
-            Layout.changed()
+            (self.layout or Layout).changed()
         count = self.count
         self._data = self._data_store[:count].reshape(self._shape)
         self._diff = None if self._diff_store is None else self._diff_store[:count].reshape(self._shape)

@@ -72,7 +72,7 @@ import numpy.typing as npt
 
 from cct.core import fillers
 from cct.core.arrays import Array, Shape
-from cct.core.blob import Blob, Buffer, Layout
+from cct.core.blob import Blob, Buffer, Layout, NetLayout
 from cct.core.allocation import check_allocation
 from cct.core.errors import ConfigError, MemoryLimitError, ShapeError, layer_where
 from cct.core.workspace import thread_arena
@@ -175,6 +175,7 @@ class Layer:
     # top of such a layer that no layer reads leaves Layout.epoch alone
     # (the executor marks it, Blob.in_layout), so an execution plan survives it
     tops_follow_values = False
+    layout: Optional[NetLayout] = None   # the net's (Net sets it): what a changed choice makes stale
     # (the blobs' layout key, their data views, which keep its ids unique)
     _reshaped_layout: Optional[Tuple[LayoutKey, List[Array]]] = None
     # What inference fusion (cct.runtime.fusion) reads, each None or False where
@@ -247,7 +248,11 @@ class Layer:
         """The next reshape_if_changed reshapes: something its reshape reads
         besides the blobs' layout has changed (and plans bound to it are stale)."""
         self._reshaped_layout = None
-        Layout.changed()
+        self.layout_changed()
+
+    def layout_changed(self) -> None:
+        """A choice a plan's bound step holds has changed: its net's plan is stale."""
+        (self.layout or Layout).changed()
 
     def weighted_loss(self, top: Sequence[Blob]) -> float:
         """After forward: set the loss tops' diffs to their loss weights (what
@@ -274,7 +279,7 @@ class Layer:
     def bind_forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> Callable[[], None]:
         """Forward on these blobs as one call, with whatever the layer decides
         per shape decided now; valid while Layout.epoch stays (a layer that
-        binds a choice it may change calls Layout.changed() when it does)."""
+        binds a choice it may change calls layout_changed() when it does)."""
         return lambda: self.forward(bottom, top)      # looked up at each call, as the executor does
 
     def bind_backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],

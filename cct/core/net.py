@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cct.core.arrays import Array
-from cct.core.blob import Blob, Layout
+from cct.core.blob import Blob, Layout, NetLayout
 from cct.core.allocation import charging, format_bytes
 from cct.core.errors import ConfigError, MemoryLimitError, ShapeError, WeightsError
 from cct.core.layer import TEST, TRAIN, Layer, check_layer_type, create_layer
@@ -63,6 +63,7 @@ class Net:
     outputs: List[str]
     _executor: Optional["Executor"]
     pages: pages.FaultIn
+    layout: NetLayout
     _blob_needs_backward: Dict[str, bool]           # while building
     _available: "OrderedDict[str, bool]"            # while building
     # the parameter tables (_init_param_tables)
@@ -133,6 +134,7 @@ class Net:
         self.blob_loss_weights = OrderedDict()
         self.inputs = []
         self._executor = None
+        self.layout = NetLayout()             # what the net's plan is bound to beside the global Layout
         self.pages = pages.FaultIn()          # the pages the first forward writes, faulted in meanwhile
         self._init_param_tables()
         self._blob_needs_backward = {}
@@ -165,6 +167,7 @@ class Net:
         if not own_param.HasField("phase"):       # a layer's own `phase:` wins over the net's
             own_param.phase = self.phase
         layer = create_layer(own_param, own_param.phase, source)
+        layer.layout = self.layout
         bottoms, bottom_names, bottom_backward, need_backward = self._wire_bottoms(layer, layer_param)
         tops, top_names = self._wire_tops(layer, layer_param, bottom_names)
         layer.set_up(bottoms, tops)
@@ -220,6 +223,7 @@ class Net:
                                   "earlier layer; a top may only reuse the bottom at its own index (in-place)")
             if not in_place:
                 self.blobs[name] = Blob()
+                self.blobs[name].layout = self.layout
                 self._blob_needs_backward[name] = False
             tops.append(self.blobs[name])
             if not automatic:                         # Caffe leaves automatic tops out of the outputs

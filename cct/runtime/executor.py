@@ -127,7 +127,8 @@ class Executor:
         self._hybrid_key: Optional[tuple] = None   # (shape key, device) the hybrid plan was made for
         self._forwarded: Optional[tuple] = None    # the shape key of the last whole forward on a device
         self._plan: Optional[Plan] = None   # the host's execution plan (cct.runtime.plan), made after a whole forward
-        self._laid_out: Optional[int] = None   # Layout.epoch after the last whole forward layer by layer
+        # (Layout.epoch, the net's layout epoch) after the last whole forward layer by layer
+        self._laid_out: Optional[Tuple[int, int]] = None
         # CCT_PARTITIONS=p partitions every layer that allows it (the conformance
         # suite runs with it to check partitioned results equal unpartitioned
         # ones); CCT_PARTITIONS=1 runs every layer whole.
@@ -398,10 +399,11 @@ class Executor:
                     and self._forward_device is None):
                 # every layer reshaped and chose for these shapes; a plan (tens of binds) only
                 # for a layout a whole forward saw twice, not for shapes that change every time
-                if self._laid_out == Layout.epoch:
+                laid_out = (Layout.epoch, self.net.layout.epoch)
+                if self._laid_out == laid_out:
                     self._plan = None
                     self._plan = self._make_plan()
-                self._laid_out = Layout.epoch
+                self._laid_out = laid_out
         finally:
             self.end_forward()                  # a failing layer leaves no lowered BLAS count
             if pooled:

@@ -93,7 +93,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 import numpy as np
 
 from cct.core.arrays import Array, FloatArray, Shape
-from cct.core.blob import Blob, Layout
+from cct.core.blob import Blob
 from cct.core.errors import ConfigError
 from cct.core.layer import TEST, Epilogue
 from cct.devices import jit
@@ -630,7 +630,7 @@ class Fusion:
         """(Re)plan the runs and output ReLUs: at construction, and when
         forward_only() says so."""
         self.runs = _plan_runs(net, self.forward_only)
-        Layout.changed()              # plans bound to the old runs are stale
+        net.layout.changed()          # plans bound to the old runs are stale
         self._replays = {}
         self.run_of = {index: number for number, run in enumerate(self.runs) for index in run}
         self.output_relus = _plan_output_relus(net, self.run_of, self.forward_only)

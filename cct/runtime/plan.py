@@ -26,8 +26,9 @@ GIL, the other's GEMMs and kernels run.
 A plan is made after a whole forward that ran layer by layer at a layout the
 previous whole forward ran at too (shapes that change at every forward get
 none), so every reshape has run and every choice is made for the shapes the
-plan binds. It is used while Layout.epoch (cct.core.blob) is the one it was
-made at, the net's settings are those it read, and nothing was subscribed
+plan binds. It is used while Layout.epoch and the net's own NetLayout epoch
+(cct.core.blob: another net's reshape changes only that net's) are the ones
+it was made at, the net's settings are those it read, and nothing was subscribed
 since. A reshape in the middle of a forward (a Python layer's, a data
 layer's new batch) changes the epoch: the plan then hands the rest of that
 forward back to the executor, which runs it layer by layer, as Caffe's
@@ -89,6 +90,8 @@ class Plan:
     def __init__(self, net: Any, decided: Layers, blas: Any, settings_version: int, shape_key: tuple,
                  fusion: Any = None) -> None:
         self.epoch = Layout.epoch
+        self.layout = net.layout                     # the net's own part (cct.core.blob.NetLayout)
+        self.net_epoch = net.layout.epoch
         self.settings_version = settings_version
         self.shape_key = shape_key
         self.layers, self.tops = net.layers, net.top_vecs
@@ -115,7 +118,8 @@ class Plan:
     def current(self, settings_version: int) -> bool:
         """Whether this plan still describes its net: the layout it was bound
         to, and the settings version it read."""
-        return Layout.epoch == self.epoch and settings_version == self.settings_version
+        return (Layout.epoch == self.epoch and self.layout.epoch == self.net_epoch
+                and settings_version == self.settings_version)
 
     def params_changed(self) -> bool:
         """Whether a parameter a fused run's kept pass folded in has changed
@@ -132,6 +136,7 @@ class Plan:
         end + 1 when none). A layout changed on the way (a reshape) leaves the
         rest to the executor too (current() says so)."""
         steps, blas, epoch, losses = self.forward_steps, self.blas, self.epoch, self.losses
+        layout, net_epoch = self.layout, self.net_epoch
         layers, tops, set_blas, runs = self.layers, self.tops, self._blas_threads.set, self.forward_runs
         count = None
         loss = 0.0
@@ -139,7 +144,7 @@ class Plan:
         try:
             while index <= end:
                 step = steps[index]
-                if step is None or Layout.epoch != epoch:
+                if step is None or Layout.epoch != epoch or layout.epoch != net_epoch:
                     return loss, index
                 if blas[index] != count:
                     count = blas[index]

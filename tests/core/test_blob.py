@@ -267,3 +267,28 @@ def test_an_empty_shape_numpy_cannot_index_is_refused_too():
     with pytest.raises(cct.core.errors.MemoryLimitError, match="too large for numpy"):
         Blob((8791026472627208191, 1, 3, 0, 5))
     assert Blob((2**30, 0, 2**30)).count == 0              # large axes around an empty one: allowed
+
+
+def test_another_nets_reshape_keeps_a_nets_plan(tmp_path):
+    """A net reshaped at every forward (a classifier fed each frame's face
+    count) changes its own layout epoch, not the one another net's plan is
+    bound to; a net's own reshape still makes its plan stale."""
+    path = tmp_path / "net.prototxt"
+    path.write_text("""input: "x" input_shape { dim: 2 dim: 3 dim: 8 dim: 8 }
+        layer { name: "c" type: "Convolution" bottom: "x" top: "c"
+                convolution_param { num_output: 4 kernel_size: 3 weight_filler { type: "gaussian" } } }
+        layer { name: "r" type: "ReLU" bottom: "c" top: "c" }""")
+    detector, classifier = cct.Net(str(path), cct.TEST), cct.Net(str(path), cct.TEST)
+    for _ in range(3):
+        detector.forward()
+    plan, version = detector.executor._plan, detector.executor.settings.version
+    assert plan is not None and plan.current(version)
+    for faces in (1, 3, 2):
+        classifier.blobs["x"].reshape(faces, 3, 8, 8)
+        classifier.forward()
+        before = detector.forward()["c"].copy()
+        assert detector.executor._plan is plan and plan.current(version)
+        np.testing.assert_array_equal(detector.forward()["c"], before)
+    detector.blobs["x"].reshape(1, 3, 8, 8)
+    assert not plan.current(version)
+    assert detector.forward()["c"].shape == (1, 4, 6, 6)

@@ -10,7 +10,6 @@ import pytest
 
 import cct
 from cct.core import settings as table
-from cct.core.blob import Layout
 from cct.lowering import type1, type3
 from cct.runtime import settings
 
@@ -187,10 +186,10 @@ def test_a_setting_or_a_lowering_choice_makes_a_new_plan():
     run(net, x, target)
     run(net, x, target)
     plan = net.executor._plan
-    epoch = Layout.epoch
+    epoch = net.layout.epoch                 # the net's own part of the layout (a layer's choice)
     conv = net.layer_dict["conv1"]
     conv.lowering_type = 2 if conv.lowering_type != 2 else 3
-    assert Layout.epoch != epoch and not plan.current(net.executor.settings.version)
+    assert net.layout.epoch != epoch and not plan.current(net.executor.settings.version)
     got = run(net, x, target)
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-5)
     run(net, x, target)
