@@ -66,11 +66,12 @@ Shard = Tuple[DeviceMemory, int, int, Buffer]
 
 
 class Layout:
-    """What an execution plan (cct.runtime.plan) was bound to: `epoch` grows
-    whenever any blob gets new views (a reshape to another shape, storage
-    shared or replaced) or a layer changes a choice its bound steps hold
-    (changed()). A plan built at one epoch runs while the epoch is the same;
-    reading it is one attribute lookup per step."""
+    """What an execution plan (cct.runtime.plan) was bound to, beside its
+    net's NetLayout: `epoch` grows whenever a blob outside every net's tops
+    (a parameter, a standalone blob) gets new views (a reshape to another
+    shape, storage shared or replaced) or a layer outside a net changes a
+    choice its bound steps hold (changed()). A plan built at one epoch runs
+    while the epoch is the same; reading it is one attribute lookup per step."""
     epoch = 0
     _building = threading.local()     # .nets: how many nets this thread is building
 
@@ -210,7 +211,7 @@ HOST_ONLY = HostOnly()
 
 class Blob:
     # False: no execution plan holds this blob's views, so new ones leave
-    # Layout.epoch alone (a detection layer's top no layer reads; the
+    # the layout alone (a detection layer's top no layer reads; the
     # executor sets it, Layer.tops_follow_values)
     in_layout = True
     layout: Optional[NetLayout] = None     # the net's whose top this is (Net sets it); else the global Layout

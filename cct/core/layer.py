@@ -172,8 +172,8 @@ class Layer:
     reshape_reads_layout = False
     # True: forward reshapes the tops to what the values give (a detection
     # layer's row count), so their shape changes from forward to forward; a
-    # top of such a layer that no layer reads leaves Layout.epoch alone
-    # (the executor marks it, Blob.in_layout), so an execution plan survives it
+    # top of such a layer that no layer reads leaves the layout alone (the
+    # executor marks it, Blob.in_layout), so an execution plan survives it
     tops_follow_values = False
     layout: Optional[NetLayout] = None   # the net's (Net sets it): what a changed choice makes stale
     # (the blobs' layout key, their data views, which keep its ids unique)
@@ -278,8 +278,9 @@ class Layer:
     # --- bound for an execution plan (cct.runtime.plan) ---------------------------------
     def bind_forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> Callable[[], None]:
         """Forward on these blobs as one call, with whatever the layer decides
-        per shape decided now; valid while Layout.epoch stays (a layer that
-        binds a choice it may change calls layout_changed() when it does)."""
+        per shape decided now; valid while the layout stays (Layout.epoch and
+        its net's NetLayout: a layer that binds a choice it may change calls
+        layout_changed() when it does)."""
         return lambda: self.forward(bottom, top)      # looked up at each call, as the executor does
 
     def bind_backward(self, top: Sequence[Blob], propagate_down: Sequence[bool],
