@@ -23,7 +23,10 @@ with its own net.save, and every contender loads Caffe's file.
 --batches B1,B2: after the load, the input is reshaped to each batch (a
 fresh process per batch), one forward timed, then --forwards more: the
 first forward's time over the later ones' median (cct's later forwards
-after its numba start-up thread is done, untimed). cct runs each process
+after its numba start-up thread is done, untimed), and the slowest later
+forward over that median: a one-time cost in a later forward (the third,
+cct's first with an execution plan, once compiled numba's list code for
+a second) shows there and not in the median. cct runs each process
 with an empty measurement cache (CCT_CACHE_DIR, cct.runtime.settings), as
 on a machine that never ran the net at that shape; --warm-cache DIR keeps
 one folder instead (run once before the rounds, to fill it).
@@ -117,7 +120,8 @@ def child(framework, proto, weights, batch, forwards):
             start = time.perf_counter()
             net.forward()
             times.append(time.perf_counter() - start)
-        result.update(first=times[0], later=statistics.median(times[1:]) if forwards else None)
+        result.update(first=times[0], later=statistics.median(times[1:]) if forwards else None,
+                      slowest=max(times[1:]) if forwards else None)
     result["blas"] = blas_kernels(module.__file__)
     print(json.dumps(result))
 
@@ -245,6 +249,9 @@ def report(name, results, file_mib):
         print(f"  {name:12s} first forward {1e3 * first:.1f} ms, later {1e3 * later:.1f} ms (median of "
               f"each run's median): first / later {statistics.median(ratios):.2f} (runs "
               + ", ".join(f"{ratio:.2f}" for ratio in ratios) + ")")
+        slowest = [r["slowest"] / r["later"] for r in results]
+        print(f"  {name:12s} slowest later forward / later median: {max(slowest):.2f} at most (runs "
+              + ", ".join(f"{ratio:.2f}" for ratio in slowest) + ")")
 
 
 def compare(runs):
