@@ -124,8 +124,9 @@ def test_fault_in_leaves_small_arrays_to_the_forward():
 
 
 @linux
-def test_fault_in_stops_before_the_arrays_it_has_not_reached():
-    """stop(): the thread ends after the array it is on; the rest stay unfaulted."""
+def test_fault_in_takes_nothing_after_stop():
+    """After stop() (a net's first forward), arrays given later are left to
+    whoever touches them: no thread starts, no page is faulted in."""
     maps = [mmap.mmap(-1, 4 << 20) for _ in range(3)]
     arrays = [np.frombuffer(m, np.uint8) for m in maps]
     faulting = pages.FaultIn()
