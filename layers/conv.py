@@ -249,12 +249,17 @@ class _ConvolutionBase(Layer):
         self._owner._choose()
         return self._owner._winograd_m
 
+    def _held_tile(self):
+        """The tile of the transformed weights this layer holds (0: none; a
+        partition twin uses its original's)."""
+        return self.winograd_tile if self._owner is self and self.blobs else 0
+
     def ahead(self):
-        m = self.winograd_tile if self._owner is self and self.blobs else 0
+        m = self._held_tile()
         return self._transformed.reserve(self.blobs[0].data, self.geom, m) if m else []
 
     def params_loaded(self):
-        m = self.winograd_tile if self._owner is self and self.blobs else 0
+        m = self._held_tile()
         if m:
             self._transformed.get(self.blobs[0].data, self.geom, m)
 
