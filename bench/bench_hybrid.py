@@ -21,7 +21,8 @@ import random
 import statistics
 import sys
 import tempfile
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 PINNED = {"POCL_MAX_PTHREAD_COUNT": "1", "POCL_AFFINITY": "1", "OPENBLAS_NUM_THREADS": "1", "CCT_THREADS": "1"}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,24 +35,15 @@ layer {{ name: "conv2" type: "Convolution" bottom: "data" top: "conv2"
 SHARES = [round(0.05 * step, 2) for step in range(21)]
 
 
-def median_time(run, repeats):
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def sweep(name, net, device, run, repeats):
     """Time `run` with every splittable layer at each share, then at the rule's plan."""
+    import common                       # (it imports numpy: here, after main()'s re-exec with PINNED)
     from cct.runtime import hybrid
     splittable = [i for i in range(len(net.layers)) if hybrid.splittable(net, i, device)]
     times = {}
     for share in random.Random(0).sample(SHARES, len(SHARES)):
         net.executor.hybrid = {index: share for index in splittable}
-        times[share] = median_time(run, repeats)
+        times[share] = common.time_loop(run, repeats)[0]
     net.executor.hybrid = {}
     plan = hybrid.measure_shares(net, device)
     best_share = min(times, key=times.get)
@@ -59,9 +51,9 @@ def sweep(name, net, device, run, repeats):
     rule_times, best_times = [], []
     for _ in range(3):
         net.executor.hybrid = plan
-        rule_times.append(median_time(run, repeats))
+        rule_times.append(common.time_loop(run, repeats)[0])
         net.executor.hybrid = {index: best_share for index in splittable}
-        best_times.append(median_time(run, repeats))
+        best_times.append(common.time_loop(run, repeats)[0])
     rule, times[best_share] = statistics.median(rule_times), statistics.median(best_times)
     host, on_device = times[0.0], times[1.0]
     ideal = 1 / (1 / host + 1 / on_device)

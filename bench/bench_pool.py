@@ -39,13 +39,7 @@ def compare(label, step, rounds, per_round, settle):
         for way in (("own", "pool") if round_ % 2 == 0 else ("pool", "own")):
             pool._pool = lent if way == "pool" else None
             time.sleep(settle)
-            step()
-            samples = []
-            for _ in range(per_round):
-                start = time.perf_counter()
-                step()
-                samples.append(time.perf_counter() - start)
-            times[way].append(statistics.median(samples))
+            times[way].append(common.time_loop(step, per_round)[0])
     pool._pool = lent
     ratios = sorted(p / o for p, o in zip(times["pool"], times["own"]))
     common.print_flush(f"{label}: own threads {statistics.median(times['own']) * 1e3:.1f} ms, "
