@@ -14,8 +14,14 @@ yet: the first forward would take a page fault per 4 KiB it writes (ResNet-50
 at batch 1: 24,000, a third of its first forward on this project's VMs).
 A FaultIn has a thread take them while the net is built, layer by layer, on
 a core the building leaves idle.
+
+The weights a load copies into take small pages (small_pages), as Caffe's
+do: numpy asks for 2 MiB pages on arrays of 4 MiB and more, and on virtual
+machines the first touch of such a page sometimes costs several times the
+512 small pages it stands for (BENCHMARKS.md, "Small pages for the weights").
 """
 import ctypes
+import functools
 import mmap
 import os
 import sys
@@ -32,6 +38,7 @@ FAULT_IN_BYTES = 4 << 20            # a net whose blobs take less gains less tha
 # and the building thread's next allocation waits for that (64 pages: the
 # wait is a few microseconds, the calls a few percent of the work)
 FAULT_IN_CHUNK = 64 * _PAGE
+HUGE_ADVICE_BYTES = 4 << 20         # numpy advises huge pages on allocations of this size and more
 
 
 class ReleaseBehind:
@@ -55,6 +62,24 @@ class ReleaseBehind:
         if end > self.released:
             self.mapping.madvise(mmap.MADV_DONTNEED, self.released, end - self.released)
             self.released = end
+
+
+def small_pages(array: np.ndarray) -> None:
+    """Have the pages of `array` not yet touched come as small ones, against
+    the huge-page advice numpy gave its allocation (where it has the size for
+    that advice and the platform has madvise; else nothing)."""
+    if array.nbytes < HUGE_ADVICE_BYTES or not hasattr(mmap, "MADV_NOHUGEPAGE"):
+        return
+    start = -(-array.ctypes.data // _PAGE) * _PAGE          # whole pages inside the array only
+    end = (array.ctypes.data + array.nbytes) // _PAGE * _PAGE
+    _libc().madvise(start, end - start, mmap.MADV_NOHUGEPAGE)   # advice: a refusal changes nothing
+
+
+@functools.lru_cache(maxsize=None)
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 class FaultIn:
@@ -121,8 +146,7 @@ class FaultIn:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))   # 0: this thread (Linux)
         except (AttributeError, OSError):
             pass
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        madvise = _libc().madvise
         while True:
             array = self._queue.get()
             if array is None or self._stopping:

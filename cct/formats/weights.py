@@ -219,6 +219,7 @@ def _copy_layer(layer, source_layer, values, where):
         if array is None:
             array = _stored_values(proto, where=f"{where}: blobs[{index}]: ")
         # the one copy: the file's float32 (or float64, or float16: exact) values into the blob
+        pages.small_pages(blob.data)
         blob.data[...] = _shaped(array, proto, f"{where}: blobs[{index}]: ").reshape(blob.shape)
 
 
@@ -327,6 +328,7 @@ def _copy_hdf5_layer(net, layer_name, data, path):
         if values.size != blob.count:                   # checked before reading: the file may declare 8 GiB
             raise WeightsError(f"{where}: blobs[{index}]: shape mismatch, the file has "
                                f"{values.shape}, the net wants {blob.shape}")
+        pages.small_pages(blob.data)
         blob.data[...] = values[()].reshape(blob.shape)
 
 

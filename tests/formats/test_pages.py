@@ -85,6 +85,46 @@ def test_a_load_hands_back_the_file_as_it_copies(tmp_path, monkeypatch):
     assert len(released) == 1 and released[0].released >= model.stat().st_size - 2 * PAGE
 
 
+def vm_flags(array):
+    """The VmFlags of the mapping (/proc/self/smaps) holding the middle of `array`."""
+    middle = array.ctypes.data + array.nbytes // 2
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(bound, 16) for bound in head.split("-"))
+                inside = low <= middle < high
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError("the array is not mapped")
+
+
+@linux
+def test_a_load_asks_small_pages_for_the_weights(tmp_path):
+    """A layer of 8 MiB of weights loads into pages advised small ("nh"),
+    its values the file's; a store of the same size not loaded keeps numpy's
+    advice (the control: without small_pages the flag is not there)."""
+    proto = tmp_path / "big.prototxt"
+    proto.write_text("""name: "big" input: "x" input_shape { dim: 1 dim: 2048 }
+        layer { name: "a" type: "InnerProduct" bottom: "x" top: "a" inner_product_param { num_output: 1024 } }""")
+    source = cct.Net(str(proto), cct.TEST)
+    source.params["a"][0].data[...] = np.random.default_rng(3).standard_normal((1024, 2048))
+    model = tmp_path / "big.caffemodel"
+    source.save(str(model))
+    assert "nh" not in vm_flags(source.params["a"][0].data)
+    net = cct.Net(str(proto), cct.TEST, weights=str(model))
+    assert "nh" in vm_flags(net.params["a"][0].data)
+    np.testing.assert_array_equal(net.params["a"][0].data, source.params["a"][0].data)
+
+
+def test_small_pages_leaves_arrays_under_numpys_huge_page_size_alone():
+    array = np.zeros(pages.HUGE_ADVICE_BYTES // 4 - 1, np.float32)
+    pages.small_pages(array)                           # nothing to split: a heap's neighbours keep theirs
+    if sys.platform.startswith("linux"):
+        assert "nh" not in vm_flags(array)
+
+
 def resident_pages(array):
     """How many of the pages under `array` are resident (mincore)."""
     import ctypes
