@@ -66,6 +66,8 @@ class Net:
     layout: NetLayout
     _blob_needs_backward: Dict[str, bool]           # while building
     _available: "OrderedDict[str, bool]"            # while building
+    _named_first: Dict[str, int]                    # while building
+    _beside: Optional[weights_io.CopyBeside]        # while building with weights
     # the parameter tables (_init_param_tables)
     _params: List[Blob]
     _param_owners: List[int]
@@ -101,14 +103,20 @@ class Net:
         self.phase = cast(int, phase)      # TRAIN or TEST, checked above
         source = str(self.source)
         self.net_param = insert_splits(legacy_crop_offsets(filter_net(param, state, source), source), source)
+        # a path (the legacy form's, swapped above), copied as the layers are built
+        beside = self._beside = weights_io.CopyBeside(cast(Path, weights)) if weights else None
         try:
             with charging(f"net '{param.name}' ({self.source})") as charge, Layout.building():
                 self.memory_baseline = charge.in_use     # the process before the net: the plan's first term
                 self._build()
         except MemoryLimitError as refused:
             raise refused.noted(f". Largest so far: {self._largest_stores()}") from None
-        if weights:
-            self.copy_from(cast(Path, weights))       # a path (the legacy form's, swapped above)
+        finally:
+            self._beside = None
+            if beside is not None:
+                beside.wait()               # built or not: no thread left copying
+        if beside is not None:
+            self._loaded(beside.path, beside.finish(self))
 
     def _largest_stores(self, count: int = 3) -> str:
         """The largest blob and parameter stores the build has made, for the
@@ -139,6 +147,10 @@ class Net:
         self._init_param_tables()
         self._blob_needs_backward = {}
         self._available = OrderedDict()               # blobs no later layer has read yet
+        # a .caffemodel's layer goes to the first layer of its name (Caffe's CopyTrainedLayersFrom)
+        self._named_first = {}
+        for index, layer_param in enumerate(self.net_param.layer):
+            self._named_first.setdefault(layer_param.name, index)
         for layer_index, layer_param in enumerate(self.net_param.layer):
             self._add_layer(layer_index, layer_param)
         for name in self.blobs:
@@ -149,7 +161,7 @@ class Net:
         for layer, need in zip(self.layers, self.layer_need_backward):
             layer.runs_backward = need
         self.outputs = sorted(self._available)        # Caffe keeps them in a std::set
-        del self._blob_needs_backward, self._available
+        del self._blob_needs_backward, self._available, self._named_first
         self.layer_dict = OrderedDict(zip(self._layer_names, self.layers))
         self.executor                                 # the run settings, checked and applied now
 
@@ -176,6 +188,8 @@ class Net:
         for name, weight in zip(top_names, layer.loss_weights):
             self.blob_loss_weights[name] = weight
         need_backward |= self._append_params(layer_index, layer)
+        if self._beside is not None and self._named_first[layer.name] == layer_index:
+            self._beside.add(layer)               # set up, its shared parameters its owners'
         self.layers.append(layer)
         self._layer_names.append(layer.name)
         self.bottom_vecs.append(bottoms)
@@ -492,6 +506,9 @@ class Net:
             skipped = weights_io.copy_layers_from_hdf5(self, path)
         else:
             skipped = weights_io.copy_layers_from_caffemodel(self, path)
+        self._loaded(path, skipped)
+
+    def _loaded(self, path: str, skipped: List[str]) -> None:
         for layer in self.layers:
             layer.params_loaded()
         for name in skipped:

@@ -10,6 +10,8 @@ directly from the array's buffer.
 """
 import mmap
 import os
+import queue
+import threading
 
 import numpy as np
 
@@ -176,6 +178,85 @@ def copy_layers_from_caffemodel(net, path):
     return copy_layers_from_proto(net, net_param, path, values, copied)
 
 
+class CopyBeside:
+    """copy_layers_from_caffemodel beside the net's build: each layer's values
+    are copied on a thread once the build hands it over (add(), after its
+    setup and its shared parameters), so the copies' page faults run while the
+    build's Python goes on (BENCHMARKS.md, "The weights copied beside the
+    build"); nothing in a build reads a parameter's values. finish() waits for
+    the copies and raises their first error: a bad file is reported after the
+    build's own errors, as in Caffe, which loads once it has built. A file the
+    walk leaves to protobuf (or an HDF5 one) is copied whole by finish()."""
+
+    def __init__(self, path):
+        self.path = str(path)
+        self._error = None
+        self._sources = None               # layer name -> [(its LayerParameter, its values)], in file order
+        self._queue = queue.SimpleQueue()
+        self._thread = None
+        try:
+            if not is_hdf5(self.path):
+                self._sources, self._copied = self._split()
+        except WeightsError as error:      # reported by finish(), after the build's errors
+            self._error = error
+
+    def _split(self):
+        data = _mapped(self.path)
+        try:
+            skeleton, values = split_blobs(data)
+        except Unexpected:
+            return None, None
+        net_param = _upgraded(skeleton, self.path)
+        if sum(len(layer.blobs) for layer in net_param.layer) != len(values):
+            return None, None
+        sources, offset = {}, 0
+        for layer in net_param.layer:
+            sources.setdefault(layer.name, []).append((layer, values[offset:offset + len(layer.blobs)]))
+            offset += len(layer.blobs)
+        return sources, pages.ReleaseBehind(data).done
+
+    def add(self, layer):
+        """Copy `layer`'s values from the file (on the thread), where it has them."""
+        if self._sources is None or layer.name not in self._sources:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._copy, name="cct-weights", daemon=True)
+            self._thread.start()
+        self._queue.put(layer)
+
+    def _copy(self):
+        while True:
+            layer = self._queue.get()
+            if layer is None:
+                return
+            if self._error is not None:
+                continue                   # the first error stands; the rest is not copied
+            try:
+                for source_layer, values in self._sources[layer.name]:
+                    _copy_layer(layer, source_layer, values, f"{self.path}: layer '{layer.name}' ({layer.type})")
+                    if values:
+                        self._copied(values[-1])
+            except Exception as error:      # raised by finish(), not lost with the thread
+                self._error = error
+
+    def wait(self):
+        """No more layers: end the thread once it has copied those it was given."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def finish(self, net):
+        """After wait(): the file's layers the net lacks (as
+        copy_layers_from_caffemodel); raise the first copy's error."""
+        if self._error is not None:
+            raise self._error
+        if self._sources is None:
+            return copy_layers_from_hdf5(net, self.path) if is_hdf5(self.path) else \
+                copy_layers_from_caffemodel(net, self.path)
+        return [name for name in self._sources if name not in net.layer_dict]
+
+
 def _upgraded(data, path):
     from cct.formats.upgrade import upgrade_net
     return upgrade_net(parse_binary(data, caffe_pb2.NetParameter(), path), source=str(path))
@@ -189,14 +270,19 @@ def copy_layers_from_proto(net, net_param, source="<weights>", values=None, copi
     A layer whose blob count or shapes differ is an error. `values`, when
     given, are the blobs' values in order (wire.split_blobs): the BlobProtos
     then hold only their shapes; `copied(value)` is called with each layer's
-    last value once its values are copied (or skipped with the layer).
+    last value once its values are copied (or skipped with the layer). Where
+    two of the net's layers have one name, the first gets the values, as
+    Caffe's search goes (HDF5's lookup, below, takes the last).
     """
+    first_named = {}
+    for layer in net.layers:
+        first_named.setdefault(layer.name, layer)
     skipped, offset = [], 0
     for source_layer in net_param.layer:
         count = len(source_layer.blobs)
         layer_values = values[offset:offset + count] if values is not None else [None] * count
         offset += count
-        layer = net.layer_dict.get(source_layer.name)
+        layer = first_named.get(source_layer.name)
         if layer is None:
             skipped.append(source_layer.name)
         else:

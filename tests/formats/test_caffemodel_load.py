@@ -79,21 +79,20 @@ def test_the_utf8_check_reads_no_number_of_any_field():
 
 
 def test_loading_cuts_the_values_out_before_protobuf_parses(tmp_path, monkeypatch):
-    """The NetParameter that reaches the copy holds no value: protobuf parsed
-    only the rest, and each value comes from the file's bytes."""
+    """The layers that reach the copy hold no value: protobuf parsed only the
+    rest, and each value comes from the file's bytes."""
     seen = []
 
-    def copy(net, net_param, source, values=None, copied=None):
+    def copy(layer, source_layer, values, where):
         seen.append(values)
-        for layer in net_param.layer:
-            for blob in layer.blobs:
-                assert not (blob.data or blob.diff or blob.double_data or blob.double_diff)
-        return copy_layers(net, net_param, source, values, copied)
-    copy_layers = weights.copy_layers_from_proto
-    monkeypatch.setattr(weights, "copy_layers_from_proto", copy)
+        for blob in source_layer.blobs:
+            assert not (blob.data or blob.diff or blob.double_data or blob.double_diff)
+        return copy_layer(layer, source_layer, values, where)
+    copy_layer = weights._copy_layer
+    monkeypatch.setattr(weights, "_copy_layer", copy)
     _assert_loaded(_load(tmp_path, _model(weights.array_to_blob_proto(WEIGHT, diff=-WEIGHT),
                                           weights.array_to_blob_proto(BIAS))))
-    assert [value.size for value in seen[0]] == [15, 3]
+    assert [value.size for values in seen for value in values] == [15, 3]
 
 
 # --- names that are not UTF-8: the same errors as before --------------------------------
@@ -256,3 +255,60 @@ def test_a_caffemodel_over_2_gigabytes_loads(tmp_path):
         out.write(tail)
     assert path.stat().st_size > 2**31
     _assert_loaded(cct.Net(NET, cct.TEST, weights=str(path)))
+
+
+# --- the copies beside the build (weights.CopyBeside) ----------------------------------
+def test_the_values_are_copied_on_a_thread_as_the_layers_are_built(tmp_path, monkeypatch):
+    threads = []
+
+    def copy(layer, source_layer, values, where):
+        threads.append(__import__("threading").current_thread().name)
+        return copy_layer(layer, source_layer, values, where)
+    copy_layer = weights._copy_layer
+    monkeypatch.setattr(weights, "_copy_layer", copy)
+    _assert_loaded(_load(tmp_path, _model(weights.array_to_blob_proto(WEIGHT), weights.array_to_blob_proto(BIAS))))
+    assert threads == ["cct-weights", "cct-weights"]   # the file's Input layer (no values), then fc
+
+
+def test_a_bad_net_is_reported_before_a_missing_weight_file(tmp_path):
+    """Caffe builds, then loads: the prototxt's error comes first."""
+    bad = NET.replace("num_output: 3", "num_output: 0")
+    with pytest.raises(ConfigError, match="num_output"):
+        cct.Net(bad, cct.TEST, weights=str(tmp_path / "missing.caffemodel"))
+    with pytest.raises(WeightsError, match="missing.caffemodel: weight file not found"):
+        cct.Net(NET, cct.TEST, weights=str(tmp_path / "missing.caffemodel"))
+
+
+def test_a_bad_net_ends_the_copies_begun(tmp_path):
+    """A layer after fc fails to build while fc's values are being copied:
+    the build's error, and no copying thread left behind."""
+    import threading
+    bad = NET + '''
+layer { name: "after" type: "InnerProduct" bottom: "fc" top: "after" inner_product_param { num_output: 0 } }'''
+    path = tmp_path / "w.caffemodel"
+    path.write_bytes(_model(weights.array_to_blob_proto(WEIGHT), weights.array_to_blob_proto(BIAS)).SerializeToString())
+    with pytest.raises(ConfigError, match="after"):
+        cct.Net(bad, cct.TEST, weights=str(path))
+    assert not [thread for thread in threading.enumerate() if thread.name == "cct-weights"]
+
+
+def test_a_shape_mismatch_names_the_file_the_layer_and_the_blob(tmp_path):
+    wrong = RNG.standard_normal((4, 5), dtype=np.float32)
+    with pytest.raises(WeightsError, match=r"w.caffemodel: layer 'fc' \(InnerProduct\): blobs\[0\]: shape mismatch"):
+        _load(tmp_path, _model(weights.array_to_blob_proto(wrong), weights.array_to_blob_proto(BIAS)))
+
+
+def test_two_layers_of_one_name_load_into_the_first_as_in_caffe(tmp_path):
+    """Caffe's CopyTrainedLayersFrom (a NetParameter) searches layer_names_
+    from the start: the first layer of the name gets the values."""
+    net_text = NET + '''
+layer { name: "fc" type: "InnerProduct" bottom: "fc" top: "fc2" inner_product_param { num_output: 3 } }'''
+    path = tmp_path / "w.caffemodel"
+    path.write_bytes(_model(weights.array_to_blob_proto(WEIGHT), weights.array_to_blob_proto(BIAS)).SerializeToString())
+    built = cct.Net(net_text, cct.TEST, weights=str(path))
+    after = cct.Net(net_text, cct.TEST)
+    after.copy_from(str(path))                          # the same after the build
+    for net in (built, after):
+        np.testing.assert_array_equal(net.layers[1].blobs[0].data, WEIGHT)
+        np.testing.assert_array_equal(net.layers[1].blobs[1].data, BIAS)
+        assert not net.layers[2].blobs[0].data.any()   # the second "fc" keeps its filler's zeros

@@ -64,14 +64,16 @@ def load(tmp_path, monkeypatch, data):
     """(cct.Net(..., weights=) on the file of `data`, whether the wire's fast path loaded it)."""
     seen = []
 
-    def copy(net, net_param, source, values=None, copied=None):
-        seen.append(values is not None)
-        return copy_layers(net, net_param, source, values, copied)
-    copy_layers = weights.copy_layers_from_proto
-    monkeypatch.setattr(weights, "copy_layers_from_proto", copy)
+    def copy(layer, source_layer, values, where):
+        seen.extend(value is not None for value in values)     # the fallback's are None: parsed by protobuf
+        return copy_layer(layer, source_layer, values, where)
+    copy_layer = weights._copy_layer
+    monkeypatch.setattr(weights, "_copy_layer", copy)
     path = tmp_path / "w.caffemodel"
     path.write_bytes(data)
-    return cct.Net(NET, cct.TEST, weights=str(path)), seen == [True]
+    net = cct.Net(NET, cct.TEST, weights=str(path))
+    assert len(seen) == 4 and len(set(seen)) == 1                  # conv's and fc's two blobs each, one way
+    return net, seen[0]
 
 
 def file_bytes(net, path_kind):
