@@ -2,12 +2,15 @@
 measured in the same run, peak memory; and PyTorch on the same net when it is
 importable (it is not a cct dependency).
 
-    python bench/bench_caffenet.py [--batch 256] [--iterations 5] [--tune] [--no-torch] [--share-diffs]
+    python bench/bench_caffenet.py [--batch 256] [--iterations 5] [--settle 16] [--tune] [--no-torch] [--share-diffs]
 
 One iteration is cct.SGDSolver.step(1): forward, backward and the SGD update
 (momentum 0.9, weight decay 5e-4), on models/bvlc_reference_caffenet/
 train_synthetic.prototxt with its DummyData replaced by Input blobs filled once
-(gaussian images, random labels), so the random fill is not timed. Each
+(gaussian images, random labels), so the random fill is not timed. cct first
+steps until its "auto" schedule has chosen (--settle): its first dozen or so
+iterations take turns in the sequential, streams and tuned schedules to
+measure them, and a training run keeps the one it chose. Each
 framework runs in a fresh subprocess, so its peak RSS (VmHWM) is its own.
 --share-diffs runs cct with CCT_SHARE_DIFFS=1 (cct.runtime.memory: blobs whose
 gradients are never live together share one diff buffer).
@@ -32,6 +35,7 @@ def run_cct(args):
     if args.tune:
         plan = net.executor.tune()
     flops = sum(f + b for f, b in profile.net_flops(net))
+    settled = settle(solver, args.settle)
     median, times = common.time_loop(lambda: solver.step(1), args.iterations, args.warmup)
     layers = []
     if args.layers:
@@ -40,10 +44,25 @@ def run_cct(args):
                   for i, (layer, f, b, (fl, bl)) in enumerate(zip(net.layers, forward, backward,
                                                                   profile.net_flops(net)))]
     return {"framework": "cct", "batch": args.batch, "seconds": median, "times": times, "layers": layers,
-            "images_per_s": args.batch / median, "gflops": flops / median / 1e9,
+            "images_per_s": args.batch / median, "gflops": flops / median / 1e9, "settled": settled,
             "gflop_per_image": flops / args.batch / 1e9, "plan": plan,
             "peak_rss_mb": common.peak_rss_mb(),
             "share_diffs": None if shared is None else [str(shared), len(shared.arenas)]}
+
+
+def settle(solver, limit):
+    """Steps until the "auto" schedule has chosen (at most `limit`): before
+    that, its iterations take turns in each schedule, so the timed ones would
+    time its measuring, not what a training run keeps. A line that says which
+    schedule the timed steps run in."""
+    steps, schedule = 0, solver.net.executor.schedule
+    if schedule != "auto":
+        return f"{schedule} (set)"
+    while steps < limit and solver.auto_choice() is None:
+        solver.step(1)
+        steps += 1
+    chosen = solver.auto_choice()
+    return f"{chosen}, auto's choice after {steps} steps" if chosen else f"auto, still measuring after {steps} steps"
 
 
 def torch_caffenet(torch, classes=1000):
@@ -97,6 +116,7 @@ def child(args, framework):
     flags = common.child_flags(args)
     if args.tune:
         flags.append("--tune")
+    flags += ["--settle", args.settle]
     if args.layers:
         flags += ["--layers", args.layers]
     if not (framework == "cct" and args.share_diffs):
@@ -117,6 +137,8 @@ def main(argv=None):
     parser.add_argument("--tune", action="store_true", help="run net.executor.tune() first and print its plan")
     parser.add_argument("--layers", type=int, default=0,
                         help="then time each layer over this many passes and print the breakdown")
+    parser.add_argument("--settle", type=int, default=16,
+                        help="first, at most this many steps until the auto schedule has chosen (0: none)")
     parser.add_argument("--share-diffs", action="store_true",
                         help="cct shares diff buffers between blobs never live together (CCT_SHARE_DIFFS=1)")
     args = parser.parse_args(argv)
@@ -136,6 +158,7 @@ def main(argv=None):
     r = cct_result
     if r["plan"]:
         p("tuned plan (partitions per layer): " + ", ".join(f"{k}={v}" for k, v in r["plan"].items()))
+    p(f"cct schedule timed: {r['settled']}")
     p(f"cct CaffeNet training, batch {r['batch']}: {r['seconds'] * 1e3:.0f} ms/iteration "
       f"(times {', '.join(f'{t:.2f}' for t in r['times'])} s), {r['images_per_s']:.1f} images/s, "
       f"{r['gflop_per_image']:.2f} GFLOP/image, {r['gflops']:.1f} GFLOP/s = "

@@ -74,6 +74,13 @@ class ScheduleWindows:
             self._auto[key] = FasterOf(("sequential", "streams", "tuned"), "schedule auto (time per iteration)")
         return self._auto[key].next()
 
+    def auto_choice(self):
+        """The schedule the "auto" schedule keeps for the net's shapes now:
+        "sequential", "streams" or "tuned"; None while it still measures them
+        (its first dozen iterations or so), or where the schedule is not auto."""
+        choice = self._auto.get(self.net.executor.shape_key())
+        return None if choice is None else choice.chosen
+
     def _watched(self):
         """Whether something must see one iteration, or one layer, at a time: a
         pycaffe callback or a per-layer subscriber other than the MPI

@@ -125,8 +125,24 @@ def test_auto_measures_both_then_keeps_one():
         settings.set_schedule(None)
     [choice] = solver._auto.values()
     _kept_the_fastest(choice, ("sequential", "streams", "tuned"))
+    assert solver.auto_choice() == choice.chosen
     _, choice = net.executor._auto
     _kept_the_fastest(choice, ("sequential", "streams"))
+
+
+def test_auto_choice_is_none_until_auto_has_chosen_and_where_the_schedule_is_not_auto():
+    settings.set_schedule("auto")
+    try:
+        solver, _ = train(NETS["blocks"](), iterations=2)
+        assert solver.auto_choice() is None              # still measuring
+    finally:
+        settings.set_schedule(None)
+    settings.set_schedule("sequential")
+    try:
+        solver, _ = train(NETS["blocks"](), iterations=16)   # what made auto choose above
+        assert solver.auto_choice() is None
+    finally:
+        settings.set_schedule(None)
 
 
 def _kept_the_fastest(choice, modes):
