@@ -16,7 +16,7 @@ import threading
 import numpy as np
 
 from cct.formats import pages
-from cct.core.errors import ShapeError, WeightsError
+from cct.core.errors import CctError, ShapeError, WeightsError
 from cct.formats import hdf5
 from cct.formats.prototxt import atomic_path, atomic_write, parse_binary, read_bytes
 from cct.formats.wire import RAW_TYPES, Unexpected, field_pieces, split_blobs, varint
@@ -192,12 +192,13 @@ class CopyBeside:
         self.path = str(path)
         self._error = None
         self._sources = None               # layer name -> [(its LayerParameter, its values)], in file order
+        self._copied = None                # ReleaseBehind.done of the mapped file
         self._queue = queue.SimpleQueue()
         self._thread = None
         try:
             if not is_hdf5(self.path):
                 self._sources, self._copied = self._split()
-        except WeightsError as error:      # reported by finish(), after the build's errors
+        except CctError as error:          # a damaged file, an upgrade refused: after the build's errors
             self._error = error
 
     def _split(self):

@@ -277,6 +277,12 @@ def test_a_bad_net_is_reported_before_a_missing_weight_file(tmp_path):
         cct.Net(bad, cct.TEST, weights=str(tmp_path / "missing.caffemodel"))
     with pytest.raises(WeightsError, match="missing.caffemodel: weight file not found"):
         cct.Net(NET, cct.TEST, weights=str(tmp_path / "missing.caffemodel"))
+    damaged = tmp_path / "damaged.caffemodel"
+    damaged.write_bytes(_model(weights.array_to_blob_proto(WEIGHT)).SerializeToString()[:-7])
+    with pytest.raises(ConfigError, match="num_output"):
+        cct.Net(bad, cct.TEST, weights=str(damaged))
+    with pytest.raises(ConfigError, match="damaged.caffemodel: not a valid binary NetParameter"):
+        cct.Net(NET, cct.TEST, weights=str(damaged))
 
 
 def test_a_bad_net_ends_the_copies_begun(tmp_path):
