@@ -23,7 +23,7 @@ ratios (the host's noise in the ratio's own terms). The
 detections of the last forward are compared (count, largest box difference).
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_forks.py [--batches 1,16] [--rounds 5]
-        [--per-round 3] [--settle 0.5] [--nets res10,mobilenet_ssd]
+        [--per-round 3] [--settle 0.5] [--nets res10,mobilenet_ssd] [--layers 20]
 """
 import argparse
 import glob
@@ -85,6 +85,14 @@ for line in sys.stdin:
             times.append(time.perf_counter() - start)
         np.save(order["output"], out)
         answer = {"times": times[order["warmup"]:]}
+        if order.get("layers"):                  # each layer's mean ms over as many more forwards
+            total = 0.0
+            for _ in range(order["layers"]):
+                net.setInput(blob)
+                net.forward()
+                total = total + np.asarray(net.getPerfProfile()[1], np.float64).ravel()
+            answer["layers"] = dict(zip(net.getLayerNames(), (1e3 * total / order["layers"]
+                                                              / cv2.getTickFrequency()).tolist()))
     print(json.dumps(answer), flush=True)
 """
 
@@ -267,6 +275,34 @@ def agreement(ours, theirs):
         f"{len(mine)} boxes, {len(mine) - far} within 1e-4, {far} further (near-tied scores)"
 
 
+def print_layers(net, theirs, passes, shown=16):
+    """cct's layers one by one (median ms of `passes` forwards, each layer
+    alone as common.layer_breakdown times it, on the kernels' pool as a whole
+    forward: their sum is over the whole forward, unfused) beside OpenCV's per-layer means (getPerfProfile; a layer OpenCV
+    fused into the one before shows 0), the `shown` slowest on either side."""
+    from cct.devices import pool
+    ours = {}
+    samples = np.zeros((passes, len(net.layers)))
+    lent = pool.acquire(net.executor.threads)     # as a whole forward of a TEST net runs its kernels
+    try:
+        for k in range(passes):
+            for index in range(len(net.layers)):
+                start = time.perf_counter()
+                net.executor.forward(index)
+                samples[k, index] = time.perf_counter() - start
+    finally:
+        if lent:
+            pool.release()
+    for layer, seconds in zip(net.layers, np.median(samples, axis=0)):
+        ours[layer.name] = 1e3 * seconds
+    names = sorted(set(ours) | set(theirs), key=lambda n: -max(ours.get(n, 0.0), theirs.get(n, 0.0)))[:shown]
+    print(f"  per layer, {passes} forwards: cct's sum {sum(ours.values()):.1f} ms, OpenCV's {sum(theirs.values()):.1f}")
+    for layer_name in names:
+        mine, cv = ours.get(layer_name), theirs.get(layer_name)
+        ratio = f"{mine / cv:5.2f}" if mine and cv else "    -"
+        print(f"  {layer_name:32s} cct {mine or 0:7.3f}  OpenCV {cv or 0:7.3f}  {ratio}")
+
+
 # --- the run --------------------------------------------------------------------------------------
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -278,6 +314,8 @@ def main():
     parser.add_argument("--settle", type=float, default=0.5,
                         help="seconds of pause before each timed forward (bench_deploy.py's SETTLE_SECONDS)")
     parser.add_argument("--threads", type=int, default=2, help="cv2.setNumThreads; cct keeps its default")
+    parser.add_argument("--layers", type=int, default=0,
+                        help="then this many forwards a side timed layer by layer, the slowest layers side by side")
     args = parser.parse_args()
     import cct
     print(common.machine_line())
@@ -332,6 +370,10 @@ def main():
                 print(f"{name} batch {batch}: cct {cct_ms:.1f} ms, OpenCV {cv_ms:.1f} ms, "
                       f"cct/OpenCV {cct_ms / cv_ms:.2f} (per-round quartiles {low:.2f}-{high:.2f}); {rows[-1][-1]}; "
                       f"load {common.load_average():.2f}", flush=True)
+                if args.layers:
+                    theirs_by_layer = opencv.ask(do="run", name=name, input=given, output=taken, repeats=0,
+                                                 warmup=1, settle=0, layers=args.layers)["layers"]
+                    print_layers(net, theirs_by_layer, args.layers)
     opencv.close()
     print(f"uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     print("\n| net | batch | cct ms | OpenCV 4.14 ms | cct/OpenCV | per-round quartiles | detections (last forward) |")

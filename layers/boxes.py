@@ -20,7 +20,7 @@ def box_sizes(boxes):
 def overlaps(boxes, sizes):
     """(K, K) float32 Jaccard overlaps of boxes (K, 4) with areas `sizes`
     (JaccardOverlap), every pair (SSD's compiled NMS computes one pair at a
-    time, as it needs them: ssd._kept_by_nms)."""
+    time, as it needs them: ssd._nms_every_class)."""
     a, b = boxes[:, None, :], boxes[None, :, :]
     apart = (b[..., 0] > a[..., 2]) | (b[..., 2] < a[..., 0]) | (b[..., 1] > a[..., 3]) | (b[..., 3] < a[..., 1])
     width = np.minimum(a[..., 2], b[..., 2]) - np.maximum(a[..., 0], b[..., 0])

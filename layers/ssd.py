@@ -459,40 +459,6 @@ def decode_boxes(priors, variances, loc, code_type, variance_in_target):
     return np.stack([cx - w / two, cy - h / two, cx + w / two, cy + h / two], axis=1)
 
 
-@kernel
-def _kept_by_nms(boxes, sizes, threshold, eta, kept):
-    """ApplyNMSFast's loop over boxes (K, 4) with areas `sizes` (K,), sorted
-    best first: writes the rows kept into `kept` and returns their count.
-    Each pair's overlap is overlaps()'s, in float32, computed only where the
-    loop asks: the (K, K) matrix and a numpy call per box took 12 ms of
-    res10's 14 ms DetectionOutput at batch 1 (BENCHMARKS.md, "The forks'
-    models against OpenCV 4")."""
-    count = 0
-    zero, half = np.float32(0), np.float32(0.5)
-    for row in range(boxes.shape[0]):
-        a0, a1, a2, a3 = boxes[row, 0], boxes[row, 1], boxes[row, 2], boxes[row, 3]
-        keep = True
-        for k in range(count):
-            other = kept[k]
-            b0, b1, b2, b3 = boxes[other, 0], boxes[other, 1], boxes[other, 2], boxes[other, 3]
-            if b0 > a2 or b2 < a0 or b1 > a3 or b3 < a1:
-                continue
-            width = np.minimum(a2, b2) - np.maximum(a0, b0)
-            height = np.minimum(a3, b3) - np.maximum(a1, b1)
-            if not (width > zero and height > zero):
-                continue
-            inter = width * height
-            if inter / (sizes[row] + sizes[other] - inter) > threshold:
-                keep = False
-                break
-        if keep:
-            kept[count] = row
-            count += 1
-            if eta < 1 and threshold > half:
-                threshold = np.float32(threshold * eta)
-    return count
-
-
 def _candidates(scores, score_threshold, top_k):
     """The boxes scoring above score_threshold, stably sorted by descending
     score, the first top_k (-1: all)."""
@@ -501,15 +467,85 @@ def _candidates(scores, score_threshold, top_k):
     return candidates[:top_k] if top_k > -1 else candidates
 
 
+@kernel
+def _nms_every_class(boxes, sizes, scores, labels, score_threshold, nms_threshold, eta, top_k, kept_class, kept_row):
+    """nms() of each class c whose labels[c] >= 0, on the boxes (L, P, 4) and
+    areas (L, P) of location label labels[c] and the scores[:, c] (P, C), in
+    one call: the kept (class, prior) pairs, class by class and best first
+    within a class, into kept_class and kept_row; returns their count. The
+    candidates' order is _candidates' (a stable sort of the negated scores);
+    each pair's overlap is boxes.overlaps()'s in float32, computed only where
+    the loop asks (the whole (K, K) matrix and a numpy call per box took 12 ms
+    of res10's 14 ms DetectionOutput at batch 1)."""
+    count = 0
+    priors = scores.shape[0]
+    above = np.empty(priors, np.int64)
+    for c in range(scores.shape[1]):
+        label = labels[c]
+        if label < 0:
+            continue
+        found = 0
+        for p in range(priors):
+            if scores[p, c] > score_threshold:
+                above[found] = p
+                found += 1
+        keys = np.empty(found, np.float32)
+        for k in range(found):
+            keys[k] = -scores[above[k], c]
+        order = np.argsort(keys, kind="mergesort")
+        if -1 < top_k < found:
+            found = top_k
+        threshold, first = nms_threshold, count
+        zero, half = np.float32(0), np.float32(0.5)
+        for k in range(found):
+            row = above[order[k]]
+            a0, a1, a2, a3 = boxes[label, row, 0], boxes[label, row, 1], boxes[label, row, 2], boxes[label, row, 3]
+            keep = True
+            for j in range(first, count):
+                other = kept_row[j]
+                b0, b1 = boxes[label, other, 0], boxes[label, other, 1]
+                b2, b3 = boxes[label, other, 2], boxes[label, other, 3]
+                if b0 > a2 or b2 < a0 or b1 > a3 or b3 < a1:
+                    continue
+                width = np.minimum(a2, b2) - np.maximum(a0, b0)
+                height = np.minimum(a3, b3) - np.maximum(a1, b1)
+                if not (width > zero and height > zero):
+                    continue
+                inter = width * height
+                if inter / (sizes[label, row] + sizes[label, other] - inter) > threshold:
+                    keep = False
+                    break
+            if keep:
+                kept_class[count] = c
+                kept_row[count] = row
+                count += 1
+                if eta < 1 and threshold > half:
+                    threshold = np.float32(threshold * eta)
+    return count
+
+
+def nms_every_class(boxes, sizes, scores, labels, score_threshold, nms_threshold, eta, top_k):
+    """{class: nms()'s kept indices} of every class c with labels[c] >= 0 (its
+    location label's index in boxes (L, P, 4) and sizes (L, P)), in one
+    compiled call rather than numpy calls per class (MobileNet-SSD's 20
+    classes: BENCHMARKS.md, "The forks' models against OpenCV 4")."""
+    classes = scores.shape[1]
+    room = int((labels >= 0).sum()) * scores.shape[0]
+    kept_class, kept_row = np.empty(room, np.int64), np.empty(room, np.int64)
+    count = _nms_every_class(np.ascontiguousarray(boxes, _F32), np.ascontiguousarray(sizes, _F32),
+                             np.ascontiguousarray(scores, _F32), np.ascontiguousarray(labels, np.int64),
+                             _F32(score_threshold), _F32(nms_threshold), _F32(eta), int(top_k), kept_class, kept_row)
+    kept_class, kept_row = kept_class[:count], kept_row[:count]
+    return {c: kept_row[kept_class == c] for c in range(classes) if labels[c] >= 0}
+
+
 def nms(boxes, sizes, scores, score_threshold, nms_threshold, eta, top_k):
     """Indices kept by the fork's ApplyNMSFast, best first: of _candidates,
     each kept unless it overlaps a kept one by more than the threshold, which
-    shrinks by eta after each kept box while above 0.5."""
-    candidates = _candidates(scores, score_threshold, top_k)
-    kept = np.empty(candidates.size, np.int64)
-    count = _kept_by_nms(np.ascontiguousarray(boxes[candidates], _F32), np.ascontiguousarray(sizes[candidates], _F32),
-                         _F32(nms_threshold), _F32(eta), kept)
-    return candidates[kept[:count]]
+    shrinks by eta after each kept box while above 0.5 (boxes (P, 4), their
+    areas (P,), scores (P,))."""
+    return nms_every_class(boxes[None], sizes[None], scores[:, None], np.zeros(1, np.int64), score_threshold,
+                           nms_threshold, eta, top_k)[0]
 
 
 def nms_reference(boxes, sizes, scores, score_threshold, nms_threshold, eta, top_k):
@@ -633,13 +669,13 @@ class DetectionOutput(NoBackward, Layer):
     def _detect(self, decoded, conf):
         """{label: kept prior indices, best first} of one image from its decoded boxes."""
         scores = conf.reshape(self.num_priors, self.num_classes)
-        found = {}
-        for c in range(self.num_classes):
-            if c == self.background:
-                continue
-            boxes = decoded[-1 if self.share_location else c]
-            found[c] = nms(boxes, box_sizes(boxes), scores[:, c], self.confidence_threshold,
-                           self.nms_threshold, self.eta, self.top_k)
+        names = sorted(decoded)                          # location labels: -1 (shared) or the classes
+        boxes = np.stack([decoded[name] for name in names])
+        where = {name: index for index, name in enumerate(names)}
+        labels = np.array([-1 if c == self.background else where[-1 if self.share_location else c]
+                           for c in range(self.num_classes)], np.int64)
+        found = nms_every_class(boxes, box_sizes(boxes), scores, labels, self.confidence_threshold,
+                                self.nms_threshold, self.eta, self.top_k)
         if -1 < self.keep_top_k < sum(kept.size for kept in found.values()):
             found = self._keep_best(found, scores)
         return found

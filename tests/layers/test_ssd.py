@@ -525,3 +525,29 @@ def test_compiled_nms_keeps_the_reference_boxes(eta, top_k):
             got = ssd.nms(boxes, sizes, scores, np.float32(0.05), threshold, eta, top_k)
             expected = ssd.nms_reference(boxes, sizes, scores, np.float32(0.05), threshold, eta, top_k)
             np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("eta, top_k", [(1.0, -1), (0.7, -1), (1.0, 50), (0.9, 5)])
+@pytest.mark.parametrize("shared", [True, False])
+def test_every_class_in_one_call_keeps_what_each_class_alone_keeps(eta, top_k, shared):
+    """nms_every_class (DetectionOutput's one compiled call) gives each class
+    the indices nms() gives it alone, in the same order: a background class
+    skipped, shared or per-class boxes, ties, NaN scores and coordinates."""
+    from cct.layers import ssd
+    rng = np.random.default_rng(12)
+    classes, count = 6, 240
+    labels = np.array([-1] + ([0] * (classes - 1) if shared else list(range(classes - 1))), np.int64)
+    sets = 1 if shared else classes - 1
+    centers = rng.uniform(0, 1, (sets, count // 8, 2)).repeat(8, axis=1) + rng.normal(0, 0.02, (sets, count, 2))
+    sides = rng.uniform(0.01, 0.3, (sets, count, 2))
+    boxes = np.concatenate([centers - sides / 2, centers + sides / 2], axis=2).astype(np.float32)
+    boxes[:, ::41, 1] = np.nan
+    sizes = ssd.box_sizes(boxes)
+    scores = rng.choice(rng.uniform(0, 1, 30), (count, classes)).astype(np.float32)     # many ties
+    scores[::43] = np.nan
+    for threshold in (0.3, 0.45, 0.8):
+        got = ssd.nms_every_class(boxes, sizes, scores, labels, np.float32(0.1), threshold, eta, top_k)
+        assert sorted(got) == list(range(1, classes))
+        for c in range(1, classes):
+            alone = ssd.nms(boxes[labels[c]], sizes[labels[c]], scores[:, c], np.float32(0.1), threshold, eta, top_k)
+            np.testing.assert_array_equal(got[c], alone)
