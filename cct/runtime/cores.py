@@ -19,6 +19,14 @@ counts as held once others ran a quarter of one (HELD_SHARE): a
 neighbour that runs a quarter of the time already stalls every partner
 wait it falls into. Where /proc/stat cannot be read (not Linux), every
 allowed core counts as free.
+
+Only the time this process's nets run counts: a pause between two passes
+(idle(), then free()) of IDLE_SECONDS or more in which the process ran less
+than half a core starts the window again, so another process that runs in
+the pause (another framework's turn in a benchmark, a service's other work
+between requests) holds nothing of this one's. A benchmark's batch-1
+forwards half a second apart ran on 1 thread after the other side's turns
+(BENCHMARKS.md, "Cores held while this process waited").
 """
 import math
 import os
@@ -30,6 +38,7 @@ from typing import Callable, Iterator, List, Optional, Tuple
 
 WINDOW_SECONDS = 0.25          # a decision's measurement window (25 ticks of the usual 100 Hz clock per core)
 HELD_SHARE = 0.25              # others' cores' worth above this many whole cores: one more core held
+IDLE_SECONDS = WINDOW_SECONDS / 2   # a pause of this process at least this long starts the window again
 STAT = "/proc/stat"
 
 
@@ -121,6 +130,7 @@ class Watch:
         self.last: Optional[Reading] = None
         self.history: List[Reading] = []        # the windows that changed the count
         self._start: Optional[Tuple[float, float, int]] = None
+        self._paused: Optional[Tuple[float, float]] = None    # (clock, own seconds) at the last idle()
         self._begin()
 
     def _begin(self) -> None:
@@ -135,10 +145,20 @@ class Watch:
             # parent opened would count the parent's seconds as others'
             self._lock = threading.Lock()
             self._begin()
-        start = self._start
-        if start is not None and self._clock() - start[0] >= WINDOW_SECONDS:
+        start, paused, self._paused = self._start, self._paused, None
+        if start is not None and paused is not None and self._paused_since(paused):
+            self._begin()                       # the window so far spans a pause: others held nothing of ours
+        elif start is not None and self._clock() - start[0] >= WINDOW_SECONDS:
             self._close()
         return self.last.free if self.last is not None else self.allowed
+
+    def idle(self) -> None:
+        """This process's pass has ended: the next free() sees how long it paused."""
+        self._paused = (self._clock(), self._own())
+
+    def _paused_since(self, paused: Tuple[float, float]) -> bool:
+        seconds = self._clock() - paused[0]
+        return seconds >= IDLE_SECONDS and self._own() - paused[1] < seconds / 2
 
     def _close(self) -> None:
         with self._lock:

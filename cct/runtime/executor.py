@@ -495,6 +495,8 @@ class Executor:
     def end_forward(self) -> None:
         self.forward_end = None
         self._forward_device = _ASK
+        if self._cores is not None:
+            self._cores.idle()                  # a pause until the next forward is not measured (cores.Watch)
         self.finish()
 
     def _run_with_relu(self, index: int, relu: Tuple[int, float]) -> None:

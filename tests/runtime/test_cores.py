@@ -13,7 +13,7 @@ from threadpoolctl import threadpool_limits
 import cct
 from cct.devices import blas as blas_module
 from cct.runtime import cores
-from cct.runtime.cores import HELD_SHARE, WINDOW_SECONDS, Reading, Watch
+from cct.runtime.cores import HELD_SHARE, IDLE_SECONDS, WINDOW_SECONDS, Reading, Watch
 
 NET = """
 name: "small"
@@ -64,6 +64,29 @@ def test_a_window_measures_what_other_processes_ran():
     machine.run(WINDOW_SECONDS, own_cores=2, other_cores=0)
     assert watch.free() == 2
     assert [reading.free for reading in watch.history] == [1, 2]   # the changes, for cct time
+
+
+def test_what_others_run_while_this_process_pauses_holds_nothing():
+    """Another framework's turn between two passes (a benchmark's), then a
+    pass with another process on a core throughout."""
+    machine = Machine()
+    watch = machine.watch()
+    machine.run(0.05, own_cores=2, other_cores=0)
+    watch.idle()
+    machine.run(0.5, own_cores=0, other_cores=2)          # the pause: the others' turn
+    assert watch.free() == 2 and watch.last is None         # that window started again
+    machine.run(WINDOW_SECONDS, own_cores=1, other_cores=1)
+    assert watch.free() == 1                                 # a busy neighbour while this process runs
+
+
+@pytest.mark.parametrize("seconds, own_cores", [(IDLE_SECONDS / 2, 0), (WINDOW_SECONDS, 0.6)])
+def test_a_short_pause_or_one_this_process_works_through_is_measured(seconds, own_cores):
+    machine = Machine()
+    watch = machine.watch()
+    machine.run(WINDOW_SECONDS, own_cores=1, other_cores=1)
+    watch.idle()
+    machine.run(seconds, own_cores=own_cores, other_cores=1)
+    assert watch.free() == 1
 
 
 def test_without_proc_stat_every_allowed_core_is_free():
