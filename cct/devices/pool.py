@@ -29,7 +29,7 @@ import ctypes
 import os
 import re
 import threading
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from cct.core import settings
 
@@ -48,6 +48,7 @@ class _Pool:
         self.setters = setters         # each OpenBLAS's openblas_set_threads_callback_function
         self.size = size               # numba's threads: the most jobs run at once
         self.lent = 0                  # passes running with it (threads, nested nets)
+        self.lenders: Dict[int, int] = {}   # thread ident -> its passes running with it
         self.lock = threading.Lock()
         from numba import get_num_threads, set_num_threads
         self.threads = get_num_threads   # the calling thread's numba count (numba.set_num_threads lowers it)
@@ -136,7 +137,11 @@ def kernel_threads() -> int:
     count for this thread is set to it (thread-local, and at least the jobs
     OpenBLAS hands the pool from this thread at that count)."""
     pool = _pool
-    if pool is None or not pool.lent:
+    if pool is None or threading.get_ident() not in pool.lenders:
+        # another thread (an executor's worker with a piece of a pass) runs its
+        # kernels serially: a parallel region there starts a second team of
+        # OpenMP threads, after which the process's batch-1 forwards took
+        # 1.4-2x their time (BENCHMARKS.md, "Cores held while this process waited")
         return 1
     count = min(blas().current, pool.size)
     if count > 1 and getattr(_local, "count", None) != count:
@@ -156,6 +161,8 @@ def acquire(threads: int) -> bool:
         if not pool.lent:
             pool.install(pool.address)
         pool.lent += 1
+        ident = threading.get_ident()
+        pool.lenders[ident] = pool.lenders.get(ident, 0) + 1
     return True
 
 
@@ -165,6 +172,10 @@ def release() -> None:
         return
     with pool.lock:
         pool.lent -= 1
+        ident = threading.get_ident()
+        pool.lenders[ident] -= 1
+        if not pool.lenders[ident]:
+            del pool.lenders[ident]
         if not pool.lent:
             pool.install(None)
 
