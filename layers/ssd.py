@@ -480,6 +480,7 @@ def _nms_every_class(boxes, sizes, scores, labels, score_threshold, nms_threshol
     count = 0
     priors = scores.shape[0]
     above = np.empty(priors, np.int64)
+    zero, half = np.float32(0), np.float32(0.5)
     for c in range(scores.shape[1]):
         label = labels[c]
         if label < 0:
@@ -496,7 +497,6 @@ def _nms_every_class(boxes, sizes, scores, labels, score_threshold, nms_threshol
         if -1 < top_k < found:
             found = top_k
         threshold, first = nms_threshold, count
-        zero, half = np.float32(0), np.float32(0.5)
         for k in range(found):
             row = above[order[k]]
             a0, a1, a2, a3 = boxes[label, row, 0], boxes[label, row, 1], boxes[label, row, 2], boxes[label, row, 3]
@@ -610,6 +610,10 @@ class DetectionOutput(NoBackward, Layer):
             # the fork skips the shared boxes' label (-1) as background, then fails to find them
             raise self.config_error("detection_output_param.background_label_id", "-1 (no background) needs "
                                     "share_location: false (the fork then finds no shared boxes and fails)")
+        # each class's location label's index among _decoded's (sorted) labels, -1 for the background
+        names = [-1] if self.share_location else [c for c in range(self.num_classes) if c != self.background]
+        self._nms_labels = np.array([-1 if c == self.background else names.index(-1 if self.share_location else c)
+                                     for c in range(self.num_classes)], np.int64)
         self.code_type = p.code_type
         self.variance_in_target = bool(p.variance_encoded_in_target)
         self.keep_top_k = int(p.keep_top_k)
@@ -669,12 +673,8 @@ class DetectionOutput(NoBackward, Layer):
     def _detect(self, decoded, conf):
         """{label: kept prior indices, best first} of one image from its decoded boxes."""
         scores = conf.reshape(self.num_priors, self.num_classes)
-        names = sorted(decoded)                          # location labels: -1 (shared) or the classes
-        boxes = np.stack([decoded[name] for name in names])
-        where = {name: index for index, name in enumerate(names)}
-        labels = np.array([-1 if c == self.background else where[-1 if self.share_location else c]
-                           for c in range(self.num_classes)], np.int64)
-        found = nms_every_class(boxes, box_sizes(boxes), scores, labels, self.confidence_threshold,
+        boxes = np.stack([decoded[name] for name in sorted(decoded)])    # -1 (shared) or the classes
+        found = nms_every_class(boxes, box_sizes(boxes), scores, self._nms_labels, self.confidence_threshold,
                                 self.nms_threshold, self.eta, self.top_k)
         if -1 < self.keep_top_k < sum(kept.size for kept in found.values()):
             found = self._keep_best(found, scores)

@@ -47,12 +47,16 @@ class _Pool:
         self.address = address         # the compiled callback
         self.setters = setters         # each OpenBLAS's openblas_set_threads_callback_function
         self.size = size               # numba's threads: the most jobs run at once
-        self.lent = 0                  # passes running with it (threads, nested nets)
-        self.lenders: Dict[int, int] = {}   # thread ident -> its passes running with it
+        self.lenders: Dict[int, int] = {}   # thread ident -> its passes running with it (nested nets)
         self.lock = threading.Lock()
         from numba import get_num_threads, set_num_threads
         self.threads = get_num_threads   # the calling thread's numba count (numba.set_num_threads lowers it)
         self.set_threads = set_num_threads
+
+    @property
+    def lent(self) -> int:
+        """Passes running with it, on every thread."""
+        return sum(self.lenders.values())
 
     def install(self, address: Optional[int]) -> None:
         for setter in self.setters:
@@ -158,9 +162,8 @@ def acquire(threads: int) -> bool:
     if pool is None or max(threads, blas().current) > pool.threads():      # at most pool.size
         return False
     with pool.lock:
-        if not pool.lent:
+        if not pool.lenders:
             pool.install(pool.address)
-        pool.lent += 1
         ident = threading.get_ident()
         pool.lenders[ident] = pool.lenders.get(ident, 0) + 1
     return True
@@ -171,12 +174,11 @@ def release() -> None:
     if pool is None:
         return
     with pool.lock:
-        pool.lent -= 1
         ident = threading.get_ident()
         pool.lenders[ident] -= 1
         if not pool.lenders[ident]:
             del pool.lenders[ident]
-        if not pool.lent:
+        if not pool.lenders:
             pool.install(None)
 
 

@@ -193,10 +193,12 @@ class CopyBeside:
         self._error = None
         self._sources = None               # layer name -> [(its LayerParameter, its values)], in file order
         self._copied = None                # ReleaseBehind.done of the mapped file
+        self._hdf5 = False
         self._queue = queue.SimpleQueue()
         self._thread = None
         try:
-            if not is_hdf5(self.path):
+            self._hdf5 = is_hdf5(self.path)
+            if not self._hdf5:
                 self._sources, self._copied = self._split()
         except CctError as error:          # a damaged file, an upgrade refused: after the build's errors
             self._error = error
@@ -253,8 +255,7 @@ class CopyBeside:
         if self._error is not None:
             raise self._error
         if self._sources is None:
-            return copy_layers_from_hdf5(net, self.path) if is_hdf5(self.path) else \
-                copy_layers_from_caffemodel(net, self.path)
+            return copy_layers_from_hdf5(net, self.path) if self._hdf5 else copy_layers_from_caffemodel(net, self.path)
         return [name for name in self._sources if name not in net.layer_dict]
 
 
