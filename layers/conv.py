@@ -174,9 +174,8 @@ class _ConvolutionBase(Layer):
             if blob.shape != shape:
                 raise self.shape_error(f"every bottom must have bottom[0]'s shape {shape}, "
                                        f"bottom[{index}] is {blob.shape}")
-        # The geometry depends on the bottom's spatial size alone: a repeated
-        # forward of one shape skips building and checking it (the reshape
-        # took 6.1 us with it, 2.9 without).
+        # The geometry depends on the bottom's spatial size alone: a repeated forward of one shape
+        # skips building and checking it, half the reshape's time (BENCHMARKS.md, "Behind layers/conv.py").
         if shape[2:] != getattr(self, "_geometry_of", None):
             geom = self._geometry(shape)
             if geom != getattr(self, "geom", None):
@@ -201,9 +200,9 @@ class _ConvolutionBase(Layer):
             return self._forced_type or DEFAULT_LOWERING
         geom, batch, dtype = self._shape_key
         # Chosen for what one GEMM lowers: the largest partition, in its share of the
-        # budget; by the forward's cost alone where the net never runs the backward
-        # (a deploy net: at batch 1 the model of both passes picked type 2 for
-        # CaffeNet's conv2 and conv5, whose forwards then took 1.1x and 1.7x type 1's).
+        # budget; by the forward's cost alone where the net never runs the backward (a deploy
+        # net: the model of both passes picked types with slower forwards; BENCHMARKS.md,
+        # "Session 10: per-layer costs, kept fused passes, Winograd channels innermost").
         parts = max(1, min(self._partitions, batch))
         key = (geom, -(-batch // parts), dtype, parts, self.runs_backward)
         if self._forced_type:

@@ -10,10 +10,9 @@ WEIGHT_GRADIENT_BLOCK = 1 << 22
 
 # Weights (N*K) from which a forward of more than one row computes its product
 # transposed, y^T (N, M) = W x^T, into a work array and copies it out: OpenBLAS
-# gives the same bits either way, but writes the (N, M) product faster (2
-# threads, AVX-512: CaffeNet's fc6 at batch 16 22.1 against 28.9 ms, at 256
-# 110.9 against 122.4; LeNet's ip1 at 64 0.39 against 0.45). Below it (LeNet's
-# ip2) the copy costs more than it saves.
+# gives the same bits either way, but writes the (N, M) product faster; below it
+# (LeNet's ip2) the copy costs more than it saves
+# (BENCHMARKS.md, "Session 10: per-layer costs, kept fused passes, Winograd channels innermost").
 TRANSPOSED_PRODUCT_WEIGHTS = 1 << 18
 
 

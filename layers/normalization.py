@@ -6,11 +6,9 @@ running sum (the entering term added, the leaving one subtracted: two terms
 a channel, in Caffe's rounding order); within a channel, window sums are a
 loop over the local_size offsets (a handful of whole-array adds of shifted
 slices), never over pixels. Across channels with beta 0.75 (AlexNet and its
-kin) runs as one compiled pass per image with the numpy passes' operations
-(CaffeNet's norm1 at batch 64: forward 6.5 -> 3.2 ms, backward 12.7 -> 7.3
-ms against the compiled n-term window sums, which themselves took 26 -> 15
-and 41 -> 28 ms against numpy at batch 128); other settings run the numpy
-passes.
+kin) runs as one compiled pass per image with the numpy passes' operations,
+faster than those passes and than compiled n-term window sums (BENCHMARKS.md,
+"Behind layers/normalization.py"); other settings run the numpy passes.
 """
 import math
 
@@ -50,11 +48,10 @@ def window_sum(values, size, axis, out=None):
 # The scale of channel c is the previous channel's plus the square entering
 # the window and minus the one leaving it, each term (alpha/n) * x^2 rounded
 # and added in turn from s = k at channel 0 (Caffe's caffe_axpy steps), so
-# each scale costs two terms, not n: GoogLeNet's norm2 at batch 1 (192 x
-# 56 x 56) took 0.51 against 0.90 ms with the n-term window sums, which also
-# rounded otherwise than Caffe (the reference case lrn_across: 74% of the
-# top bit for bit Caffe's against 51%, the rest within the power's 9e-8). As
-# in Caffe, a square far larger than its neighbours leaves rounding of its
+# each scale costs two terms, not n, and more of the top is Caffe's bit for bit
+# than with n-term window sums (BENCHMARKS.md, "Session 11: Concat as views, conv1
+# in bands, LRN in Caffe's order, 2 x 2 pooling backward, col2im by rows"). As in
+# Caffe, a square far larger than its neighbours leaves rounding of its
 # size in the running sum once it has left the window. Backward's window of
 # g * y / s runs as Caffe's accum_ratio: from 0, the entering term added, the
 # leaving one subtracted. The compiled passes (beta 0.75, one per image) and

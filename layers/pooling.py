@@ -36,11 +36,8 @@ def pooled_size(size, kernel, stride, pad, ceil, padded):
     return pooled
 
 
-# Elements of a kernel's largest array below which it runs in one call: a
-# hand-off to a worker costs tens of microseconds. Measured with 2 threads:
-# calls below 1M elements (every GoogLeNet pooling layer at batch 1) ran
-# 0.6-0.9x as fast split; at batch 16 1.1-2.0x faster (BENCHMARKS.md,
-# "Pooling kernels (issue 20)").
+# Elements of a kernel's largest array below which it runs in one call: a hand-off to a worker costs
+# tens of microseconds, more than smaller calls gain split (BENCHMARKS.md, "Pooling kernels (issue 20)").
 PARALLEL_ELEMENTS = 1 << 20
 
 

@@ -122,8 +122,7 @@ def _block_phases(x, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, out_h
 def _take(better, label, where):
     """`label` where `better`, else `where`, as arithmetic: the select of a
     byte-wide winner on a float comparison did not vectorise on AVX2 (LLVM
-    left a branch per cell, 6x slower on random data: pooling's forward 20x
-    slower on Zen 3 than on AVX-512 hosts, BENCHMARKS.md "Pooling kernels");
+    left a branch per cell: BENCHMARKS.md, "Pooling kernels (issue 20)");
     exact in any integer type (a wrapped difference wraps back)."""
     return where + (label - where) * better
 
@@ -338,12 +337,8 @@ def ave_backward(dy, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, block
 
 
 # --- 2 x 2 windows at stride 2 that tile the plane (LeNet, VGG): each window's
-# four cells read straight from their two rows, no padded copy or phases.
-# Alone on LeNet's pool1 at batch 64, forward 0.276 -> 0.175 ms; on 64
-# planes of 112 x 112 at batch 16, 8.65 -> 3.67 ms; in LeNet's training
-# iteration, pool1 0.428 -> 0.161 ms and pool2 0.181 -> 0.102 ms (another
-# run: 0.531 -> 0.236, 0.274 -> 0.187). The backward stays max_backward's
-# zero fill and scatter: a 2 x 2 kernel writing each cell once took 2.5 times as long.
+# four cells read straight from their two rows, no padded copy or phases, which
+# beat the general kernel (BENCHMARKS.md, "Behind layers/pooling_kernels.py").
 
 @kernel
 def max_forward_2x2(x, value, winner):
@@ -369,9 +364,10 @@ def max_forward_2x2(x, value, winner):
 def max_backward_2x2(dy, winner, dx):
     """max_backward for max_forward_2x2's windows, which tile dx exactly:
     every cell written once, its window's gradient where it won and 0
-    elsewhere, row by row, so no zeroing pass comes first (LeNet's pool1 at
-    batch 64: 0.30 against 0.50 ms; its pool2 0.10 against 0.17). The
-    gradient is added to 0, as Caffe's (a -0.0 lands as 0.0)."""
+    elsewhere, row by row, so no zeroing pass comes first (BENCHMARKS.md,
+    "Session 11: Concat as views, conv1 in bands, LRN in Caffe's order, 2 x 2
+    pooling backward, col2im by rows"). The gradient is added to 0, as
+    Caffe's (a -0.0 lands as 0.0)."""
     planes, out_h, out_w = dy.shape
     zero = dx.dtype.type(0)
     for p in range(planes):

@@ -169,8 +169,8 @@ class Concat(Layer):
     bottom's data): where the bottoms' pieces of the top are contiguous (one
     row before the axis: batch 1 along the channels), each bottom's data is
     placed in its piece of the top's store, so its producer writes the top
-    and forward copies nothing (GoogLeNet at batch 1: its 9 Concats copied
-    5.3 MB, 0.25-0.3 ms of a 30 ms forward).
+    and forward copies nothing (BENCHMARKS.md, "Session 11: Concat as views,
+    conv1 in bands, LRN in Caffe's order, 2 x 2 pooling backward, col2im by rows").
     Placed at each reshape that changed the shapes or stores; the diffs stay
     the bottoms' own.
     """

@@ -396,7 +396,8 @@ class PriorBox(Layer):
 
     def kept_priors(self, bottom):
         """priors(bottom), made once per pair of bottom shapes: they depend
-        on the shapes alone, and making them took 0.2-1.5 ms a layer at batch 1."""
+        on the shapes alone, and making them costs far more than a copy
+        (BENCHMARKS.md, "The forks' models against OpenCV 4 (issue 38)")."""
         key = (bottom[0].height, bottom[0].width, bottom[1].height, bottom[1].width)
         if self._priors_key != key:
             self._priors, self._priors_key = self.priors(bottom), key
@@ -475,8 +476,9 @@ def _nms_every_class(boxes, sizes, scores, labels, score_threshold, nms_threshol
     within a class, into kept_class and kept_row; returns their count. The
     candidates' order is _candidates' (a stable sort of the negated scores);
     each pair's overlap is boxes.overlaps()'s in float32, computed only where
-    the loop asks (the whole (K, K) matrix and a numpy call per box took 12 ms
-    of res10's 14 ms DetectionOutput at batch 1)."""
+    the loop asks (the whole (K, K) matrix and a numpy call per box were most
+    of res10's DetectionOutput: BENCHMARKS.md, "The forks' models against
+    OpenCV 4 (issue 38)")."""
     count = 0
     priors = scores.shape[0]
     above = np.empty(priors, np.int64)
@@ -528,7 +530,7 @@ def nms_every_class(boxes, sizes, scores, labels, score_threshold, nms_threshold
     """{class: nms()'s kept indices} of every class c with labels[c] >= 0 (its
     location label's index in boxes (L, P, 4) and sizes (L, P)), in one
     compiled call rather than numpy calls per class (MobileNet-SSD's 20
-    classes: BENCHMARKS.md, "The forks' models against OpenCV 4")."""
+    classes: BENCHMARKS.md, "The forks' models against OpenCV 4 (issue 38)")."""
     classes = scores.shape[1]
     room = int((labels >= 0).sum()) * scores.shape[0]
     kept_class, kept_row = np.empty(room, np.int64), np.empty(room, np.int64)

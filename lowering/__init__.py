@@ -62,12 +62,8 @@ def _plan(ws: Workspace, geom: ConvGeometry, lowering_type: int, batch: int, chu
     ws.plan(slot_bytes(geom, int(lowering_type), images, np.dtype(dtype).itemsize))
 
 
-# Output planes from which a pointwise convolution multiplies image by image
-# at any batch: one GEMM per image beat the lowerings' one batch-wide GEMM and
-# their copies on 14x14 and larger planes (0.6-0.85x their time at batch 16:
-# GoogLeNet's and ResNet-50's 1x1 shapes); on 7x7 it won at 832 -> 384
-# channels and lost at 2048 -> 512 (14.4 against 12.9 ms), so those keep the
-# lowering above one image.
+# Output planes from which a pointwise convolution multiplies image by image at any batch: one GEMM per
+# image beat the lowerings' batch-wide GEMM and copies from 14x14 up (BENCHMARKS.md, "Behind lowering/__init__.py").
 POINTWISE_PIXELS = 196
 
 

@@ -16,8 +16,8 @@ from typing import Dict, List, Tuple
 from .geometry import ConvGeometry
 from .type1 import batch_inner, image_major
 
-# 64 MB: CaffeNet training at batch 256 then peaks at 2.48 GiB, within Caffe's
-# 2.7 GB, at most a few % slower than with 256 MB (2.67 GiB; BENCHMARKS.md).
+# 64 MB: CaffeNet training at batch 256 then peaks within Caffe's 2.7 GB, at most a few % slower
+# than with 256 MB (BENCHMARKS.md, "Targets and where we stand").
 DEFAULT_BUDGET_MB = 64
 
 

@@ -2,8 +2,9 @@
 
 The weight gradient multiplies dy by the very matrix the forward lowered the
 bottom into. When the bottom still holds what the forward lowered, the
-backward reads the kept matrix instead of lowering again (LeNet at batch 64:
-1.6 ms of its 2.9 ms of lowering copies was the backward's second lowering).
+backward reads the kept matrix instead of lowering again (that second
+lowering was most of LeNet's lowering copies:
+BENCHMARKS.md, "Behind lowering/kept.py").
 
 Whether the bottom is unchanged cannot be told from the blob: Blob.data is a
 writable numpy view (pycaffe's mutable_cpu_data), so an in-place layer, a
@@ -18,9 +19,9 @@ thread's arena: `workspace(ws, kind)` hands out the kept store for the slot
 holding the lowering type's matrix (LOWERED_SLOT) and the arena's for the rest.
 A backward of both gradients runs on such a workspace too: every lowering
 type computes the weight gradient first, so the data gradient's product,
-which asks for the same slot, then overwrites the spent matrix (LeNet's conv2
-at batch 64: its forward wrote the kept store 0.2-0.8 ms slower than the
-arena when the backward wrote that product elsewhere, evicting the store).
+which asks for the same slot, then overwrites the spent matrix (written
+elsewhere, that product evicted the store, and the forward wrote it slower:
+BENCHMARKS.md, "After the lowering work: image-major conv1, kept lowerings").
 """
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 

@@ -233,9 +233,7 @@ def _add_windows_batch_inner(cols, stride_h, stride_w, dilation_h, dilation_w, d
 
 # Images below which col2im at stride_w 1 adds whole output rows of OW*N
 # values (_add_window_rows_batch_inner) instead of N at a time: the N-long
-# loops vectorise from 8 values up. CaffeNet's conv2 in chunks of 3 images
-# (training at batch 256 under the 64 MB lowering budget): 2.38 against 4.15
-# ms a chunk; conv3-5's shapes at 1-6 images 0.30-0.73x, at 8 images 1.07-1.13x.
+# loops vectorise from 8 values up (BENCHMARKS.md, "Behind lowering/type1.py").
 ROWS_BELOW_BATCH = 8
 
 
@@ -323,8 +321,7 @@ def _col2im_image_major(cols: FloatArray, geom: ConvGeometry, batch: int, out: O
 
 # Lowered and output bytes per step of an image-major forward: the step's
 # images are lowered, multiplied and finished while their rows are in the L2
-# cache (LeNet's conv1 at batch 64 in the net, 16-image steps against the
-# whole batch: forward 1.30 against 1.42 ms and 1.44 against 1.84 in two runs).
+# cache (BENCHMARKS.md, "Session 10: per-layer costs, kept fused passes, Winograd channels innermost").
 IMAGE_MAJOR_STEP_BYTES = 3 << 19
 
 
@@ -376,12 +373,9 @@ def _backward_image_major(x: Optional[FloatArray], dy: FloatArray, w: Optional[F
 
 
 # Lowered bytes per band of a one-image forward (forward_in_bands): within a
-# core's L2 cache (1 MiB on the development host) while the band's GEMM reads
-# it; and the fewest GEMM columns a band may have: narrower GEMMs lost more
-# than the cache won (one image, after a GEMM and a pass over other memory:
-# CaffeNet's conv1, 715 columns, 2.29 -> 2.01 ms; its conv2, 108 columns a
-# band, 3.46 -> 4.98 ms, and 432 at 4 MiB bands, 3.65; its conv3, 104, 2.24 ->
-# 2.46 ms).
+# core's L2 cache while the band's GEMM reads it; and the fewest GEMM columns a
+# band may have: narrower GEMMs lost more than the cache won (BENCHMARKS.md,
+# "Behind lowering/type1.py").
 BAND_BYTES = 1 << 20
 BAND_MIN_COLUMNS = 512
 
@@ -403,13 +397,14 @@ def forward_in_bands(x: FloatArray, w: FloatArray, geom: ConvGeometry, rows: int
                      relu: Optional[float] = None) -> FloatArray:
     """One image's y (1, O, OH, OW) into `out` (C-contiguous), its lowered
     matrix made `rows` output rows at a time, each band multiplied into its
-    columns of the output while it is in the L2 cache. The whole matrix was
-    written to memory and read back (GoogLeNet's conv1, 7.4 MB: 2.95 against
-    2.62 ms a forward, with a GEMM and a pass over other memory between
-    forwards as in a net). The same products, summed in the same order
-    where OpenBLAS runs the band's GEMM with the whole one's kernel (the
-    zoo nets' outputs are bitwise the same; small GEMMs may differ in
-    rounding). Keeps no lowering (a forward a backward follows lowers whole)."""
+    columns of the output while it is in the L2 cache: faster than the whole
+    matrix (7.4 MB for GoogLeNet's conv1) written to memory and read back
+    (BENCHMARKS.md, "Session 11: Concat as views, conv1 in bands, LRN in
+    Caffe's order, 2 x 2 pooling backward, col2im by rows"). The same
+    products, summed in the same order where OpenBLAS runs the band's GEMM
+    with the whole one's kernel (the zoo nets' outputs are bitwise the same;
+    small GEMMs may differ in rounding). Keeps no lowering (a forward a
+    backward follows lowers whole)."""
     view = _windows(x, geom, ws)
     width, lowered = geom.out_w, geom.channels * geom.kernel_h * geom.kernel_w
     kernel = _kernel_matrix(w, geom, x.dtype)

@@ -44,13 +44,7 @@ tiles, O) = V @ U with U (alpha^2, C, O), and each tile is transformed as
 vectors over the channels, by the same B^T and A^T kernels. The longer
 vectors win, so channels innermost runs images of 64 channels or more, or
 of fewer tiles than channels: at batch 1 a channel has few tiles (49 on
-28x28 at F(4x4, 3x3)). Alone, at batch 1, channels innermost took
-0.64-0.92x the time at F(4x4, 3x3) (GoogLeNet's conv2/3x3 2.40 against
-3.09 ms, ResNet-50's res3 3x3 0.79 against 1.24), 0.63-0.81x at F(2x2,
-3x3) (14x14 and 13x13 planes), 0.80x at F(2x2, 5x5) on CaffeNet's conv2,
-and blocks of 6-16 images 0.42-0.78x; the GEMM in this orientation was
-the faster one too on 196 tiles (1.07 against 1.68 ms on conv2/3x3). With
-16 or 32 channels on 16x16 to 56x56 planes it took 1.1-4.5x the time.
+28x28 at F(4x4, 3x3); BENCHMARKS.md, "Session 10: per-layer costs, kept fused passes, Winograd channels innermost").
 The same sums either way: outputs equal bit for bit but where OpenBLAS
 orders a GEMM's sums otherwise (48 of 54 cases, 9 shapes with and without
 bias and ReLU, bit for bit; 3.7e-6 of the largest value at worst).
@@ -125,9 +119,8 @@ def tile_sizes(kernel: int) -> Tuple[int, ...]:
 # pick between noise.
 AUTO_MIN_FLOPS = 10 ** 7
 # GEMM columns (tiles in the batch) below which "auto" does not time a tile
-# size: 4 to 16 columns are bound by reading U, and every such pick lost in
-# the nets (GoogLeNet's 5b/5x5 on 7x7 at batch 1, F(2x2, 5x5): 1.30x the
-# lowering's time), while a timing taken under load could still pick it.
+# size: 4 to 16 columns are bound by reading U, every such pick lost in the nets,
+# and a timing under load could still pick it (BENCHMARKS.md, "Winograd for deploy convolutions (session 9)").
 AUTO_MIN_COLUMNS = 32
 
 # Channels innermost where the image has at least this many channels, or as
@@ -174,10 +167,9 @@ def timing_tiles(geom: ConvGeometry, batch: int) -> Tuple[int, ...]:
 def channels_inner(geom: ConvGeometry, m: int) -> Union[bool, np.bool_]:
     """Whether F(m x m) runs this shape channels innermost: vectors of C
     values, against tiles innermost, vectors of one image's tiles. The
-    longer vectors win: channels innermost took 0.20-0.83x the time with 64
-    channels or more, or on planes of fewer tiles than channels, and
-    1.1-4.5x with 16 or 32 channels on 16x16 to 56x56 planes (F(2x2, 3x3)
-    and F(4x4, 3x3), batch 1 and 8)."""
+    longer vectors win: channels innermost with 64 channels or more, or on
+    planes of fewer tiles than channels; tiles innermost with 16 or 32
+    channels (BENCHMARKS.md, "Session 10: per-layer costs, kept fused passes, Winograd channels innermost")."""
     return geom.channels >= CHANNELS_INNER_MIN or geom.channels >= np.prod(tile_counts(geom, m))
 
 

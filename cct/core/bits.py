@@ -6,13 +6,11 @@ weights (cct.lowering.winograd) and a kept lowering's bottom
 (cct.lowering.kept). Nothing flags such a write, so every use compares.
 np.array_equal on bit views makes a boolean array and then reduces it, three
 passes; libc's memcmp reads the two arrays once, releases the GIL (ctypes
-does for every foreign call) and stops at the first difference. GoogLeNet's
-3x3 weights out of cache, 0.8 MB: 0.18 against 0.37 ms; the seven
-Winograd layers' checks took 1.3 ms of a batch-1 forward with array_equal.
+does for every foreign call) and stops at the first difference.
 Small arrays compared at every forward go another way: a fused run's
 Replay (cct.runtime.fusion) keeps bit views of its parameters and compares
-them in a compiled loop, 0.3 us a call against 3 us through this function
-(its checks and the ctypes pointers) for 64 to 2048 values.
+them in a compiled loop, without this function's checks and ctypes pointers
+(BENCHMARKS.md, "Behind cct/core/bits.py").
 """
 import ctypes
 import ctypes.util

@@ -231,9 +231,8 @@ class Layer:
         """Reshape, as Caffe's Layer::Forward does first, unless the layer
         declares reshape_reads_layout and every bottom and top still has the
         shape and the data view its last reshape here left. A net mostly
-        forwards the shapes it had: GoogLeNet at batch 1 spent 1.8 ms of a
-        forward in its convolutions', poolings', Splits' and Concats'
-        reshapes to the shapes they already had."""
+        forwards the shapes it had, and reshaping to them again was a
+        measurable part of a batch-1 forward (BENCHMARKS.md, "Behind cct/core/layer.py")."""
         if not self.reshape_reads_layout:
             self.reshape(bottom, top)
             return
@@ -527,7 +526,8 @@ class NoBackward:
 class _NamingAllocations:
     """Layer.naming_allocations's block. A class, not a generator context
     manager: the runtime enters one for every layer of every pass, and
-    contextlib's costs 0.95 us a block against 0.27 here (the 2-core host)."""
+    contextlib's costs 0.95 us a block against 0.27 here (BENCHMARKS.md,
+    "Session 10: per-layer costs, kept fused passes, Winograd channels innermost")."""
     __slots__ = ("layer", "top")
 
     def __init__(self, layer: Layer, top: Sequence[Blob]) -> None:

@@ -21,16 +21,11 @@ class BlasThreads:
     context manager re-scans the loaded libraries on every call)."""
 
     def __init__(self):
-        # Streams set the count from their own threads. threadpoolctl 3.8 lets
-        # only the first thread that set an OpenBLAS (pthreads) count set it
-        # again and silently drops the others' calls, so the stream threads'
-        # sets went nowhere: a lone GEMM on a stream ran on the one thread the
-        # main thread had left. cct serializes every set under its own lock,
-        # so it calls OpenBLAS's own setter (`_setters`) from any thread. A set
-        # compares with the count cct last set, under the lock; sync() compares
-        # with the count the library reports (each forward's start and each
-        # restore), so a count changed behind cct's back is set again there,
-        # without a query of every library at every layer (2 us a layer).
+        # threadpoolctl 3.8 silently drops an OpenBLAS (pthreads) count set from any thread but the first that set one,
+        # and streams set counts from their own threads: so cct calls OpenBLAS's own setter (`_setters`) under its own
+        # lock (BENCHMARKS.md, "Streams and thread control (issues 11 and 12)"). set() compares with the count cct last
+        # set; sync(), at each forward's start and each restore, with the libraries' own, so a count changed behind
+        # cct's back is set again there, without a query of every library at every layer (2 us a layer).
         self._lock = threading.Lock()
         self.libraries = ThreadpoolController().select(user_api="blas").lib_controllers
         self._setters = [_setter(lib) for lib in self.libraries]

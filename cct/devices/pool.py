@@ -4,7 +4,9 @@ OpenBLAS runs a threaded call's jobs on threads of its own, which then spin
 for about 2^28 cycles (a tenth of a second) waiting for the next call. Work
 of cct's on the other cores in that time shares them with a spinning
 thread: an OpenMP pass right after a 2-thread GEMM ran 7-50x slower than on
-one thread (BENCHMARKS.md, "One pool"). OpenBLAS 0.3.27 lets its caller run
+one thread (BENCHMARKS.md,
+"One pool: OpenBLAS's jobs on numba's OpenMP threads (2026-12-07, d12282a-fdc61df)").
+OpenBLAS 0.3.27 lets its caller run
 the jobs (openblas_set_threads_callback_function): cct hands it a compiled
 callback (cct.devices.openmp) that runs them on numba's OpenMP threads, the
 threads cct's parallel kernels run on, so whatever comes next finds those
@@ -21,7 +23,7 @@ It is on where the `one_pool` setting is, an OpenBLAS of pthreads exports
 the setter, and numba's threading layer is GNU OpenMP (thread-safe: two
 threads' passes at once each get a team). cct puts OpenMP first in numba's
 order unless the environment orders them: TBB ran ResNet-50 at batch 1 in
-1.6x the time here. numba starts on the warm-up thread (cct.devices.jit),
+1.6x the time (the same section). numba starts on the warm-up thread (cct.devices.jit),
 which calls start(), so a process's first forwards run without the pool. A
 forked child never lends it (GNU OpenMP's threads are not the child's).
 """
@@ -145,7 +147,7 @@ def kernel_threads() -> int:
         # another thread (an executor's worker with a piece of a pass) runs its
         # kernels serially: a parallel region there starts a second team of
         # OpenMP threads, after which the process's batch-1 forwards took
-        # 1.4-2x their time (BENCHMARKS.md, "Cores held while this process waited")
+        # 1.4-2x their time (BENCHMARKS.md, "Cores held while this process waited (2026-12-07)")
         return 1
     count = min(blas().current, pool.size)
     if count > 1 and getattr(_local, "count", None) != count:

@@ -3,9 +3,8 @@ pass: what prototxt files are made of (names, `{ }` blocks, decimal numbers,
 enum names, true/false, plain quoted strings, `#` comments).
 
 protobuf's own text_format tokenizes in Python, character class by character
-class: ResNet-50's deploy.prototxt (2,151 lines) took it 33-47 ms of a
-~230 ms load, where Caffe's C++ parser takes about a millisecond. Here
-re.findall does the tokenizing in C and a short loop sets the fields.
+class, a large part of a net's load (BENCHMARKS.md, "Behind cct/formats/textproto.py").
+Here re.findall does the tokenizing in C and a short loop sets the fields.
 
 Anything outside the subset (escapes, hex or octal integers, numbers for
 enums, a singular field given twice, an unknown field, a value out of its

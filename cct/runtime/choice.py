@@ -3,9 +3,9 @@
 (buffers, schedules being built) and not counted, and once each has `runs`
 counted runs the one with the lowest median is kept. Once every candidate
 has a counted run, one whose fastest run is CLEARLY_SLOWER than the best
-median so far is measured no further: on GoogLeNet at batch 8 the streams
-and the tuned schedule took 1.3x sequential's time, and measuring all three
-to the end took 96 iterations, two thirds of them in the slower ones.
+median so far is measured no further: measuring every candidate to the end
+spent two thirds of its runs in the slower ones
+(BENCHMARKS.md, "Streams and thread control (issues 11 and 12)").
 
 A choice made while the host was busy can be wrong for the rest of a long
 run (the first windows of a training run are a few seconds of its hours), so

@@ -479,8 +479,10 @@ class Executor:
         """A pass of a TEST-phase net runs OpenBLAS's jobs on the one pool,
         where its parallel kernels (fused passes, Winograd's transforms,
         poolings, ...) run too; a training net has none, and its steps took
-        1.02-1.12x the time with its GEMMs on the pool (BENCHMARKS.md, "One
-        pool"), so it keeps OpenBLAS's threads. Pair a True with pool.release()."""
+        1.02-1.12x the time with its GEMMs on the pool, so it keeps OpenBLAS's
+        threads (BENCHMARKS.md,
+        "One pool: OpenBLAS's jobs on numba's OpenMP threads (2026-12-07, d12282a-fdc61df)").
+        Pair a True with pool.release()."""
         return self.net.phase == TEST and pool.acquire(self.threads)
 
     def begin_forward(self, end: Optional[int]) -> None:

@@ -103,12 +103,8 @@ from cct.runtime import threads as threads_module
 
 Net = Any                         # cct.core.net.Net, whose executor imports this module: not imported back
 
-# Elements per thread below which a pass runs on one thread: at 1 << 17,
-# ResNet-50's passes at batch 1 took 3x longer split in two (the hand-off
-# and the shared memory bandwidth; a kernel on the worker right after a
-# 2-thread GEMM runs at its quiet speed, so OpenBLAS's spinning thread is not
-# the cause); at 1 << 21 only batch 16's large ones split, and they took
-# 0.7x as long.
+# Elements per thread below which a pass runs on one thread: a smaller pass loses more to the hand-off and the shared
+# memory bandwidth than a second thread gains (BENCHMARKS.md, "Behind cct/runtime/fusion.py").
 PARALLEL_ELEMENTS = 1 << 21
 
 
@@ -166,9 +162,8 @@ def _fused_pass(source: FloatArray, shift: FloatArray, scale: FloatArray, bias: 
     Why the buffer: a loop that reads one array argument and writes another
     vectorises only behind a runtime check that they do not overlap, and in
     place they do, so the one-loop pass this replaced ran element by element
-    in the nets (an in-place BatchNorm + Scale + ReLU took 2.5x, and ResNet's
-    sum that also keeps its input 3x, the time of the same pass on distinct
-    arrays); the scratch buffer is the kernel's own, so no check is needed."""
+    in the nets; the scratch buffer is the kernel's own, so no check is needed
+    (BENCHMARKS.md, "Behind cct/runtime/fusion.py")."""
     batch, channels, inner = source.shape
     scratch = np.empty(min(inner, PASS_CHUNK), source.dtype)
     for n in range(batch):
@@ -317,10 +312,8 @@ class Run:
         source = self.source.data
         affine = not (self.shift is None and self.scale is None and self.bias is None)
         batch = source.shape[0] if source.ndim else 1
-        # Without per-channel maps the channels need no rows of their own: an
-        # image is one row, not C kernel calls (CaffeNet's fc6 ReLU + Dropout,
-        # 4096 channels of one value: 54 us a pass), unless a single image is
-        # large enough for _execute to split it between threads by channels.
+        # Without per-channel maps an image is one row, not C kernel calls, unless it is large enough for _execute
+        # to split it between threads by channels (BENCHMARKS.md, "Behind cct/runtime/fusion.py").
         split_by_channels = batch == 1 and source.size >= 2 * PARALLEL_ELEMENTS
         channels = source.shape[1] if source.ndim > 1 and (affine or split_by_channels) else 1
         shape = (batch, channels, source.size // max(1, batch * channels))
@@ -360,9 +353,8 @@ def _in_place_pass(values: FloatArray, shift: FloatArray, scale: FloatArray, bia
     """_fused_pass's steps, in the same order, for a pass that writes its
     source and neither sums nor keeps a value (a BatchNorm + Scale + ReLU run
     in place): one array argument, so the loop vectorises with no overlap
-    check and needs no scratch buffer. BatchNorm + Scale + ReLU on
-    ResNet-50's shapes, alone and hot: 0.20-0.46x _fused_pass's time (256 x
-    56 x 56: 0.052 against 0.118 ms; 2048 x 7 x 7: 0.011 against 0.052)."""
+    check and needs no scratch buffer, and so takes a fraction of
+    _fused_pass's time (BENCHMARKS.md, "Behind cct/runtime/fusion.py")."""
     batch, channels, inner = values.shape
     for plane in prange(batch * channels):
         n, c = plane // channels, plane % channels
@@ -381,9 +373,7 @@ def _kept_sum_pass(values: FloatArray, shift: FloatArray, scale: FloatArray, bia
     BatchNorm + Scale on a convolution's top, then the Eltwise sum and its
     ReLU): the source is one array argument, so with `other` and `out`
     apart the loop vectorises behind its overlap check, with no scratch
-    buffer. On ResNet-50's shapes, alone and hot: 0.34-0.69x _fused_pass's
-    time (256 x 56 x 56: 0.152 against 0.231 ms; at batch 16 5.7 against
-    10.2)."""
+    buffer (BENCHMARKS.md, "Behind cct/runtime/fusion.py")."""
     batch, channels, inner = values.shape
     for plane in prange(batch * channels):
         n, c = plane // channels, plane % channels
@@ -563,8 +553,8 @@ def _bits(values: Array) -> Array:
 class Replay:
     """A whole run's prepared pass, kept for the next forwards: composing it
     (its layers' reshapes and epilogues, the per-channel maps multiplied
-    together) cost more than the pass itself on small blobs (34 us of Python
-    for a BatchNorm + Scale + ReLU), and a net runs the same shapes and
+    together) cost more than the pass itself on small blobs (BENCHMARKS.md,
+    "Behind cct/runtime/fusion.py"), and a net runs the same shapes and
     parameters forward after forward. It is used only while every blob of
     the run has the shape and the array it had, and every parameter of its
     layers the values (compared bit for bit: pycaffe writes them through

@@ -21,11 +21,9 @@ _lease = threading.local()     # .workers: the workers a stream's sub-task holds
 
 class Worker:
     """A persistent thread that runs one call at a time, handed over and back
-    through two locks: the cheapest wake-up Python has. A ThreadPoolExecutor
-    (a queue, a future and a waiter per call) took 82 us for a run of two
-    no-op units on the 2-core host, 148 for four, 377 for eight; the lock
-    hand-off takes 16 us there, and LeNet's batch partitions make dozens of
-    runs an iteration."""
+    through two locks: the cheapest wake-up Python has, cheaper than a
+    ThreadPoolExecutor's queue, future and waiter per call, and LeNet's batch
+    partitions make dozens of runs an iteration (BENCHMARKS.md, "Behind cct/runtime/threads.py")."""
 
     def __init__(self, name: str) -> None:
         self._start = threading.Lock()

@@ -36,14 +36,8 @@ log = logging.getLogger("cct.training.solver")
 SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 ACTION_CODES = {"none": 0, "snapshot": 1, "stop": 2}    # agreed as their maximum over the ranks
 BUCKET_ENV = "CCT_MPI_BUCKET"
-# The gradient sums' bucket size (GradientSum; CCT_MPI_BUCKET overrides), measured:
-# `python bench/bench_mpi.py --buckets --repeats 15` (2 ranks on one host, 2 cores,
-# load 2.2-2.9 from another benchmark): one sum of CaffeNet's 233 MiB took 50 ms
-# in 2 MiB units (118 Allreduces), 54 at 1 MiB, 58 at 4 MiB, 72 at 512 KiB, 123 at
-# 64 KiB, 105 at 32 MiB, 183 at 64 MiB, 147 each parameter alone; a second run under
-# more load 141 ms at 2 MiB, 161 at 1, 184 at 4, 347 each alone (pieces of
-# about a cache's size beat one 151 MB fc6). LeNet's 1.6 MiB (one bucket at 2
-# MiB) summed in 0.5-4 ms at every size, the spread the load's.
+# The gradient sums' bucket size (GradientSum; CCT_MPI_BUCKET overrides): pieces of about a cache's size beat both
+# many small Allreduces and one 151 MB fc6 (BENCHMARKS.md, "Behind cct/training/distributed.py").
 BUCKET_BYTES = table.BY_NAME["mpi_bucket"].default
 
 _world = None            # World, or False once a single process is known

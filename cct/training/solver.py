@@ -60,10 +60,9 @@ log = logging.getLogger("cct.training.solver")
 
 SOLVER_TYPES = {}            # SolverParameter.type -> Solver subclass
 UPDATE_PIECE = 1 << 16       # elements per piece of the update's element-wise passes
-# Learnable elements (all parameters together) below which the update runs on
-# one thread: right after a backward whose GEMMs leave OpenBLAS's pool thread
-# spinning on the other core, LeNet's 431K took 0.81 ms striped over two
-# threads against 0.65 ms on one; CaffeNet's 61M take 37 against 48 ms.
+# Learnable elements (all parameters together) below which the update runs on one thread: OpenBLAS's pool thread,
+# still spinning after the backward, costs a small update more than a second thread saves
+# (BENCHMARKS.md, "Behind cct/training/solver.py").
 STRIPED_UPDATE_ELEMENTS = 1 << 21
 ACTIONS = ("none", "stop", "snapshot")
 

@@ -35,8 +35,7 @@ class SGDSolver(Solver):
     value and Blob::Update run as one compiled pass per piece (_sgd_pieces):
     the same operations in the same order and precision as the numpy passes,
     so the same numbers, reading and writing each array once instead of ~4
-    times (CaffeNet's 61M parameters: 108 -> 48 ms an iteration on one thread, 37
-    striped over two)."""
+    times (BENCHMARKS.md, "Targets and where we stand")."""
 
     fused = True                     # False: the numpy passes (tests compare the two)
     device_rule = "SGD"
