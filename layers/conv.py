@@ -134,6 +134,7 @@ class _ConvolutionBase(Layer):
         self._choice_key = None       # the (geometry, batch, dtype, partitions, backward) the chooser picked _auto_type for
         self._partitions = 1          # the runtime's batch partitions (run_partitions)
         self._partition_threads = None    # ... and the BLAS threads each one's call runs at
+        self._spread = None           # ... and, run whole on several threads, those threads (Layer.run_partitions)
         self._shape_key = None        # the one of the last reshape
         self._configured = False      # run settings received: reshape may choose now
         self._chunk_key = None
@@ -265,8 +266,13 @@ class _ConvolutionBase(Layer):
     def run_partitions(self, count, threads=None, spread=None):
         self._partitions = count
         self._partition_threads = threads
+        self._spread = spread         # a one-image forward in bands shares its rows among their threads
         if self._configured:
             self._choose()            # now, not in the twins, which run at once and read it
+
+    def _spread_threads(self):
+        """The threads this layer's step runs on where it runs whole (its spread), else 1."""
+        return self._spread.parts if self._spread is not None else 1
 
     def flops(self, bottom, top):
         # One GEMM per bottom, over the spatial size of the convolution's output:
@@ -358,8 +364,9 @@ class _ConvolutionBase(Layer):
                     cache_chunk(self.geom, kind, batch, itemsize))
         keeps = self._keeps(batch, chunk)
         rows = type1.band_rows(self.geom, batch, itemsize) if kind == 1 and not keeps else 0
-        if rows:                      # one image lowered a band at a time (conv_forward)
-            return {"lowering": sum(band_slot_bytes(self.geom, rows, itemsize).values())}
+        if rows:                      # one image lowered a band at a time (conv_forward), a band a thread
+            pieces = len(type1.band_pieces(self.geom, rows, self._owner._spread_threads()))
+            return {"lowering": sum(band_slot_bytes(self.geom, rows, itemsize, pieces).values())}
         slots = slot_bytes(self.geom, kind, chunk, itemsize)
         needs = {"lowering": sum(slots.values())}
         if keeps:
@@ -488,7 +495,8 @@ class Convolution(_ConvolutionBase):
         for index, (b, t) in enumerate(zip(bottom, top)):
             x = b.data
             conv_forward(x, weight, self.geom, kind, out=t.data, ws=arena, chunk=self._chunk(kind, x), bias=bias,
-                         keep=self._kept(index, kind, x), relu=self._owner._output_relu)
+                         keep=self._kept(index, kind, x), relu=self._owner._output_relu,
+                         threads=self._owner._spread_threads())
 
     def bind_forward(self, bottom, top, output_relu=None):
         """The forward of one bottom by lowering with the lowering type, chunk
@@ -507,7 +515,8 @@ class Convolution(_ConvolutionBase):
 
         def forward():
             conv_forward(b.data, blobs[0].data, geom, kind, out=t.data, ws=thread_arena(), chunk=chunk,
-                         bias=blobs[1].data if bias_term else None, keep=keep, relu=output_relu)
+                         bias=blobs[1].data if bias_term else None, keep=keep, relu=output_relu,
+                         threads=self._spread_threads())
         return forward
 
     def fuse_output_relu(self, slope):

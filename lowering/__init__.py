@@ -165,14 +165,16 @@ def _bias_only(geom: ConvGeometry, n: int, dtype: npt.DTypeLike, out: Optional[F
 def conv_forward(x: FloatArray, w: FloatArray, geom: ConvGeometry, lowering_type: int = 1,
                  out: Optional[FloatArray] = None, ws: Workspace = FRESH, chunk: Optional[int] = None,
                  bias: Optional[FloatArray] = None, keep: Optional[KeptLowering] = None,
-                 relu: Optional[float] = None) -> FloatArray:
+                 relu: Optional[float] = None, threads: int = 1) -> FloatArray:
     """y (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/group, KH, KW)), plus
     bias (O,) when given (added while the result is stored, no extra pass),
     then a ReLU of negative slope `relu` when given (the same numbers as
     cct's ReLU layer after it: cct.runtime.fusion's output ReLU; in the
     store's pass where the output has one).
     `keep` (a cct.lowering.kept.KeptLowering) keeps the lowered matrix and x
-    for conv_backward's `lowered`: a whole batch only, a chunked call keeps nothing."""
+    for conv_backward's `lowered`: a whole batch only, a chunked call keeps nothing.
+    `threads` (those a layer run whole is given) share a one-image forward
+    in bands among them (type1.forward_in_bands); other paths ignore it."""
     impl, n = lowering(lowering_type), x.shape[0]
     if keep is not None:
         keep.forget()
@@ -185,8 +187,10 @@ def conv_forward(x: FloatArray, w: FloatArray, geom: ConvGeometry, lowering_type
         return depthwise.forward(x, w, geom, out, bias, relu)
     if path == "bands":
         rows = type1.band_rows(geom, n, x.dtype.itemsize)
-        ws.plan(band_slot_bytes(geom, rows, x.dtype.itemsize))      # a band, not the whole lowering
-        return type1.forward_in_bands(x, w, geom, rows, cast(FloatArray, out), ws=ws, bias=bias, relu=relu)
+        pieces = len(type1.band_pieces(geom, rows, threads))
+        ws.plan(band_slot_bytes(geom, rows, x.dtype.itemsize, pieces))      # a band a thread, not the whole lowering
+        return type1.forward_in_bands(x, w, geom, rows, cast(FloatArray, out), ws=ws, bias=bias, relu=relu,
+                                      threads=threads)
     _plan(ws, geom, lowering_type, n, chunk, x.dtype)
     if path == "whole":
         y = impl.forward(x, w, geom, out=out, ws=ws if keep is None else keep.workspace(ws, lowering_type), bias=bias,

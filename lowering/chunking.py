@@ -14,7 +14,7 @@ conv1 at batch 256 under type 1 would need 1.1 GB for its lowered matrix alone.
 from typing import Dict, List, Tuple
 
 from .geometry import ConvGeometry
-from .type1 import batch_inner, image_major
+from .type1 import band_values, batch_inner, image_major
 
 # 64 MB: CaffeNet training at batch 256 then peaks within Caffe's 2.7 GB, at most a few % slower
 # than with 256 MB (BENCHMARKS.md, "Targets and where we stand").
@@ -39,12 +39,13 @@ def slot_bytes(geom: ConvGeometry, lowering_type: int, batch: int, itemsize: int
     return {slot: count * itemsize for slot, count in sizes.items()}
 
 
-def band_slot_bytes(geom: ConvGeometry, rows: int, itemsize: int) -> Dict[str, int]:
+def band_slot_bytes(geom: ConvGeometry, rows: int, itemsize: int, pieces: int = 1) -> Dict[str, int]:
     """{slot: bytes} of a one-image type-1 forward in bands of `rows` output
-    rows (cct.lowering.type1.forward_in_bands): the padded frame and one
-    band's lowered matrix; the bands' GEMMs write the output itself."""
-    lowered = geom.channels * geom.kernel_h * geom.kernel_w * rows * geom.out_w
-    return {"lowered": lowered * itemsize, "padded": geom.channels * geom.padded_h * geom.padded_w * itemsize}
+    rows (cct.lowering.type1.forward_in_bands) in `pieces` pieces at once:
+    the padded frame and one band's lowered matrix a piece; the bands' GEMMs
+    write the output itself."""
+    return {"lowered": pieces * band_values(geom, rows) * itemsize,
+            "padded": geom.channels * geom.padded_h * geom.padded_w * itemsize}
 
 
 def image_bytes(geom: ConvGeometry, lowering_type: int, itemsize: int) -> int:

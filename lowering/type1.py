@@ -39,13 +39,15 @@ Workspace slots (see cct.lowering.chunking): "padded" (C, N, Hp, Wp),
 (C, Hp, Wp, N) or (N, C, Hp, Wp), "lowered" D1, "product" Y (image-major:
 the per-image weight gradients, Kg <= OH*OW), "output" dY channels first.
 """
-from typing import Callable, Optional, Tuple, cast
+from typing import Callable, List, Optional, Tuple, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from cct.core.arrays import FloatArray
 from cct.core.workspace import FRESH, Workspace
+from cct.devices import pool
+from cct.devices.blas import blas_limited, sgemm64
 from cct.devices.jit import kernel, parallel_kernel, prange
 
 from .geometry import (ConvGeometry, channels_first_output, finish, lowered_shape, matmul_nt, pad_channels_first,
@@ -392,9 +394,23 @@ def band_rows(geom: ConvGeometry, batch: int, itemsize: int) -> int:
     return rows if rows < geom.out_h and rows * geom.out_w >= BAND_MIN_COLUMNS else 0
 
 
+def band_pieces(geom: ConvGeometry, rows: int, threads: int) -> List[Tuple[int, int]]:
+    """The output rows [top, stop) of each thread's piece of a forward in
+    bands of `rows` on `threads` threads: the rows shared evenly, as many
+    pieces as there are bands at most (one piece: the whole image)."""
+    count = max(1, min(threads, -(-geom.out_h // rows)))
+    edges = [geom.out_h * k // count for k in range(count + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def band_values(geom: ConvGeometry, rows: int) -> int:
+    """Values of one band's lowered matrix."""
+    return geom.channels * geom.kernel_h * geom.kernel_w * rows * geom.out_w
+
+
 def forward_in_bands(x: FloatArray, w: FloatArray, geom: ConvGeometry, rows: int, out: FloatArray,
                      ws: Workspace = FRESH, bias: Optional[FloatArray] = None,
-                     relu: Optional[float] = None) -> FloatArray:
+                     relu: Optional[float] = None, threads: int = 1) -> FloatArray:
     """One image's y (1, O, OH, OW) into `out` (C-contiguous), its lowered
     matrix made `rows` output rows at a time, each band multiplied into its
     columns of the output while it is in the L2 cache: faster than the whole
@@ -404,17 +420,90 @@ def forward_in_bands(x: FloatArray, w: FloatArray, geom: ConvGeometry, rows: int
     products, summed in the same order where OpenBLAS runs the band's GEMM
     with the whole one's kernel (the zoo nets' outputs are bitwise the same;
     small GEMMs may differ in rounding). Keeps no lowering (a forward a
-    backward follows lowers whole)."""
-    view = _windows(x, geom, ws)
-    width, lowered = geom.out_w, geom.channels * geom.kernel_h * geom.kernel_w
+    backward follows lowers whole).
+
+    A layer given several `threads`, on the one pool (cct.devices.pool),
+    shares the rows among them (band_pieces): each thread lowers its own
+    bands and multiplies them by one-thread GEMMs (_bands_on_pool), side by
+    side, in one compiled call: such short products gain less from a GEMM
+    on every thread, and the lowering's copies then run on every thread too
+    (BENCHMARKS.md, "The first convolution's bands on every thread"): the
+    one-piece path's values to float32 rounding (float32, one group)."""
+    pieces = band_pieces(geom, rows, min(threads, pool.kernel_threads()))
+    sgemm = sgemm64() if len(pieces) > 1 and geom.group == 1 and x.dtype == np.float32 else None
+    if sgemm is None:
+        pieces = [(0, geom.out_h)]
+    stores = ws.empty("lowered", (len(pieces), band_values(geom, rows)), x.dtype)
+    product = out.reshape(geom.group, geom.outputs_per_group, geom.out_h * geom.out_w)
     kernel = _kernel_matrix(w, geom, x.dtype)
-    product = out.reshape(geom.group, geom.outputs_per_group, geom.out_h * width)
-    for top in range(0, geom.out_h, rows):
-        stop = min(geom.out_h, top + rows)
-        band = ws.empty("lowered", (lowered, (stop - top) * width), x.dtype)
-        np.copyto(band.reshape(view.shape[:4] + (stop - top, width)), view[..., top:stop, :])
-        np.matmul(kernel, band.reshape(geom.group, -1, band.shape[1]), out=product[..., top * width:stop * width])
+    if sgemm is None:
+        _bands(_windows(x, geom, ws), kernel, product, rows, 0, geom.out_h, stores[0])
+    else:
+        edges = np.array([top for top, _ in pieces] + [geom.out_h], np.int64)
+        image = _channels_first(x, geom, ws)[:, 0]
+        sizes = (geom.kernel_h, geom.kernel_w, geom.stride_h, geom.stride_w, geom.dilation_h, geom.dilation_w)
+        with blas_limited(1):         # each GEMM on its own thread; the pool's count stays the pass's
+            _bands_on_pool.parallel(image, kernel[0], product[0], *sizes, rows, edges, stores, sgemm)
     return finish(out, bias, relu)
+
+
+def _bands(view: FloatArray, kernel: FloatArray, product: FloatArray, rows: int, top: int, stop: int,
+           store: FloatArray) -> None:
+    """Output rows [top, stop) of forward_in_bands, `rows` at a time, each
+    band lowered from the window view (C, KH, KW, 1, OH, OW) into `store`
+    (flat, a band's values) and multiplied into its columns of `product`
+    (G, O/G, OH*OW)."""
+    lowered, width = view.shape[0] * view.shape[1] * view.shape[2], view.shape[5]
+    for start in range(top, stop, rows):
+        end = min(stop, start + rows)
+        band = store[:lowered * (end - start) * width].reshape(lowered, (end - start) * width)
+        np.copyto(band.reshape(view.shape[:4] + (end - start, width)), view[..., start:end, :])
+        np.matmul(kernel, band.reshape(product.shape[0], -1, band.shape[1]),
+                  out=product[..., start * width:end * width])
+
+
+ROW_MAJOR, NO_TRANSPOSE = 101, 111      # CBLAS's enums
+
+
+@parallel_kernel
+def _bands_on_pool(image, kernel, product, kernel_h, kernel_w, stride_h, stride_w, dilation_h, dilation_w,
+                   rows, edges, stores, sgemm):
+    """forward_in_bands on the pool: piece p (output rows edges[p] to
+    edges[p + 1]) on thread p, each band of `rows` rows lowered from `image`
+    (C, Hp, Wp, padded) into stores[p] as (C*KH*KW, rows*OW) and multiplied
+    by `kernel` (O, C*KH*KW) into its columns of `product` (O, OH*OW) by
+    `sgemm` (OpenBLAS's cblas_sgemm, ILP64: cct.devices.blas.sgemm64) at
+    the BLAS count the caller set, one thread."""
+    out_w = product.shape[1] // edges[-1]
+    for piece in prange(edges.shape[0] - 1):
+        store = stores[piece]
+        for start in range(edges[piece], edges[piece + 1], rows):
+            end = min(edges[piece + 1], start + rows)
+            columns = (end - start) * out_w
+            for c in range(image.shape[0]):
+                for i in range(kernel_h):
+                    for y in range(start, end):
+                        source = image[c, y * stride_h + i * dilation_h]
+                        at = ((c * kernel_h + i) * kernel_w * columns) + (y - start) * out_w
+                        for j in range(kernel_w):
+                            # slices indexed by the loop's own counter: no negative-index checks
+                            into = store[at + j * columns:at + j * columns + out_w]
+                            taken = source[j * dilation_w:]
+                            if stride_w == 2:     # a constant stride: the gather vectorises
+                                for x in range(out_w):
+                                    into[x] = taken[2 * x]
+                            elif stride_w == 4:
+                                for x in range(out_w):
+                                    into[x] = taken[4 * x]
+                            elif stride_w == 1:
+                                for x in range(out_w):
+                                    into[x] = taken[x]
+                            else:
+                                for x in range(out_w):
+                                    into[x] = taken[x * stride_w]
+            sgemm(ROW_MAJOR, NO_TRANSPOSE, NO_TRANSPOSE, kernel.shape[0], columns, kernel.shape[1], np.float32(1.0),
+                  kernel.ctypes.data, kernel.shape[1], store.ctypes.data, columns, np.float32(0.0),
+                  product[:, start * out_w:].ctypes.data, product.shape[1])
 
 
 # A bound one-image forward keeps buffers of its own up to this size: below

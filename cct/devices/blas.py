@@ -6,10 +6,13 @@ partitioned layer lowered it: a net built later (a test net made after
 whatever count the last layer left behind. Below the runtime, so that the
 lowering chooser times a forward at a partition's count itself.
 """
+import ctypes
+import functools
 import os
 import threading
 from contextlib import contextmanager
 
+import numpy as np
 from threadpoolctl import ThreadpoolController
 
 _lock = threading.Lock()
@@ -95,6 +98,32 @@ def _setter(lib):
             if function is not None:
                 return function
     return lib.set_num_threads
+
+
+# OpenBLAS's cblas_sgemm with 64-bit integers (the ILP64 builds numpy's wheels bundle)
+_SGEMM64 = ("scipy_cblas_sgemm64_", "cblas_sgemm64_")
+
+
+@functools.lru_cache(maxsize=None)
+def sgemm64():
+    """cblas_sgemm of the OpenBLAS numpy's matmul calls, as a ctypes function
+    that compiled kernels may call (order, transa, transb, m, n, k, alpha,
+    a, lda, b, ldb, beta, c, ldc; int64 sizes); None where numpy's BLAS is
+    not such an OpenBLAS (a system numpy, MKL, an LP64 build): the callers
+    then keep np.matmul."""
+    site = os.path.dirname(os.path.dirname(os.path.realpath(np.__file__)))
+    for lib in blas().libraries:
+        if lib.internal_api != "openblas" or not os.path.realpath(lib.filepath).startswith(site + os.sep):
+            continue
+        for name in _SGEMM64:
+            function = getattr(lib.dynlib, name, None)
+            if function is not None:
+                size, pointer, value = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+                function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, size, size, size, value, pointer, size,
+                                     pointer, size, value, pointer, size]
+                function.restype = None
+                return function
+    return None
 
 
 def blas():

@@ -105,7 +105,9 @@ def parallel_kernel(function):
     more than one BLAS thread; elsewhere (a batch partition's step, a
     process without the pool, a small array) the serial form. Each value
     gets the same operations either way, so the same bits. It is called
-    from Python, not from another kernel; `.twin` is the serial form's."""
+    from Python, not from another kernel; `.twin` is the serial form's.
+    `.parallel` runs the parallel form whatever the count: for a caller that
+    asked pool.kernel_threads() itself before it changed the BLAS count."""
     serial = kernel(function)
 
     @functools.wraps(function)
@@ -115,6 +117,7 @@ def parallel_kernel(function):
         return serial(*args)
     call.serial = serial
     call.parallel_form = None
+    call.parallel = lambda *args: (call.parallel_form or _parallel(call))(*args)   # (below)
     call.twin = serial.twin
     _parallel_kernels.append(call)
     return call

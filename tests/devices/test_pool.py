@@ -17,7 +17,7 @@ from cct.core import settings
 from cct.devices import jit, pool
 from cct.devices.blas import blas, blas_limited
 from cct.layers import pooling_kernels
-from cct.lowering import depthwise, geometry, type1, winograd
+from cct.lowering import ConvGeometry, depthwise, geometry, type1, winograd
 from cct.runtime import fusion
 
 F32 = np.float32
@@ -56,6 +56,63 @@ def test_gemms_same_bits_on_the_pool(two_threads):
         pool.release()
     assert all(np.array_equal(x, y) for x, y in zip(native, lent))
     assert pool._pool.lent == 0 and pool.kernel_threads() == 1
+
+
+@pytest.mark.parametrize("geom", [ConvGeometry(3, 8, 61, 45, 7, 7, stride_h=2, stride_w=2, pad_h=3, pad_w=3),
+                                  ConvGeometry(4, 5, 40, 40, 5, 5, pad_h=1, pad_w=1),
+                                  ConvGeometry(3, 6, 120, 140, 5, 5, stride_h=4, stride_w=4, dilation_h=2,
+                                               dilation_w=2)],
+                         ids=["stride2", "stride1", "stride4_dilation"])
+def test_bands_shared_on_the_pool_give_one_thread_gemms(two_threads, geom, monkeypatch):
+    """A one-image forward in bands given 2 threads on the pool: each
+    thread lowers and multiplies its half of the rows by one-thread GEMMs
+    (type1._bands_on_pool, cblas_sgemm called from the kernel), the values
+    the one-piece path gives with the BLAS at one thread to float32
+    rounding (numpy's matmul may call the GEMM with its operands otherwise
+    ordered); the workspace holds a band per thread."""
+    from cct.core.workspace import Arena
+    from cct.lowering.chunking import band_slot_bytes
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, geom.channels, geom.in_h, geom.in_w), dtype=F32)
+    w = rng.standard_normal(geom.weight_shape, dtype=F32)
+    bias = rng.standard_normal(geom.num_output, dtype=F32)
+    monkeypatch.setattr(type1, "BAND_BYTES", 3 * 4 * geom.channels * geom.kernel_h * geom.kernel_w * geom.out_w)
+    monkeypatch.setattr(type1, "BAND_MIN_COLUMNS", 1)
+    rows = type1.band_rows(geom, 1, 4)
+    assert rows == 3 and len(type1.band_pieces(geom, rows, 2)) == 2
+    with blas_limited(1):
+        alone = type1.forward_in_bands(x, w, geom, rows, np.empty(geom.output_shape(1), F32), Arena(), bias, 0.0)
+    calls = []
+    original = type1._bands_on_pool.parallel
+    monkeypatch.setattr(type1._bands_on_pool, "parallel", lambda *a: calls.append(a[-3].tolist()) or original(*a))
+    arena = Arena()
+    arena.plan(band_slot_bytes(geom, rows, 4, 2))
+    assert pool.acquire(2)
+    try:
+        shared = type1.forward_in_bands(x, w, geom, rows, np.empty(geom.output_shape(1), F32), arena, bias, 0.0,
+                                        threads=2)
+    finally:
+        pool.release()
+    assert calls == [[0, geom.out_h // 2, geom.out_h]]
+    np.testing.assert_allclose(shared, alone, rtol=1e-5, atol=1e-5 * np.abs(alone).max())
+    assert not arena.stores
+    assert blas().current == 2                   # the pass's count back after the one-thread GEMMs
+
+
+def test_sgemm64_is_numpys_gemm():
+    """The cblas_sgemm compiled kernels call is the one numpy's matmul
+    calls: at one thread, the same bits."""
+    from cct.devices.blas import sgemm64
+    sgemm = sgemm64()
+    if sgemm is None:
+        pytest.skip("numpy's BLAS is not an ILP64 OpenBLAS of its own wheel")
+    rng = np.random.default_rng(2)
+    a, b = rng.standard_normal((37, 150), dtype=F32), rng.standard_normal((150, 211), dtype=F32)
+    c = np.zeros((37, 300), F32)
+    with blas_limited(1):
+        sgemm(101, 111, 111, 37, 211, 150, 1.0, a.ctypes.data, 150, b.ctypes.data, 211, 0.0, c[:, 50:].ctypes.data,
+              300)
+        assert np.array_equal(c[:, 50:261], a @ b) and not c[:, :50].any() and not c[:, 261:].any()
 
 
 def test_only_the_lending_thread_runs_kernels_on_the_pool(two_threads):

@@ -444,6 +444,15 @@ def test_bands_only_where_they_hold_enough_columns():
     assert type1.band_rows(ConvGeometry(3, 8, 10, 10, 3, 3), 1, 4) == 0          # fits one band
 
 
+def test_band_pieces_share_the_rows_evenly():
+    geom = ConvGeometry(3, 32, 300, 300, 7, 7, stride_h=2, stride_w=2, pad_h=3, pad_w=3)     # res10's conv1
+    assert type1.band_pieces(geom, 11, 1) == [(0, 150)]
+    assert type1.band_pieces(geom, 11, 2) == [(0, 75), (75, 150)]
+    assert type1.band_pieces(geom, 11, 3) == [(0, 50), (50, 100), (100, 150)]
+    assert len(type1.band_pieces(geom, 11, 64)) == 14              # no more pieces than bands
+    assert band_slot_bytes(geom, 11, 4, 2)["lowered"] == 2 * band_slot_bytes(geom, 11, 4)["lowered"]
+
+
 # --- type 1 image by image (image_major) -----------------------------------------------
 def force_image_major(monkeypatch):
     """Every geometry whose output is at least as wide as its lowered rows, image by image."""
