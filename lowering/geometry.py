@@ -25,6 +25,8 @@ import numpy.typing as npt
 
 from cct.core.arrays import FloatArray
 from cct.core.workspace import Workspace
+from cct.devices import pool
+from cct.devices.blas import blas_limited, sgemm64
 from cct.devices.jit import kernel, parallel_kernel, prange
 
 Shape4 = Tuple[int, int, int, int]
@@ -325,6 +327,42 @@ def matmul_nt(a: FloatArray, b: FloatArray) -> FloatArray:
     if a.shape[-2] >= b.shape[-2]:
         return np.matmul(a, b.swapaxes(-1, -2))
     return np.matmul(b, a.swapaxes(-1, -2)).swapaxes(-1, -2)
+
+
+ROW_MAJOR, NO_TRANSPOSE = 101, 111      # CBLAS's enums, for cblas_sgemm called from a kernel (sgemm64)
+
+
+def stacked_matmul(a: FloatArray, b: FloatArray, out: FloatArray) -> FloatArray:
+    """out[s] = a[s] @ b[s] for a stack (S, M, K) @ (S, K, N) -> (S, M, N).
+    Where a pass lends the one pool (cct.devices.pool) several threads, the
+    stack's products run side by side on them, each a one-thread GEMM
+    (_stack_on_pool): numpy's matmul runs them one after the other, each on
+    every thread, and small products gain little from that (BENCHMARKS.md,
+    "The first convolution's bands on every thread"). Values: numpy's to
+    float32 rounding. Elsewhere, or for other dtypes or strides, numpy's."""
+    threads = pool.kernel_threads()
+    sgemm = sgemm64() if threads > 1 and a.shape[0] > 1 and _gemm_ready(a, b, out) else None
+    if sgemm is None:
+        return np.matmul(a, b, out=out)
+    with blas_limited(1):         # each product on its own thread; the pool's count stays the pass's
+        _stack_on_pool.parallel(a, b, out, sgemm)
+    return out
+
+
+def _gemm_ready(*arrays: FloatArray) -> bool:
+    """float32 stacks whose rows are unit-stride (cblas_sgemm's leading dimensions)."""
+    return all(array.dtype == np.float32 and array.ndim == 3 and array.strides[2] == 4
+               and array.strides[1] % 4 == 0 and array.strides[1] >= 4 * array.shape[2] for array in arrays)
+
+
+@parallel_kernel
+def _stack_on_pool(a, b, out, sgemm):
+    """out[s] = a[s] @ b[s], item s on one of the pool's threads, by `sgemm`
+    (cblas_sgemm, ILP64) at the BLAS count the caller set, one thread."""
+    for s in prange(a.shape[0]):
+        sgemm(ROW_MAJOR, NO_TRANSPOSE, NO_TRANSPOSE, a.shape[1], b.shape[2], a.shape[2], np.float32(1.0),
+              a[s].ctypes.data, a.strides[1] // 4, b[s].ctypes.data, b.strides[1] // 4, np.float32(0.0),
+              out[s].ctypes.data, out.strides[1] // 4)
 
 
 def weights_as(w: FloatArray, dtype: npt.DTypeLike) -> FloatArray:

@@ -50,8 +50,9 @@ from cct.devices import pool
 from cct.devices.blas import blas_limited, sgemm64
 from cct.devices.jit import kernel, parallel_kernel, prange
 
-from .geometry import (ConvGeometry, channels_first_output, finish, lowered_shape, matmul_nt, pad_channels_first,
-                       relu_value, relu_values, store_relu, unpad_channels_first, weights_as, window_view)
+from .geometry import (NO_TRANSPOSE, ROW_MAJOR, ConvGeometry, channels_first_output, finish, lowered_shape, matmul_nt,
+                       pad_channels_first, relu_value, relu_values, store_relu, unpad_channels_first, weights_as,
+                       window_view)
 
 
 def _channels_first(x: FloatArray, geom: ConvGeometry, ws: Workspace) -> FloatArray:
@@ -460,9 +461,6 @@ def _bands(view: FloatArray, kernel: FloatArray, product: FloatArray, rows: int,
         np.copyto(band.reshape(view.shape[:4] + (end - start, width)), view[..., start:end, :])
         np.matmul(kernel, band.reshape(product.shape[0], -1, band.shape[1]),
                   out=product[..., start * width:end * width])
-
-
-ROW_MAJOR, NO_TRANSPOSE = 101, 111      # CBLAS's enums
 
 
 @parallel_kernel

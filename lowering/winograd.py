@@ -61,7 +61,7 @@ from cct.core.workspace import FRESH, Workspace
 from cct.devices.jit import kernel, parallel_kernel, prange
 
 from . import depthwise
-from .geometry import ConvGeometry, relu_value, relu_values, weights_as
+from .geometry import ConvGeometry, relu_value, relu_values, stacked_matmul, weights_as
 
 # Transform matrices (B^T, G, A^T) per (output tile m, kernel r), points 0,
 # +-1, +-2, as in Lavin and Gray and wincnn. F(2x2, 5x5)'s G and A^T follow
@@ -823,7 +823,7 @@ def _forward_tiles(x: Float32Array, u: Float32Array, geom: ConvGeometry, m: int,
         for k in range(images):
             transform_input(x[start + k], geom.pad_h, geom.pad_w, m, tiles_h, tiles_w, v, k * per_image)
         for g in range(geom.group):
-            np.matmul(u[:, g * og:(g + 1) * og], v[:, g * cg:(g + 1) * cg], out=product[:, g * og:(g + 1) * og])
+            stacked_matmul(u[:, g * og:(g + 1) * og], v[:, g * cg:(g + 1) * cg], product[:, g * og:(g + 1) * og])
         for k in range(images):
             _output_tiles(product, output_variant, k * per_image, tiles_h, tiles_w, bias, has_bias, slope, has_relu,
                           y[start + k])
@@ -850,8 +850,8 @@ def _forward_channels(x: Float32Array, u: Float32Array, geom: ConvGeometry, m: i
             np.copyto(image, x[start + k].transpose(1, 2, 0))
             transform_input(image, geom.pad_h, geom.pad_w, m, tiles_h, tiles_w, v, k * per_image)
         for g in range(geom.group):
-            np.matmul(v[:, :, g * cg:(g + 1) * cg], u[:, :, g * og:(g + 1) * og],
-                      out=product[:, :, g * og:(g + 1) * og])
+            stacked_matmul(v[:, :, g * cg:(g + 1) * cg], u[:, :, g * og:(g + 1) * og],
+                           product[:, :, g * og:(g + 1) * og])
         for k in range(images):
             _output_channels(product, output_variant, k * per_image, tiles_h, tiles_w, bias, has_bias, slope,
                              has_relu, y[start + k])
