@@ -99,6 +99,32 @@ def test_bands_shared_on_the_pool_give_one_thread_gemms(two_threads, geom, monke
     assert blas().current == 2                   # the pass's count back after the one-thread GEMMs
 
 
+def test_stacked_products_side_by_side_on_the_pool(two_threads, monkeypatch):
+    """Winograd's stack of tile products (geometry.stacked_matmul) on the
+    pool: each item a one-thread GEMM on one of its threads, numpy's values
+    to float32 rounding, strided slices of a stack included (a group's
+    channels); off the pool, numpy's matmul itself."""
+    rng = np.random.default_rng(3)
+    u = rng.standard_normal((16, 12, 40), dtype=F32)
+    v = rng.standard_normal((16, 20, 57), dtype=F32)
+    calls = []
+    original = geometry._stack_on_pool.parallel
+    monkeypatch.setattr(geometry._stack_on_pool, "parallel", lambda *a: calls.append(1) or original(*a))
+    with blas_limited(1):
+        expected = np.matmul(u[:, :6, :10], v[:, :10])
+    out = np.full((16, 8, 57), np.nan, F32)
+    assert pool.acquire(2)
+    try:
+        geometry.stacked_matmul(u[:, :6, :10], v[:, :10], out[:, 1:7])
+    finally:
+        pool.release()
+    assert calls == [1] and blas().current == 2
+    np.testing.assert_allclose(out[:, 1:7], expected, rtol=1e-5, atol=1e-5)
+    assert np.isnan(out[:, 0]).all() and np.isnan(out[:, 7]).all()
+    geometry.stacked_matmul(u[:, :6, :10], v[:, :10], out[:, 1:7])       # not lent: numpy's
+    assert calls == [1]
+
+
 def test_sgemm64_is_numpys_gemm():
     """The cblas_sgemm compiled kernels call is the one numpy's matmul
     calls: at one thread, the same bits."""
