@@ -58,7 +58,7 @@ import numpy.typing as npt
 from cct.core.arrays import Array, Float32Array, FloatArray
 from cct.core.bits import same_bits
 from cct.core.workspace import FRESH, Workspace
-from cct.devices.jit import kernel, parallel_kernel, prange
+from cct.devices.jit import PLANE_GROUPS, kernel, parallel_kernel, prange
 
 from . import depthwise
 from .geometry import ConvGeometry, relu_value, relu_values, stacked_matmul, weights_as
@@ -361,43 +361,51 @@ def _at25(m0, m1, m2, m3, m4, m5, r0, r1, count):
         r1[t] = a1 - a2 + (a3 - a4) * _2 + m5[t]
 
 
-@kernel
+@parallel_kernel
 def _input_a6(image, pad_h, pad_w, m, tiles_h, tiles_w, v, first):
     """V[6j + k, c, first + t] = (B^T d B)[j, k] of every channel c and tile t
     of `image` (C, H, W), tiles innermost, at alpha = 6: d the 6 x 6 block at
-    (ty*m - pad_h, tx*m - pad_w) (m = 4: F(4x4, 3x3); 2: F(2x2, 5x5))."""
+    (ty*m - pad_h, tx*m - pad_w) (m = 4: F(4x4, 3x3); 2: F(2x2, 5x5)). The
+    channels in PLANE_GROUPS groups, each with its scratch (on the pool's
+    threads where a pass lends them)."""
     count = tiles_h * tiles_w
-    plane = np.zeros((tiles_h * m + 6 - m, tiles_w * m + 6 - m), np.float32)
-    blocks = np.empty((6, 6, count), np.float32)
-    rows = np.empty((6, 6, count), np.float32)
     last = first + count
-    for c in range(image.shape[0]):
-        _gather_tiles(image, c, plane, pad_h, pad_w, m, tiles_h, tiles_w, blocks)
-        for col in range(6):                      # rows[:, col] = B^T blocks[:, col]
-            _bt6(blocks[0, col], blocks[1, col], blocks[2, col], blocks[3, col], blocks[4, col], blocks[5, col],
-                 rows[0, col], rows[1, col], rows[2, col], rows[3, col], rows[4, col], rows[5, col], count)
-        for j in range(6):                        # V[6j:6j + 6] = B^T rows[j]
-            _bt6(rows[j, 0], rows[j, 1], rows[j, 2], rows[j, 3], rows[j, 4], rows[j, 5],
-                 v[6 * j, c, first:last], v[6 * j + 1, c, first:last], v[6 * j + 2, c, first:last],
-                 v[6 * j + 3, c, first:last], v[6 * j + 4, c, first:last], v[6 * j + 5, c, first:last], count)
+    channels = image.shape[0]
+    groups = min(PLANE_GROUPS, channels)
+    for group in prange(groups):
+        plane = np.zeros((tiles_h * m + 6 - m, tiles_w * m + 6 - m), np.float32)
+        blocks = np.empty((6, 6, count), np.float32)
+        rows = np.empty((6, 6, count), np.float32)
+        for c in range(channels * group // groups, channels * (group + 1) // groups):
+            _gather_tiles(image, c, plane, pad_h, pad_w, m, tiles_h, tiles_w, blocks)
+            for col in range(6):                  # rows[:, col] = B^T blocks[:, col]
+                _bt6(blocks[0, col], blocks[1, col], blocks[2, col], blocks[3, col], blocks[4, col], blocks[5, col],
+                     rows[0, col], rows[1, col], rows[2, col], rows[3, col], rows[4, col], rows[5, col], count)
+            for j in range(6):                    # V[6j:6j + 6] = B^T rows[j]
+                _bt6(rows[j, 0], rows[j, 1], rows[j, 2], rows[j, 3], rows[j, 4], rows[j, 5],
+                     v[6 * j, c, first:last], v[6 * j + 1, c, first:last], v[6 * j + 2, c, first:last],
+                     v[6 * j + 3, c, first:last], v[6 * j + 4, c, first:last], v[6 * j + 5, c, first:last], count)
 
 
-@kernel
+@parallel_kernel
 def _input_a4(image, pad_h, pad_w, m, tiles_h, tiles_w, v, first):
     """As _input_a6, F(2 x 2, 3 x 3) (alpha 4, m 2): V[4j + k, c, first + t]."""
     count = tiles_h * tiles_w
-    plane = np.zeros((tiles_h * 2 + 2, tiles_w * 2 + 2), np.float32)
-    blocks = np.empty((4, 4, count), np.float32)
-    rows = np.empty((4, 4, count), np.float32)
     last = first + count
-    for c in range(image.shape[0]):
-        _gather_tiles(image, c, plane, pad_h, pad_w, 2, tiles_h, tiles_w, blocks)
-        for col in range(4):
-            _bt4(blocks[0, col], blocks[1, col], blocks[2, col], blocks[3, col],
-                 rows[0, col], rows[1, col], rows[2, col], rows[3, col], count)
-        for j in range(4):
-            _bt4(rows[j, 0], rows[j, 1], rows[j, 2], rows[j, 3], v[4 * j, c, first:last],
-                 v[4 * j + 1, c, first:last], v[4 * j + 2, c, first:last], v[4 * j + 3, c, first:last], count)
+    channels = image.shape[0]
+    groups = min(PLANE_GROUPS, channels)
+    for group in prange(groups):
+        plane = np.zeros((tiles_h * 2 + 2, tiles_w * 2 + 2), np.float32)
+        blocks = np.empty((4, 4, count), np.float32)
+        rows = np.empty((4, 4, count), np.float32)
+        for c in range(channels * group // groups, channels * (group + 1) // groups):
+            _gather_tiles(image, c, plane, pad_h, pad_w, 2, tiles_h, tiles_w, blocks)
+            for col in range(4):
+                _bt4(blocks[0, col], blocks[1, col], blocks[2, col], blocks[3, col],
+                     rows[0, col], rows[1, col], rows[2, col], rows[3, col], count)
+            for j in range(4):
+                _bt4(rows[j, 0], rows[j, 1], rows[j, 2], rows[j, 3], v[4 * j, c, first:last],
+                     v[4 * j + 1, c, first:last], v[4 * j + 2, c, first:last], v[4 * j + 3, c, first:last], count)
 
 
 @kernel
@@ -431,38 +439,42 @@ def _finish_tiles(done, bias, has_bias, slope, has_relu, o, tiles_h, tiles_w, ou
                     row[tx * m + j] = source[tx]
 
 
-@kernel
+@parallel_kernel
 def _output_tiles(product, variant, first, tiles_h, tiles_w, bias, has_bias, slope, has_relu, out):
     """out (O, OH, OW) of one image from M = product[:, :, first:] (alpha^2,
     O, tiles): Y = A^T M A per tile, then _finish_tiles. variant 0:
-    F(2 x 2, 3 x 3) (alpha 4), 1: F(4 x 4, 3 x 3), 2: F(2 x 2, 5 x 5) (alpha 6)."""
+    F(2 x 2, 3 x 3) (alpha 4), 1: F(4 x 4, 3 x 3), 2: F(2 x 2, 5 x 5) (alpha 6).
+    The outputs in PLANE_GROUPS groups, each with its scratch."""
     m = 4 if variant == 1 else 2
     alpha = 4 if variant == 0 else 6
     count = tiles_h * tiles_w
-    half = np.empty((m, alpha, count), np.float32)
-    done = np.empty((m, m, count), np.float32)
     last = first + count
-    for o in range(out.shape[0]):
-        for col in range(alpha):                  # half[:, col] = A^T M[col::alpha]
-            m0, m1 = product[col, o, first:last], product[alpha + col, o, first:last]
-            m2, m3 = product[2 * alpha + col, o, first:last], product[3 * alpha + col, o, first:last]
-            if variant == 0:
-                _at2(m0, m1, m2, m3, half[0, col], half[1, col], count)
-                continue
-            m4, m5 = product[4 * alpha + col, o, first:last], product[5 * alpha + col, o, first:last]
-            if variant == 1:
-                _at4(m0, m1, m2, m3, m4, m5, half[0, col], half[1, col], half[2, col], half[3, col], count)
-            else:
-                _at25(m0, m1, m2, m3, m4, m5, half[0, col], half[1, col], count)
-        for i in range(m):                        # done[i] = A^T half[i]
-            h = half[i]
-            if variant == 0:
-                _at2(h[0], h[1], h[2], h[3], done[i, 0], done[i, 1], count)
-            elif variant == 1:
-                _at4(h[0], h[1], h[2], h[3], h[4], h[5], done[i, 0], done[i, 1], done[i, 2], done[i, 3], count)
-            else:
-                _at25(h[0], h[1], h[2], h[3], h[4], h[5], done[i, 0], done[i, 1], count)
-        _finish_tiles(done, bias, has_bias, slope, has_relu, o, tiles_h, tiles_w, out)
+    outputs = out.shape[0]
+    groups = min(PLANE_GROUPS, outputs)
+    for group in prange(groups):
+        half = np.empty((m, alpha, count), np.float32)
+        done = np.empty((m, m, count), np.float32)
+        for o in range(outputs * group // groups, outputs * (group + 1) // groups):
+            for col in range(alpha):              # half[:, col] = A^T M[col::alpha]
+                m0, m1 = product[col, o, first:last], product[alpha + col, o, first:last]
+                m2, m3 = product[2 * alpha + col, o, first:last], product[3 * alpha + col, o, first:last]
+                if variant == 0:
+                    _at2(m0, m1, m2, m3, half[0, col], half[1, col], count)
+                    continue
+                m4, m5 = product[4 * alpha + col, o, first:last], product[5 * alpha + col, o, first:last]
+                if variant == 1:
+                    _at4(m0, m1, m2, m3, m4, m5, half[0, col], half[1, col], half[2, col], half[3, col], count)
+                else:
+                    _at25(m0, m1, m2, m3, m4, m5, half[0, col], half[1, col], count)
+            for i in range(m):                    # done[i] = A^T half[i]
+                h = half[i]
+                if variant == 0:
+                    _at2(h[0], h[1], h[2], h[3], done[i, 0], done[i, 1], count)
+                elif variant == 1:
+                    _at4(h[0], h[1], h[2], h[3], h[4], h[5], done[i, 0], done[i, 1], done[i, 2], done[i, 3], count)
+                else:
+                    _at25(h[0], h[1], h[2], h[3], h[4], h[5], done[i, 0], done[i, 1], count)
+            _finish_tiles(done, bias, has_bias, slope, has_relu, o, tiles_h, tiles_w, out)
 
 
 # --- channels innermost: each tile's values are vectors over the channels -------------------------------

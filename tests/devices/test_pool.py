@@ -279,6 +279,8 @@ def _parallel_cases(rng):
     depthwise_weights = rng.standard_normal((32, 9), dtype=F32)
     depthwise_out = np.zeros((32, 38 * 38), F32)
     pooled = rng.standard_normal((40, 29, 29), dtype=F32)
+    planes_chw = rng.standard_normal((24, 40, 40), dtype=F32)
+    tiles_product = rng.standard_normal((36, 48, tiles * tiles), dtype=F32)
     return [
         (pooling_kernels.max_3x3_same, (pooled, np.zeros((40, 29, 29), F32))),
         (pooling_kernels.max_3x3_stride2, (pooled, np.zeros((40, 14, 14), F32))),
@@ -288,13 +290,17 @@ def _parallel_cases(rng):
         (winograd._input_channels, (channels, 1, 1, 4, tiles, tiles, v6, 0)),
         (winograd._input_channels_a4, (channels, 1, 1, 2, 20, 20, v4, 0)),
         (winograd._output_channels, (product, 1, 0, tiles, tiles, maps[0][:48].copy(), True, F32(0), True, out)),
+        (winograd._input_a6, (planes_chw, 1, 1, 4, tiles, tiles, np.zeros((36, 24, tiles * tiles), F32), 0)),
+        (winograd._input_a4, (planes_chw, 1, 1, 2, 20, 20, np.zeros((16, 24, 20 * 20), F32), 0)),
+        (winograd._output_tiles, (tiles_product, 1, 0, tiles, tiles, maps[0][:48].copy(), True, F32(0.1), True,
+                                  np.zeros((48, 40, 40), F32))),
         (fusion._in_place_pass, (values, *maps, True, F32(0), True, F32(0.1), True)),
         (fusion._kept_sum_pass, (values, *maps, True, F32(0), False, other, F32(1), F32(-0.5), F32(0), True,
                                  summed)),
     ]
 
 
-@pytest.mark.parametrize("case", range(10))
+@pytest.mark.parametrize("case", range(13))
 def test_parallel_kernels_same_bits(two_threads, case):
     serial_args = _parallel_cases(np.random.default_rng(5))[case]
     kernel, arguments = serial_args
