@@ -482,8 +482,16 @@ class Executor:
         1.02-1.12x the time with its GEMMs on the pool, so it keeps OpenBLAS's
         threads (BENCHMARKS.md,
         "One pool: OpenBLAS's jobs on numba's OpenMP threads (2026-12-07, d12282a-fdc61df)").
-        Pair a True with pool.release()."""
-        return self.net.phase == TEST and pool.acquire(self.threads)
+        So does a pass with layers in batch partitions: the pool's threads,
+        still spinning after a whole layer's parallel kernel, held the cores
+        the partitions' workers needed (BENCHMARKS.md, "Batch partitions beside
+        the pool"). Pair a True with pool.release()."""
+        if self.net.phase != TEST:
+            return False
+        plan = self._current_plan()
+        partitioned = (plan.partitioned if plan is not None
+                       else any(self.partitions(index) > 1 for index in range(len(self.net.layers))))
+        return not partitioned and pool.acquire(self.threads)
 
     def begin_forward(self, end: Optional[int]) -> None:
         """A Net.forward through layer `end` starts: a ReLU is fused only into a

@@ -97,6 +97,7 @@ class Plan:
         self.layers, self.tops = net.layers, net.top_vecs
         self._blas_threads = blas                    # the process's BlasThreads (cct.devices.blas)
         self.blas = decided.blas
+        self.partitioned = any(count > 1 for count in decided.partitions)     # some layer runs in batch partitions
         self.forward_steps: List[Optional[Step]] = []
         self.backward_steps: List[Optional[Step]] = []
         for index, layer in enumerate(net.layers):
