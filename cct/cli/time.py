@@ -133,7 +133,7 @@ def time_command(args):
     log.info("Total Time: %s ms.", fmt(total_ms))
     log.info("%s", startup_line(startup, forward_ms.sum()))
     log.info("Threads: %s", net.executor.threads_reason())
-    log.info("One pool: %s", pool.describe(net.phase == TEST))
+    log.info("One pool: %s", pool.describe(net.phase == TEST, net.executor.partitioned()))
     for line in profile_table(net, forward_ms, backward_ms, peak, bandwidth):
         log.info("%s", line)
     for line in placement_lines(net):

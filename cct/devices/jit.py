@@ -117,7 +117,7 @@ def parallel_kernel(function):
         return serial(*args)
     call.serial = serial
     call.parallel_form = None
-    call.parallel = lambda *args: (call.parallel_form or _parallel(call))(*args)   # (below)
+    call.parallel = lambda *args: (call.parallel_form or _parallel(call))(*args)   # whatever the count
     call.twin = serial.twin
     _parallel_kernels.append(call)
     return call

@@ -127,13 +127,17 @@ def start() -> bool:
 _local = threading.local()           # the numba count this thread last set (kernel_threads)
 
 
-def describe(phase_test: bool) -> str:
-    """One line for `cct time`: whether a net of this phase runs on the pool, and why not."""
+def describe(phase_test: bool, partitioned: bool = False) -> str:
+    """One line for `cct time`: whether a net of this phase (with layers in
+    batch partitions or not) runs on the pool, and why not."""
     pool = _pool
     if pool is None:
         return _absent
     if not phase_test:
         return f"{pool.size} GNU OpenMP threads, not lent to a TRAIN-phase net (OpenBLAS's own threads)"
+    if partitioned:
+        return (f"{pool.size} GNU OpenMP threads, not lent to a pass with layers in batch partitions "
+                "(OpenBLAS's own threads)")
     return f"{pool.size} GNU OpenMP threads run OpenBLAS's jobs and cct's parallel kernels"
 
 

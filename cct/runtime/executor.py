@@ -486,12 +486,14 @@ class Executor:
         still spinning after a whole layer's parallel kernel, held the cores
         the partitions' workers needed (BENCHMARKS.md, "Batch partitions beside
         the pool"). Pair a True with pool.release()."""
-        if self.net.phase != TEST:
-            return False
+        return self.net.phase == TEST and not self.partitioned() and pool.acquire(self.threads)
+
+    def partitioned(self) -> bool:
+        """Whether some layer runs in batch partitions at the current shapes (the plan's answer where there is one)."""
         plan = self._current_plan()
-        partitioned = (plan.partitioned if plan is not None
-                       else any(self.partitions(index) > 1 for index in range(len(self.net.layers))))
-        return not partitioned and pool.acquire(self.threads)
+        if plan is not None:
+            return plan.partitioned
+        return any(self.partitions(index) > 1 for index in range(len(self.net.layers)))
 
     def begin_forward(self, end: Optional[int]) -> None:
         """A Net.forward through layer `end` starts: a ReLU is fused only into a

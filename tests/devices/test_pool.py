@@ -224,6 +224,8 @@ def test_a_pass_in_batch_partitions_keeps_openblas_threads(two_threads):
     finally:
         pool.acquire = saved
     assert seen == [] and pool._pool.lent == 0
+    assert executor.partitioned() and "not lent to a pass with layers in batch partitions" in pool.describe(
+        True, executor.partitioned())
 
 
 def small_net(phase=cct.TEST):
