@@ -329,7 +329,7 @@ def matmul_nt(a: FloatArray, b: FloatArray) -> FloatArray:
     return np.matmul(b, a.swapaxes(-1, -2)).swapaxes(-1, -2)
 
 
-ROW_MAJOR, NO_TRANSPOSE = 101, 111      # CBLAS's enums, for cblas_sgemm called from a kernel (sgemm64)
+ROW_MAJOR, NO_TRANSPOSE = 101, 111      # CBLAS's enums, for cblas_sgemm called from a kernel (gemm_into)
 
 
 def stacked_matmul(a: FloatArray, b: FloatArray, out: FloatArray) -> FloatArray:
@@ -355,14 +355,22 @@ def _gemm_ready(*arrays: FloatArray) -> bool:
                and array.strides[1] % 4 == 0 and array.strides[1] >= 4 * array.shape[2] for array in arrays)
 
 
+@kernel
+def gemm_into(sgemm, a, b, out):
+    """out (M, N) = a (M, K) @ b (K, N), float32 matrices with unit-stride
+    rows, by `sgemm` (cblas_sgemm, ILP64: cct.devices.blas.sgemm64) at the
+    BLAS count in force: for compiled kernels that run GEMMs on the pool's
+    threads, one thread each."""
+    sgemm(ROW_MAJOR, NO_TRANSPOSE, NO_TRANSPOSE, a.shape[0], b.shape[1], a.shape[1], np.float32(1.0),
+          a.ctypes.data, a.strides[0] // 4, b.ctypes.data, b.strides[0] // 4, np.float32(0.0),
+          out.ctypes.data, out.strides[0] // 4)
+
+
 @parallel_kernel
 def _stack_on_pool(a, b, out, sgemm):
-    """out[s] = a[s] @ b[s], item s on one of the pool's threads, by `sgemm`
-    (cblas_sgemm, ILP64) at the BLAS count the caller set, one thread."""
+    """out[s] = a[s] @ b[s], item s on one of the pool's threads (gemm_into)."""
     for s in prange(a.shape[0]):
-        sgemm(ROW_MAJOR, NO_TRANSPOSE, NO_TRANSPOSE, a.shape[1], b.shape[2], a.shape[2], np.float32(1.0),
-              a[s].ctypes.data, a.strides[1] // 4, b[s].ctypes.data, b.strides[1] // 4, np.float32(0.0),
-              out[s].ctypes.data, out.strides[1] // 4)
+        gemm_into(sgemm, a[s], b[s], out[s])
 
 
 def weights_as(w: FloatArray, dtype: npt.DTypeLike) -> FloatArray:

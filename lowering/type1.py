@@ -50,7 +50,7 @@ from cct.devices import pool
 from cct.devices.blas import blas_limited, sgemm64
 from cct.devices.jit import kernel, parallel_kernel, prange
 
-from .geometry import (NO_TRANSPOSE, ROW_MAJOR, ConvGeometry, channels_first_output, finish, lowered_shape, matmul_nt,
+from .geometry import (ConvGeometry, channels_first_output, finish, gemm_into, lowered_shape, matmul_nt,
                        pad_channels_first, relu_value, relu_values, store_relu, unpad_channels_first, weights_as,
                        window_view)
 
@@ -469,9 +469,8 @@ def _bands_on_pool(image, kernel, product, kernel_h, kernel_w, stride_h, stride_
     """forward_in_bands on the pool: piece p (output rows edges[p] to
     edges[p + 1]) on thread p, each band of `rows` rows lowered from `image`
     (C, Hp, Wp, padded) into stores[p] as (C*KH*KW, rows*OW) and multiplied
-    by `kernel` (O, C*KH*KW) into its columns of `product` (O, OH*OW) by
-    `sgemm` (OpenBLAS's cblas_sgemm, ILP64: cct.devices.blas.sgemm64) at
-    the BLAS count the caller set, one thread."""
+    by `kernel` (O, C*KH*KW) into its columns of `product` (O, OH*OW)
+    (gemm_into, at the BLAS count the caller set: one thread)."""
     out_w = product.shape[1] // edges[-1]
     for piece in prange(edges.shape[0] - 1):
         store = stores[piece]
@@ -499,9 +498,8 @@ def _bands_on_pool(image, kernel, product, kernel_h, kernel_w, stride_h, stride_
                             else:
                                 for x in range(out_w):
                                     into[x] = taken[x * stride_w]
-            sgemm(ROW_MAJOR, NO_TRANSPOSE, NO_TRANSPOSE, kernel.shape[0], columns, kernel.shape[1], np.float32(1.0),
-                  kernel.ctypes.data, kernel.shape[1], store.ctypes.data, columns, np.float32(0.0),
-                  product[:, start * out_w:].ctypes.data, product.shape[1])
+            gemm_into(sgemm, kernel, store[:kernel.shape[1] * columns].reshape(kernel.shape[1], columns),
+                      product[:, start * out_w:end * out_w])
 
 
 # A bound one-image forward keeps buffers of its own up to this size: below

@@ -180,23 +180,21 @@ def test_lent_only_inside_a_pass(two_threads):
     assert pool._pool.lent == 0
 
 
-def test_a_training_net_keeps_openblas_threads(two_threads):
-    net = small_net(cct.TRAIN)
-    seen = []
-    original = pool.acquire
+def acquire_calls(monkeypatch):
+    """The thread counts pool.acquire is asked for from now until the test's end."""
+    seen, original = [], pool.acquire
+    monkeypatch.setattr(pool, "acquire", lambda threads: seen.append(threads) or original(threads))
+    return seen
 
-    def spy(threads):
-        seen.append(threads)
-        return original(threads)
-    pool.acquire, saved = spy, pool.acquire
-    try:
-        net.forward()
-    finally:
-        pool.acquire = saved
+
+def test_a_training_net_keeps_openblas_threads(two_threads, monkeypatch):
+    net = small_net(cct.TRAIN)
+    seen = acquire_calls(monkeypatch)
+    net.forward()
     assert seen == [] and pool._pool.lent == 0
 
 
-def test_a_pass_in_batch_partitions_keeps_openblas_threads(two_threads):
+def test_a_pass_in_batch_partitions_keeps_openblas_threads(two_threads, monkeypatch):
     """A TEST net with layers in batch partitions (on the executor's
     workers) lends no pool, planned or not: the pool's threads, spinning
     after a whole layer's parallel kernel, held the cores the workers
@@ -210,19 +208,10 @@ def test_a_pass_in_batch_partitions_keeps_openblas_threads(two_threads):
         if executor.partitionable(index):
             executor.set_partitions(index, 2)
     assert any(executor.partitions(index) > 1 for index in range(len(net.layers)))
-    seen = []
-    original = pool.acquire
-
-    def spy(threads):
-        seen.append(threads)
-        return original(threads)
-    pool.acquire, saved = spy, pool.acquire
-    try:
-        for _ in range(4):                  # the last ones on an execution plan
-            net.forward()
-        assert executor._plan is not None and executor._plan.partitioned
-    finally:
-        pool.acquire = saved
+    seen = acquire_calls(monkeypatch)
+    for _ in range(4):                  # the last ones on an execution plan
+        net.forward()
+    assert executor._plan is not None and executor._plan.partitioned
     assert seen == [] and pool._pool.lent == 0
     assert executor.partitioned() and "not lent to a pass with layers in batch partitions" in pool.describe(
         True, executor.partitioned())
