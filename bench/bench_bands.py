@@ -13,8 +13,12 @@ piece, its band GEMMs on every thread (`before`: band_pieces held at one).
 stacked_matmul) side by side (`pool`), against numpy's stacked matmul
 (`before`); the steps timed are the Winograd convolutions'.
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_bands.py [--what bands|stacked] \\
-        [--nets res10,mobilenet_ssd,googlenet,resnet50,caffenet] [--rounds 12] [--per-round 8]
+--what groups: a grouped convolution's one-image GEMMs (cct.lowering.type1),
+one group per thread (`pool`), against numpy's stacked matmul (`before`);
+the steps timed are the grouped convolutions'.
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_bands.py \\
+        [--what bands|stacked|groups] [--nets res10,mobilenet_ssd,googlenet,resnet50,caffenet] [--rounds 12] [--per-round 8]
 
 Prints, per net: the steps' time and the whole forward in ms (medians over
 rounds) each way, pool / before, and the quartiles of the per-round ratios
@@ -66,19 +70,23 @@ def ways(what):
             return shared(geom, rows, 1)
         return {"pool": lambda: setattr(type1, "band_pieces", shared),
                 "before": lambda: setattr(type1, "band_pieces", one_piece)}
-    stacked = winograd.stacked_matmul
+    module = winograd if what == "stacked" else type1
+    stacked = module.stacked_matmul
 
     def numpy_stack(a, b, out):
         return np.matmul(a, b, out=out)
-    return {"pool": lambda: setattr(winograd, "stacked_matmul", stacked),
-            "before": lambda: setattr(winograd, "stacked_matmul", numpy_stack)}
+    return {"pool": lambda: setattr(module, "stacked_matmul", stacked),
+            "before": lambda: setattr(module, "stacked_matmul", numpy_stack)}
 
 
 def steps_of(net, what):
-    """The layers whose steps the change concerns: the first convolution, or the Winograd ones."""
+    """The layers whose steps the change concerns: the first convolution, the
+    grouped ones, or the Winograd ones."""
     convolutions = [i for i, layer in enumerate(net.layers) if layer.type == "Convolution"]
     if what == "bands":
         return convolutions[:1]
+    if what == "groups":
+        return [i for i in convolutions if net.layers[i].geom.group > 1 and not net.layers[i].winograd_tile]
     return [i for i in convolutions if net.layers[i].winograd_tile]
 
 
@@ -134,7 +142,7 @@ def run(name, args, folder):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--what", choices=("bands", "stacked"), default="bands")
+    parser.add_argument("--what", choices=("bands", "stacked", "groups"), default="bands")
     parser.add_argument("--nets", default="res10,mobilenet_ssd,googlenet,resnet50,caffenet")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--per-round", type=int, default=8)

@@ -7,8 +7,14 @@ order (A B, then B A): in one order the second of two identical nets took
 up to 13% longer here, so a fixed order would bias the ratio. Each timed
 forward waits SETTLE_SECONDS first, as bench_deploy.py does.
 
-    python bench/bench_winograd.py [--nets caffenet,googlenet,resnet50] [--batches 1,16] [--rounds 8]
-                                   [--per-layer]
+    python bench/bench_winograd.py [--nets caffenet,googlenet,resnet50,res10] [--batches 1,16] [--rounds 8]
+                                   [--per-layer] [--against lowered|serial]
+
+--against serial compares the chooser's picks with those of its model taking
+Winograd's transforms as one thread's (chooser.choose_forward_by_model,
+spread 1: the model before it knew they run on the pool's threads where the
+layer runs whole on several): the second net is built with each layer's
+serial-model pick forced by a per-layer "winograd" setting.
 
 Prints per net and batch both medians, their ratio, how far the outputs
 agree, and which convolutions run Winograd (W2 / W4: the tile size).
@@ -28,7 +34,25 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from bench_deploy import cct_net, logits_layer, run_cct, timed  # noqa: E402
+import bench_deploy  # noqa: E402
+import bench_forks  # noqa: E402
+from bench_deploy import logits_layer, run_cct, timed  # noqa: E402
+
+
+def cct_net(name, batch, folder):
+    """bench_deploy's deploy nets, or res10 (the face detector's own weights) at `batch`."""
+    if name != "res10":
+        return bench_deploy.cct_net(name, batch, folder)
+    import cct
+    prototxt, weights = bench_forks.res10(folder)
+    net = cct.Net(prototxt, cct.TEST, weights=weights)
+    net.blobs["data"].reshape(batch, 3, 300, 300)
+    return net, prototxt, weights, 300
+
+
+def reshaped(net, batch):
+    net.blobs["data"].reshape(batch, *net.blobs["data"].data.shape[1:])
+    return net
 
 
 def without_winograd(prototxt, weights):
@@ -41,9 +65,42 @@ def without_winograd(prototxt, weights):
         settings.load(None)
 
 
-def compare(name, batch, rounds, folder):
+def serial_picks(net):
+    """{layer: tile} for each convolution whose pick by the model with
+    Winograd's transforms on one thread differs from the net's."""
+    from cct.lowering import chooser, winograd
+    machine = chooser.known_machine() or chooser.NOMINAL_MACHINE
+    picks = {}
+    for layer in net.layers:
+        if layer.type != "Convolution" or layer.runs_backward or not winograd.applicable(layer.geom):
+            continue
+        batch = layer._shape_key[1]
+        serial = (chooser.choose_forward_by_model(layer.geom, batch, layer._lowering(), machine)
+                  if winograd.worth_timing(layer.geom, batch) else 0)
+        if serial != layer.winograd_tile:
+            picks[layer.name] = serial or False
+    return picks
+
+
+def with_serial_model(net, prototxt, weights):
+    import cct
+    from cct.runtime import settings
+    layers = {name: {"winograd": tile} for name, tile in serial_picks(net).items()}
+    settings.load(settings.RunConfig({"layers": layers}, "bench_winograd --against serial"))
+    try:
+        return cct.Net(prototxt, cct.TEST, weights=weights)
+    finally:
+        settings.load(None)
+
+
+def compare(name, batch, rounds, folder, against):
     with_it, prototxt, weights, size = cct_net(name, batch, folder)
-    nets = {"with": with_it, "without": without_winograd(prototxt, weights)}
+    if against == "serial":
+        run_cct(with_it, np.zeros((batch, 3, size, size), np.float32), logits_layer(with_it))   # choices made
+        other = reshaped(with_serial_model(with_it, prototxt, weights), batch)
+    else:
+        other = reshaped(without_winograd(prototxt, weights), batch)
+    nets = {"with": with_it, "without": other}
     images = np.random.default_rng(1).normal(0, 50, (batch, 3, size, size)).astype(np.float32)
     layer = logits_layer(with_it)
     outputs = {key: run_cct(net, images, layer).copy() for key, net in nets.items()}
@@ -89,6 +146,8 @@ def main():
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--per-layer", action="store_true", help="time the Winograd layers in one net, both ways")
+    parser.add_argument("--against", choices=("lowered", "serial"), default="lowered",
+                        help="the second net: every convolution lowered, or the serial-transform model's picks")
     args = parser.parse_args()
     p = common.print_flush
     p(common.machine_line())
@@ -105,9 +164,10 @@ def main():
                         p(f"{name} batch {batch}: {len(found)} layers on Winograd {total_on:.2f} ms, lowered "
                           f"{total_off:.2f} ms, {total_on / total_off:.3f}")
                     continue
-                medians, agree, tiles = compare(name, batch, args.rounds, folder)
-                p(f"{name} batch {batch}: with Winograd {medians['with']:.1f} ms, without {medians['without']:.1f} ms, "
-                  f"with / without {medians['with'] / medians['without']:.3f}; outputs agree to {agree:.1e} of "
+                medians, agree, tiles = compare(name, batch, args.rounds, folder, args.against)
+                first, second = ("picks", "serial model's") if args.against == "serial" else ("with Winograd", "without")
+                p(f"{name} batch {batch}: {first} {medians['with']:.1f} ms, {second} {medians['without']:.1f} ms, "
+                  f"ratio {medians['with'] / medians['without']:.3f}; outputs agree to {agree:.1e} of "
                   f"the largest; {len(tiles)} on Winograd: {', '.join(tiles) or '-'}")
     p(f"load after the runs: {common.load_average():.2f}")
 

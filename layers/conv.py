@@ -215,7 +215,7 @@ class _ConvolutionBase(Layer):
                                                  forward_only=not self.runs_backward)
                 self._choice_key = key
             kind = self._auto_type
-        self._choose_winograd(key + (self._partition_threads,), kind)
+        self._choose_winograd(key + (self._partition_threads, self._spread.count if self._spread else 1), kind)
         if (kind, self._winograd_m) != self._bound_choice:
             self._bound_choice = (kind, self._winograd_m)
             self.layout_changed()     # a plan's bound forward holds the old choice
@@ -232,7 +232,7 @@ class _ConvolutionBase(Layer):
         if key == self._winograd_key:
             return
         self._winograd_key = key
-        geom, batch, dtype = key[0], key[1], key[2]
+        geom, batch, dtype, spread = key[0], key[1], key[2], key[6]
         if (setting is False or self.reverse or self.runs_backward or not winograd.applicable(geom, dtype)
                 or (setting == "auto" and self._forced_type)):
             self._winograd_m = 0
@@ -241,7 +241,8 @@ class _ConvolutionBase(Layer):
         elif not winograd.worth_timing(geom, batch):
             self._winograd_m = 0
         else:
-            self._winograd_m = chooser.choose_forward(geom, batch, kind, dtype, threads=self._partition_threads)
+            self._winograd_m = chooser.choose_forward(geom, batch, kind, dtype, threads=self._partition_threads,
+                                                      spread=spread)
 
     @property
     def winograd_tile(self):

@@ -645,12 +645,14 @@ TRANSFORM_COST = 2.0
 MODEL_CLEARLY_FASTER = 0.8
 
 
-def winograd_estimate(geom, batch, m, machine, itemsize=4):
+def winograd_estimate(geom, batch, m, machine, itemsize=4, spread=1):
     """Modelled seconds of Winograd F(m x m, r x r)'s forward as
     cct.lowering.winograd runs it: per block of images, alpha^2 GEMMs per
     group of (tiles x C/group) by (C/group x O/group); the input and output
     transforms as strided copies of what they write, TRANSFORM_COST times
-    over, plus a read of the input; the check of the weights against their
+    over, plus a read of the input, shared among `spread` threads where the
+    layer runs whole on several (the transforms are the pool's parallel
+    kernels, cct.lowering.winograd); the check of the weights against their
     copy (two passes over them)."""
     from . import winograd
     g = geom
@@ -658,34 +660,39 @@ def winograd_estimate(geom, batch, m, machine, itemsize=4):
     tiles_h, tiles_w = winograd.tile_counts(g, m)
     per_image = tiles_h * tiles_w
     step = winograd.block_images(g, m, batch)
-    seconds = 0.0
+    products = transforms = 0.0
     for start in range(0, batch, step):
         columns = min(step, batch - start) * per_image
-        seconds += machine.gemm_seconds(columns, g.outputs_per_group, g.channels_per_group, itemsize,
-                                        alpha * alpha * g.group)
-        seconds += TRANSFORM_COST * (machine.gather(alpha * alpha * g.channels * columns, g.channels, itemsize)
-                                     + machine.gather(alpha * alpha * g.num_output * columns, g.num_output, itemsize))
-    seconds += machine.gather(g.channels * batch * g.in_h * g.in_w, g.in_w, itemsize)
-    return seconds + 2 * g.num_output * g.channels_per_group * g.kernel_h * g.kernel_w * itemsize / machine.bandwidth
+        products += machine.gemm_seconds(columns, g.outputs_per_group, g.channels_per_group, itemsize,
+                                         alpha * alpha * g.group)
+        transforms += TRANSFORM_COST * (machine.gather(alpha * alpha * g.channels * columns, g.channels, itemsize)
+                                        + machine.gather(alpha * alpha * g.num_output * columns, g.num_output, itemsize))
+    transforms += machine.gather(g.channels * batch * g.in_h * g.in_w, g.in_w, itemsize)
+    check = 2 * g.num_output * g.channels_per_group * g.kernel_h * g.kernel_w * itemsize / machine.bandwidth
+    return products + transforms / max(1, spread) + check
 
 
-def choose_forward_by_model(geom, batch, lowering_type, machine, itemsize=4):
+def choose_forward_by_model(geom, batch, lowering_type, machine, itemsize=4, spread=1):
     """0 (the lowering) or the tile size m the model puts at or under
-    MODEL_CLEARLY_FASTER of the lowering's forward, in its budget's chunks."""
+    MODEL_CLEARLY_FASTER of the lowering's forward, in its budget's chunks
+    (Winograd's transforms shared among `spread` threads: winograd_estimate)."""
     from . import winograd
     tiles = winograd.timing_tiles(geom, batch)
     if not tiles:
         return 0
     lowered = estimate(geom, batch, lowering_type, machine, itemsize, DEFAULT_BUDGET_MB * 2 ** 20, forward_only=True)
-    seconds = {m: winograd_estimate(geom, batch, m, machine, itemsize) for m in tiles}
+    seconds = {m: winograd_estimate(geom, batch, m, machine, itemsize, spread) for m in tiles}
     fastest = min(tiles, key=lambda m: (seconds[m], m))
     return fastest if seconds[fastest] <= MODEL_CLEARLY_FASTER * lowered else 0
 
 
-def choose_forward(geom, batch, lowering_type, dtype=np.float32, threads=None, measure=False):
+def choose_forward(geom, batch, lowering_type, dtype=np.float32, threads=None, measure=False, spread=1):
     """0 (the lowering) or the Winograd tile size m for a forward alone of
     this shape at `threads` BLAS threads (those of the batch partition that
-    runs it; None: the count in force). A choice timed earlier on this shape,
+    runs it; None: the count in force), its parallel kernels on `spread`
+    threads (more than one where the layer runs whole on several: the
+    model's transforms are shared among them; BENCHMARKS.md, "Winograd's
+    transforms on the pool, in the model"). A choice timed earlier on this shape,
     count and machine (cached beside the lowering choices) stands; else the
     model decides (choose_forward_by_model, on this host's calibration where
     one is known, else NOMINAL_MACHINE: nothing timed), or with measure=True
@@ -699,6 +706,7 @@ def choose_forward(geom, batch, lowering_type, dtype=np.float32, threads=None, m
     # reused), each shape tiles or channels innermost (nor are earlier timings)
     key = (shape_key(geom, batch, dtype.itemsize, forward_only=True)
            + f"|winograd5|t{lowering_type}|threads={threads or _blas_threads()}")
+    decided = key + f"|spread={spread}"
     with _lock:
         path = cache_path()
         stored = _load_cache(path)["choices"].get(key)
@@ -708,10 +716,10 @@ def choose_forward(geom, batch, lowering_type, dtype=np.float32, threads=None, m
         return _winograd_pick({int(m): s for m, s in stored["seconds"].items() if int(m) in allowed})
     if not measure:
         with _lock:
-            if key not in _decided:
-                _decided[key] = choose_forward_by_model(geom, batch, lowering_type,
-                                                        known_machine() or NOMINAL_MACHINE, dtype.itemsize)
-            return _decided[key]
+            if decided not in _decided:
+                _decided[decided] = choose_forward_by_model(geom, batch, lowering_type,
+                                                            known_machine() or NOMINAL_MACHINE, dtype.itemsize, spread)
+            return _decided[decided]
     seconds = measure_forward(geom, forward_measured_batch(geom, batch, dtype.itemsize), lowering_type, dtype,
                               threads=threads)
     choice = _winograd_pick(seconds)

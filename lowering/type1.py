@@ -51,8 +51,8 @@ from cct.devices.blas import blas_limited, sgemm64
 from cct.devices.jit import kernel, parallel_kernel, prange
 
 from .geometry import (ConvGeometry, channels_first_output, finish, gemm_into, lowered_shape, matmul_nt,
-                       pad_channels_first, relu_value, relu_values, store_relu, unpad_channels_first, weights_as,
-                       window_view)
+                       pad_channels_first, relu_value, relu_values, stacked_matmul, store_relu, unpad_channels_first,
+                       weights_as, window_view)
 
 
 def _channels_first(x: FloatArray, geom: ConvGeometry, ws: Workspace) -> FloatArray:
@@ -537,7 +537,7 @@ def bind_one_image(x: FloatArray, w: FloatArray, geom: ConvGeometry,
         if inside is not None:
             inside[...] = image                     # the border stays the zeros it was made with
         _lower_one_image(xp, *sizes, cols)
-        np.matmul(weights, lowered, out=product)
+        stacked_matmul(weights, lowered, product)
         finish(out, bias, relu)
     return forward
 
@@ -572,8 +572,9 @@ def forward(x: FloatArray, w: FloatArray, geom: ConvGeometry, out: Optional[Floa
     lowered = _lowered(x, geom, ws, inner).reshape(geom.group, -1, m)
     if n == 1 and not inner and out is not None and out.flags.c_contiguous:
         # one image: the product (O, 1, OH, OW) is the output's own layout, so the
-        # GEMM writes the blob (GoogLeNet's 3x3s at batch 1: the copy was 15-28% of each)
-        np.matmul(_kernel_matrix(w, geom, x.dtype), lowered, out=out.reshape(geom.group, -1, m))
+        # GEMM writes the blob (GoogLeNet's 3x3s at batch 1: the copy was 15-28% of each);
+        # a grouped one's groups run side by side on the pool (stacked_matmul)
+        stacked_matmul(_kernel_matrix(w, geom, x.dtype), lowered, out.reshape(geom.group, -1, m))
         return finish(out, bias, relu)
     y = np.matmul(_kernel_matrix(w, geom, x.dtype), lowered,
                   out=ws.empty("product", (geom.group, geom.outputs_per_group, m), x.dtype))

@@ -229,6 +229,28 @@ def test_auto_decides_by_the_model_without_timing(cache_dir, monkeypatch):
         (cache_dir / "lowering.json").read_text())["choices"]
 
 
+def test_winograd_estimate_shares_the_transforms_among_the_spread():
+    """Where the layer runs whole on several threads, the transforms (the
+    pool's parallel kernels) are shared among them; the GEMMs and the check
+    of the weights are not."""
+    no_gemm = chooser.Machine(bandwidth=1e10, gather_row=1e-9, scatter_row=0, add_row=0, gemm_flops=1e30,
+                              gemm_out_bandwidth=1e30, gemm_in_bandwidth=1e30)
+    geom = ConvGeometry(64, 64, 28, 28, 3, 3, pad_h=1, pad_w=1)
+    check = 2 * 64 * 64 * 9 * 4 / no_gemm.bandwidth
+    alone, shared = (chooser.winograd_estimate(geom, 1, 4, no_gemm, spread=spread) - check for spread in (1, 2))
+    assert shared == pytest.approx(alone / 2)
+    free_copies = chooser.Machine(bandwidth=1e30, gather_row=0, scatter_row=0, add_row=0, gemm_flops=1e9,
+                                  gemm_out_bandwidth=1e30, gemm_in_bandwidth=1e30)
+    assert chooser.winograd_estimate(geom, 1, 4, free_copies, spread=2) == chooser.winograd_estimate(
+        geom, 1, 4, free_copies)
+    # ResNet-50's res4 3x3 at batch 1: lowered with the transforms on one thread, F(2x2)
+    # with them on two (in the net 0.65-0.75x the lowering's time: BENCHMARKS.md,
+    # "Winograd's transforms on the pool, in the model")
+    res4 = ConvGeometry(256, 256, 14, 14, 3, 3, pad_h=1, pad_w=1)
+    assert [chooser.choose_forward_by_model(res4, 1, 1, chooser.NOMINAL_MACHINE, spread=spread)
+            for spread in (1, 2)] == [0, 2]
+
+
 def test_winograd_estimate_counts_the_gemms_the_forward_runs():
     """With free copies and memory, the model is the alpha^2 GEMMs' arithmetic:
     F(4x4, 3x3) on 8 x 8 outputs has 4 tiles of 6 x 6."""
@@ -347,15 +369,17 @@ def test_a_forced_tile_size_applies_where_the_kernel_has_it(tmp_path):
 
 def test_auto_times_only_forward_only_shapes_worth_it(tmp_path, monkeypatch):
     asked = []
-    monkeypatch.setattr(chooser, "choose_forward", lambda geom, batch, kind, dtype, threads: asked.append(
-        (batch, threads)) or 4)
+    monkeypatch.setattr(chooser, "choose_forward", lambda geom, batch, kind, dtype, threads, spread: asked.append(
+        (batch, threads, spread)) or 4)
     monkeypatch.setattr(winograd, "AUTO_MIN_FLOPS", 1)
     contents = RNG.standard_normal((2, 4, 12, 12)).astype(np.float32)
     net = _deploy(tmp_path, contents)
     assert net.layer_dict["conv"].winograd_tile == 4
-    # timed for one partition's batch at its BLAS threads (the executor's split)
+    # timed for one partition's batch at its BLAS threads (the executor's split), and
+    # the threads its parallel kernels share where it runs whole on several
     partitions = net.executor.partitions(net.layers.index(net.layer_dict["conv"]))
-    assert asked[-1] == (-(-2 // partitions), net.executor.blas_count(partitions))
+    spread = net.executor.spread(partitions)
+    assert asked[-1] == (-(-2 // partitions), net.executor.blas_count(partitions), spread.count if spread else 1)
     monkeypatch.setattr(winograd, "AUTO_MIN_FLOPS", 10 ** 9)
     asked.clear()
     assert _deploy(tmp_path, contents).layer_dict["conv"].winograd_tile == 0 and not asked
