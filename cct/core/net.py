@@ -8,6 +8,7 @@ bottoms need backward (Caffe's rules, force_backward and propagate_down).
 """
 import logging
 import os
+import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union, cast
 
@@ -31,6 +32,8 @@ if TYPE_CHECKING:                 # for annotations only: Net.executor imports i
 
 log = logging.getLogger("cct")
 
+# Threads that derive values from loaded parameters at once (Net._loaded)
+LOAD_THREADS = 4
 AUTOMATIC_TOP = "(automatic)"   # Caffe's name for the tops a loss layer adds itself
 
 Path = Union[str, bytes, "os.PathLike[Any]"]
@@ -509,8 +512,33 @@ class Net:
         self._loaded(path, skipped)
 
     def _loaded(self, path: str, skipped: List[str]) -> None:
-        for layer in self.layers:
-            layer.params_loaded()
+        # each layer's derived values (Winograd's transformed weights: numpy's GEMMs
+        # and copies, which let go of the GIL) on up to LOAD_THREADS threads, the
+        # build done (BENCHMARKS.md, "Winograd's transforms on the pool, in the model")
+        pending = list(reversed(self.layers))
+        failed: List[BaseException] = []
+        lock = threading.Lock()
+
+        def derive() -> None:
+            while True:
+                with lock:
+                    if not pending or failed:
+                        return
+                    layer = pending.pop()
+                try:
+                    layer.params_loaded()
+                except BaseException as error:          # raised on the caller's thread below
+                    with lock:
+                        failed.append(error)
+        helpers = [threading.Thread(target=derive, name="cct-params-loaded", daemon=True)
+                   for _ in range(min(LOAD_THREADS, len(os.sched_getaffinity(0))) - 1)]
+        for helper in helpers:
+            helper.start()
+        derive()
+        for helper in helpers:
+            helper.join()
+        if failed:
+            raise failed[0]
         for name in skipped:
             log.info("%s: ignoring source layer '%s' (not in net '%s')", path, name, self.name)
 

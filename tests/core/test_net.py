@@ -566,3 +566,26 @@ def test_a_net_given_as_text_is_named_so_in_errors():
     assert str(refused.value).startswith("<prototxt text>: layer 'l' (PReLU): prelu_param.filler: ")
     with pytest.raises(cct.ConfigError, match=r"^<prototxt text>:1:"):
         cct.Net("layer { nme: 'x' }", cct.TRAIN)
+
+
+def test_loading_derives_every_layers_values_and_raises_their_error(tmp_path, monkeypatch):
+    """Net._loaded runs each layer's params_loaded once, several at a time
+    (LOAD_THREADS), and an error in one reaches the caller, whichever thread
+    met it."""
+    text = "\n".join(['name: "many" input: "data" input_shape { dim: 1 dim: 2 }']
+                     + [f'layer {{ name: "bn{i}" type: "BatchNorm" bottom: "data" top: "bn{i}" }}' for i in range(12)])
+    prototxt, weights = tmp_path / "net.prototxt", tmp_path / "w.caffemodel"
+    prototxt.write_text(text)
+    make_net(text, cct.TEST).save(str(weights))
+    seen = []
+    layer_class = type(make_net(text, cct.TEST).layer_dict["bn0"])
+    monkeypatch.setattr(layer_class, "params_loaded", lambda layer: seen.append(layer.name))
+    cct.Net(str(prototxt), cct.TEST, weights=str(weights))
+    assert sorted(seen) == sorted(f"bn{i}" for i in range(12))
+
+    def failing(layer):
+        if layer.name == "bn7":
+            raise WeightsError("bn7: cannot derive")
+    monkeypatch.setattr(layer_class, "params_loaded", failing)
+    with pytest.raises(WeightsError, match="bn7: cannot derive"):
+        cct.Net(str(prototxt), cct.TEST, weights=str(weights))
