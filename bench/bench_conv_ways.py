@@ -2,7 +2,8 @@
 types 1, 2, 3 and Winograd's tile sizes), alone on the layer's shape, on
 the one pool as a deploy net's pass runs it, beside what the chooser's cost
 model estimates for them (cct.lowering.chooser: the lowering types and
-choose_forward_by_model's Winograd estimates). Where the model and the
+choose_forward_by_model's Winograd estimates, the transforms shared among
+the pool's two threads where it is lent). Where the model and the
 timings disagree, a deploy net runs the slower way.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_conv_ways.py \\
@@ -58,7 +59,7 @@ def run(shape, repeats):
     model = {f"type {kind}": 1e3 * chooser.estimate(geom, 1, kind, machine, 4, chooser.DEFAULT_BUDGET_MB * 2 ** 20,
                                                     forward_only=True) for kind in (1, 2, 3)}
     for m in winograd.timing_tiles(geom, 1):
-        model[f"F({m}x{m})"] = 1e3 * chooser.winograd_estimate(geom, 1, m, machine, 4)
+        model[f"F({m}x{m})"] = 1e3 * chooser.winograd_estimate(geom, 1, m, machine, 4, spread=2 if lent else 1)
     print(f"{shape}: pool {'lent' if lent else 'not lent'}; timed / model ms")
     for way, ms in timed.items():
         estimate = f"{model[way]:.3f}" if way in model else "-"
