@@ -151,6 +151,7 @@ class FaultIn:
             array = self._queue.get()
             if array is None or self._stopping:
                 return
+            small_pages(array)
             start = array.ctypes.data // _PAGE * _PAGE
             end = -(-(array.ctypes.data + array.nbytes) // _PAGE) * _PAGE
             for chunk in range(start, end, FAULT_IN_CHUNK):
