@@ -10,6 +10,11 @@ forward waits SETTLE_SECONDS first, as bench_deploy.py does.
     python bench/bench_winograd.py [--nets caffenet,googlenet,resnet50,res10] [--batches 1,16] [--rounds 8]
                                    [--per-layer] [--against lowered|serial]
 
+--against measured compares them with a net built with the run setting
+"measure" (every lowering type and Winograd tile size timed on each
+convolution's shape, Winograd on the pool's threads where the layer's step
+has them; the timings go to a fresh cache folder).
+
 --against serial compares the chooser's picks with those of its model taking
 Winograd's transforms as one thread's (chooser.choose_forward_by_model,
 spread 1: the model before it knew they run on the pool's threads where the
@@ -93,9 +98,23 @@ def with_serial_model(net, prototxt, weights):
         settings.load(None)
 
 
+def measured(prototxt, weights, folder):
+    import cct
+    from cct.runtime import settings
+    os.environ["CCT_CACHE_DIR"] = os.path.join(folder, "measured-cache")
+    settings.load(settings.RunConfig({"default": {"measure": True}}, "bench_winograd --against measured"))
+    try:
+        return cct.Net(prototxt, cct.TEST, weights=weights)
+    finally:
+        settings.load(None)
+
+
 def compare(name, batch, rounds, folder, against):
     with_it, prototxt, weights, size = cct_net(name, batch, folder)
-    if against == "serial":
+    if against == "measured":
+        other = reshaped(measured(prototxt, weights, folder), batch)
+        run_cct(other, np.zeros((batch, 3, size, size), np.float32), logits_layer(other))   # timed now
+    elif against == "serial":
         run_cct(with_it, np.zeros((batch, 3, size, size), np.float32), logits_layer(with_it))   # choices made
         other = reshaped(with_serial_model(with_it, prototxt, weights), batch)
     else:
@@ -112,6 +131,9 @@ def compare(name, batch, rounds, folder, against):
     medians = {key: 1e3 * statistics.median(values) for key, values in times.items()}
     agree = float(np.abs(outputs["with"] - outputs["without"]).max() / np.abs(outputs["without"]).max())
     tiles = [f"{l.name} W{l.winograd_tile}" for l in with_it.layers if getattr(l, "winograd_tile", 0)]
+    if against == "measured":          # and where the timings chose otherwise
+        tiles += [f"(timed: {l.name} W{l.winograd_tile} t{l._lowering()})" for l, mine in zip(other.layers, with_it.layers)
+                  if l.type == "Convolution" and (l.winograd_tile, l._lowering()) != (mine.winograd_tile, mine._lowering())]
     return medians, agree, tiles
 
 
@@ -146,8 +168,9 @@ def main():
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--per-layer", action="store_true", help="time the Winograd layers in one net, both ways")
-    parser.add_argument("--against", choices=("lowered", "serial"), default="lowered",
-                        help="the second net: every convolution lowered, or the serial-transform model's picks")
+    parser.add_argument("--against", choices=("lowered", "serial", "measured"), default="lowered",
+                        help="the second net: every convolution lowered, the serial-transform model's picks, "
+                             "or every choice timed")
     args = parser.parse_args()
     p = common.print_flush
     p(common.machine_line())
@@ -165,7 +188,8 @@ def main():
                           f"{total_off:.2f} ms, {total_on / total_off:.3f}")
                     continue
                 medians, agree, tiles = compare(name, batch, args.rounds, folder, args.against)
-                first, second = ("picks", "serial model's") if args.against == "serial" else ("with Winograd", "without")
+                first, second = {"serial": ("picks", "serial model's"), "measured": ("model's picks", "timed picks"),
+                                 "lowered": ("with Winograd", "without")}[args.against]
                 p(f"{name} batch {batch}: {first} {medians['with']:.1f} ms, {second} {medians['without']:.1f} ms, "
                   f"ratio {medians['with'] / medians['without']:.3f}; outputs agree to {agree:.1e} of "
                   f"the largest; {len(tiles)} on Winograd: {', '.join(tiles) or '-'}")

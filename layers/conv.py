@@ -223,12 +223,13 @@ class _ConvolutionBase(Layer):
 
     def _choose_winograd(self, key, kind):
         """Set _winograd_m for the chooser's key (and the partitions' BLAS
-        threads): the forced tile size, or for "auto" the measured choice
-        (chooser.choose_forward), where the net never runs this layer's
+        threads and spread): the forced tile size, or for "auto" the
+        chooser's (chooser.choose_forward: its model's, or with the measure
+        setting the timed one), where the net never runs this layer's
         backward and Winograd can run the shape; a forced lowering type keeps
         "auto" off, as the lowering was asked for."""
         setting = self._winograd_setting
-        key = key + (setting, self._forced_type, kind)
+        key = key + (setting, self._forced_type, kind, self.measure_lowering)
         if key == self._winograd_key:
             return
         self._winograd_key = key
@@ -242,7 +243,7 @@ class _ConvolutionBase(Layer):
             self._winograd_m = 0
         else:
             self._winograd_m = chooser.choose_forward(geom, batch, kind, dtype, threads=self._partition_threads,
-                                                      spread=spread)
+                                                      measure=self.measure_lowering, spread=spread)
 
     @property
     def winograd_tile(self):

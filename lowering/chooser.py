@@ -42,13 +42,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar, cast
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from cct.core import settings
 from cct.core.workspace import Arena
+from cct.devices import pool
 from cct.devices.blas import blas, blas_limited
 from cct.formats.prototxt import atomic_write
 
@@ -596,12 +597,14 @@ FORWARD_REPEATS = (3, 9)
 
 
 def measure_forward(geom: ConvGeometry, batch: int, lowering_type: int, dtype: npt.DTypeLike = np.float32,
-                    repeats: Optional[int] = None, threads: Optional[int] = None) -> Dict[int, float]:
+                    repeats: Optional[int] = None, threads: Optional[int] = None, spread: int = 1) -> Dict[int, float]:
     """{0: the lowering's forward, m: Winograd F(m x m, r x r)'s for the tile
     sizes winograd.timing_tiles takes} in seconds on random data, the best of
     `repeats` interleaved runs (None: as many as
     FORWARD_TIMING_SECONDS allows, within FORWARD_REPEATS), at `threads` BLAS
-    threads when given; Winograd's include checking
+    threads when given, on the one pool's `spread` threads where more than
+    one (as the step of a layer run whole on several has them: its parallel
+    kernels and side-by-side products); Winograd's include checking
     its transformed weights (cct.lowering.winograd.TransformedWeights), as
     every forward of a layer does."""
     from . import conv_forward, winograd
@@ -624,7 +627,7 @@ def measure_forward(geom: ConvGeometry, batch: int, lowering_type: int, dtype: n
             conv_forward(x, w, geom, lowering_type, out=y, ws=arena, chunk=chunk, bias=bias)
 
     limited = blas_limited(threads) if threads else contextlib.nullcontext()
-    with limited:
+    with limited, _pool_lent(spread):
         if repeats is None:
             start = time.perf_counter()
             run(0)
@@ -632,6 +635,19 @@ def measure_forward(geom: ConvGeometry, batch: int, lowering_type: int, dtype: n
             low, high = FORWARD_REPEATS
             repeats = int(min(high, max(low, FORWARD_TIMING_SECONDS // once)))
         return _interleaved_best((0,) + tiles, run, repeats)
+
+
+@contextlib.contextmanager
+def _pool_lent(threads: int) -> Iterator[None]:
+    """The one pool lent to this thread meanwhile (cct.devices.pool) where
+    `threads` is more than one and the pool can hold them, started now if
+    numba's warm-up has not yet (a timing is worth its wait); else nothing."""
+    lent = threads > 1 and pool.start() and pool.acquire(threads)
+    try:
+        yield
+    finally:
+        if lent:
+            pool.release()
 
 
 # Winograd's transforms cost this many times a strided copy of the values
@@ -706,7 +722,9 @@ def choose_forward(geom, batch, lowering_type, dtype=np.float32, threads=None, m
     # reused), each shape tiles or channels innermost (nor are earlier timings)
     key = (shape_key(geom, batch, dtype.itemsize, forward_only=True)
            + f"|winograd5|t{lowering_type}|threads={threads or _blas_threads()}")
-    decided = key + f"|spread={spread}"
+    if spread > 1:                   # timed on the pool: another timing than one thread's
+        key += f"|spread={spread}"
+    decided = key + "|model"
     with _lock:
         path = cache_path()
         stored = _load_cache(path)["choices"].get(key)
@@ -721,7 +739,7 @@ def choose_forward(geom, batch, lowering_type, dtype=np.float32, threads=None, m
                                                             known_machine() or NOMINAL_MACHINE, dtype.itemsize, spread)
             return _decided[decided]
     seconds = measure_forward(geom, forward_measured_batch(geom, batch, dtype.itemsize), lowering_type, dtype,
-                              threads=threads)
+                              threads=threads, spread=spread)
     choice = _winograd_pick(seconds)
     with _lock:
         contents = _load_cache(path)

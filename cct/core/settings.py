@@ -254,7 +254,8 @@ KNOBS = (
     Knob("lowering", _LOWERING, "auto", "a convolution's lowering type; auto: the chooser's "
          "(cct.lowering.chooser)", LAYER, "CCT_LOWERING"),
     Knob("measure", Switch(), False, "auto lowering times each type on the layer's shape instead of "
-         "trusting the cost model (cached per shape)", LAYER),
+         "trusting the cost model, and auto Winograd its tile sizes against the lowering (cached per shape)",
+         LAYER),
     Knob("lowering_budget_mb", Positive(), 64, "largest lowering workspace matrix, MB; larger batches are "
          "lowered in chunks (cct.lowering.chunking); unset, a GPU's lowering takes 1/16 of its memory "
          "(cct.lowering.device)", LAYER, "CCT_LOWERING_BUDGET_MB"),

@@ -195,7 +195,7 @@ def test_transformed_weights_fill_the_arrays_reserved_ahead(channels, outputs):
 # --- the chooser ------------------------------------------------------------------------------------
 def test_timed_choice_is_cached_per_shape(cache_dir, monkeypatch):
     geom = ConvGeometry(8, 8, 28, 28, 3, 3, pad_h=1, pad_w=1)
-    monkeypatch.setattr(chooser, "measure_forward", lambda geom, batch, kind, dtype, threads: {0: 2.0, 2: 1.0, 4: 1.5})
+    monkeypatch.setattr(chooser, "measure_forward", lambda geom, batch, kind, dtype, threads, spread: {0: 2.0, 2: 1.0, 4: 1.5})
     assert chooser.choose_forward(geom, 1, 1, measure=True) == 2
     chooser.clear_memory_cache()
     monkeypatch.setattr(chooser, "measure_forward", lambda *args: pytest.fail("timed twice"))
@@ -207,9 +207,9 @@ def test_timed_choice_is_cached_per_shape(cache_dir, monkeypatch):
 def test_winograd_is_kept_only_where_clearly_faster(cache_dir, monkeypatch):
     geom = ConvGeometry(8, 8, 28, 28, 3, 3, pad_h=1, pad_w=1)
     near = 1.0 * chooser.CLEARLY_FASTER + 0.01
-    monkeypatch.setattr(chooser, "measure_forward", lambda geom, batch, kind, dtype, threads: {0: 1.0, 2: near, 4: 2.0})
+    monkeypatch.setattr(chooser, "measure_forward", lambda geom, batch, kind, dtype, threads, spread: {0: 1.0, 2: near, 4: 2.0})
     assert chooser.choose_forward(geom, 1, 1, measure=True) == 0
-    monkeypatch.setattr(chooser, "measure_forward", lambda geom, batch, kind, dtype, threads: {0: 1.0, 2: 0.9, 4: 0.8})
+    monkeypatch.setattr(chooser, "measure_forward", lambda geom, batch, kind, dtype, threads, spread: {0: 1.0, 2: 0.9, 4: 0.8})
     assert chooser.choose_forward(geom, 2, 1, measure=True) == 4
 
 
@@ -289,7 +289,7 @@ def test_auto_times_only_tile_sizes_with_enough_columns(cache_dir, monkeypatch):
     assert sorted(seconds) == [0, 2]
     # a timing cached before the rule keeps to it
     key_geom = ConvGeometry(8, 8, 14, 14, 3, 3, pad_h=1, pad_w=1)
-    monkeypatch.setattr(chooser, "measure_forward", lambda geom, batch, kind, dtype, threads: {0: 1.0, 2: 0.99, 4: 0.5})
+    monkeypatch.setattr(chooser, "measure_forward", lambda geom, batch, kind, dtype, threads, spread: {0: 1.0, 2: 0.99, 4: 0.5})
     assert chooser.choose_forward(key_geom, 1, 1, measure=True) == 4       # measured now: the stub's seconds
     chooser.clear_memory_cache()
     monkeypatch.setattr(chooser, "measure_forward", lambda *args: pytest.fail("timed twice"))
@@ -369,7 +369,7 @@ def test_a_forced_tile_size_applies_where_the_kernel_has_it(tmp_path):
 
 def test_auto_times_only_forward_only_shapes_worth_it(tmp_path, monkeypatch):
     asked = []
-    monkeypatch.setattr(chooser, "choose_forward", lambda geom, batch, kind, dtype, threads, spread: asked.append(
+    monkeypatch.setattr(chooser, "choose_forward", lambda geom, batch, kind, dtype, threads, measure, spread: asked.append(
         (batch, threads, spread)) or 4)
     monkeypatch.setattr(winograd, "AUTO_MIN_FLOPS", 1)
     contents = RNG.standard_normal((2, 4, 12, 12)).astype(np.float32)
@@ -383,6 +383,47 @@ def test_auto_times_only_forward_only_shapes_worth_it(tmp_path, monkeypatch):
     monkeypatch.setattr(winograd, "AUTO_MIN_FLOPS", 10 ** 9)
     asked.clear()
     assert _deploy(tmp_path, contents).layer_dict["conv"].winograd_tile == 0 and not asked
+
+
+def test_the_measure_setting_times_winograd_on_the_layers_threads(tmp_path, cache_dir, monkeypatch):
+    """With the run configuration's "measure", "auto" Winograd is timed
+    (chooser.choose_forward with measure=True) at the layer's BLAS threads
+    and spread; a timing at a spread of several threads runs on the pool
+    lent to it and is cached apart from one thread's."""
+    asked = []
+
+    def timed(geom, batch, kind, dtype, threads, spread):
+        asked.append((threads, spread))
+        return {0: 2.0, 2: 1.0, 4: 1.5}
+    monkeypatch.setattr(chooser, "measure_forward", timed)
+    monkeypatch.setattr(winograd, "AUTO_MIN_FLOPS", 1)
+    (tmp_path / "run.json").write_text(json.dumps({"default": {"measure": True}}))
+    settings.load(str(tmp_path / "run.json"))
+    try:
+        net = _deploy(tmp_path, RNG.standard_normal((2, 4, 12, 12)).astype(np.float32))
+    finally:
+        settings.load(None)
+    layer = net.layer_dict["conv"]
+    assert layer.winograd_tile == 2 and asked           # the stub's fastest, not the model's
+    partitions = net.executor.partitions(net.layers.index(layer))
+    spread = net.executor.spread(partitions)
+    assert asked[-1] == (net.executor.blas_count(partitions), spread.count if spread else 1)
+    geom = ConvGeometry(8, 8, 28, 28, 3, 3, pad_h=1, pad_w=1)
+    asked.clear()
+    assert chooser.choose_forward(geom, 1, 1, threads=2, measure=True, spread=2) == 2
+    assert chooser.choose_forward(geom, 1, 1, threads=2, measure=True, spread=1) == 2
+    assert asked == [(2, 2), (2, 1)]                     # two timings: the pool's and one thread's
+    keys = json.loads((cache_dir / "lowering.json").read_text())["choices"]
+    assert sum("spread=2" in key for key in keys) == 1
+
+
+def test_measure_forward_lends_the_pool_for_a_spread(monkeypatch):
+    lent = []
+    monkeypatch.setattr(chooser.pool, "acquire", lambda threads: lent.append(threads) or False)
+    geom = ConvGeometry(8, 8, 14, 14, 3, 3, pad_h=1, pad_w=1)
+    chooser.measure_forward(geom, 1, 1, repeats=1, spread=2)
+    chooser.measure_forward(geom, 1, 1, repeats=1)
+    assert lent == [2]
 
 
 def test_a_forced_lowering_or_a_backward_keeps_auto_off(tmp_path, monkeypatch):
