@@ -365,6 +365,26 @@ def _in_place_pass(values: FloatArray, shift: FloatArray, scale: FloatArray, bia
 
 
 @parallel_kernel
+def _mapped_pass(source: FloatArray, shift: FloatArray, scale: FloatArray, bias: FloatArray, affine: bool,
+                 slope1: float, relu1: bool, slope2: float, relu2: bool, out: FloatArray) -> None:
+    """_fused_pass's steps, in the same order, for a pass that reads one blob
+    and writes another, neither summing nor keeping a value (a BatchNorm +
+    Scale + ReLU out of place: the pre-activation blocks of res10 and of
+    ResNet-v2, which read a sum that the skip keeps): with source and out
+    apart the loop vectorises behind its overlap check, with no scratch
+    buffer, plane by plane on the pool (BENCHMARKS.md, "Behind cct/runtime/fusion.py").
+    _in_place_pass's loop, which stays its own: given one array twice, this
+    one's overlap check would send it element by element."""
+    batch, channels, inner = source.shape
+    for plane in prange(batch * channels):
+        n, c = plane // channels, plane % channels
+        p, q, r = shift[c], scale[c], bias[c]
+        for s in range(inner):
+            v = _mapped(source[n, c, s], p, q, r, affine, slope1, relu1)
+            out[n, c, s] = relu_value(v, slope2) if relu2 else v
+
+
+@parallel_kernel
 def _kept_sum_pass(values: FloatArray, shift: FloatArray, scale: FloatArray, bias: FloatArray, affine: bool,
                    slope1: float, relu1: bool, other: FloatArray, self_coeff: float, other_coeff: float,
                    slope2: float, relu2: bool, out: FloatArray) -> None:
@@ -434,6 +454,14 @@ def _in_place_pass_twin(values: FloatArray, shift: FloatArray, scale: FloatArray
         relu_values(values, slope2)
 
 
+@_mapped_pass.twin
+def _mapped_pass_twin(source: FloatArray, shift: FloatArray, scale: FloatArray, bias: FloatArray, affine: bool,
+                      slope1: float, relu1: bool, slope2: float, relu2: bool, out: FloatArray) -> None:
+    _mapped_values(source, shift, scale, bias, affine, slope1, relu1, out=out)
+    if relu2:
+        relu_values(out, slope2)
+
+
 @_kept_sum_pass.twin
 def _kept_sum_pass_twin(values: FloatArray, shift: FloatArray, scale: FloatArray, bias: FloatArray, affine: bool,
                         slope1: float, relu1: bool, other: FloatArray, self_coeff: float, other_coeff: float,
@@ -452,6 +480,9 @@ def _execute(prepared: Prepared, threads: int) -> None:
         s, shift, scale, bias, value, other, o = part
         if flags[9]:                      # in place, nothing summed or kept
             _in_place_pass(o, shift, scale, bias, flags[0], flags[1], flags[2], flags[7], flags[8])
+            return
+        if not (flags[3] or flags[6]):    # out of place, nothing summed or kept
+            _mapped_pass(s, shift, scale, bias, flags[0], flags[1], flags[2], flags[7], flags[8], o)
             return
         if flags[10]:                     # the kept value is the source, then a sum into another blob
             _kept_sum_pass(s, shift, scale, bias, flags[0], flags[1], flags[2], other, flags[4], flags[5], flags[7],

@@ -318,10 +318,11 @@ def _parallel_cases(rng):
         (fusion._in_place_pass, (values, *maps, True, F32(0), True, F32(0.1), True)),
         (fusion._kept_sum_pass, (values, *maps, True, F32(0), False, other, F32(1), F32(-0.5), F32(0), True,
                                  summed)),
+        (fusion._mapped_pass, (values, *maps, True, F32(0.1), True, F32(0), False, summed)),
     ]
 
 
-@pytest.mark.parametrize("case", range(13))
+@pytest.mark.parametrize("case", range(14))
 def test_parallel_kernels_same_bits(two_threads, case):
     serial_args = _parallel_cases(np.random.default_rng(5))[case]
     kernel, arguments = serial_args

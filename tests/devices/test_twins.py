@@ -231,6 +231,15 @@ def test_in_place_pass(shape, affine, relu1, slope1, relu2, slope2):
 
 
 @pytest.mark.parametrize("shape", PASS_SHAPES)
+@pytest.mark.parametrize("affine,relu1,slope1,relu2,slope2", [(True, True, 0.0, False, 0.0),
+                                                              (False, False, 0.0, True, 0.3),
+                                                              (True, True, 0.1, True, 0.0)])
+def test_mapped_pass(shape, affine, relu1, slope1, relu2, slope2):
+    check(fusion._mapped_pass, lambda rng: (values(rng, shape), *_maps(rng, shape[1]), affine, F32(slope1), relu1,
+                                            F32(slope2), relu2, values(rng, shape)))
+
+
+@pytest.mark.parametrize("shape", PASS_SHAPES)
 @pytest.mark.parametrize("affine,relu1,slope1,relu2,slope2", [(True, False, 0.0, True, 0.0),
                                                               (False, True, 0.2, False, 0.0)])
 @pytest.mark.parametrize("coeffs", [(1.0, 1.0), (0.5, -2.0)])
@@ -280,5 +289,5 @@ def test_every_twin_is_tested():
               normalization._lrn_forward_075, geometry._bias_relu, type1._lower_one_image, type1._to_batch_first,
               winograd._input_a4, winograd._input_a6, winograd._input_channels, winograd._input_channels_a4,
               winograd._output_tiles, winograd._output_channels, fusion._fused_pass, fusion._in_place_pass,
-              fusion._kept_sum_pass, fusion._same_bits}
+              fusion._kept_sum_pass, fusion._mapped_pass, fusion._same_bits}
     assert set(jit.twinned()) == {wrapper(kernel) for kernel in tested}

@@ -750,6 +750,28 @@ def test_the_in_place_pass_is_the_reference_bit_for_bit(affine, relu1, relu2, sl
 
 
 @pytest.mark.parametrize("slope", [0.0, 0.2])
+@pytest.mark.parametrize("affine, relu1, relu2", [(True, True, False), (True, False, False), (False, True, False),
+                                                  (True, True, True)])
+def test_the_mapped_pass_is_the_reference_bit_for_bit(affine, relu1, relu2, slope):
+    """The kernel a pass that reads one blob and writes another, neither
+    summing nor keeping a value, runs (_mapped_pass, a BatchNorm + Scale +
+    ReLU out of place): the numpy steps' bits, its source untouched."""
+    source = RNG.normal(size=(2, 3, 37)).astype(np.float32)
+    source[:, :, :4] = [np.nan, -0.0, np.inf, -np.inf]
+    kept = source.copy()
+    shift, gain, bias = (RNG.normal(size=3).astype(np.float32) for _ in range(3))
+    f = np.float32
+    expected, unused = np.empty_like(source), np.zeros((0, 0, 0), np.float32)
+    fusion.reference_pass(source, shift, gain, bias, affine, f(slope), relu1, unused, False, unused, f(1), f(1),
+                          False, f(slope), relu2, expected)
+    got = np.empty_like(source)
+    fusion._mapped_pass(source, shift, gain, bias, affine, f(slope), relu1, f(slope), relu2, got)
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)) or (
+        np.array_equal(got, expected, equal_nan=True) and np.array_equal(np.signbit(got), np.signbit(expected)))
+    assert np.array_equal(source.view(np.uint32), kept.view(np.uint32))
+
+
+@pytest.mark.parametrize("slope", [0.0, 0.2])
 @pytest.mark.parametrize("affine, relu1, relu2", [(True, False, True), (True, True, True), (False, False, False)])
 def test_the_kept_sum_pass_is_the_reference_bit_for_bit(affine, relu1, relu2, slope):
     """The kernel a pass runs whose kept value is its source and which sums
