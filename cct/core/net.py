@@ -530,8 +530,9 @@ class Net:
                 except BaseException as error:          # raised on the caller's thread below
                     with lock:
                         failed.append(error)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         helpers = [threading.Thread(target=derive, name="cct-params-loaded", daemon=True)
-                   for _ in range(min(LOAD_THREADS, len(os.sched_getaffinity(0))) - 1)]
+                   for _ in range(min(LOAD_THREADS, cores) - 1)]
         for helper in helpers:
             helper.start()
         derive()
