@@ -321,9 +321,11 @@ def clear_memory_cache() -> None:
 
 
 # --- the cost model ----------------------------------------------------------------------------
-def _cost_parts(geom: ConvGeometry, b: int, lowering_type: int, mc: Machine, s: int) -> Dict[Tuple[str, str], float]:
+def _cost_parts(geom: ConvGeometry, b: int, lowering_type: int, mc: Machine, s: int,
+                forward_only: bool = False) -> Dict[Tuple[str, str], float]:
     """{(pass, part): seconds} for one chunk of b images of itemsize s, step by
-    step as cct.lowering.type1/2/3 run them."""
+    step as cct.lowering.type1/2/3 run them; the forward's parts alone where
+    `forward_only` (a deploy net's choice prices nothing else)."""
     g = geom
     grp, cg, og = g.group, g.channels_per_group, g.outputs_per_group
     kh, kw = g.kernel_h, g.kernel_w
@@ -352,6 +354,8 @@ def _cost_parts(geom: ConvGeometry, b: int, lowering_type: int, mc: Machine, s: 
         parts["forward", "lower"] = lower
         parts["forward", "gemm"] = mc.gemm_seconds(og, m1, cg * k2, s, grp)
         parts["forward", "lift"] = transpose
+        if forward_only:
+            return parts
         parts["backward", "unlift"] = transpose
         parts["backward", "lower"] = lower
         parts["backward", "gemm"] = mc.gemm_seconds(og, cg * k2, m1, s, grp) + mc.gemm_seconds(cg * k2, m1, og, s, grp)
@@ -366,6 +370,10 @@ def _cost_parts(geom: ConvGeometry, b: int, lowering_type: int, mc: Machine, s: 
         parts["forward", "lower"] = lower
         parts["forward", "gemm"] = mc.gemm_seconds(og * kh, m2, cg * kw, s, grp)
         parts["forward", "lift"] = mc.gather(o * m1, g.out_w, s) + (kh - 1) * mc.add(o * m1, g.out_w, s) + transpose
+        if forward_only:
+            if kh > 1:
+                parts["forward", "kernel"] = mc.gather(weights, kw, s)
+            return parts
         parts["backward", "unlift"] = transpose + mc.fill(o * kh * m2, s) + kh * mc.scatter(o * m1, g.out_w, s)
         parts["backward", "lower"] = lower
         parts["backward", "gemm"] = (mc.gemm_seconds(og * kh, cg * kw, m2, s, grp)
@@ -380,6 +388,10 @@ def _cost_parts(geom: ConvGeometry, b: int, lowering_type: int, mc: Machine, s: 
         parts["forward", "lower"] = pad
         parts["forward", "gemm"] = mc.gemm_seconds(og * k2, frame, cg, s, grp)
         parts["forward", "lift"] = mc.gather(o * m1, g.out_w, s) + (k2 - 1) * mc.add(o * m1, g.out_w, s) + transpose
+        if forward_only:
+            if k2 > 1:
+                parts["forward", "kernel"] = mc.gather(weights, 1, s)
+            return parts
         parts["backward", "unlift"] = transpose + mc.fill(o * k2 * frame, s) + k2 * mc.scatter(o * m1, g.out_w, s)
         parts["backward", "lower"] = pad
         parts["backward", "gemm"] = (mc.gemm_seconds(og * k2, cg, frame, s, grp)
@@ -393,13 +405,14 @@ def _cost_parts(geom: ConvGeometry, b: int, lowering_type: int, mc: Machine, s: 
 
 
 def estimate_parts(geom: ConvGeometry, batch: int, lowering_type: int, machine: Machine, itemsize: int = 4,
-                   budget: Optional[int] = None) -> Dict[Tuple[str, str], float]:
+                   budget: Optional[int] = None, forward_only: bool = False) -> Dict[Tuple[str, str], float]:
     """The model's seconds per (pass, part) for the whole batch, processed in
-    chunks when `budget` (bytes) is given, as the layers run it."""
+    chunks when `budget` (bytes) is given, as the layers run it; the
+    forward's parts alone where `forward_only`."""
     chunk = batch if budget is None else chunk_size(geom, lowering_type, batch, itemsize, budget)
     total: Dict[Tuple[str, str], float] = {}
     for start, stop in chunks(batch, chunk):
-        for key, seconds in _cost_parts(geom, stop - start, lowering_type, machine, itemsize).items():
+        for key, seconds in _cost_parts(geom, stop - start, lowering_type, machine, itemsize, forward_only).items():
             total[key] = total.get(key, 0.0) + seconds
     return total
 
@@ -408,8 +421,8 @@ def estimate(geom: ConvGeometry, batch: int, lowering_type: int, machine: Machin
              budget: Optional[int] = None, forward_only: bool = False) -> float:
     """Modelled seconds of forward + backward (data and weight gradients), or
     of the forward alone."""
-    parts = estimate_parts(geom, batch, lowering_type, machine, itemsize, budget)
-    return sum(seconds for (step, _), seconds in parts.items() if step == "forward" or not forward_only)
+    parts = estimate_parts(geom, batch, lowering_type, machine, itemsize, budget, forward_only)
+    return sum(parts.values())
 
 
 # --- choosing ------------------------------------------------------------------------------------
@@ -518,6 +531,9 @@ def nominal_machines(machine=NOMINAL_MACHINE, spread=MACHINE_SPREAD):
     return machines
 
 
+_NOMINAL_MACHINES = nominal_machines()
+
+
 def choose_uncalibrated(geom, batch, itemsize=4, budget=None, forward_only=False):
     """The type the model picks on NOMINAL_MACHINE where, on every nominal
     machine, it costs at most CLOSE_ENOUGH times that machine's own pick;
@@ -527,7 +543,7 @@ def choose_uncalibrated(geom, batch, itemsize=4, budget=None, forward_only=False
         if key in _robust:
             return _robust[key]
     choice = None
-    for machine in nominal_machines():
+    for machine in _NOMINAL_MACHINES:
         costs = {t: estimate(geom, batch, t, machine, itemsize, budget, forward_only) for t in TYPES}
         if choice is None:                   # the first is NOMINAL_MACHINE itself
             choice = min(TYPES, key=lambda t: (costs[t], t))

@@ -11,6 +11,7 @@ lowering_budget_mb) is processed in chunks of whole images, one after
 another (`chunk_size`), so the arena never holds more than the budget: CaffeNet
 conv1 at batch 256 under type 1 would need 1.1 GB for its lowered matrix alone.
 """
+import functools
 from typing import Dict, List, Tuple
 
 from .geometry import ConvGeometry
@@ -53,9 +54,11 @@ def image_bytes(geom: ConvGeometry, lowering_type: int, itemsize: int) -> int:
     return sum(slot_bytes(geom, lowering_type, 1, itemsize).values())
 
 
+@functools.lru_cache(maxsize=4096)
 def chunk_size(geom: ConvGeometry, lowering_type: int, batch: int, itemsize: int, budget: int) -> int:
     """Images per chunk so that the chunk's whole workspace fits `budget` bytes
-    (at least one image, at most the batch)."""
+    (at least one image, at most the batch). Remembered: the chooser asks it
+    for every type on every nominal machine it prices a shape on."""
     per_image = image_bytes(geom, lowering_type, itemsize)
     if not per_image:                  # no input channels: nothing is lowered
         return int(max(1, batch))
