@@ -740,7 +740,6 @@ def choose_forward(geom, batch, lowering_type, dtype=np.float32, threads=None, m
            + f"|winograd5|t{lowering_type}|threads={threads or _blas_threads()}")
     if spread > 1:                   # timed on the pool: another timing than one thread's
         key += f"|spread={spread}"
-    decided = key + "|model"
     with _lock:
         path = cache_path()
         stored = _load_cache(path)["choices"].get(key)
@@ -750,10 +749,10 @@ def choose_forward(geom, batch, lowering_type, dtype=np.float32, threads=None, m
         return _winograd_pick({int(m): s for m, s in stored["seconds"].items() if int(m) in allowed})
     if not measure:
         with _lock:
-            if decided not in _decided:
-                _decided[decided] = choose_forward_by_model(geom, batch, lowering_type,
-                                                            known_machine() or NOMINAL_MACHINE, dtype.itemsize, spread)
-            return _decided[decided]
+            if key not in _decided:
+                _decided[key] = choose_forward_by_model(geom, batch, lowering_type,
+                                                        known_machine() or NOMINAL_MACHINE, dtype.itemsize, spread)
+            return _decided[key]
     seconds = measure_forward(geom, forward_measured_batch(geom, batch, dtype.itemsize), lowering_type, dtype,
                               threads=threads, spread=spread)
     choice = _winograd_pick(seconds)

@@ -513,8 +513,8 @@ class Net:
 
     def _loaded(self, path: str, skipped: List[str]) -> None:
         # each layer's derived values (Winograd's transformed weights: numpy's GEMMs
-        # and copies, which let go of the GIL) on up to LOAD_THREADS threads, the
-        # build done (BENCHMARKS.md, "Winograd's transforms on the pool, in the model")
+        # and copies, which let go of the GIL) on the threads the net runs on, at most
+        # LOAD_THREADS, the build done (BENCHMARKS.md, "Winograd's transforms on the pool, in the model")
         pending = list(reversed(self.layers))
         failed: List[BaseException] = []
         lock = threading.Lock()
@@ -530,9 +530,8 @@ class Net:
                 except BaseException as error:          # raised on the caller's thread below
                     with lock:
                         failed.append(error)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         helpers = [threading.Thread(target=derive, name="cct-params-loaded", daemon=True)
-                   for _ in range(min(LOAD_THREADS, cores) - 1)]
+                   for _ in range(min(LOAD_THREADS, self.executor.threads) - 1)]
         for helper in helpers:
             helper.start()
         derive()

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional
 from cct.core import settings as table
 from cct.core.errors import ConfigError
 from cct.core.layer import TEST
+from cct.runtime.cores import affinity_cores
 from cct.core.settings import RunConfig, override  # noqa: F401  (the runtime's names for them)
 
 # The variables, by knob (tests and messages name them), as the table declares them.
@@ -193,8 +194,7 @@ def threads():
         return given
     local_ranks = max([_local_ranks(name) for name in LOCAL_RANKS_ENVS])
     if local_ranks > 1:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        return max(1, (cores or 1) // local_ranks)
+        return max(1, affinity_cores() // local_ranks)
     return None
 
 
